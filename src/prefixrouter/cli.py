@@ -1,0 +1,309 @@
+"""The ``prefixrouter`` command line.
+
+Commands:
+
+* ``simulate``: a scenario (or a trace) through every policy on a simulated
+  fleet; prints a table, optionally writes JSON and a PNG;
+* ``policies``: the registered routing policies and their parameters;
+* ``profiles``: the simulated engine profiles.
+
+Errors the user can fix (unknown names, malformed traces, bad numbers) print
+one line on stderr and exit with status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from prefixrouter import __version__
+from prefixrouter.errors import PrefixRouterError
+
+app = typer.Typer(
+    name="prefixrouter",
+    help="Prefix-aware router for LLM inference clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one error line and return the exit to raise (status 2)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code=2)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"prefixrouter {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """Prefix-aware router for LLM inference clusters."""
+
+
+def _policy_list(spec: str) -> list[str]:
+    from prefixrouter.core.policy import policy_names
+
+    if spec == "all":
+        return policy_names()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise fail("--policies: give 'all' or a comma-separated list of policy names")
+    return names
+
+
+def _results_table(report: dict[str, Any]) -> Table:
+    bound = report["lower_bound_prefill_tokens"]
+    title = f"{report['scenario']} · {report['workers']} workers · " + (
+        f"load {report['load']:.2f} ({report['rate_rps']:.2f} req/s)"
+        if report.get("load") is not None
+        else f"{report['rate_rps']:.2f} req/s"
+        if report.get("rate_rps")
+        else "trace arrival times"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in (
+        "policy",
+        "TTFT mean",
+        "p50",
+        "p90",
+        "p99",
+        "e2e p99",
+        "req/s",
+        "cached",
+        "prefill ×bound",
+        "evictions",
+        "imbalance",
+        "warm left",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in report["results"]:
+        t = r["ttft_ms"]
+        share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
+        ratio = r["prefill_tokens"] / bound if bound else float("nan")
+        style = "bold" if r["policy"] == "prefixrouter" else None
+        table.add_row(
+            r["policy"],
+            _ms(t["mean"]),
+            _ms(t["p50"]),
+            _ms(t["p90"]),
+            _ms(t["p99"]),
+            _ms(r["e2e_ms"]["p99"]),
+            f"{r['throughput_rps']:.2f}",
+            f"{share:.1%}",
+            f"{ratio:.2f}",
+            str(r["evictions"]),
+            f"{r['load_imbalance']:.2f}",
+            str(r["warm_abandoned"]),
+            style=style,
+        )
+    return table
+
+
+def _ms(value: float) -> str:
+    return f"{value / 1e3:.2f} s" if value >= 10_000 else f"{value:.0f} ms"
+
+
+@app.command()
+def simulate(
+    scenario: Annotated[str, typer.Option(help="Scenario name (see --list).")] = "doc-qa",
+    trace: Annotated[
+        Path | None, typer.Option(help="Replay this trace file instead of a scenario.")
+    ] = None,
+    trace_format: Annotated[str, typer.Option(help="Trace format: mooncake.")] = "mooncake",
+    workers: Annotated[int | None, typer.Option(min=1, help="Replicas (scenario default).")] = None,
+    profile: Annotated[str, typer.Option(help="Engine profile (see `profiles`).")] = (
+        "llama3-8b-h100"
+    ),
+    kv_blocks: Annotated[
+        int | None, typer.Option(min=1, help="KV blocks per replica (scenario default).")
+    ] = None,
+    load: Annotated[
+        float | None, typer.Option(min=0.01, help="Arrival rate as a fraction of capacity.")
+    ] = None,
+    rate: Annotated[
+        float | None, typer.Option(min=1e-6, help="Arrival rate in requests/s (overrides --load).")
+    ] = None,
+    requests: Annotated[int | None, typer.Option(min=1, help="Requests to generate.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Keep only the first N requests.")] = (
+        None
+    ),
+    rate_scale: Annotated[
+        float, typer.Option(min=1e-6, help="Trace replay speed-up (2 = twice as fast).")
+    ] = 1.0,
+    arrival: Annotated[
+        str, typer.Option(help="Arrival process: poisson, gamma or gamma:CV.")
+    ] = "poisson",
+    policies: Annotated[
+        str, typer.Option(help="'all' or a comma-separated list of policies.")
+    ] = "all",
+    kv_events: Annotated[
+        bool, typer.Option("--kv-events", help="Feed engine KV events to the router.")
+    ] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
+    list_: Annotated[
+        bool, typer.Option("--list", help="List the scenarios, one line each, and exit.")
+    ] = False,
+) -> None:
+    """Simulate a workload on a fleet under every routing policy, side by side."""
+    from prefixrouter.sim.report import lower_bound_prefill_tokens
+    from prefixrouter.sim.runner import plan, run_plan
+    from prefixrouter.sim.scenarios import SCENARIOS
+
+    if list_:
+        width = max(len(n) for n in SCENARIOS)
+        for name, spec in SCENARIOS.items():
+            console.print(f"{name:<{width}}  {spec.summary}", highlight=False)
+        return
+    try:
+        workload = _load_workload(
+            scenario, trace, trace_format, requests, seed, arrival, rate_scale
+        )
+        if limit is not None:
+            workload = workload.limited(limit)
+        from prefixrouter.sim.profiles import get_profile
+
+        prof = get_profile(profile)
+        names = _policy_list(policies)
+        p = plan(
+            workload,
+            prof,
+            names,
+            workers=workers,
+            kv_blocks=kv_blocks,
+            load=load,
+            rate=rate,
+            kv_events=kv_events,
+        )
+    except (PrefixRouterError, KeyError, ValueError, OSError) as exc:
+        raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
+
+    with Progress(
+        TextColumn("[bold]{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=False,
+    ) as progress:
+        task: list[Any] = []
+
+        def on_start(name: str, total: int) -> None:
+            task.append(progress.add_task(name, total=total))
+
+        def on_progress(done: int) -> None:
+            if done % 50 == 0 or done == len(p.workload.requests):
+                progress.update(task[-1], completed=done)
+
+        results, runs = run_plan(p, on_start=on_start, on_progress=on_progress)
+
+    report: dict[str, Any] = {
+        "scenario": workload.name,
+        "workers": p.workers,
+        "profile": prof.name,
+        "kv_blocks": p.kv_blocks if p.kv_blocks is not None else prof.kv_blocks,
+        "seed": seed,
+        "load": p.load,
+        "rate_rps": p.rate,
+        "kv_events": kv_events,
+        "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
+        "results": results,
+    }
+    console.print(_results_table(report))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        from prefixrouter.sim.plot import plot_report
+
+        plot_report(report, runs, plot)
+        console.print(f"wrote {plot}")
+
+
+def _load_workload(
+    scenario: str,
+    trace: Path | None,
+    trace_format: str,
+    requests: int | None,
+    seed: int,
+    arrival: str,
+    rate_scale: float,
+) -> Any:
+    if trace is not None:
+        if trace_format != "mooncake":
+            raise ValueError(f"unknown trace format {trace_format!r}; known: mooncake")
+        from prefixrouter.sim.traces import load_mooncake
+
+        return load_mooncake(trace, limit=requests, rate_scale=rate_scale, seed=seed)
+    from prefixrouter.sim.scenarios import get_scenario
+
+    spec = get_scenario(scenario)
+    if scenario == "mooncake-conversation":
+        from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
+
+        return load_mooncake(
+            bundled_mooncake_path(), limit=requests, rate_scale=rate_scale, seed=seed
+        )
+    return spec.build(seed, requests, arrival)
+
+
+@app.command("policies")
+def list_policies() -> None:
+    """List the routing policies and their parameters with defaults."""
+    from prefixrouter.core.policy import POLICIES, policy_names
+
+    table = Table(title="routing policies")
+    table.add_column("policy")
+    table.add_column("parameters (defaults)")
+    for name in policy_names():
+        params = POLICIES[name].Params()
+        fields = ", ".join(
+            f"{f.name}={getattr(params, f.name)!r}" for f in dataclasses.fields(params)
+        )
+        table.add_row(name, fields or "-")
+    console.print(table)
+
+
+@app.command("profiles")
+def list_profiles() -> None:
+    """List the simulated engine profiles."""
+    from prefixrouter.sim.profiles import PROFILES
+
+    table = Table(title="engine profiles")
+    for col in ("profile", "description", "KV blocks", "block", "max seqs", "step budget"):
+        table.add_column(col)
+    for p in PROFILES.values():
+        table.add_row(
+            p.name,
+            p.description,
+            str(p.kv_blocks),
+            str(p.block_size),
+            str(p.max_num_seqs),
+            str(p.max_batched_tokens),
+        )
+    console.print(table)
+
+
+def json_dumps(obj: Any) -> str:
+    """Compact JSON text (orjson), for commands that print JSON."""
+    return orjson.dumps(obj).decode()

@@ -1,0 +1,164 @@
+"""The cost model: predicted time to first token of a request on a worker.
+
+For a request of ``T`` prompt tokens of which worker ``w`` holds the first
+``M`` (with confidence ``c``) and ``O`` expected output tokens::
+
+    predicted_ttft(w) = queue_wait(w) + prefill(w) + decode_impact(w) + memory_risk(w)
+
+* ``queue_wait``: the prefill already queued on ``w`` (tokens the router sent
+  and the engine has not prefilled), plus, when every sequence slot is taken,
+  the time until enough running requests finish to free one.
+* ``prefill``: ``c * P(T - M, context=M) + (1 - c) * P(T, 0)``; ``P`` is the
+  worker's speed profile. The expectation over confidence is what makes a
+  doubtful cache entry worth less than a certain one.
+* ``decode_impact``: chunked prefill shares each engine step with the running
+  decodes, so every prefill step of the queued work and of this request also
+  pays one decode step of the running batch.
+* ``memory_risk``: when the blocks the request needs (uncached prompt plus
+  output) exceed the free KV blocks, it waits for running requests to release
+  memory: the shortfall's share of the used blocks times the time the running
+  batch takes to drain.
+
+Separately, ``decode_s`` is the expected time to generate ``O`` tokens on
+``w`` with its current batch; the router weighs it for long generations only.
+
+Calibration: each worker has a scale factor (start 1) applied to every time
+term. After each request the driver reports the observed TTFT; the factor
+moves toward ``observed / predicted`` by ``calibration_alpha`` (clipped to
+``[1/max_scale, max_scale]``), so a slower GPU or a busier engine than its
+profile says is learned within tens of requests. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prefixrouter.core.types import WorkerId, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """The predicted terms of one candidate, in seconds."""
+
+    queue_wait_s: float
+    prefill_s: float
+    decode_impact_s: float
+    memory_risk_s: float
+    decode_s: float
+    scale: float = 1.0
+
+    @property
+    def ttft_s(self) -> float:
+        """Predicted time to first token."""
+        return self.queue_wait_s + self.prefill_s + self.decode_impact_s + self.memory_risk_s
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """Calibration settings.
+
+    Attributes:
+        calibration_alpha: Weight of the newest observation in the scale factor.
+        max_scale: Bound on the scale factor (and its inverse).
+        min_observed_s: Observations shorter than this are ignored (noise).
+    """
+
+    calibration_alpha: float = 0.05
+    max_scale: float = 4.0
+    min_observed_s: float = 1e-4
+
+
+class CostModel:
+    """Predicts TTFT terms per worker and calibrates them from observations."""
+
+    def __init__(self, params: CostParams | None = None) -> None:
+        self.params = params or CostParams()
+        self._scale: dict[WorkerId, float] = {}
+
+    def scale(self, worker: WorkerId) -> float:
+        """The worker's calibration factor (1 = the profile is right)."""
+        return self._scale.get(worker, 1.0)
+
+    def predict(
+        self,
+        w: WorkerView,
+        prompt_tokens: int,
+        cached_tokens: int,
+        confidence: float,
+        output_tokens: int,
+    ) -> CostTerms:
+        """Predicted terms for a request on worker ``w``.
+
+        Args:
+            w: The worker's snapshot.
+            prompt_tokens: ``T``.
+            cached_tokens: ``M``, the matched prefix in tokens.
+            confidence: ``c`` in [0, 1], how sure we are ``M`` is still cached.
+            output_tokens: ``O``.
+        """
+        prof = w.profile
+        chunk = max(1, prof.chunk_tokens)
+        decode_step = prof.decode_step_time(w.decoding, w.context_tokens)
+        pending = w.pending_prefill_tokens
+
+        queue = prof.prefill_time(pending, 0.0) if pending > 0 else 0.0
+        excess = w.in_flight - w.max_slots + 1
+        if excess > 0:
+            # Slots free up as running requests finish: `running` sequences with
+            # `mean_left` tokens left each, one token per decode step. Before any
+            # of them decodes, this request's own output length stands in.
+            running = min(w.in_flight, w.max_slots)
+            if w.decoding > 0:
+                mean_left = w.decode_tokens_remaining / w.decoding
+            else:
+                mean_left = float(output_tokens)
+            step = prof.decode_step_time(running, w.context_tokens)
+            queue += excess * mean_left * step / running
+
+        new_tokens = prompt_tokens - cached_tokens
+        warm = prof.prefill_time(new_tokens, cached_tokens)
+        if confidence >= 1.0 or cached_tokens <= 0:
+            prefill = warm
+        else:
+            prefill = confidence * warm + (1.0 - confidence) * prof.prefill_time(prompt_tokens, 0.0)
+
+        expected_new = new_tokens + (1.0 - confidence) * cached_tokens
+        steps = math.ceil((pending + expected_new) / chunk) if expected_new > 0 else 1
+        impact = steps * decode_step
+
+        risk = 0.0
+        block = max(1, w.block_size)
+        needed = math.ceil((expected_new + output_tokens) / block)
+        free = w.kv_capacity_blocks - w.kv_used_blocks
+        if needed > free and w.decoding > 0:
+            shortfall = min(1.0, (needed - free) / max(1, w.kv_used_blocks))
+            drain = (w.decode_tokens_remaining / w.decoding) * decode_step
+            risk = shortfall * drain
+
+        own_step = prof.decode_step_time(w.decoding + 1, w.context_tokens + prompt_tokens)
+        decode = output_tokens * own_step
+
+        s = self.scale(w.worker_id)
+        return CostTerms(queue * s, prefill * s, impact * s, risk * s, decode * s, s)
+
+    def observe(self, worker: WorkerId, predicted: CostTerms, observed_ttft_s: float) -> None:
+        """Move the worker's scale toward what one request's TTFT showed.
+
+        Args:
+            worker: The worker that served the request.
+            predicted: The terms predicted at decision time (with the scale then in force).
+            observed_ttft_s: The measured time to first token.
+        """
+        p = self.params
+        if observed_ttft_s < p.min_observed_s or predicted.ttft_s <= 0:
+            return
+        scale = self.scale(worker)
+        unscaled = predicted.ttft_s / predicted.scale
+        ratio = min(p.max_scale, max(1.0 / p.max_scale, observed_ttft_s / unscaled))
+        scale += p.calibration_alpha * (ratio - scale)
+        self._scale[worker] = min(p.max_scale, max(1.0 / p.max_scale, scale))
+
+    def forget(self, worker: WorkerId) -> None:
+        """Drop a removed worker's calibration."""
+        self._scale.pop(worker, None)

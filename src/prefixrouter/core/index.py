@@ -1,0 +1,378 @@
+"""The prefix index: which workers (probably) hold which blocks.
+
+Structure:
+
+* ``_holders``: block hash -> {worker -> entry}. One dict lookup per block
+  answers "who holds block i", which is all that :meth:`PrefixIndex.match` needs.
+* ``_lru``: worker -> ``OrderedDict`` of that worker's entries, least recently
+  used first. It mirrors the engine's KV capacity: inserting past the worker's
+  capacity evicts from the front, so the router forgets what the engine must
+  have evicted too.
+* ``_expiry``: a FIFO of speculative entries with their expiry time. Entries we
+  only *think* are cached (we routed a request there) expire after
+  ``speculative_ttl_s`` unless confirmed or refreshed; the queue makes expiry
+  O(1) amortized per entry.
+* ``_trust``: worker -> confidence in [min_trust, 1]. A miss (the engine reused
+  far fewer tokens than predicted) multiplies it by ``miss_decay`` and drops
+  the entries past the actual match; a hit raises it by ``hit_recovery``.
+
+Invariants (checked by the property tests):
+
+* An entry exists in ``_holders[h][w]`` iff it exists in ``_lru[w][h]``.
+* ``len(_lru[w]) <= capacity(w)`` and the total entry count ``<= max_entries``.
+* :meth:`match` never reports more blocks for a worker than the worker was
+  given (by ``on_routed``, ``on_completed`` or an event).
+
+Eviction order inside a worker: least recently used first and, within one
+chain, the tail first. A chain is touched from its last block to its first, so
+its first block is the most recent: evicting the head would orphan the whole
+chain, as vLLM's free-block queue also avoids.
+
+The index changes only through the explicit calls ``on_routed``,
+``on_completed``, ``apply``, ``set_capacity``, ``remove_worker`` and ``expire``;
+:meth:`match` reads. ``now`` is always passed in; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
+
+_INF = float("inf")
+
+
+@dataclass(slots=True, eq=False)
+class IndexEntry:
+    """One (block, worker) fact.
+
+    Attributes:
+        source: How we learned it (speculative < confirmed < event).
+        last_seen: When it was last routed, confirmed or reported.
+        expires_at: Speculative entries expire; others have ``inf``.
+        confidence: How sure we are the engine still holds it (source-based).
+    """
+
+    source: EntrySource
+    last_seen: float
+    expires_at: float
+    confidence: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMatch:
+    """The longest consecutive prefix of a request that one worker holds.
+
+    Attributes:
+        blocks: Leading blocks held.
+        confidence: Worker trust times the weakest entry confidence on the chain.
+        source: The weakest source on the matched chain.
+    """
+
+    blocks: int
+    confidence: float
+    source: EntrySource
+
+
+@dataclass(frozen=True, slots=True)
+class IndexParams:
+    """Tuning of the index; defaults suit a cluster of GPU replicas.
+
+    Attributes:
+        speculative_ttl_s: Lifetime of an entry we only routed (Dynamo uses 120 s).
+        default_capacity_blocks: Per-worker capacity until the engine reports its own.
+        max_entries: Global cap on (block, worker) entries: bounded router memory.
+        speculative_confidence: Confidence of an unconfirmed entry.
+        miss_tolerance_blocks: A shortfall up to this many blocks is not a miss
+            (engines recompute the last block of a fully cached prompt).
+        miss_decay: Trust multiplier per miss.
+        hit_recovery: Trust added per hit.
+        min_trust: Trust never falls below this, so a worker can regain it.
+    """
+
+    speculative_ttl_s: float = 120.0
+    default_capacity_blocks: int = 100_000
+    max_entries: int = 4_000_000
+    speculative_confidence: float = 0.9
+    miss_tolerance_blocks: int = 1
+    miss_decay: float = 0.5
+    hit_recovery: float = 0.1
+    min_trust: float = 0.05
+
+
+_SOURCE_CONFIDENCE = {EntrySource.CONFIRMED: 1.0, EntrySource.EVENT: 1.0}
+_expires_at = attrgetter("expires_at")
+_source = attrgetter("source")
+
+
+class PrefixIndex:
+    """Block hash -> workers that hold it, with per-worker LRU capacity."""
+
+    def __init__(self, params: IndexParams | None = None) -> None:
+        self.params = params or IndexParams()
+        self._holders: dict[BlockHash, dict[WorkerId, IndexEntry]] = {}
+        self._lru: dict[WorkerId, OrderedDict[BlockHash, IndexEntry]] = {}
+        self._capacity: dict[WorkerId, int] = {}
+        self._trust: dict[WorkerId, float] = {}
+        # (time queued for, worker, block, entry); one item per speculative entry.
+        self._expiry: deque[tuple[float, WorkerId, BlockHash, IndexEntry]] = deque()
+        self._entries = 0
+        self.evicted_entries = 0
+
+    # ----------------------------------------------------------------- reads
+
+    def __len__(self) -> int:
+        """Number of (block, worker) entries."""
+        return self._entries
+
+    def blocks_of(self, worker: WorkerId) -> int:
+        """Entries held for ``worker``."""
+        lru = self._lru.get(worker)
+        return len(lru) if lru is not None else 0
+
+    def capacity(self, worker: WorkerId) -> int:
+        """The worker's capacity in blocks (engine-reported or the default)."""
+        return self._capacity.get(worker, self.params.default_capacity_blocks)
+
+    def trust(self, worker: WorkerId) -> float:
+        """Current confidence in the worker's entries (1 = fully trusted)."""
+        return self._trust.get(worker, 1.0)
+
+    def entry(self, worker: WorkerId, block: BlockHash) -> IndexEntry | None:
+        """The entry for (block, worker), if any; for inspection and tests."""
+        lru = self._lru.get(worker)
+        return lru.get(block) if lru is not None else None
+
+    def match(self, hashes: Sequence[BlockHash], now: float) -> dict[WorkerId, WorkerMatch]:
+        """Per worker, the longest run of leading blocks of ``hashes`` it holds.
+
+        Expired speculative entries count as absent (they are only *removed* by
+        :meth:`expire`). Workers with no leading block are omitted.
+
+        Only the holders of the first block are candidates. Each one's run is
+        measured by looking up windows of blocks that grow 4x (16, 64, 256, ...)
+        with C-level ``map`` calls, so the cost is about twice the matched
+        length in dictionary lookups and not one Python step per block and
+        worker; a 32,768-token prompt matches in about 0.1 ms.
+
+        Args:
+            hashes: The request's chained block hashes, in order.
+            now: Current time, for speculative expiry.
+
+        Returns:
+            worker -> :class:`WorkerMatch`.
+        """
+        if not hashes:
+            return {}
+        first = self._holders.get(hashes[0])
+        if not first:
+            return {}
+        result: dict[WorkerId, WorkerMatch] = {}
+        n = len(hashes)
+        for worker, head in first.items():
+            if head.expires_at <= now:
+                continue
+            get = self._lru[worker].get
+            depth, soonest, weakest = 0, _INF, EntrySource.EVENT
+            window = 16
+            while depth < n:
+                chunk = list(map(get, hashes[depth : depth + window]))
+                held = chunk.index(None) if None in chunk else len(chunk)
+                run: list[IndexEntry] = chunk[:held] if held < len(chunk) else chunk  # type: ignore[assignment]
+                if run:
+                    # One pass: only speculative entries have a finite expiry.
+                    first_expiry = min(map(_expires_at, run))
+                    if first_expiry <= now:
+                        held = next(i for i, e in enumerate(run) if e.expires_at <= now)
+                        run = run[:held]
+                        first_expiry = min(map(_expires_at, run), default=_INF)
+                    if first_expiry < _INF:
+                        soonest = min(soonest, first_expiry)
+                    elif run and weakest is EntrySource.EVENT:
+                        weakest = min(weakest, min(map(_source, run)))
+                depth += held
+                if held < len(chunk):
+                    break
+                window *= 4
+            if depth:
+                if soonest < _INF:
+                    weakest = EntrySource.SPECULATIVE
+                conf = self.params.speculative_confidence if soonest < _INF else 1.0
+                result[worker] = WorkerMatch(depth, conf * self.trust(worker), weakest)
+        return result
+
+    # --------------------------------------------------------------- updates
+
+    def set_capacity(self, worker: WorkerId, blocks: int) -> None:
+        """Mirror the engine's KV size; shrinking evicts LRU entries at once."""
+        if blocks <= 0:
+            raise ValueError(f"capacity of {worker} must be positive, got {blocks}")
+        self._capacity[worker] = blocks
+        lru = self._lru.get(worker)
+        while lru is not None and len(lru) > blocks:
+            self._evict_one(worker, lru)
+
+    def on_routed(self, worker: WorkerId, hashes: Sequence[BlockHash], now: float) -> None:
+        """We sent a request with these blocks to ``worker``: it will cache them.
+
+        Existing entries are refreshed (confirmed and event entries keep their
+        source); new ones are speculative with a TTL.
+        """
+        self.expire(now)
+        self._touch_chain(worker, hashes, now, EntrySource.SPECULATIVE)
+
+    def on_completed(
+        self,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        block_tokens: float,
+        predicted_cached_tokens: int,
+        actual_cached_tokens: int,
+        now: float,
+    ) -> bool:
+        """Fold in the engine's report of how many prompt tokens it reused.
+
+        The blocks up to the actual match are confirmed. If the engine reused
+        clearly fewer tokens than predicted (a *miss*), the worker's trust
+        drops and the entries of this chain past the actual match are removed:
+        the engine's cache evidently differs from our picture of it.
+
+        Returns:
+            True if this was a miss.
+        """
+        p = self.params
+        actual_blocks = min(len(hashes), int(actual_cached_tokens // block_tokens))
+        predicted_blocks = min(len(hashes), int(predicted_cached_tokens // block_tokens))
+        if actual_blocks:
+            self._touch_chain(worker, hashes[:actual_blocks], now, EntrySource.CONFIRMED)
+        miss = predicted_blocks - actual_blocks > p.miss_tolerance_blocks
+        trust = self.trust(worker)
+        if miss:
+            self._trust[worker] = max(p.min_trust, trust * p.miss_decay)
+            self._remove(worker, hashes[actual_blocks:])
+        elif predicted_blocks:
+            self._trust[worker] = min(1.0, trust + p.hit_recovery)
+        return miss
+
+    def apply(self, event: KvEvent, now: float) -> None:
+        """Apply an engine KV event (already translated to this index's hashes)."""
+        if isinstance(event, BlockStored):
+            self._touch_chain(event.worker_id, event.block_hashes, now, EntrySource.EVENT)
+        elif isinstance(event, BlockRemoved):
+            self._remove(event.worker_id, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.clear_worker(event.worker_id)
+
+    def clear_worker(self, worker: WorkerId) -> None:
+        """Forget every block of ``worker`` (keeps its capacity and trust)."""
+        lru = self._lru.pop(worker, None)
+        if not lru:
+            return
+        for block in lru:
+            self._detach(worker, block)
+        self._entries -= len(lru)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """The worker is gone: forget its blocks, capacity and trust."""
+        self.clear_worker(worker)
+        self._capacity.pop(worker, None)
+        self._trust.pop(worker, None)
+
+    def expire(self, now: float) -> int:
+        """Remove speculative entries whose TTL has passed; returns how many."""
+        queue = self._expiry
+        removed = 0
+        while queue and queue[0][0] <= now:
+            _, worker, block, entry = queue.popleft()
+            lru = self._lru.get(worker)
+            # The entry may have been confirmed or removed since: then skip it.
+            if lru is None or lru.get(block) is not entry:
+                continue
+            if entry.source is not EntrySource.SPECULATIVE:
+                continue
+            if entry.expires_at > now:
+                # Refreshed since it was queued: queue it again, lazily, so a
+                # refresh costs nothing and the queue holds one item per entry.
+                queue.append((entry.expires_at, worker, block, entry))
+            else:
+                del lru[block]
+                self._detach(worker, block)
+                self._entries -= 1
+                removed += 1
+        return removed
+
+    # -------------------------------------------------------------- internals
+
+    def _touch_chain(
+        self, worker: WorkerId, hashes: Sequence[BlockHash], now: float, source: EntrySource
+    ) -> None:
+        lru = self._lru.get(worker)
+        if lru is None:
+            lru = self._lru[worker] = OrderedDict()
+        holders = self._holders
+        capacity = self.capacity(worker)
+        p = self.params
+        speculative = source is EntrySource.SPECULATIVE
+        expires_at = now + p.speculative_ttl_s if speculative else _INF
+        confidence = p.speculative_confidence if speculative else _SOURCE_CONFIDENCE[source]
+        # Tail first, so the chain's head ends up most recently used.
+        for block in reversed(hashes):
+            entry = lru.get(block)
+            if entry is not None:
+                lru.move_to_end(block)
+                entry.last_seen = now
+                if source >= entry.source:
+                    if entry.source is EntrySource.SPECULATIVE and not speculative:
+                        entry.expires_at = _INF
+                    entry.source = source
+                    entry.confidence = max(entry.confidence, confidence)
+                if speculative and entry.source is EntrySource.SPECULATIVE:
+                    entry.expires_at = expires_at  # re-queued lazily by expire()
+                continue
+            entry = IndexEntry(source, now, expires_at, confidence)
+            lru[block] = entry
+            slot = holders.get(block)
+            if slot is None:
+                holders[block] = {worker: entry}
+            else:
+                slot[worker] = entry
+            self._entries += 1
+            if speculative:
+                self._expiry.append((expires_at, worker, block, entry))
+            if len(lru) > capacity:
+                self._evict_one(worker, lru)
+            if self._entries > p.max_entries:
+                self._evict_global()
+
+    def _evict_one(self, worker: WorkerId, lru: OrderedDict[BlockHash, IndexEntry]) -> None:
+        block, _ = lru.popitem(last=False)
+        self._detach(worker, block)
+        self._entries -= 1
+        self.evicted_entries += 1
+
+    def _evict_global(self) -> None:
+        # Over the global cap: take from the worker holding the most entries,
+        # so no single worker's cache picture is wiped to make room.
+        # Ties go to the worker first seen (dict order), which is deterministic.
+        worker, lru = max(self._lru.items(), key=lambda item: len(item[1]))
+        self._evict_one(worker, lru)
+
+    def _remove(self, worker: WorkerId, hashes: Iterable[BlockHash]) -> None:
+        lru = self._lru.get(worker)
+        if lru is None:
+            return
+        for block in hashes:
+            if lru.pop(block, None) is not None:
+                self._detach(worker, block)
+                self._entries -= 1
+
+    def _detach(self, worker: WorkerId, block: BlockHash) -> None:
+        slot = self._holders.get(block)
+        if slot is not None:
+            slot.pop(worker, None)
+            if not slot:
+                del self._holders[block]

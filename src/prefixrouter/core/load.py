@@ -1,0 +1,122 @@
+"""The in-flight ledger: what the router has sent each worker and not seen finish.
+
+Engines report queue length and KV usage only every few seconds (metric
+polls), and each router replica sees only its own traffic, so the router keeps
+its own count of the work it sent: prefill tokens still to compute, requests
+decoding, expected decode tokens and context held. The gateway and the
+simulator update it with the same three calls (routed, first token,
+completed) and copy its figures into :class:`~prefixrouter.core.types.WorkerView`.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixrouter.core.types import RequestId, WorkerId, WorkerView
+
+
+@dataclass(slots=True)
+class _InFlight:
+    worker: WorkerId
+    uncached_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    decoding: bool = False
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Aggregates of one worker's in-flight requests."""
+
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    decoding: int = 0
+    decode_tokens_remaining: int = 0
+    context_tokens: int = 0
+    requests: set[RequestId] = field(default_factory=set)
+
+
+class InflightLedger:
+    """Per-worker load from the router's own bookkeeping."""
+
+    def __init__(self) -> None:
+        self._requests: dict[RequestId, _InFlight] = {}
+        self._loads: dict[WorkerId, WorkerLoad] = {}
+
+    def load(self, worker: WorkerId) -> WorkerLoad:
+        """The worker's current aggregates (a live object; do not mutate)."""
+        load = self._loads.get(worker)
+        if load is None:
+            load = self._loads[worker] = WorkerLoad()
+        return load
+
+    def worker_of(self, request_id: RequestId) -> WorkerId | None:
+        """Where an in-flight request was sent, if it is in flight."""
+        item = self._requests.get(request_id)
+        return item.worker if item is not None else None
+
+    def on_routed(
+        self,
+        request_id: RequestId,
+        worker: WorkerId,
+        uncached_tokens: int,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> None:
+        """The request was sent to ``worker``; its uncached prefill is now queued there."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} is already in flight")
+        item = _InFlight(worker, uncached_tokens, prompt_tokens, output_tokens)
+        self._requests[request_id] = item
+        load = self.load(worker)
+        load.in_flight += 1
+        load.pending_prefill_tokens += uncached_tokens
+        load.requests.add(request_id)
+
+    def on_first_token(self, request_id: RequestId) -> None:
+        """Prefill is done; the request now decodes and holds its context."""
+        item = self._requests.get(request_id)
+        if item is None or item.decoding:
+            return
+        item.decoding = True
+        load = self.load(item.worker)
+        load.pending_prefill_tokens -= item.uncached_tokens
+        load.decoding += 1
+        load.decode_tokens_remaining += item.output_tokens
+        load.context_tokens += item.prompt_tokens
+
+    def on_completed(self, request_id: RequestId) -> None:
+        """The request finished, failed or was cancelled: it no longer loads its worker."""
+        item = self._requests.pop(request_id, None)
+        if item is None:
+            return
+        load = self.load(item.worker)
+        load.in_flight -= 1
+        load.requests.discard(request_id)
+        if item.decoding:
+            load.decoding -= 1
+            load.decode_tokens_remaining -= item.output_tokens
+            load.context_tokens -= item.prompt_tokens
+        else:
+            load.pending_prefill_tokens -= item.uncached_tokens
+
+    def fill(self, view: WorkerView) -> WorkerView:
+        """Copy this worker's aggregates into ``view`` (in place) and return it."""
+        load = self.load(view.worker_id)
+        view.in_flight = load.in_flight
+        view.pending_prefill_tokens = load.pending_prefill_tokens
+        view.decoding = load.decoding
+        view.decode_tokens_remaining = load.decode_tokens_remaining
+        view.context_tokens = load.context_tokens
+        return view
+
+    def drop_worker(self, worker: WorkerId) -> list[RequestId]:
+        """Forget a worker's in-flight requests (it died); returns their ids."""
+        load = self._loads.pop(worker, None)
+        if load is None:
+            return []
+        for rid in load.requests:
+            self._requests.pop(rid, None)
+        return sorted(load.requests)

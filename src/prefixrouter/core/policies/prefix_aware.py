@@ -1,0 +1,313 @@
+"""``prefixrouter``: route where the first token comes soonest, counting cached prefill.
+
+Per candidate ``w`` the cost model predicts TTFT terms (queue wait, prefill of
+the uncached part, decode impact, memory risk); see
+:mod:`prefixrouter.core.cost`. The score is ``ttft + decode_weight * decode``
+where ``decode_weight`` depends on the request's output-length class: a short
+answer is judged by its first token only; a long generation also by how fast
+it will decode on ``w``'s batch, so long generations spread across decode
+load while short ones follow the cache.
+
+A candidate is *warm* when the index says it holds at least
+``min_match_tokens`` of the prompt with confidence at least ``min_confidence``
+(an affinity whose trust decayed after misses is not trusted: it is scored as
+cold). Tiers, as in DESIGN.md:
+
+1. ``exact``: a warm worker holding the deepest prefix any worker holds;
+2. ``partial``: a warm worker holding less;
+3. ``cold``: the best worker when no warm one is acceptable;
+4. ``cold_pool``: a configured pool that takes cold requests, so replicas that
+   hold expensive hot prefixes keep serving them.
+
+Warm preference: the best warm worker is kept while its score is within
+``warm_margin_rel`` (relative) plus ``warm_margin_abs_s`` of the best score of
+all. Staying warm beyond pure TTFT keeps a prefix on one replica instead of
+copying it into every cache. The preference is dropped, and the best worker
+by score taken instead, when:
+
+* the warm worker's queue wait exceeds ``max_warm_wait_s`` (the request would
+  wait on cache affinity: ``warm_abandoned``);
+* the prefix is hot: its request rate times the service time per request on a
+  warm worker exceeds ``hot_prefix_utilization`` per warm replica. Then pure
+  TTFT decides, so a second replica warms up instead of the queue growing;
+* the cold quota: warm preference may fill only ``1 - cold_reserved_share`` of
+  a worker's sequence slots, keeping room for unique requests behind a
+  continuous hot stream.
+
+Parameters per output class live in :class:`OutputClassParams`; requests with
+``max_tokens >= long_output_tokens`` use ``long``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefixrouter.core.policy import (
+    CandidateScore,
+    Outcome,
+    Policy,
+    RoutingContext,
+    Selection,
+    register,
+)
+from prefixrouter.core.types import WorkerId, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class OutputClassParams:
+    """Thresholds for one output-length class.
+
+    Attributes:
+        warm_margin_rel: Keep a warm worker while its score <= best * (1 + this) + abs.
+        warm_margin_abs_s: The absolute part of that margin, seconds.
+        max_warm_wait_s: Never keep warm preference past this queue wait.
+        decode_weight: Weight of predicted decode time in the score.
+    """
+
+    warm_margin_rel: float = 0.25
+    warm_margin_abs_s: float = 0.05
+    max_warm_wait_s: float = 4.0
+    decode_weight: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRouterParams:
+    """Parameters of the ``prefixrouter`` policy.
+
+    Attributes:
+        short: Thresholds for short answers.
+        long: Thresholds for long generations.
+        long_output_tokens: ``max_tokens`` from which a request is a long generation.
+        min_match_tokens: Matches shorter than this do not make a worker warm.
+        min_confidence: Matches trusted less than this are scored as cold.
+        cold_reserved_share: Share of each worker's slots warm preference may not fill.
+        hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
+        demand_window_s: Time constant of the per-prefix request-rate estimate.
+        reference_batch: Batch size assumed when estimating per-request decode service.
+        cold_pool: Pool that takes cold requests ("" = none).
+        max_tracked_prefixes: Bound on the demand table (oldest dropped first).
+    """
+
+    short: OutputClassParams = field(default_factory=OutputClassParams)
+    long: OutputClassParams = field(
+        default_factory=lambda: OutputClassParams(
+            warm_margin_rel=0.1, warm_margin_abs_s=0.02, max_warm_wait_s=2.0, decode_weight=1.0
+        )
+    )
+    long_output_tokens: int = 1024
+    min_match_tokens: int = 64
+    min_confidence: float = 0.5
+    cold_reserved_share: float = 0.2
+    hot_prefix_utilization: float = 0.8
+    demand_window_s: float = 10.0
+    reference_batch: int = 32
+    cold_pool: str = ""
+    max_tracked_prefixes: int = 100_000
+
+
+@dataclass(slots=True)
+class _Demand:
+    rate: float
+    last: float
+
+
+@register
+class PrefixRouterPolicy(Policy):
+    """Lowest predicted TTFT with bounded warm preference (the default policy)."""
+
+    name = "prefixrouter"
+    Params = PrefixRouterParams
+    params: PrefixRouterParams
+
+    def __init__(self, params: PrefixRouterParams | None = None) -> None:
+        super().__init__(params)
+        self._demand: dict[str, _Demand] = {}
+
+    # ----------------------------------------------------------------- select
+
+    def select(self, ctx: RoutingContext, candidates: Sequence[WorkerView]) -> Selection:
+        p = self.params
+        req = ctx.request
+        blocks = ctx.blocks
+        prompt = blocks.prompt_tokens
+        output = max(1, req.max_tokens)
+        cls = p.long if output >= p.long_output_tokens else p.short
+        # Engines recompute the last token of a fully cached prompt, so at most
+        # the whole blocks before it can be reused.
+        bt = blocks.block_tokens
+        reusable_cap = int((prompt - 1) // bt * bt) if prompt else 0
+
+        scored: list[CandidateScore] = []
+        warm_flags: list[bool] = []
+        for w in candidates:
+            m = ctx.matches.get(w.worker_id)
+            matched = min(blocks.tokens_for(m.blocks), reusable_cap) if m is not None else 0
+            conf = m.confidence if m is not None else 0.0
+            warm = matched >= p.min_match_tokens and conf >= p.min_confidence
+            terms = ctx.cost.predict(
+                w, prompt, matched if warm else 0, conf if warm else 0.0, output
+            )
+            score = terms.ttft_s + cls.decode_weight * terms.decode_s
+            scored.append(CandidateScore(w.worker_id, matched, conf, terms, score))
+            warm_flags.append(warm)
+
+        candidates_out = tuple(scored)
+        everyone = range(len(scored))
+        warm_any = [i for i, f in enumerate(warm_flags) if f]
+        # Cold quota: a request that follows a cached prefix may not take a
+        # worker's last `cold_reserved_share` of slots while a worker with room
+        # for it exists, so a continuous hot stream leaves room for cold requests.
+        eligible: Sequence[int] = everyone
+        if warm_any and p.cold_reserved_share > 0:
+            limit_share = 1.0 - p.cold_reserved_share
+            room = [i for i, w in enumerate(candidates) if w.in_flight < limit_share * w.max_slots]
+            if room:
+                eligible = room
+        best_i = _argmin(scored, eligible)
+        warm_idx = [i for i in warm_any if i in eligible] if eligible is not everyone else warm_any
+
+        if not warm_idx:
+            if warm_any:
+                c = scored[best_i]
+                w = candidates[warm_any[0]]
+                reason = (
+                    f"cold quota: warm workers hold {w.in_flight} of {w.max_slots} slots; "
+                    "lowest predicted TTFT among workers with room"
+                )
+                return Selection(c.worker_id, "cold", reason, 0, candidates_out)
+            return self._select_cold(candidates, scored, best_i, candidates_out)
+
+        deepest = max(scored[i].matched_tokens for i in warm_idx)
+        bw = _argmin(scored, warm_idx)
+        best, best_warm = scored[best_i], scored[bw]
+        abandoned = False
+        if bw == best_i:
+            chosen = bw
+            reason = "lowest predicted TTFT"
+        else:
+            assert best_warm.terms is not None
+            worker = candidates[bw]
+            limit = best.score * (1.0 + cls.warm_margin_rel) + cls.warm_margin_abs_s
+            hot, util = self._is_hot(ctx, worker, best_warm, len(warm_idx), output)
+            if best_warm.terms.queue_wait_s > cls.max_warm_wait_s:
+                chosen, abandoned = best_i, True
+                wait_ms = best_warm.terms.queue_wait_s * 1e3
+                reason = (
+                    f"left warm {best_warm.worker_id}: queue wait {wait_ms:.0f} ms"
+                    f" > max {cls.max_warm_wait_s * 1e3:.0f} ms"
+                )
+            elif hot:
+                chosen = best_i
+                reason = (
+                    f"hot prefix ({util:.2f} of a replica per warm replica): "
+                    f"warming another replica instead of queueing on {best_warm.worker_id}"
+                )
+            elif best_warm.score <= limit:
+                chosen = bw
+                reason = (
+                    f"warm within margin: {best_warm.score * 1e3:.0f} ms <= "
+                    f"{limit * 1e3:.0f} ms (best cold {best.score * 1e3:.0f} ms)"
+                )
+            else:
+                chosen = best_i
+                reason = (
+                    f"warm {best_warm.worker_id} predicted {best_warm.score * 1e3:.0f} ms, "
+                    f"beyond margin of best {best.score * 1e3:.0f} ms"
+                )
+        c = scored[chosen]
+        if warm_flags[chosen]:
+            tier = "exact" if c.matched_tokens >= deepest else "partial"
+            cached = c.matched_tokens
+            reason = f"{reason}; {cached} of {prompt} tokens cached"
+        else:
+            tier, cached = "cold", 0
+        return Selection(c.worker_id, tier, reason, cached, candidates_out, abandoned)
+
+    def _select_cold(
+        self,
+        candidates: Sequence[WorkerView],
+        scored: list[CandidateScore],
+        best_i: int,
+        out: tuple[CandidateScore, ...],
+    ) -> Selection:
+        pool = self.params.cold_pool
+        if pool:
+            pool_idx = [i for i, w in enumerate(candidates) if w.pool == pool]
+            if pool_idx:
+                pi = _argmin(scored, pool_idx)
+                cls = self.params.short
+                limit = scored[best_i].score * (1.0 + cls.warm_margin_rel) + cls.warm_margin_abs_s
+                if scored[pi].score <= limit:
+                    return Selection(
+                        scored[pi].worker_id,
+                        "cold_pool",
+                        f"no reusable prefix anywhere: cold pool {pool!r}",
+                        0,
+                        out,
+                    )
+        return Selection(
+            scored[best_i].worker_id,
+            "cold",
+            "no reusable prefix anywhere: lowest predicted TTFT",
+            0,
+            out,
+        )
+
+    def _is_hot(
+        self,
+        ctx: RoutingContext,
+        worker: WorkerView,
+        warm: CandidateScore,
+        warm_replicas: int,
+        output: int,
+    ) -> tuple[bool, float]:
+        demand = self._demand.get(ctx.prefix_key)
+        if demand is None or warm.terms is None:
+            return False, 0.0
+        rate = demand.rate * math.exp(-(ctx.now - demand.last) / self.params.demand_window_s)
+        ref = self.params.reference_batch
+        service = (
+            warm.terms.prefill_s
+            + warm.terms.decode_impact_s
+            + output * worker.profile.decode_step_time(ref, 0.0) / ref
+        )
+        util = rate * service / warm_replicas
+        return util > self.params.hot_prefix_utilization, util
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_routed(self, ctx: RoutingContext, worker: WorkerId) -> None:
+        # Exponentially decayed count / window = a request-rate estimate that
+        # needs no clock of its own and one float per prefix.
+        tau = self.params.demand_window_s
+        d = self._demand.get(ctx.prefix_key)
+        if d is None:
+            if len(self._demand) >= self.params.max_tracked_prefixes:
+                self._demand.pop(next(iter(self._demand)))
+            self._demand[ctx.prefix_key] = _Demand(1.0 / tau, ctx.now)
+            return
+        d.rate = d.rate * math.exp(-(ctx.now - d.last) / tau) + 1.0 / tau
+        d.last = ctx.now
+
+    def on_completed(self, ctx: RoutingContext, worker: WorkerId, outcome: Outcome) -> None:
+        """Nothing to do: the router feeds the index and the cost model."""
+
+    def prefix_rate(self, prefix_key: str, now: float) -> float:
+        """Estimated requests per second for a prefix (for reports and tests)."""
+        d = self._demand.get(prefix_key)
+        if d is None:
+            return 0.0
+        return d.rate * math.exp(-(now - d.last) / self.params.demand_window_s)
+
+
+def _argmin(scored: Sequence[CandidateScore], indices: Sequence[int] | range) -> int:
+    """Index of the lowest score; ties go to the earliest (deterministic)."""
+    best = -1
+    best_score = math.inf
+    for i in indices:
+        s = scored[i].score
+        if s < best_score:
+            best, best_score = i, s
+    return best

@@ -1,0 +1,268 @@
+"""The router: filters, one prefix match, a policy, and the feedback calls.
+
+``Router.route(request, workers, now)`` does, in order:
+
+1. hash the prompt into chained blocks (or take the caller's precomputed ones);
+2. **filter** (permission before latency): unhealthy workers, workers that do
+   not serve the model or adapter, workers that do not admit the tenant, and
+   workers outside the requested pool are removed before anything is scored;
+3. **match once**: the shared :class:`~prefixrouter.core.index.PrefixIndex`
+   gives each surviving worker's longest held prefix;
+4. the **policy** selects; the :class:`Decision` records everything it saw.
+
+``route`` changes no state. The driver then calls :meth:`Router.on_routed`
+when it has sent the request, and :meth:`Router.on_completed` with what the
+engine reported, which feeds the index (confirmations, misses), the cost
+model's calibration and the policy's hooks. Engine KV events go to
+:meth:`Router.apply`.
+
+The same ``Router`` runs in the live gateway and in the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixrouter.core.cost import CostModel, CostParams
+from prefixrouter.core.events import KvEvent
+from prefixrouter.core.hashing import BlockHasher, PromptBlocks
+from prefixrouter.core.index import IndexParams, PrefixIndex
+from prefixrouter.core.policy import (
+    CandidateScore,
+    Outcome,
+    Policy,
+    RoutingContext,
+    create_policy,
+)
+from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
+from prefixrouter.errors import NoWorkerAvailable
+
+DEFAULT_PREFIX_KEY_TOKENS = 1024
+
+
+@dataclass(slots=True)
+class Decision:
+    """One routing decision and everything it was based on.
+
+    Attributes:
+        request_id: The request.
+        namespace: The cache namespace key.
+        prefix_key: Hex id of the leading prefix (up to ``prefix_key_tokens``).
+        prefix_class: The request's prefix class.
+        policy: Name of the policy that decided.
+        worker_id: The chosen worker.
+        tier: ``exact`` / ``partial`` / ``cold`` / ``cold_pool`` or the policy's label.
+        reason: Why, in one sentence.
+        predicted_cached_tokens: Tokens expected to be reused on the chosen worker.
+        prompt_tokens: Prompt length (estimated in text mode).
+        candidates: Every candidate with its terms.
+        filtered: worker -> the filter that removed it.
+        warm_abandoned: A warm worker was left because of the wait limit.
+        now: Decision time.
+        context: The routing context (hashes and matches), for feedback calls.
+    """
+
+    request_id: str
+    namespace: str
+    prefix_key: str
+    prefix_class: str
+    policy: str
+    worker_id: WorkerId
+    tier: str
+    reason: str
+    predicted_cached_tokens: int
+    prompt_tokens: int
+    candidates: tuple[CandidateScore, ...]
+    filtered: dict[WorkerId, str]
+    warm_abandoned: bool
+    now: float
+    context: RoutingContext
+
+    @property
+    def chosen(self) -> CandidateScore | None:
+        """The chosen worker's candidate record, if the policy scored candidates."""
+        for c in self.candidates:
+            if c.worker_id == self.worker_id:
+                return c
+        return None
+
+    @property
+    def predicted_ttft_s(self) -> float | None:
+        """The cost model's TTFT for the chosen worker, if the policy used it."""
+        c = self.chosen
+        return c.terms.ttft_s if c is not None and c.terms is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record for the decision log."""
+        return {
+            "request_id": self.request_id,
+            "namespace": self.namespace,
+            "prefix_key": self.prefix_key,
+            "prefix_class": self.prefix_class,
+            "policy": self.policy,
+            "selected_worker": self.worker_id,
+            "tier": self.tier,
+            "reason": self.reason,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "candidate_workers": [c.to_dict() for c in self.candidates],
+            "filtered": dict(self.filtered),
+            "warm_abandoned": self.warm_abandoned,
+            "time": self.now,
+        }
+
+
+def filter_workers(
+    request: RoutingRequest, workers: Sequence[WorkerView]
+) -> tuple[list[WorkerView], dict[WorkerId, str]]:
+    """Split workers into those allowed to serve ``request`` and why others are not.
+
+    Returns:
+        (allowed workers sorted by id, worker -> name of the filter that removed it)
+    """
+    allowed: list[WorkerView] = []
+    removed: dict[WorkerId, str] = {}
+    tenant = request.namespace.tenant
+    for w in workers:
+        if not w.healthy:
+            removed[w.worker_id] = "health"
+        elif request.model and w.models and request.model not in w.models:
+            removed[w.worker_id] = "model"
+        elif request.adapter and request.adapter not in w.adapters:
+            removed[w.worker_id] = "adapter"
+        elif w.tenants is not None and tenant not in w.tenants:
+            removed[w.worker_id] = "tenant"
+        elif request.pool is not None and w.pool != request.pool:
+            removed[w.worker_id] = "pool"
+        else:
+            allowed.append(w)
+    allowed.sort(key=lambda w: w.worker_id)
+    return allowed, removed
+
+
+class Router:
+    """The routing core: one per gateway process or simulated cluster.
+
+    Args:
+        policy: A policy instance or a registered name (default ``prefixrouter``).
+        hasher: Block hashing settings (block size, text chunk size, estimator).
+        index_params: Prefix-index settings.
+        cost_params: Cost-model calibration settings.
+        prefix_key_tokens: Depth of the prefix key used for demand and logs.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str = "prefixrouter",
+        hasher: BlockHasher | None = None,
+        index_params: IndexParams | None = None,
+        cost_params: CostParams | None = None,
+        prefix_key_tokens: int = DEFAULT_PREFIX_KEY_TOKENS,
+    ) -> None:
+        self.policy = create_policy(policy) if isinstance(policy, str) else policy
+        self.hasher = hasher or BlockHasher()
+        self.index = PrefixIndex(index_params)
+        self.cost = CostModel(cost_params)
+        self.prefix_key_tokens = prefix_key_tokens
+
+    def blocks_for(self, request: RoutingRequest) -> PromptBlocks:
+        """The request's chained block hashes (token mode if it has tokens)."""
+        seed = request.namespace.seed
+        if request.tokens is not None:
+            return self.hasher.token_blocks(seed, request.tokens)
+        assert request.text is not None
+        return self.hasher.text_blocks(seed, request.text, request.prompt_tokens)
+
+    def route(
+        self,
+        request: RoutingRequest,
+        workers: Sequence[WorkerView],
+        now: float,
+        blocks: PromptBlocks | None = None,
+    ) -> Decision:
+        """Choose a worker for ``request``. Changes no state.
+
+        Args:
+            request: The request.
+            workers: Snapshots of every known worker.
+            now: Decision time on the driver's clock.
+            blocks: Precomputed block hashes (the simulator shares them with its engines).
+
+        Raises:
+            NoWorkerAvailable: No worker passed the filters.
+        """
+        allowed, removed = filter_workers(request, workers)
+        if not allowed:
+            why = ", ".join(f"{w}: {f}" for w, f in sorted(removed.items())) or "no workers"
+            raise NoWorkerAvailable(f"no worker can serve request {request.request_id} ({why})")
+        if blocks is None:
+            blocks = self.blocks_for(request)
+        matches = self.index.match(blocks.hashes, now)
+        key = self._prefix_key(request, blocks)
+        ctx = RoutingContext(request, blocks, matches, now, key, self.cost)
+        sel = self.policy.select(ctx, allowed)
+        return Decision(
+            request_id=request.request_id,
+            namespace=request.namespace.key,
+            prefix_key=ctx.prefix_key,
+            prefix_class=str(request.prefix_class),
+            policy=self.policy.name,
+            worker_id=sel.worker_id,
+            tier=sel.tier,
+            reason=sel.reason,
+            predicted_cached_tokens=sel.predicted_cached_tokens,
+            prompt_tokens=blocks.prompt_tokens,
+            candidates=sel.candidates,
+            filtered=removed,
+            warm_abandoned=sel.warm_abandoned,
+            now=now,
+            context=ctx,
+        )
+
+    def on_routed(self, decision: Decision, now: float) -> None:
+        """The request was sent to ``decision.worker_id``."""
+        ctx = decision.context
+        self.index.on_routed(decision.worker_id, ctx.blocks.hashes, now)
+        self.policy.on_routed(ctx, decision.worker_id)
+
+    def on_completed(self, decision: Decision, outcome: Outcome, now: float) -> bool:
+        """Feed back what the engine reported. Returns True if it was a cache miss."""
+        ctx = decision.context
+        miss = False
+        if outcome.ok:
+            miss = self.index.on_completed(
+                decision.worker_id,
+                ctx.blocks.hashes,
+                ctx.blocks.block_tokens,
+                decision.predicted_cached_tokens,
+                outcome.actual_cached_tokens,
+                now,
+            )
+            chosen = decision.chosen
+            if outcome.ttft_s is not None and chosen is not None and chosen.terms is not None:
+                self.cost.observe(decision.worker_id, chosen.terms, outcome.ttft_s)
+        self.policy.on_completed(ctx, decision.worker_id, outcome)
+        return miss
+
+    def apply(self, event: KvEvent, now: float) -> None:
+        """Apply an engine KV event to the index."""
+        self.index.apply(event, now)
+
+    def set_worker_capacity(self, worker: WorkerId, blocks: int) -> None:
+        """Mirror a worker's engine-reported KV size in the index."""
+        self.index.set_capacity(worker, blocks)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Forget a worker: its index entries, calibration and policy state."""
+        self.index.remove_worker(worker)
+        self.cost.forget(worker)
+        self.policy.on_worker_removed(worker)
+
+    def _prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
+        hashes = blocks.hashes
+        if not hashes:
+            return f"{request.namespace.seed:016x}"
+        depth = max(1, int(self.prefix_key_tokens // blocks.block_tokens))
+        return f"{hashes[min(depth, len(hashes)) - 1]:016x}"

@@ -1,0 +1,42 @@
+"""The exception tree of prefixrouter.
+
+::
+
+    PrefixRouterError                 base of everything raised on purpose
+    ├── ConfigError                   bad configuration: names the file, line and field
+    ├── RoutingError                  the router could not place a request
+    │   └── NoWorkerAvailable         every worker was filtered out (health, model, tenant, pool)
+    └── UnknownNameError (KeyError)   an unknown policy, scenario or profile name
+
+Callers at the edges (CLI, HTTP gateway) turn these into one-line messages or
+OpenAI-style JSON errors; nothing below them prints.
+"""
+
+from __future__ import annotations
+
+
+class PrefixRouterError(Exception):
+    """Base class of every error prefixrouter raises on purpose."""
+
+
+class ConfigError(PrefixRouterError, ValueError):
+    """Invalid configuration or parameters; the message names the field."""
+
+
+class RoutingError(PrefixRouterError):
+    """A request could not be routed."""
+
+
+class NoWorkerAvailable(RoutingError):
+    """No worker survived the filters (health, model, adapter, tenant, pool)."""
+
+
+class UnknownNameError(PrefixRouterError, KeyError):
+    """An unknown registered name (policy, scenario, profile)."""
+
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        self.kind, self.name, self.known = kind, name, known
+        super().__init__(f"unknown {kind} {name!r}; known: {', '.join(sorted(known))}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -1,0 +1,1 @@
+"""Discrete-event model of an inference cluster: engine model, KV cache, profiles."""

@@ -1,0 +1,139 @@
+"""Summaries of simulation runs: the per-policy figures of the JSON report.
+
+For each run (one policy on one workload and fleet):
+
+* ``ttft_ms``, ``e2e_ms``, ``queue_wait_ms``: mean, p50, p90, p99 over completed
+  requests (nearest-rank percentiles, so figures are values that occurred);
+* ``throughput_rps`` and ``output_tokens_per_s``: completed requests and
+  generated tokens over the span from the first arrival to the last completion;
+* ``prompt_tokens``, ``cached_tokens``, ``prefill_tokens`` (= prompt - cached);
+* ``evictions``: prefix-cache blocks the engines evicted;
+* ``load_imbalance``: max over mean of per-worker busy time (1 = perfectly even);
+* ``warm_abandoned``: requests that left a warm worker because of the wait limit.
+
+:func:`lower_bound_prefill_tokens` is the bound no router can beat: every
+request must prefill at least the tokens after the longest prefix that *some*
+earlier request already had (whole blocks, and the engine always recomputes
+the last prompt token), i.e. what one infinite cache shared by all would do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prefixrouter.core.hashing import BlockHasher
+from prefixrouter.core.types import BlockHash
+from prefixrouter.sim.cluster import SimRun
+from prefixrouter.sim.workload import Workload
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 (nearest rank) of ``values``, rounded to 0.001."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        return ordered[max(0, math.ceil(q * n) - 1)]
+
+    return {
+        "mean": round(math.fsum(ordered) / n, 3),
+        "p50": round(rank(0.50), 3),
+        "p90": round(rank(0.90), 3),
+        "p99": round(rank(0.99), 3),
+    }
+
+
+def reusable_tokens(prompt_tokens: int, blocks: int, block_size: int) -> int:
+    """Tokens an engine can serve from cache when ``blocks`` leading blocks are held."""
+    cap = ((prompt_tokens - 1) // block_size) * block_size if prompt_tokens > 0 else 0
+    return min(blocks * block_size, cap)
+
+
+def first_seen_prefill(workload: Workload) -> list[int]:
+    """Per request, the tokens it must prefill with one unlimited shared cache."""
+    hasher = BlockHasher(block_size=workload.block_size)
+    seen: set[BlockHash] = set()
+    out: list[int] = []
+    for req in workload.requests:
+        hashes = hasher.token_blocks(req.namespace.seed, req.tokens()).hashes
+        held = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            held += 1
+        out.append(
+            req.prompt_tokens - reusable_tokens(req.prompt_tokens, held, workload.block_size)
+        )
+        seen.update(hashes)
+    return out
+
+
+def lower_bound_prefill_tokens(workload: Workload) -> int:
+    """Prefill tokens with one unlimited cache shared by every request (see module doc)."""
+    return sum(first_seen_prefill(workload))
+
+
+def summarize(run: SimRun) -> dict[str, Any]:
+    """The JSON figures of one run (see the module docstring)."""
+    done = [r for r in run.records if r.completed >= 0]
+    ttft = [r.ttft_s * 1e3 for r in done]
+    e2e = [r.e2e_s * 1e3 for r in done]
+    wait = [r.queue_wait_s * 1e3 for r in done]
+    start = min((r.arrival for r in run.records), default=0.0)
+    end = max((r.completed for r in done), default=start)
+    span = max(end - start, 1e-9)
+    prompt = sum(r.prompt_tokens for r in run.records)
+    cached = sum(r.cached_tokens for r in done)
+    busy = [w.busy_time_s for w in run.workers]
+    mean_busy = math.fsum(busy) / len(busy) if busy else 0.0
+    return {
+        "policy": run.policy,
+        "requests": len(run.records),
+        "completed": len(done),
+        "ttft_ms": percentiles(ttft),
+        "e2e_ms": percentiles(e2e),
+        "queue_wait_ms": percentiles(wait),
+        "throughput_rps": round(len(done) / span, 3),
+        "output_tokens_per_s": round(sum(r.output_tokens for r in done) / span, 1),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt - cached,
+        "evictions": sum(w.evictions for w in run.workers),
+        "load_imbalance": round(max(busy) / mean_busy, 3) if mean_busy > 0 else 1.0,
+        "warm_abandoned": sum(1 for r in run.records if r.warm_abandoned),
+        "kv_wait_ms_total": round(sum(r.kv_wait_s for r in done) * 1e3, 1),
+        "per_worker_requests": {w.worker: w.requests for w in run.workers},
+    }
+
+
+def by_prefix_class(run: SimRun) -> dict[str, dict[str, Any]]:
+    """TTFT and cached share per prefix class (system, document, session, rag, ...)."""
+    out: dict[str, dict[str, Any]] = {}
+    classes = sorted({r.prefix_class for r in run.records})
+    for cls in classes:
+        recs = [r for r in run.records if r.prefix_class == cls and r.completed >= 0]
+        prompt = sum(r.prompt_tokens for r in recs)
+        out[cls] = {
+            "requests": len(recs),
+            "ttft_ms": percentiles([r.ttft_s * 1e3 for r in recs]),
+            "cached_share": round(sum(r.cached_tokens for r in recs) / prompt, 4) if prompt else 0,
+        }
+    return out
+
+
+def tiers(run: SimRun) -> dict[str, int]:
+    """How many decisions fell in each tier."""
+    counts: dict[str, int] = {}
+    for r in run.records:
+        counts[r.tier] = counts.get(r.tier, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def best_baseline(results: Iterable[dict[str, Any]], key: str, stat: str) -> dict[str, Any] | None:
+    """The baseline (not ``prefixrouter``) with the lowest ``result[key][stat]``."""
+    base = [r for r in results if r["policy"] != "prefixrouter"]
+    return min(base, key=lambda r: r[key][stat]) if base else None

@@ -1,0 +1,104 @@
+"""Run a scenario under several policies on the same fleet and the same requests.
+
+Load is a fraction of the fleet's **capacity**, defined as the requests per
+second the fleet could serve if every request prefilled only what the lower
+bound says it must (each reusable prefix computed once, see
+:func:`~prefixrouter.sim.report.first_seen_prefill`) and decoded in batches of
+``REFERENCE_BATCH``::
+
+    service(r)   = prefill_time(new_r, context=prompt_r - new_r)
+                 + output_r * decode_step_time(B, B * (prompt_r + output_r / 2)) / B
+    capacity_rps = workers / mean(service)
+
+So load 0.9 is close to saturation for a router that reuses every prefix
+once, and beyond saturation for one that recomputes prefixes: the regime in
+which routing decides the outcome. On ``unique`` (nothing to reuse) it is the
+plain cold capacity. Trace replays keep their own times (``--rate-scale``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixrouter.core.policy import create_policy
+from prefixrouter.sim.cluster import ClusterConfig, SimRun, Simulation
+from prefixrouter.sim.profiles import EngineProfile
+from prefixrouter.sim.report import first_seen_prefill, summarize
+from prefixrouter.sim.workload import Workload
+
+REFERENCE_BATCH = 32
+
+
+def capacity_rps(workload: Workload, profile: EngineProfile, workers: int) -> float:
+    """Requests per second the fleet serves with ideal prefix reuse (module doc)."""
+    speed = profile.speed
+    new = first_seen_prefill(workload)
+    b = min(REFERENCE_BATCH, profile.max_num_seqs)
+    total = 0.0
+    for req, fresh in zip(workload.requests, new, strict=True):
+        ctx = req.prompt_tokens + req.output_tokens / 2
+        per_token = speed.decode_step_time(b, b * ctx) / b
+        total += speed.prefill_time(fresh, req.prompt_tokens - fresh)
+        total += req.output_tokens * per_token
+    mean = total / max(1, len(workload.requests))
+    return workers / mean if mean > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """One scenario at one load on one fleet, for every policy in ``policies``."""
+
+    workload: Workload
+    profile: EngineProfile
+    workers: int
+    kv_blocks: int | None
+    policies: Sequence[str]
+    rate: float | None  # requests per second; None for fixed-time traces
+    load: float | None
+    kv_events: bool = False
+
+
+def plan(
+    workload: Workload,
+    profile: EngineProfile,
+    policies: Sequence[str],
+    *,
+    workers: int | None = None,
+    kv_blocks: int | None = None,
+    load: float | None = None,
+    rate: float | None = None,
+    kv_events: bool = False,
+) -> RunPlan:
+    """Resolve defaults and the arrival rate; returns the plan with a scaled workload."""
+    n = workers or workload.default_workers
+    kv = kv_blocks if kv_blocks is not None else workload.default_kv_blocks
+    for name in policies:
+        create_policy(name)  # fail early, naming the policy
+    if workload.fixed_times:
+        return RunPlan(workload, profile, n, kv, policies, None, None, kv_events)
+    if rate is None:
+        load = 0.6 if load is None else load
+        rate = load * capacity_rps(workload, profile, n)
+    return RunPlan(workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events)
+
+
+def run_plan(
+    p: RunPlan,
+    *,
+    on_start: Callable[[str, int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[SimRun]]:
+    """Simulate every policy of the plan; returns their summaries and raw runs."""
+    results: list[dict[str, Any]] = []
+    runs: list[SimRun] = []
+    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, p.kv_events)
+    for name in p.policies:
+        if on_start is not None:
+            on_start(name, len(p.workload.requests))
+        run = Simulation(p.workload, config, name, on_progress=on_progress).run()
+        runs.append(run)
+        results.append(summarize(run))
+    return results, runs

@@ -1,0 +1,279 @@
+"""Simulated requests, workloads and the arrival processes that time them.
+
+A :class:`Workload` is a list of :class:`SimRequest` sorted by arrival time plus
+what the simulator needs to run it (default worker count, KV size, block size).
+Generated workloads (:mod:`prefixrouter.sim.scenarios`) are produced in
+*unit-rate time*: their arrivals have a mean rate of one request per second,
+and the runner calls :meth:`Workload.scaled` to reach the rate under test, so
+one generated workload serves a whole rate sweep and the request mix stays
+identical between rates. Trace replays (:mod:`prefixrouter.sim.traces`) carry
+real arrival times (``fixed_times``) and are not rescaled.
+
+Prompts are token-id arrays (``array('I')``, 4 bytes per token) split into
+*segments*. A shared prefix - a system prompt, a document, a session's history -
+is one array object referenced by every request that carries it, so a
+workload of 600 questions about a 40,000-token document stores the document
+once (160 KB), not 600 times. :meth:`SimRequest.tokens` concatenates on demand
+for the one consumer that needs a flat prompt (block hashing).
+
+Arrival processes take a seeded :class:`numpy.random.Generator` and return
+absolute arrival times (``float64``, seconds, increasing) for a unit mean rate:
+
+* :func:`poisson_arrivals`: exponential gaps, coefficient of variation 1.
+* :func:`gamma_arrivals`: gamma gaps with a chosen coefficient of variation;
+  ``cv > 1`` gives the bursts production traces show (ServeGen, Azure).
+* :func:`rate_ladder`: piecewise Poisson (or gamma) stages at different
+  relative rates, normalized so the whole run averages one request per second;
+  used for load ramps such as llm-d's 3 -> 60 req/s benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from prefixrouter.core.types import CacheNamespace, PrefixClass, RequestId
+
+# array('I') must be 4 bytes (uint32) so token buffers can be filled straight
+# from numpy bytes and hashed as little-endian uint32 (see core.hashing).
+if array("I").itemsize != 4:  # pragma: no cover - true on every supported platform
+    raise ImportError("prefixrouter.sim needs array('I') to be 4 bytes wide")
+
+DEFAULT_VOCAB = 32_000
+"""Token ids are drawn from ``[0, DEFAULT_VOCAB)`` (a Llama-2-sized vocabulary)."""
+
+DEFAULT_BLOCK_SIZE = 16
+"""Engine KV block size of generated workloads (vLLM's default)."""
+
+DEFAULT_GAMMA_CV = 2.0
+"""Coefficient of variation of ``"gamma"`` arrivals when none is given."""
+
+SIM_NAMESPACE = CacheNamespace(model_revision="sim-model")
+"""The cache namespace of every simulated request that has no tenant of its own."""
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One simulated request.
+
+    Attributes:
+        request_id: Unique id (stable across runs with the same seed).
+        arrival: Arrival time in seconds (unit-rate time unless the workload is fixed-time).
+        namespace: Cache namespace; requests of different namespaces never share KV.
+        segments: The prompt as consecutive token-id arrays (typecode ``"I"``).
+            Shared prefixes are the same array objects across requests.
+        output_tokens: Tokens the engine generates (always at least 1).
+        prefix_class: What kind of reusable prefix the request carries (for reporting).
+        group: What it is about: a document, session, template or customer id.
+        first_user_offset: Token offset where the first user message starts
+            (KubeAI keys on its first characters); 0 when the prompt has no system part.
+    """
+
+    request_id: RequestId
+    arrival: float
+    namespace: CacheNamespace
+    segments: tuple[array[int], ...]
+    output_tokens: int
+    prefix_class: PrefixClass
+    group: str
+    first_user_offset: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens (sum of the segment lengths)."""
+        return sum(len(s) for s in self.segments)
+
+    def tokens(self) -> array[int]:
+        """The whole prompt as one new array (built on demand, never stored)."""
+        out: array[int] = array("I")
+        for seg in self.segments:
+            out.extend(seg)  # same typecode: a memcpy
+        return out
+
+
+@dataclass(slots=True)
+class Workload:
+    """A named list of requests, sorted by arrival, plus simulator defaults.
+
+    Attributes:
+        name: Scenario or trace name.
+        description: What the workload models and with which parameters.
+        requests: Requests sorted by arrival time.
+        fixed_times: True when arrivals are real times (trace replay); False when
+            they are unit-rate times that :meth:`scaled` rescales.
+        default_workers: Replicas to simulate unless the caller says otherwise.
+        default_kv_blocks: Per-worker KV cache size in blocks the scenario is
+            designed for (None: the engine model's default).
+        block_size: Engine KV block size in tokens.
+    """
+
+    name: str
+    description: str
+    requests: list[SimRequest]
+    fixed_times: bool = False
+    default_workers: int = 8
+    default_kv_blocks: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.default_workers < 1:
+            raise ValueError(f"workload {self.name}: default_workers must be >= 1")
+        if self.default_kv_blocks is not None and self.default_kv_blocks < 1:
+            raise ValueError(f"workload {self.name}: default_kv_blocks must be >= 1")
+        if self.block_size < 1:
+            raise ValueError(f"workload {self.name}: block_size must be >= 1")
+        prev = -math.inf
+        for req in self.requests:
+            if req.arrival < prev:
+                raise ValueError(
+                    f"workload {self.name}: requests not sorted by arrival at {req.request_id}"
+                )
+            prev = req.arrival
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration(self) -> float:
+        """Time from 0 to the last arrival (seconds; 0 for an empty workload)."""
+        return self.requests[-1].arrival if self.requests else 0.0
+
+    def scaled(self, rate: float) -> Workload:
+        """A copy whose arrivals have mean rate ``rate`` requests per second.
+
+        Unit-rate arrivals are divided by ``rate``; a fixed-time workload (a trace)
+        is returned unchanged, as a copy. Segments are shared, not copied.
+        """
+        if not (rate > 0 and math.isfinite(rate)):
+            raise ValueError(f"rate must be a positive finite number, got {rate}")
+        if self.fixed_times:
+            return replace(self, requests=list(self.requests))
+        inv = 1.0 / rate
+        return replace(self, requests=[replace(r, arrival=r.arrival * inv) for r in self.requests])
+
+    def limited(self, n: int) -> Workload:
+        """A copy with only the first ``n`` requests (by arrival)."""
+        if n < 0:
+            raise ValueError(f"limit must be >= 0, got {n}")
+        return replace(self, requests=self.requests[:n])
+
+    def prompt_token_total(self) -> int:
+        """Prompt tokens of all requests (what a cache-blind cluster prefills)."""
+        return sum(r.prompt_tokens for r in self.requests)
+
+
+def random_tokens(rng: np.random.Generator, n: int, vocab: int = DEFAULT_VOCAB) -> array[int]:
+    """``n`` uniformly random token ids in ``[0, vocab)`` as ``array('I')``.
+
+    Drawn with numpy and copied as raw bytes: about 100x faster than a Python loop,
+    which matters for 40,000-token documents and whole traces.
+    """
+    if n < 0:
+        raise ValueError(f"token count must be >= 0, got {n}")
+    if not 0 < vocab <= 2**32:
+        raise ValueError(f"vocab must be in [1, 2**32], got {vocab}")
+    return array("I", rng.integers(0, vocab, size=n, dtype=np.uint32).tobytes())
+
+
+def poisson_arrivals(n: int, rng: np.random.Generator) -> FloatArray:
+    """``n`` arrival times of a Poisson process with rate 1 (exponential gaps)."""
+    _check_count(n)
+    return np.cumsum(rng.exponential(1.0, size=n))
+
+
+def gamma_arrivals(n: int, rng: np.random.Generator, cv: float) -> FloatArray:
+    """``n`` arrival times with gamma gaps of mean 1 and coefficient of variation ``cv``.
+
+    Shape ``k = 1/cv^2`` and scale ``cv^2`` give mean ``k * scale = 1`` and standard
+    deviation ``sqrt(k) * scale = cv``. ``cv > 1`` is burstier than Poisson:
+    many short gaps, a few long silences.
+    """
+    _check_count(n)
+    return np.cumsum(_gamma_gaps(n, rng, cv))
+
+
+def rate_ladder(
+    n_per_stage: int | Sequence[int],
+    relative_rates: Sequence[float],
+    rng: np.random.Generator,
+    cv: float = 1.0,
+) -> FloatArray:
+    """Arrival times of consecutive stages at different rates, unit mean rate overall.
+
+    Stage ``i`` sends ``n_per_stage[i]`` requests (an int: the same for every
+    stage) at a rate proportional to ``relative_rates[i]``. Rates are normalized
+    so the *expected* duration of the whole run equals the request count: the
+    run averages one request per second and :meth:`Workload.scaled` sets the
+    mean rate while keeping the ladder's shape. Gaps are exponential
+    (``cv == 1``) or gamma with that coefficient of variation.
+    """
+    rates = [float(r) for r in relative_rates]
+    counts = [n_per_stage] * len(rates) if isinstance(n_per_stage, int) else list(n_per_stage)
+    if not rates or len(counts) != len(rates):
+        raise ValueError("rate_ladder needs one request count per stage and at least one stage")
+    if any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise ValueError(f"relative rates must be positive and finite, got {rates}")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"stage request counts must be >= 0, got {counts}")
+    total = sum(counts)
+    if total == 0:
+        return np.zeros(0, dtype=np.float64)
+    # Expected run time at the given rates, then the factor that makes it `total` seconds.
+    norm = sum(c / r for c, r in zip(counts, rates, strict=True)) / total
+    gaps: list[FloatArray] = []
+    for count, rate in zip(counts, rates, strict=True):
+        unit = rng.exponential(1.0, size=count) if cv == 1.0 else _gamma_gaps(count, rng, cv)
+        gaps.append(unit / (rate * norm))
+    return np.cumsum(np.concatenate(gaps))
+
+
+def make_arrivals(process: str, n: int, rng: np.random.Generator) -> FloatArray:
+    """Unit-rate arrival times for a process named on the command line.
+
+    ``"poisson"``, ``"gamma"`` (coefficient of variation :data:`DEFAULT_GAMMA_CV`)
+    or ``"gamma:<cv>"`` (e.g. ``"gamma:3"``).
+    """
+    kind, _, arg = process.partition(":")
+    if kind == "poisson" and not arg:
+        return poisson_arrivals(n, rng)
+    if kind == "gamma":
+        if not arg:
+            return gamma_arrivals(n, rng, DEFAULT_GAMMA_CV)
+        try:
+            cv = float(arg)
+        except ValueError:
+            cv = math.nan
+        if cv > 0 and math.isfinite(cv):
+            return gamma_arrivals(n, rng, cv)
+    raise ValueError(
+        f"unknown arrival process {process!r}: expected 'poisson', 'gamma' or 'gamma:<cv>'"
+        " with cv > 0"
+    )
+
+
+def arrival_cv(process: str) -> float:
+    """The gap coefficient of variation that :func:`make_arrivals` uses for ``process``."""
+    make_arrivals(process, 0, np.random.default_rng(0))  # validates the name
+    kind, _, arg = process.partition(":")
+    if kind == "poisson":
+        return 1.0
+    return float(arg) if arg else DEFAULT_GAMMA_CV
+
+
+def _gamma_gaps(n: int, rng: np.random.Generator, cv: float) -> FloatArray:
+    if not (cv > 0 and math.isfinite(cv)):
+        raise ValueError(f"cv must be a positive finite number, got {cv}")
+    var = cv * cv
+    return rng.gamma(1.0 / var, var, size=n)
+
+
+def _check_count(n: int) -> None:
+    if n < 0:
+        raise ValueError(f"request count must be >= 0, got {n}")

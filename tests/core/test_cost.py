@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from prefixrouter.core import CostModel, SpeedProfile, WorkerId, WorkerView
+
+W = WorkerView(WorkerId("w"))
+
+
+def test_prefill_grows_with_new_tokens_and_attended_context() -> None:
+    p = SpeedProfile()
+    assert p.prefill_time(0) == 0.0
+    assert p.prefill_time(2_000) < p.prefill_time(4_000)
+    assert p.prefill_time(1_000, 0) < p.prefill_time(1_000, 50_000)
+
+
+def test_terms_separate_and_sum_to_ttft() -> None:
+    cm = CostModel()
+    w = replace(W, pending_prefill_tokens=5_000, decoding=10, context_tokens=20_000,
+                decode_tokens_remaining=2_000)  # fmt: skip
+    t = cm.predict(w, 8_000, 2_000, 1.0, 100)
+    assert t.queue_wait_s == pytest.approx(w.profile.prefill_time(5_000))
+    assert t.prefill_s == pytest.approx(w.profile.prefill_time(6_000, 2_000))
+    assert t.decode_impact_s > 0 and t.memory_risk_s == 0
+    assert t.ttft_s == pytest.approx(t.queue_wait_s + t.prefill_s + t.decode_impact_s)
+
+
+def test_confidence_weighs_cached_prefill() -> None:
+    cm = CostModel()
+    sure = cm.predict(W, 10_000, 8_000, 1.0, 10).prefill_s
+    half = cm.predict(W, 10_000, 8_000, 0.5, 10).prefill_s
+    cold = cm.predict(W, 10_000, 0, 0.0, 10).prefill_s
+    assert sure < half < cold
+    assert half == pytest.approx((sure + cold) / 2)
+
+
+def test_memory_risk_when_kv_is_short() -> None:
+    cm = CostModel()
+    roomy = replace(W, decoding=4, decode_tokens_remaining=400, kv_used_blocks=100)
+    tight = replace(roomy, kv_capacity_blocks=200, kv_used_blocks=190)
+    assert cm.predict(roomy, 4_000, 0, 0.0, 100).memory_risk_s == 0
+    assert cm.predict(tight, 4_000, 0, 0.0, 100).memory_risk_s > 0
+
+
+def test_full_slots_add_a_wait() -> None:
+    cm = CostModel()
+    free = replace(W, max_slots=4, in_flight=3)
+    full = replace(W, max_slots=4, in_flight=6, decoding=4, decode_tokens_remaining=400)
+    assert cm.predict(free, 100, 0, 0.0, 10).queue_wait_s == 0
+    assert cm.predict(full, 100, 0, 0.0, 10).queue_wait_s > 0
+
+
+def test_calibration_converges_and_is_bounded() -> None:
+    cm = CostModel()
+    for _ in range(200):
+        t = cm.predict(W, 4_000, 0, 0.0, 10)
+        cm.observe(W.worker_id, t, t.ttft_s / t.scale * 1.5)
+    assert cm.scale(W.worker_id) == pytest.approx(1.5, rel=0.01)
+    for _ in range(500):
+        t = cm.predict(W, 4_000, 0, 0.0, 10)
+        cm.observe(W.worker_id, t, t.ttft_s * 1000)
+    assert cm.scale(W.worker_id) == pytest.approx(cm.params.max_scale)
+    assert cm.scale(W.worker_id) <= cm.params.max_scale
+    cm.forget(W.worker_id)
+    assert cm.scale(W.worker_id) == 1.0

@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixrouter.core import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EntrySource,
+    IndexParams,
+    PrefixIndex,
+    WorkerId,
+    hash_token_blocks,
+)
+from tests.core.conftest import NS, tokens
+
+A, B = WorkerId("a"), WorkerId("b")
+
+
+def chain(start: int, blocks: int, ns_seed: int = NS.seed) -> tuple[BlockHash, ...]:
+    return hash_token_blocks(ns_seed, tokens(start, blocks * 16), 16)
+
+
+def test_match_longest_consecutive_prefix_per_worker() -> None:
+    idx = PrefixIndex()
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_routed(B, doc[:4], 0.0)
+    m = idx.match(doc, 1.0)
+    assert m[A].blocks == 10 and m[B].blocks == 4
+    assert m[A].source is EntrySource.SPECULATIVE
+    other = chain(2, 10)
+    assert idx.match(other, 1.0) == {}
+
+
+def test_gap_in_chain_stops_the_match() -> None:
+    idx = PrefixIndex()
+    doc = chain(1, 6)
+    idx.on_routed(A, doc, 0.0)
+    idx.apply(BlockRemoved(A, [doc[2]]), 0.0)
+    assert idx.match(doc, 0.0)[A].blocks == 2
+
+
+def test_capacity_evicts_lru_tail_first() -> None:
+    idx = PrefixIndex()
+    idx.set_capacity(A, 8)
+    d1, d2 = chain(1, 6), chain(2, 4)
+    idx.on_routed(A, d1, 0.0)
+    idx.on_routed(A, d2, 1.0)  # 10 blocks > 8: d1's two tail blocks go first
+    assert idx.blocks_of(A) == 8
+    assert idx.match(d1, 1.0)[A].blocks == 4
+    assert idx.match(d2, 1.0)[A].blocks == 4
+    idx.set_capacity(A, 5)  # shrinking evicts at once, least recently used chain first
+    assert idx.blocks_of(A) == 5
+    assert idx.match(d1, 1.0)[A].blocks == 1
+    assert idx.match(d2, 1.0)[A].blocks == 4
+
+
+def test_speculative_entries_expire_but_confirmed_do_not() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=10.0))
+    doc = chain(1, 4)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_routed(B, doc, 0.0)
+    idx.on_completed(B, doc, 16.0, 0, 64, 1.0)  # B confirmed all 4 blocks
+    assert set(idx.match(doc, 9.0)) == {A, B}
+    assert set(idx.match(doc, 10.5)) == {B}  # A expired for matching at once
+    assert idx.expire(10.5) == 4  # and its memory is reclaimed on the next update
+    assert idx.blocks_of(A) == 0 and idx.blocks_of(B) == 4
+
+
+def test_refresh_extends_speculative_ttl() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=10.0))
+    doc = chain(1, 3)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_routed(A, doc, 8.0)
+    assert idx.expire(12.0) == 0
+    assert idx.match(doc, 12.0)[A].blocks == 3
+    assert idx.expire(18.5) == 3
+
+
+def test_miss_lowers_trust_and_drops_entries_past_actual_match() -> None:
+    p = IndexParams(miss_decay=0.5)
+    idx = PrefixIndex(p)
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    assert idx.on_completed(A, doc, 16.0, 160, 48, 1.0) is True
+    assert idx.trust(A) == pytest.approx(0.5)
+    m = idx.match(doc, 1.0)[A]
+    assert m.blocks == 3 and m.source is EntrySource.CONFIRMED
+    assert m.confidence == pytest.approx(0.5)
+
+
+def test_hit_within_tolerance_is_not_a_miss_and_restores_trust() -> None:
+    idx = PrefixIndex(IndexParams(miss_decay=0.5, hit_recovery=0.25))
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 160, 0, 1.0)
+    idx.on_routed(A, doc, 2.0)
+    # engines recompute the last block of a fully cached prompt: one block short is a hit
+    assert idx.on_completed(A, doc, 16.0, 160, 144, 3.0) is False
+    assert idx.trust(A) == pytest.approx(0.75)
+
+
+def test_events_are_exact_and_clear() -> None:
+    idx = PrefixIndex()
+    doc = chain(1, 5)
+    idx.apply(BlockStored(A, doc), 0.0)
+    m = idx.match(doc, 1e9)[A]  # event entries never expire
+    assert m.blocks == 5 and m.source is EntrySource.EVENT and m.confidence == 1.0
+    idx.apply(BlockRemoved(A, doc[3:]), 1.0)
+    assert idx.match(doc, 1.0)[A].blocks == 3
+    idx.apply(AllBlocksCleared(A), 2.0)
+    assert idx.match(doc, 2.0) == {} and len(idx) == 0
+
+
+def test_routing_never_downgrades_an_event_entry() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=1.0))
+    doc = chain(1, 3)
+    idx.apply(BlockStored(A, doc), 0.0)
+    idx.on_routed(A, doc, 0.5)
+    idx.expire(100.0)
+    assert idx.match(doc, 100.0)[A].source is EntrySource.EVENT
+
+
+def test_remove_worker_forgets_everything() -> None:
+    idx = PrefixIndex()
+    doc = chain(1, 5)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_routed(B, doc, 0.0)
+    idx.set_capacity(A, 50)
+    idx.remove_worker(A)
+    assert set(idx.match(doc, 0.0)) == {B}
+    assert len(idx) == 5 and idx.capacity(A) == idx.params.default_capacity_blocks
+
+
+def test_one_million_unique_prompts_stay_under_the_global_cap() -> None:
+    cap = 20_000
+    idx = PrefixIndex(IndexParams(max_entries=cap, default_capacity_blocks=10**9))
+    workers = [WorkerId(f"w{i}") for i in range(8)]
+    peak = 0
+    for i in range(1_000_000):
+        # one unique 2-block prompt per request, spread over 8 workers
+        h = BlockHash(i * 2 + 1)
+        idx.on_routed(workers[i % 8], (h, BlockHash(i * 2 + 2)), float(i) * 1e-4)
+        if i % 50_000 == 0:
+            peak = max(peak, len(idx))
+    assert len(idx) <= cap and peak <= cap
+    assert idx.evicted_entries == 2_000_000 - len(idx)
+    assert sum(idx.blocks_of(w) for w in workers) == len(idx)
+
+
+# ------------------------------------------------------------- properties
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["route", "complete", "store", "remove", "clear"]),
+        st.sampled_from([A, B, WorkerId("c")]),
+        st.integers(0, 5),  # which document
+        st.integers(0, 8),  # how many blocks
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(2, 12))
+def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity: int) -> None:
+    idx = PrefixIndex(IndexParams(max_entries=20, speculative_ttl_s=5.0))
+    docs = [chain(d, 8) for d in range(6)]
+    given_blocks: dict[WorkerId, set[BlockHash]] = {}
+    for w in (A, B, WorkerId("c")):
+        idx.set_capacity(w, capacity)
+    t = 0.0
+    for op, w, d, n in script:
+        t += 1.0
+        blocks = docs[d][:n]
+        if op == "route":
+            idx.on_routed(w, blocks, t)
+        elif op == "complete":
+            idx.on_completed(w, docs[d], 16.0, 16 * n, 16 * (n // 2), t)
+            blocks = docs[d][: n // 2]
+        elif op == "store":
+            idx.apply(BlockStored(w, blocks), t)
+        elif op == "remove":
+            idx.apply(BlockRemoved(w, blocks), t)
+            blocks = ()
+        else:
+            idx.apply(AllBlocksCleared(w), t)
+            blocks = ()
+        given_blocks.setdefault(w, set()).update(blocks)
+        # capacity and the global cap hold after every call
+        assert len(idx) <= 20
+        for ww in (A, B, WorkerId("c")):
+            assert idx.blocks_of(ww) <= capacity
+        # the index never claims more than a worker was given
+        for doc in docs:
+            for ww, m in idx.match(doc, t).items():
+                assert set(doc[: m.blocks]) <= given_blocks[ww]
+                assert 0.0 < m.confidence <= 1.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["t1", "t2", "t3"]), st.integers(0, 3)), max_size=30))
+def test_one_tenant_never_matches_another_tenants_entries(
+    routed: list[tuple[str, int]],
+) -> None:
+    from prefixrouter.core import CacheNamespace
+
+    idx = PrefixIndex()
+    for tenant, d in routed:
+        seed = CacheNamespace("m", tenant=tenant).seed
+        idx.on_routed(A, chain(d, 4, seed), 0.0)
+    seen = {(t, d) for t, d in routed}
+    for tenant in ("t1", "t2", "t3"):
+        seed = CacheNamespace("m", tenant=tenant).seed
+        for d in range(4):
+            got = idx.match(chain(d, 4, seed), 0.0)
+            assert bool(got) == ((tenant, d) in seen)

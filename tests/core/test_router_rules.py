@@ -1,0 +1,300 @@
+"""Table-driven tests for each decision rule of DESIGN.md, on the default profile."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixrouter.core import (
+    CacheNamespace,
+    InflightLedger,
+    Outcome,
+    RequestId,
+    Router,
+    RoutingRequest,
+    WorkerId,
+    WorkerView,
+    create_policy,
+)
+from prefixrouter.core.policies.prefix_aware import PrefixRouterParams
+from prefixrouter.errors import NoWorkerAvailable
+from tests.core.conftest import NS, request, tokens, workers
+
+W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
+
+
+def warm(router: Router, worker: WorkerId, toks: object, now: float = 0.0) -> None:
+    """Make ``worker`` hold ``toks`` as if a request had been routed there."""
+    req = request(f"warm-{worker}-{now}", toks)  # type: ignore[arg-type]
+    router.index.on_routed(worker, router.blocks_for(req).hashes, now)
+
+
+def candidate(decision: object, worker: WorkerId) -> object:
+    return next(c for c in decision.candidates if c.worker_id == worker)  # type: ignore[attr-defined]
+
+
+def test_exact_hit_wins_when_loads_are_equal() -> None:
+    r = Router()
+    doc = tokens(1, 30_000)
+    warm(r, W1, doc)
+    d = r.route(request("q", doc[:30_000] + tokens(9, 100)), workers(3), 1.0)
+    assert d.worker_id == W1 and d.tier == "exact"
+    assert d.predicted_cached_tokens == 30_000 - 30_000 % 16
+
+
+def test_warm_wins_within_the_margin_even_when_cold_predicts_faster() -> None:
+    r = Router()
+    doc = tokens(1, 1_000)
+    warm(r, W0, doc)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=2_300)  # a short queue on the warm worker
+    d = r.route(request("q", doc + tokens(5, 2_000)), ws, 1.0)
+    c0, c1 = candidate(d, W0), candidate(d, W1)
+    assert c0.score > c1.score  # type: ignore[attr-defined]  # pure TTFT says cold...
+    assert d.worker_id == W0 and "warm within margin" in d.reason  # ...margin keeps it warm
+
+
+@pytest.mark.parametrize(
+    ("pending", "abandoned", "reason"),
+    [
+        (60_000, False, "beyond margin"),  # ~3 s queue: under the max wait, but too slow
+        (200_000, True, "max"),  # ~10 s queue: past the max wait for warm preference
+    ],
+)
+def test_cold_wins_when_the_warm_queue_is_too_long(
+    pending: int, abandoned: bool, reason: str
+) -> None:
+    r = Router()
+    doc = tokens(1, 8_000)
+    warm(r, W0, doc)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=pending)
+    d = r.route(request("q", doc + tokens(5, 200)), ws, 1.0)
+    assert d.worker_id == W1 and d.tier == "cold"
+    assert d.warm_abandoned is abandoned and reason in d.reason
+
+
+def test_partial_hit_of_24k_of_30k_beats_no_hit() -> None:
+    r = Router()
+    doc = tokens(1, 30_000)
+    warm(r, W0, doc[:24_000])
+    warm(r, W2, doc)  # the full prefix, but on a worker with a long queue
+    ws = workers(3)
+    ws[2] = replace(ws[2], pending_prefill_tokens=400_000)
+    d = r.route(request("q", doc), ws, 1.0)
+    assert d.worker_id == W0 and d.tier == "partial"
+    assert d.predicted_cached_tokens == 24_000
+    c0, c1 = candidate(d, W0), candidate(d, W1)
+    assert c0.terms.prefill_s < c1.terms.prefill_s / 3  # type: ignore[attr-defined]
+
+
+def test_savings_are_absolute_not_a_percentage() -> None:
+    r = Router()
+    small, big = tokens(1, 2_100), tokens(2, 100_000)
+    warm(r, W0, small[:2_000])
+    warm(r, W0, big[:2_000])
+    ws = workers(2)
+    saved = []
+    for toks in (small, big):
+        d = r.route(request("q", toks), ws, 1.0)
+        assert d.worker_id == W0 and d.predicted_cached_tokens == 2_000
+        c0, c1 = candidate(d, W0), candidate(d, W1)
+        saved.append(c1.terms.prefill_s - c0.terms.prefill_s)  # type: ignore[attr-defined]
+    # 2,000 of 2,100 and 2,000 of 100,000 save the same prefill time
+    assert saved[0] == pytest.approx(saved[1], rel=1e-9)
+    assert saved[0] > 0
+
+
+def test_distrusted_affinity_is_scored_cold() -> None:
+    r = Router()
+    doc = tokens(1, 4_000)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=600)
+    q = request("q", doc + tokens(3, 100))
+    warm(r, W0, doc)
+    assert r.route(q, ws, 1.0).worker_id == W0
+    hashes = r.blocks_for(q).hashes
+    for i in range(2):  # the engine twice reports far fewer cached tokens than predicted
+        r.index.on_completed(W0, hashes, 16.0, 4_000, 0, 2.0 + i)
+        warm(r, W0, doc, 2.5 + i)
+    assert r.index.trust(W0) < 0.5
+    d = r.route(q, ws, 5.0)
+    assert d.worker_id == W1 and d.tier == "cold" and d.predicted_cached_tokens == 0
+
+
+def test_long_generations_spread_differently_from_short_answers() -> None:
+    r = Router()
+    doc = tokens(1, 6_000)
+    warm(r, W0, doc)
+    ws = workers(2)
+    # the warm worker runs a big decode batch
+    ws[0] = replace(ws[0], decoding=200, context_tokens=1_200_000, decode_tokens_remaining=100_000)
+    short = r.route(request("s", doc + tokens(2, 100), max_tokens=64), ws, 1.0)
+    long = r.route(request("l", doc + tokens(3, 100), max_tokens=2_000), ws, 1.0)
+    assert short.worker_id == W0 and short.tier == "exact"
+    assert long.worker_id == W1 and long.tier == "cold"
+
+
+def test_hot_prefix_warms_a_second_replica() -> None:
+    doc = tokens(1, 8_000)
+
+    def route_under_demand(requests_per_s: float) -> str:
+        r = Router()
+        warm(r, W0, doc)
+        ws = workers(2)
+        ws[0] = replace(ws[0], pending_prefill_tokens=9_000)  # warm, but queued
+        # a stream of this prefix at the given rate feeds the demand estimate
+        for i in range(300):
+            t = i / requests_per_s
+            d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
+            r.policy.on_routed(d.context, W0)
+        now = 300 / requests_per_s
+        warm(r, W0, doc, now)  # keep the speculative entries fresh at any rate
+        return r.route(request("x", doc + tokens(7, 50)), ws, now).reason
+
+    assert "warm within margin" in route_under_demand(0.2)
+    assert "hot prefix" in route_under_demand(50.0)
+
+
+def test_cold_quota_keeps_slots_for_unique_requests_in_a_hot_stream() -> None:
+    def run(share: float) -> tuple[dict[WorkerId, int], list[int]]:
+        policy = create_policy("prefixrouter", {"cold_reserved_share": share})
+        r, ledger = Router(policy), InflightLedger()
+        hot = tokens(1, 3_000)
+        warm(r, W0, hot)
+        free_slots_seen = []
+        hot_per_worker: dict[WorkerId, int] = {}
+        for i in range(12):
+            unique = i % 3 == 2
+            toks = tokens(1000 + i, 800) if unique else hot + tokens(500 + i, 40)
+            ws = [ledger.fill(WorkerView(WorkerId(f"w{k}"), max_slots=8)) for k in range(3)]
+            d = r.route(request(f"r{i}", toks), ws, float(i))
+            chosen = next(w for w in ws if w.worker_id == d.worker_id)
+            if unique:
+                free_slots_seen.append(chosen.max_slots - chosen.in_flight)
+            else:
+                hot_per_worker[d.worker_id] = hot_per_worker.get(d.worker_id, 0) + 1
+            r.on_routed(d, float(i))
+            ledger.on_routed(d.context.request.request_id, d.worker_id, 40, 3_040, 128)
+        return hot_per_worker, free_slots_seen
+
+    hot, free = run(0.25)
+    assert max(hot.values()) <= 6  # hot requests left a slot in reserve on every worker
+    assert all(f >= 1 for f in free)  # every unique request found a free slot
+    no_quota, _ = run(0.0)
+    assert no_quota[W0] > 6  # without the quota the hot stream takes the warm worker's slots
+
+
+def test_cold_pool_takes_cold_requests_and_warm_ones_stay_warm() -> None:
+    policy = create_policy("prefixrouter", {"cold_pool": "cold"})
+    r = Router(policy)
+    doc = tokens(1, 10_000)
+    warm(r, W0, doc)
+    ws = [*workers(2), WorkerView(WorkerId("c0"), pool="cold")]
+    cold = r.route(request("u", tokens(77, 3_000)), ws, 1.0)
+    assert cold.worker_id == "c0" and cold.tier == "cold_pool"
+    hot = r.route(request("h", doc + tokens(2, 100)), ws, 1.0)
+    assert hot.worker_id == W0 and hot.tier == "exact"
+
+
+@pytest.mark.parametrize(
+    ("worker", "req_kw", "filter_name"),
+    [
+        (WorkerView(W0, healthy=False), {}, "health"),
+        (WorkerView(W0, models=frozenset({"other"})), {"model": "m"}, "model"),
+        (WorkerView(W0), {"adapter": "lora-x"}, "adapter"),
+        (
+            WorkerView(W0, tenants=frozenset({"acme"})),
+            {"ns": CacheNamespace("m", tenant="b")},
+            "tenant",
+        ),
+        (WorkerView(W0, pool="batch"), {"pool": "online"}, "pool"),
+    ],
+)
+def test_filters_run_before_scoring(worker: WorkerView, req_kw: dict, filter_name: str) -> None:  # type: ignore[type-arg]
+    r = Router()
+    doc = tokens(1, 2_000)
+    warm(r, W0, doc)  # the filtered worker is warm: permission still comes first
+    other = WorkerView(
+        W1,
+        models=frozenset({"m"}),
+        adapters=frozenset({"lora-x"}),
+        pool=req_kw.get("pool", "default"),
+    )
+    ws = [worker, other]
+    d = r.route(request("q", doc, **req_kw), ws, 1.0)
+    assert d.worker_id == W1 and d.filtered == {W0: filter_name}
+    with pytest.raises(NoWorkerAvailable, match=filter_name):
+        r.route(request("q", doc, **req_kw), [worker], 1.0)
+
+
+def test_decision_record_names_everything() -> None:
+    r = Router()
+    doc = tokens(1, 3_000)
+    warm(r, W0, doc)
+    d = r.route(request("q1", doc, prefix_class="document"), workers(2), 1.0)  # type: ignore[arg-type]
+    rec = d.to_dict()
+    assert rec["request_id"] == "q1" and rec["selected_worker"] == "w0"
+    assert rec["namespace"] == NS.key and rec["tier"] == "exact" and rec["reason"]
+    assert rec["predicted_cached_tokens"] == 2_992 and len(rec["prefix_key"]) == 16
+    cands = {c["worker"]: c for c in rec["candidate_workers"]}
+    assert set(cands) == {"w0", "w1"}
+    for key in ("queue_wait_ms", "prefill_ms", "decode_impact_ms", "memory_risk_ms"):
+        assert key in cands["w0"]
+    assert cands["w0"]["prefill_ms"] < cands["w1"]["prefill_ms"]
+
+
+def test_route_is_pure_and_feedback_calibrates() -> None:
+    r = Router()
+    doc = tokens(1, 3_000)
+    q = request("q", doc)
+    ws = workers(2)
+    first = r.route(q, ws, 1.0).to_dict()
+    assert r.route(q, ws, 1.0).to_dict() == first
+    assert len(r.index) == 0  # routing alone indexed nothing
+    d = r.route(q, ws, 1.0)
+    r.on_routed(d, 1.0)
+    predicted = d.predicted_ttft_s
+    assert predicted is not None
+    for _ in range(100):  # the engine is twice as slow as its profile says
+        r.on_completed(d, Outcome(actual_cached_tokens=0, ttft_s=2 * predicted), 2.0)
+    assert r.cost.scale(d.worker_id) == pytest.approx(2.0, rel=0.05)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 5_000)), max_size=12),
+    st.integers(0, 3),
+    st.integers(1, 4_000),
+)
+def test_same_inputs_same_decision(
+    history: list[tuple[int, int, int]], doc_id: int, max_tokens: int
+) -> None:
+    def build() -> tuple[Router, list[WorkerView]]:
+        r = Router()
+        ws = workers(3)
+        for i, (w, d, pending) in enumerate(history):
+            warm(r, WorkerId(f"w{w}"), tokens(d, 2_000), float(i))
+            ws[w] = replace(ws[w], pending_prefill_tokens=pending)
+        return r, ws
+
+    q = RoutingRequest(RequestId("q"), NS, tokens=tokens(doc_id, 2_100), max_tokens=max_tokens)
+    (r1, ws1), (r2, ws2) = build(), build()
+    assert r1.route(q, ws1, 50.0).to_dict() == r2.route(q, ws2, 50.0).to_dict()
+
+
+def test_params_validation_names_the_field() -> None:
+    from prefixrouter.errors import ConfigError, UnknownNameError
+
+    with pytest.raises(ConfigError, match="warm_margin_rell"):
+        create_policy("prefixrouter", {"short": {"warm_margin_rell": 1}})
+    with pytest.raises(ConfigError, match="'min_match_tokens' must be int"):
+        create_policy("prefixrouter", {"min_match_tokens": "many"})
+    with pytest.raises(UnknownNameError, match=r"known: .*round_robin"):
+        create_policy("nope")
+    p = create_policy("prefixrouter", {"long": {"decode_weight": 2}}).params
+    assert isinstance(p, PrefixRouterParams) and p.long.decode_weight == 2.0
+    assert p.long.warm_margin_rel == PrefixRouterParams().long.warm_margin_rel

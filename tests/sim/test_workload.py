@@ -1,0 +1,185 @@
+"""Workload types and arrival processes (prefixrouter.sim.workload)."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+
+from prefixrouter.core.types import PrefixClass, RequestId
+from prefixrouter.sim.workload import (
+    DEFAULT_GAMMA_CV,
+    SIM_NAMESPACE,
+    SimRequest,
+    Workload,
+    arrival_cv,
+    gamma_arrivals,
+    make_arrivals,
+    poisson_arrivals,
+    random_tokens,
+    rate_ladder,
+)
+
+
+def _gaps(times: np.ndarray) -> np.ndarray:
+    return np.diff(times, prepend=0.0)
+
+
+def _request(i: int, arrival: float, *segments: array[int]) -> SimRequest:
+    return SimRequest(
+        request_id=RequestId(f"r{i}"),
+        arrival=arrival,
+        namespace=SIM_NAMESPACE,
+        segments=segments,
+        output_tokens=10,
+        prefix_class=PrefixClass.SYSTEM,
+        group="g",
+        first_user_offset=len(segments[0]),
+    )
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def test_random_tokens_are_uint32_in_vocab_and_seeded() -> None:
+    a = random_tokens(np.random.default_rng(7), 10_000, vocab=1000)
+    b = random_tokens(np.random.default_rng(7), 10_000, vocab=1000)
+    c = random_tokens(np.random.default_rng(8), 10_000, vocab=1000)
+    assert a.typecode == "I" and a.itemsize == 4
+    assert len(a) == 10_000
+    assert min(a) >= 0 and max(a) < 1000
+    assert a.tobytes() == b.tobytes()
+    assert a.tobytes() != c.tobytes()
+    assert len(random_tokens(np.random.default_rng(0), 0)) == 0
+
+
+def test_random_tokens_rejects_bad_arguments() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError):
+        random_tokens(rng, -1)
+    with pytest.raises(ValueError):
+        random_tokens(rng, 5, vocab=0)
+
+
+# --------------------------------------------------------------------------- SimRequest
+
+
+def test_sim_request_tokens_concatenate_segments_on_demand() -> None:
+    shared = array("I", [1, 2, 3])
+    r = _request(0, 0.0, shared, array("I", [4, 5]))
+    assert r.prompt_tokens == 5
+    flat = r.tokens()
+    assert flat.typecode == "I"
+    assert list(flat) == [1, 2, 3, 4, 5]
+    assert flat is not r.tokens()  # built each time, never cached on the request
+    assert list(shared) == [1, 2, 3]  # the shared segment is not modified
+
+
+# --------------------------------------------------------------------------- Workload
+
+
+def test_workload_scaled_divides_unit_rate_arrivals_and_shares_segments() -> None:
+    seg = array("I", range(32))
+    wl = Workload("w", "d", [_request(i, float(i), seg) for i in range(5)])
+    fast = wl.scaled(10.0)
+    assert [r.arrival for r in fast.requests] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert all(r.segments[0] is seg for r in fast.requests)
+    assert [r.arrival for r in wl.requests] == [0.0, 1.0, 2.0, 3.0, 4.0]  # original untouched
+    assert fast.name == wl.name and fast.default_workers == wl.default_workers
+
+
+def test_workload_scaled_keeps_fixed_times() -> None:
+    seg = array("I", [1])
+    wl = Workload("t", "d", [_request(i, float(i), seg) for i in range(3)], fixed_times=True)
+    same = wl.scaled(50.0)
+    assert [r.arrival for r in same.requests] == [0.0, 1.0, 2.0]
+    assert same.requests is not wl.requests
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, float("inf"), float("nan")])
+def test_workload_scaled_rejects_bad_rates(rate: float) -> None:
+    wl = Workload("w", "d", [])
+    with pytest.raises(ValueError):
+        wl.scaled(rate)
+
+
+def test_workload_limited_and_validation() -> None:
+    seg = array("I", [1])
+    wl = Workload("w", "d", [_request(i, float(i), seg) for i in range(10)])
+    assert [r.request_id for r in wl.limited(3).requests] == ["r0", "r1", "r2"]
+    assert len(wl.limited(100)) == 10
+    assert wl.duration == 9.0
+    with pytest.raises(ValueError):
+        wl.limited(-1)
+    with pytest.raises(ValueError, match="not sorted"):
+        Workload("w", "d", [_request(0, 2.0, seg), _request(1, 1.0, seg)])
+    with pytest.raises(ValueError):
+        Workload("w", "d", [], default_workers=0)
+
+
+# --------------------------------------------------------------------------- arrivals
+
+
+def test_poisson_arrivals_have_unit_rate_and_cv_one() -> None:
+    t = poisson_arrivals(100_000, np.random.default_rng(1))
+    gaps = _gaps(t)
+    assert np.all(gaps > 0)
+    assert gaps.mean() == pytest.approx(1.0, abs=0.02)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.03)
+
+
+@pytest.mark.parametrize("cv", [0.5, 2.0, 3.0])
+def test_gamma_arrivals_have_unit_mean_and_requested_cv(cv: float) -> None:
+    gaps = _gaps(gamma_arrivals(200_000, np.random.default_rng(2), cv))
+    assert gaps.mean() == pytest.approx(1.0, abs=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.05)
+
+
+def test_gamma_arrivals_reject_bad_cv() -> None:
+    with pytest.raises(ValueError):
+        gamma_arrivals(10, np.random.default_rng(0), 0.0)
+
+
+def test_arrivals_are_deterministic_per_seed() -> None:
+    a = poisson_arrivals(100, np.random.default_rng(3))
+    b = poisson_arrivals(100, np.random.default_rng(3))
+    c = poisson_arrivals(100, np.random.default_rng(4))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_rate_ladder_has_unit_mean_rate_and_the_stage_shape() -> None:
+    rates = [1.0, 2.0, 4.0, 8.0]
+    t = rate_ladder(5_000, rates, np.random.default_rng(5))
+    assert len(t) == 20_000
+    assert np.all(np.diff(t) >= 0)
+    assert len(t) / t[-1] == pytest.approx(1.0, rel=0.03)  # unit mean rate overall
+    gaps = _gaps(t).reshape(4, 5_000).mean(axis=1)
+    # Each stage is twice as fast as the previous one.
+    assert gaps[0] / gaps[1] == pytest.approx(2.0, rel=0.08)
+    assert gaps[0] / gaps[3] == pytest.approx(8.0, rel=0.08)
+
+
+def test_rate_ladder_uneven_stages_and_gamma() -> None:
+    t = rate_ladder([100, 3_000, 6_000], [3.0, 30.0, 60.0], np.random.default_rng(6), cv=2.0)
+    assert len(t) == 9_100
+    assert len(t) / t[-1] == pytest.approx(1.0, rel=0.1)
+    with pytest.raises(ValueError):
+        rate_ladder([1, 2], [1.0], np.random.default_rng(0))
+    with pytest.raises(ValueError):
+        rate_ladder(5, [1.0, 0.0], np.random.default_rng(0))
+    assert len(rate_ladder(0, [1.0], np.random.default_rng(0))) == 0
+
+
+def test_make_arrivals_parses_process_names() -> None:
+    rng = np.random.default_rng(0)
+    assert len(make_arrivals("poisson", 10, rng)) == 10
+    assert len(make_arrivals("gamma", 10, rng)) == 10
+    assert len(make_arrivals("gamma:3.5", 10, rng)) == 10
+    assert arrival_cv("poisson") == 1.0
+    assert arrival_cv("gamma") == DEFAULT_GAMMA_CV
+    assert arrival_cv("gamma:3") == 3.0
+    for bad in ("uniform", "gamma:x", "gamma:-1", "poisson:2", ""):
+        with pytest.raises(ValueError, match="arrival process"):
+            make_arrivals(bad, 10, rng)
