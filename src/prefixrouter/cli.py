@@ -14,6 +14,7 @@ one line on stderr and exit with status 2; never a traceback.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,7 +34,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+# Tables are wide: give them room when the output is a file or a pipe
+# (terminals keep their own width).
+console = Console(width=None if sys.stdout.isatty() else 170)
 err_console = Console(stderr=True)
 
 

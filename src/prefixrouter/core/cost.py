@@ -6,8 +6,9 @@ For a request of ``T`` prompt tokens of which worker ``w`` holds the first
     predicted_ttft(w) = queue_wait(w) + prefill(w) + decode_impact(w) + memory_risk(w)
 
 * ``queue_wait``: the prefill already queued on ``w`` (tokens the router sent
-  and the engine has not prefilled), plus, when every sequence slot is taken,
-  the time until enough running requests finish to free one.
+  and the engine has not prefilled), half a decode step on average for the
+  step in flight, plus, when every sequence slot is taken, the time until
+  enough running requests finish to free one.
 * ``prefill``: ``c * P(T - M, context=M) + (1 - c) * P(T, 0)``; ``P`` is the
   worker's speed profile. The expectation over confidence is what makes a
   doubtful cache entry worth less than a certain one.
@@ -103,6 +104,9 @@ class CostModel:
         pending = w.pending_prefill_tokens
 
         queue = prof.prefill_time(pending, 0.0) if pending > 0 else 0.0
+        if w.decoding > 0:
+            # A new request waits, on average, for half of the step in flight.
+            queue += 0.5 * decode_step
         excess = w.in_flight - w.max_slots + 1
         if excess > 0:
             # Slots free up as running requests finish: `running` sequences with

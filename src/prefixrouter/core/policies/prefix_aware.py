@@ -90,7 +90,11 @@ class PrefixRouterParams:
         max_tracked_prefixes: Bound on the demand table (oldest dropped first).
     """
 
-    short: OutputClassParams = field(default_factory=OutputClassParams)
+    short: OutputClassParams = field(
+        default_factory=lambda: OutputClassParams(
+            warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0, decode_weight=0.3
+        )
+    )
     long: OutputClassParams = field(
         default_factory=lambda: OutputClassParams(
             warm_margin_rel=0.1, warm_margin_abs_s=0.02, max_warm_wait_s=2.0, decode_weight=1.0
@@ -183,26 +187,34 @@ class PrefixRouterPolicy(Policy):
         bw = _argmin(scored, warm_idx)
         best, best_warm = scored[best_i], scored[bw]
         abandoned = False
-        if bw == best_i:
+        assert best_warm.terms is not None
+        rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
+        cold_idx = [i for i in eligible if not warm_flags[i]]
+        ci = _argmin(scored, cold_idx) if cold_idx else -1
+        cold_terms = scored[ci].terms if ci >= 0 else None
+        if (
+            needed > len(warm_idx)
+            and cold_terms is not None
+            and cold_terms.queue_wait_s <= cls.max_warm_wait_s
+        ):
+            # Hot prefix: its demand needs more replicas than hold it. Warm the
+            # best cold one now rather than queue on the warm ones.
+            chosen = ci
+            reason = (
+                f"hot prefix: {rate:.1f} req/s needs {needed} replicas, "
+                f"{len(warm_idx)} warm; warming {scored[ci].worker_id}"
+            )
+        elif bw == best_i:
             chosen = bw
-            reason = "lowest predicted TTFT"
+            reason = "lowest predicted cost"
         else:
-            assert best_warm.terms is not None
-            worker = candidates[bw]
-            limit = best.score * (1.0 + cls.warm_margin_rel) + cls.warm_margin_abs_s
-            hot, util = self._is_hot(ctx, worker, best_warm, len(warm_idx), output)
+            limit = self._margin_limit(best, cls)
             if best_warm.terms.queue_wait_s > cls.max_warm_wait_s:
                 chosen, abandoned = best_i, True
                 wait_ms = best_warm.terms.queue_wait_s * 1e3
                 reason = (
                     f"left warm {best_warm.worker_id}: queue wait {wait_ms:.0f} ms"
                     f" > max {cls.max_warm_wait_s * 1e3:.0f} ms"
-                )
-            elif hot:
-                chosen = best_i
-                reason = (
-                    f"hot prefix ({util:.2f} of a replica per warm replica): "
-                    f"warming another replica instead of queueing on {best_warm.worker_id}"
                 )
             elif best_warm.score <= limit:
                 chosen = bw
@@ -238,7 +250,7 @@ class PrefixRouterPolicy(Policy):
             if pool_idx:
                 pi = _argmin(scored, pool_idx)
                 cls = self.params.short
-                limit = scored[best_i].score * (1.0 + cls.warm_margin_rel) + cls.warm_margin_abs_s
+                limit = self._margin_limit(scored[best_i], cls)
                 if scored[pi].score <= limit:
                     return Selection(
                         scored[pi].worker_id,
@@ -255,26 +267,35 @@ class PrefixRouterPolicy(Policy):
             out,
         )
 
-    def _is_hot(
-        self,
-        ctx: RoutingContext,
-        worker: WorkerView,
-        warm: CandidateScore,
-        warm_replicas: int,
-        output: int,
-    ) -> tuple[bool, float]:
-        demand = self._demand.get(ctx.prefix_key)
-        if demand is None or warm.terms is None:
-            return False, 0.0
-        rate = demand.rate * math.exp(-(ctx.now - demand.last) / self.params.demand_window_s)
-        ref = self.params.reference_batch
-        service = (
-            warm.terms.prefill_s
-            + warm.terms.decode_impact_s
-            + output * worker.profile.decode_step_time(ref, 0.0) / ref
-        )
-        util = rate * service / warm_replicas
-        return util > self.params.hot_prefix_utilization, util
+    @staticmethod
+    def _margin_limit(best: CandidateScore, cls: OutputClassParams) -> float:
+        """The highest score a warm worker may have and still be preferred.
+
+        The relative margin applies to the best candidate's predicted TTFT,
+        not to its whole score, so weighing decode time does not widen it.
+        """
+        ttft = best.terms.ttft_s if best.terms is not None else best.score
+        return best.score + ttft * cls.warm_margin_rel + cls.warm_margin_abs_s
+
+    def _replicas_needed(
+        self, ctx: RoutingContext, worker: WorkerView, warm: CandidateScore, output: int
+    ) -> tuple[float, int]:
+        """The prefix's request rate and how many replicas it needs (0 if unknown).
+
+        Engine time per request on a warm replica: its uncached prefill plus
+        its share of batched decoding at ``reference_batch``. Demand is the
+        prefix's rate times that; it needs ``ceil(demand / hot_prefix_utilization)``
+        replicas.
+        """
+        rate = self.prefix_rate(ctx.prefix_key, ctx.now)
+        if rate <= 0.0 or warm.terms is None:
+            return rate, 0
+        ref = max(1, min(self.params.reference_batch, worker.max_slots))
+        context = ctx.blocks.prompt_tokens + output / 2.0
+        per_token = worker.profile.decode_step_time(ref, ref * context) / ref
+        service = warm.terms.prefill_s + output * per_token
+        demand = rate * service
+        return rate, math.ceil(demand / self.params.hot_prefix_utilization)
 
     # ------------------------------------------------------------------ hooks
 

@@ -1,0 +1,95 @@
+"""`prefixrouter simulate` from the outside: listing, reports, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from prefixrouter.cli import app
+from prefixrouter.sim.scenarios import SCENARIOS
+
+runner = CliRunner()
+
+RESULT_KEYS = {
+    "policy", "requests", "completed", "ttft_ms", "e2e_ms", "queue_wait_ms", "throughput_rps",
+    "output_tokens_per_s", "prompt_tokens", "cached_tokens", "prefill_tokens", "evictions",
+    "load_imbalance", "warm_abandoned",
+}  # fmt: skip
+
+
+def test_list_names_every_scenario_on_one_line_each() -> None:
+    res = runner.invoke(app, ["simulate", "--list"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == len(SCENARIOS) >= 11
+    assert {ln.split()[0] for ln in lines} == set(SCENARIOS)
+
+
+def _simulate(tmp_path: Path, name: str) -> dict:  # type: ignore[type-arg]
+    out = tmp_path / f"{name}.json"
+    args = ["simulate", "--scenario", "gsp", "--requests", "120", "--workers", "4"]
+    args += ["--load", "0.7", "--policies", "prefixrouter,round_robin", "--seed", "5"]
+    args += ["--json", str(out)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return json.loads(out.read_text())
+
+
+def test_json_report_schema_and_byte_identical_reruns(tmp_path: Path) -> None:
+    a = _simulate(tmp_path, "a")
+    assert {"scenario", "workers", "seed", "lower_bound_prefill_tokens", "results"} <= set(a)
+    assert [r["policy"] for r in a["results"]] == ["prefixrouter", "round_robin"]
+    for r in a["results"]:
+        assert set(r) >= RESULT_KEYS
+        assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
+        assert r["completed"] == 120 and r["requests"] == 120
+        assert r["prefill_tokens"] >= a["lower_bound_prefill_tokens"]
+    _simulate(tmp_path, "b")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_plot_is_written(tmp_path: Path) -> None:
+    png = tmp_path / "out.png"
+    res = runner.invoke(
+        app,
+        ["simulate", "--scenario", "unique", "--requests", "60", "--policies", "round_robin",
+         "--plot", str(png)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_names_give_one_line_errors() -> None:
+    for args, needle in (
+        (["--scenario", "nope"], "unknown scenario 'nope'"),
+        (["--policies", "prefixrouter,bogus"], "unknown policy 'bogus'"),
+        (["--profile", "h9000"], "unknown engine profile 'h9000'"),
+    ):
+        res = runner.invoke(app, ["simulate", *args])
+        assert res.exit_code == 2, res.output
+        assert needle in res.output and "Traceback" not in res.output
+
+
+def test_malformed_trace_names_file_line_and_field(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
+    trace.write_text(good + "\n" + '{"timestamp": 5, "input_length": 600, "output_length": 5}\n')
+    res = runner.invoke(app, ["simulate", "--trace", str(trace), "--policies", "round_robin"])
+    assert res.exit_code == 2
+    assert "t.jsonl:2" in res.output and "hash_ids" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_console_script_runs(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("prefixrouter")
+    out = subprocess.run(
+        [str(exe), "simulate", "--scenario", "templates-bad", "--requests", "40",
+         "--policies", "round_robin"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "round_robin" in out.stdout
