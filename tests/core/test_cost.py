@@ -21,7 +21,9 @@ def test_terms_separate_and_sum_to_ttft() -> None:
     w = replace(W, pending_prefill_tokens=5_000, decoding=10, context_tokens=20_000,
                 decode_tokens_remaining=2_000)  # fmt: skip
     t = cm.predict(w, 8_000, 2_000, 1.0, 100)
-    assert t.queue_wait_s == pytest.approx(w.profile.prefill_time(5_000))
+    step = w.profile.decode_step_time(10, 20_000)
+    # queued prefill, plus half of the decode step in flight
+    assert t.queue_wait_s == pytest.approx(w.profile.prefill_time(5_000) + 0.5 * step)
     assert t.prefill_s == pytest.approx(w.profile.prefill_time(6_000, 2_000))
     assert t.decode_impact_s > 0 and t.memory_risk_s == 0
     assert t.ttft_s == pytest.approx(t.queue_wait_s + t.prefill_s + t.decode_impact_s)

@@ -131,8 +131,8 @@ def test_long_generations_spread_differently_from_short_answers() -> None:
     warm(r, W0, doc)
     ws = workers(2)
     # the warm worker runs a big decode batch
-    ws[0] = replace(ws[0], decoding=200, context_tokens=1_200_000, decode_tokens_remaining=100_000)
-    short = r.route(request("s", doc + tokens(2, 100), max_tokens=64), ws, 1.0)
+    ws[0] = replace(ws[0], decoding=100, context_tokens=500_000, decode_tokens_remaining=50_000)
+    short = r.route(request("s", doc + tokens(2, 100), max_tokens=8), ws, 1.0)
     long = r.route(request("l", doc + tokens(3, 100), max_tokens=2_000), ws, 1.0)
     assert short.worker_id == W0 and short.tier == "exact"
     assert long.worker_id == W1 and long.tier == "cold"
