@@ -34,9 +34,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     workload = get_scenario(args.scenario).build(0, args.requests)
-    p = plan(
-        workload, get_profile("llama3-8b-h100"), [args.policy], workers=args.workers, load=0.7
-    )
+    p = plan(workload, get_profile("llama3-8b-h100"), [args.policy], workers=args.workers, load=0.7)
     t1 = time.perf_counter()
     (result,), _ = run_plan(p)
     t2 = time.perf_counter()
@@ -49,7 +47,9 @@ def main() -> None:
         "simulate_s": round(t2 - t1, 2),
         "requests_per_wall_s": round(result["completed"] / (t2 - t1), 1),
     }
-    print(orjson.dumps(out).decode() if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
+    print(
+        orjson.dumps(out).decode() if args.json else "\n".join(f"{k}: {v}" for k, v in out.items())
+    )
 
 
 if __name__ == "__main__":

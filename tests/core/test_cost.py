@@ -18,10 +18,12 @@ def test_prefill_grows_with_new_tokens_and_attended_context() -> None:
 
 def test_terms_separate_and_sum_to_ttft() -> None:
     cm = CostModel()
-    w = replace(W, pending_prefill_tokens=5_000, decoding=10, context_tokens=20_000,
+    w = replace(W, in_flight=12, pending_prefill_tokens=5_000, decoding=10,
+                context_tokens=20_000, queued_prompt_tokens=6_000,
                 decode_tokens_remaining=2_000)  # fmt: skip
     t = cm.predict(w, 8_000, 2_000, 1.0, 100)
-    step = w.profile.decode_step_time(10, 20_000)
+    # the batch it shares: 10 decoding plus 2 queued ahead, with their prompts
+    step = w.profile.decode_step_time(12, 26_000)
     # queued prefill, plus half of the decode step in flight
     assert t.queue_wait_s == pytest.approx(w.profile.prefill_time(5_000) + 0.5 * step)
     assert t.prefill_s == pytest.approx(w.profile.prefill_time(6_000, 2_000))
@@ -48,10 +50,12 @@ def test_memory_risk_when_kv_is_short() -> None:
 
 def test_full_slots_add_a_wait() -> None:
     cm = CostModel()
-    free = replace(W, max_slots=4, in_flight=3)
+    free = replace(W, max_slots=4, in_flight=3, decoding=3, decode_tokens_remaining=300)
     full = replace(W, max_slots=4, in_flight=6, decoding=4, decode_tokens_remaining=400)
-    assert cm.predict(free, 100, 0, 0.0, 10).queue_wait_s == 0
-    assert cm.predict(full, 100, 0, 0.0, 10).queue_wait_s > 0
+    step = W.profile.decode_step_time(4, 0)
+    assert cm.predict(free, 100, 0, 0.0, 10).queue_wait_s < step  # half a step in flight
+    # two requests queue for slots: each of 4 running has 100 tokens left
+    assert cm.predict(full, 100, 0, 0.0, 10).queue_wait_s > 3 * 100 * step / 4
 
 
 def test_calibration_converges_and_is_bounded() -> None:

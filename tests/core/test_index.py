@@ -66,9 +66,17 @@ def test_speculative_entries_expire_but_confirmed_do_not() -> None:
     idx.on_routed(B, doc, 0.0)
     idx.on_completed(B, doc, 16.0, 0, 64, 1.0)  # B confirmed all 4 blocks
     assert set(idx.match(doc, 9.0)) == {A, B}
-    assert set(idx.match(doc, 10.5)) == {B}  # A expired for matching at once
-    assert idx.expire(10.5) == 4  # and its memory is reclaimed on the next update
+    assert idx.expire(10.5) == 4  # A's entries are reclaimed...
     assert idx.blocks_of(A) == 0 and idx.blocks_of(B) == 4
+    assert set(idx.match(doc, 10.5)) == {B}  # ...and no longer match
+
+
+def test_match_never_counts_an_expired_entry() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=10.0))
+    doc = chain(1, 4)
+    idx.on_routed(A, doc, 0.0)
+    assert set(idx.match(doc, 10.0)) == set()  # expiry is due at 10.0 exactly
+    assert len(idx) == 0
 
 
 def test_refresh_extends_speculative_ttl() -> None:

@@ -32,6 +32,12 @@ def warm(router: Router, worker: WorkerId, toks: object, now: float = 0.0) -> No
     router.index.on_routed(worker, router.blocks_for(req).hashes, now)
 
 
+def fill_cache(router: Router, worker: WorkerId, blocks: int = 2_000, now: float = 0.0) -> None:
+    """Make ``worker``'s cache full of other prefixes (a copy would evict them)."""
+    router.index.set_capacity(worker, blocks)
+    warm(router, worker, tokens(10_000 + int(worker[1:]), blocks * 16), now)
+
+
 def candidate(decision: object, worker: WorkerId) -> object:
     return next(c for c in decision.candidates if c.worker_id == worker)  # type: ignore[attr-defined]
 
@@ -45,16 +51,25 @@ def test_exact_hit_wins_when_loads_are_equal() -> None:
     assert d.predicted_cached_tokens == 30_000 - 30_000 % 16
 
 
-def test_warm_wins_within_the_margin_even_when_cold_predicts_faster() -> None:
+@pytest.mark.parametrize(("cold_cache_full", "expected"), [(True, W0), (False, W1)])
+def test_warm_wins_within_the_margin_when_a_copy_would_evict(
+    cold_cache_full: bool, expected: WorkerId
+) -> None:
     r = Router()
     doc = tokens(1, 1_000)
     warm(r, W0, doc)
+    if cold_cache_full:
+        fill_cache(r, W1)
     ws = workers(2)
     ws[0] = replace(ws[0], pending_prefill_tokens=2_300)  # a short queue on the warm worker
     d = r.route(request("q", doc + tokens(5, 2_000)), ws, 1.0)
     c0, c1 = candidate(d, W0), candidate(d, W1)
-    assert c0.score > c1.score  # type: ignore[attr-defined]  # pure TTFT says cold...
-    assert d.worker_id == W0 and "warm within margin" in d.reason  # ...margin keeps it warm
+    assert c0.score > c1.score  # type: ignore[attr-defined]  # pure cost says cold...
+    # ...the margin keeps it warm when copying the prefix to w1 would evict others,
+    # and vanishes when w1's cache has room (replicas warm up in parallel)
+    assert d.worker_id == expected
+    if cold_cache_full:
+        assert "warm within margin" in d.reason
 
 
 @pytest.mark.parametrize(
@@ -153,6 +168,7 @@ def test_hot_prefix_warms_a_second_replica() -> None:
             r.policy.on_routed(d.context, W0)
         now = 300 / requests_per_s
         warm(r, W0, doc, now)  # keep the speculative entries fresh at any rate
+        fill_cache(r, W1, 20_000, now)  # and w1 busy with other prefixes
         return r.route(request("x", doc + tokens(7, 50)), ws, now).reason
 
     assert "warm within margin" in route_under_demand(0.2)

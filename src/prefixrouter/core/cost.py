@@ -100,11 +100,15 @@ class CostModel:
         """
         prof = w.profile
         chunk = max(1, prof.chunk_tokens)
-        decode_step = prof.decode_step_time(w.decoding, w.context_tokens)
+        # The batch this request's prefill steps share: the running decodes and
+        # every request queued ahead of it, which decode by the time it does.
+        batch = min(max(w.decoding, w.in_flight), w.max_slots)
+        batch_context = w.context_tokens + w.queued_prompt_tokens
+        decode_step = prof.decode_step_time(batch, batch_context)
         pending = w.pending_prefill_tokens
 
         queue = prof.prefill_time(pending, 0.0) if pending > 0 else 0.0
-        if w.decoding > 0:
+        if w.in_flight > 0:
             # A new request waits, on average, for half of the step in flight.
             queue += 0.5 * decode_step
         excess = w.in_flight - w.max_slots + 1
@@ -140,7 +144,7 @@ class CostModel:
             drain = (w.decode_tokens_remaining / w.decoding) * decode_step
             risk = shortfall * drain
 
-        own_step = prof.decode_step_time(w.decoding + 1, w.context_tokens + prompt_tokens)
+        own_step = prof.decode_step_time(batch + 1, batch_context + prompt_tokens)
         decode = output_tokens * own_step
 
         s = self.scale(w.worker_id)

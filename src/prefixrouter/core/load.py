@@ -35,6 +35,7 @@ class WorkerLoad:
     decoding: int = 0
     decode_tokens_remaining: int = 0
     context_tokens: int = 0
+    queued_prompt_tokens: int = 0
     requests: set[RequestId] = field(default_factory=set)
 
 
@@ -73,6 +74,7 @@ class InflightLedger:
         load = self.load(worker)
         load.in_flight += 1
         load.pending_prefill_tokens += uncached_tokens
+        load.queued_prompt_tokens += prompt_tokens
         load.requests.add(request_id)
 
     def on_first_token(self, request_id: RequestId) -> None:
@@ -83,6 +85,7 @@ class InflightLedger:
         item.decoding = True
         load = self.load(item.worker)
         load.pending_prefill_tokens -= item.uncached_tokens
+        load.queued_prompt_tokens -= item.prompt_tokens
         load.decoding += 1
         load.decode_tokens_remaining += item.output_tokens
         load.context_tokens += item.prompt_tokens
@@ -101,6 +104,7 @@ class InflightLedger:
             load.context_tokens -= item.prompt_tokens
         else:
             load.pending_prefill_tokens -= item.uncached_tokens
+            load.queued_prompt_tokens -= item.prompt_tokens
 
     def fill(self, view: WorkerView) -> WorkerView:
         """Copy this worker's aggregates into ``view`` (in place) and return it."""
@@ -110,6 +114,7 @@ class InflightLedger:
         view.decoding = load.decoding
         view.decode_tokens_remaining = load.decode_tokens_remaining
         view.context_tokens = load.context_tokens
+        view.queued_prompt_tokens = load.queued_prompt_tokens
         return view
 
     def drop_worker(self, worker: WorkerId) -> list[RequestId]:

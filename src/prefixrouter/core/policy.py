@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 
 from prefixrouter.core.cost import CostModel, CostTerms
 from prefixrouter.core.hashing import PromptBlocks
-from prefixrouter.core.index import WorkerMatch
+from prefixrouter.core.index import PrefixIndex, WorkerMatch
 from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
 from prefixrouter.errors import ConfigError, UnknownNameError
 
@@ -41,6 +41,7 @@ class RoutingContext:
         now: Decision time (driver's clock).
         prefix_key: Hex id of the request's leading prefix (for demand and logs).
         cost: The router's (calibrated) cost model, for policies that predict TTFT.
+        index: The shared prefix index, read-only (how full each worker's cache is).
     """
 
     request: RoutingRequest
@@ -49,6 +50,7 @@ class RoutingContext:
     now: float
     prefix_key: str
     cost: CostModel
+    index: PrefixIndex
 
 
 @dataclass(frozen=True, slots=True)

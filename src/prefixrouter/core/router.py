@@ -201,7 +201,7 @@ class Router:
             blocks = self.blocks_for(request)
         matches = self.index.match(blocks.hashes, now)
         key = self._prefix_key(request, blocks)
-        ctx = RoutingContext(request, blocks, matches, now, key, self.cost)
+        ctx = RoutingContext(request, blocks, matches, now, key, self.cost, self.index)
         sel = self.policy.select(ctx, allowed)
         return Decision(
             request_id=request.request_id,

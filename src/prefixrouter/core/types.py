@@ -192,6 +192,8 @@ class WorkerView:
         decoding: Requests past their first token.
         decode_tokens_remaining: Expected output tokens still to generate, all requests.
         context_tokens: KV tokens held by running requests (attended by each decode step).
+        queued_prompt_tokens: Prompt tokens of requests sent and not yet decoding:
+            they join the decode batch as soon as their prefill ends.
         kv_capacity_blocks: Engine KV cache size in blocks.
         kv_used_blocks: Blocks in use by running requests (not reclaimable).
         block_size: Engine tokens per block.
@@ -210,6 +212,7 @@ class WorkerView:
     decoding: int = 0
     decode_tokens_remaining: int = 0
     context_tokens: int = 0
+    queued_prompt_tokens: int = 0
     kv_capacity_blocks: int = 100_000
     kv_used_blocks: int = 0
     block_size: int = 16

@@ -41,6 +41,7 @@ Parameters per output class live in :class:`OutputClassParams`; requests with
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ class PrefixRouterParams:
         cold_reserved_share: Share of each worker's slots warm preference may not fill.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
+        burst_samples: Recent arrivals per prefix used to see a burst early.
         reference_batch: Batch size assumed when estimating per-request decode service.
         cold_pool: Pool that takes cold requests ("" = none).
         max_tracked_prefixes: Bound on the demand table (oldest dropped first).
@@ -106,6 +108,7 @@ class PrefixRouterParams:
     cold_reserved_share: float = 0.2
     hot_prefix_utilization: float = 0.8
     demand_window_s: float = 10.0
+    burst_samples: int = 8
     reference_batch: int = 32
     cold_pool: str = ""
     max_tracked_prefixes: int = 100_000
@@ -113,8 +116,17 @@ class PrefixRouterParams:
 
 @dataclass(slots=True)
 class _Demand:
+    """Request-rate estimate of one prefix.
+
+    Two estimators, the larger wins: an exponentially decayed count over
+    ``demand_window_s`` (steady demand, one float) and the span of the last
+    ``burst_samples`` arrivals (a burst is seen after a handful of requests,
+    long before the decayed count has grown).
+    """
+
     rate: float
     last: float
+    recent: deque[float]
 
 
 @register
@@ -208,7 +220,7 @@ class PrefixRouterPolicy(Policy):
             chosen = bw
             reason = "lowest predicted cost"
         else:
-            limit = self._margin_limit(best, cls)
+            limit = self._margin_limit(best, cls, _cache_pressure(ctx, best.worker_id))
             if best_warm.terms.queue_wait_s > cls.max_warm_wait_s:
                 chosen, abandoned = best_i, True
                 wait_ms = best_warm.terms.queue_wait_s * 1e3
@@ -250,7 +262,7 @@ class PrefixRouterPolicy(Policy):
             if pool_idx:
                 pi = _argmin(scored, pool_idx)
                 cls = self.params.short
-                limit = self._margin_limit(scored[best_i], cls)
+                limit = self._margin_limit(scored[best_i], cls, 1.0)
                 if scored[pi].score <= limit:
                     return Selection(
                         scored[pi].worker_id,
@@ -268,14 +280,15 @@ class PrefixRouterPolicy(Policy):
         )
 
     @staticmethod
-    def _margin_limit(best: CandidateScore, cls: OutputClassParams) -> float:
+    def _margin_limit(best: CandidateScore, cls: OutputClassParams, pressure: float) -> float:
         """The highest score a warm worker may have and still be preferred.
 
-        The relative margin applies to the best candidate's predicted TTFT,
-        not to its whole score, so weighing decode time does not widen it.
+        The relative part of the margin applies to the best candidate's
+        predicted TTFT, not its whole score, so weighing decode time does not
+        widen it; ``pressure`` in [0, 1] scales the whole margin.
         """
         ttft = best.terms.ttft_s if best.terms is not None else best.score
-        return best.score + ttft * cls.warm_margin_rel + cls.warm_margin_abs_s
+        return best.score + pressure * (ttft * cls.warm_margin_rel + cls.warm_margin_abs_s)
 
     def _replicas_needed(
         self, ctx: RoutingContext, worker: WorkerView, warm: CandidateScore, output: int
@@ -300,27 +313,44 @@ class PrefixRouterPolicy(Policy):
     # ------------------------------------------------------------------ hooks
 
     def on_routed(self, ctx: RoutingContext, worker: WorkerId) -> None:
-        # Exponentially decayed count / window = a request-rate estimate that
-        # needs no clock of its own and one float per prefix.
         tau = self.params.demand_window_s
         d = self._demand.get(ctx.prefix_key)
         if d is None:
             if len(self._demand) >= self.params.max_tracked_prefixes:
-                self._demand.pop(next(iter(self._demand)))
-            self._demand[ctx.prefix_key] = _Demand(1.0 / tau, ctx.now)
-            return
+                self._demand.pop(next(iter(self._demand)))  # the oldest tracked prefix
+            recent: deque[float] = deque(maxlen=self.params.burst_samples)
+            d = self._demand[ctx.prefix_key] = _Demand(0.0, ctx.now, recent)
         d.rate = d.rate * math.exp(-(ctx.now - d.last) / tau) + 1.0 / tau
         d.last = ctx.now
+        d.recent.append(ctx.now)
 
     def on_completed(self, ctx: RoutingContext, worker: WorkerId, outcome: Outcome) -> None:
         """Nothing to do: the router feeds the index and the cost model."""
 
     def prefix_rate(self, prefix_key: str, now: float) -> float:
-        """Estimated requests per second for a prefix (for reports and tests)."""
+        """Estimated requests per second for a prefix (see :class:`_Demand`)."""
         d = self._demand.get(prefix_key)
         if d is None:
             return 0.0
-        return d.rate * math.exp(-(now - d.last) / self.params.demand_window_s)
+        steady = d.rate * math.exp(-(now - d.last) / self.params.demand_window_s)
+        recent = d.recent
+        if len(recent) == recent.maxlen and now > recent[0]:
+            return max(steady, (len(recent) - 1) / (now - recent[0]))
+        return steady
+
+def _cache_pressure(ctx: RoutingContext, worker: WorkerId) -> float:
+    """How full ``worker``'s cache would be with this prompt added, in [0, 1] (per the index).
+
+    The warm margin is the price of copying a prefix into another cache: a
+    worker with room takes the copy without evicting anything (no margin, so
+    cold replicas warm up in parallel, as round robin would); a full one would
+    evict other prefixes (the whole margin).
+    """
+    index = ctx.index
+    capacity = index.capacity(worker)
+    if capacity <= 0:
+        return 1.0
+    return min(1.0, (index.blocks_of(worker) + len(ctx.blocks.hashes)) / capacity)
 
 
 def _argmin(scored: Sequence[CandidateScore], indices: Sequence[int] | range) -> int:
