@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,7 +97,7 @@ def test_miss_lowers_trust_and_drops_entries_past_actual_match() -> None:
     doc = chain(1, 10)
     idx.on_routed(A, doc, 0.0)
     assert idx.on_completed(A, doc, 16.0, 160, 48, 1.0) is True
-    assert idx.trust(A) == pytest.approx(0.5)
+    assert idx.trust(A, 1.0) == pytest.approx(0.5)
     m = idx.match(doc, 1.0)[A]
     assert m.blocks == 3 and m.source is EntrySource.CONFIRMED
     assert m.confidence == pytest.approx(0.5)
@@ -106,10 +108,10 @@ def test_hit_within_tolerance_is_not_a_miss_and_restores_trust() -> None:
     doc = chain(1, 10)
     idx.on_routed(A, doc, 0.0)
     idx.on_completed(A, doc, 16.0, 160, 0, 1.0)
-    idx.on_routed(A, doc, 2.0)
+    idx.on_routed(A, doc, 1.0)
     # engines recompute the last block of a fully cached prompt: one block short is a hit
-    assert idx.on_completed(A, doc, 16.0, 160, 144, 3.0) is False
-    assert idx.trust(A) == pytest.approx(0.75)
+    assert idx.on_completed(A, doc, 16.0, 160, 144, 1.0) is False
+    assert idx.trust(A, 1.0) == pytest.approx(0.75)
 
 
 def test_events_are_exact_and_clear() -> None:
@@ -227,3 +229,34 @@ def test_one_tenant_never_matches_another_tenants_entries(
         for d in range(4):
             got = idx.match(chain(d, 4, seed), 0.0)
             assert bool(got) == ((tenant, d) in seen)
+
+
+def test_trust_relaxes_back_so_a_distrusted_worker_can_prove_itself() -> None:
+    idx = PrefixIndex(IndexParams(miss_decay=0.2, trust_recovery_s=60.0))
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 160, 0, 0.0)  # a miss
+    assert idx.trust(A, 0.0) == pytest.approx(0.2)
+    assert idx.trust(A, 60.0) == pytest.approx(1 - 0.8 / math.e)
+    assert idx.trust(A, 600.0) > 0.99
+    # a reuse we did not predict is evidence too
+    idx.on_completed(A, doc, 16.0, 0, 64, 0.0)
+    assert idx.trust(A, 0.0) > 0.2
+
+
+def test_sync_capacity_leaves_room_for_running_requests() -> None:
+    from dataclasses import replace
+
+    from prefixrouter.core import Router, WorkerView
+
+    r = Router()
+    doc = chain(1, 100)
+    r.index.on_routed(A, doc, 0.0)
+    view = WorkerView(A, kv_capacity_blocks=120, block_size=16)
+    r.sync_capacity([view])
+    assert r.index.capacity(A) == 120 and r.index.blocks_of(A) == 100
+    # 60 blocks pinned by running requests, 20 of them their prompts: 40 blocks of
+    # output reservations leave room for 80 blocks of cached prefixes
+    r.sync_capacity([replace(view, kv_used_blocks=60, context_tokens=20 * 16)])
+    assert r.index.capacity(A) == 80 and r.index.blocks_of(A) == 80
+    assert r.index.match(doc, 0.0)[A].blocks == 80  # the chain's tail went first

@@ -135,7 +135,7 @@ def test_distrusted_affinity_is_scored_cold() -> None:
     for i in range(2):  # the engine twice reports far fewer cached tokens than predicted
         r.index.on_completed(W0, hashes, 16.0, 4_000, 0, 2.0 + i)
         warm(r, W0, doc, 2.5 + i)
-    assert r.index.trust(W0) < 0.5
+    assert r.index.trust(W0, 5.0) < 0.5
     d = r.route(q, ws, 5.0)
     assert d.worker_id == W1 and d.tier == "cold" and d.predicted_cached_tokens == 0
 

@@ -56,7 +56,7 @@ def test_prefix_routing_reuses_documents_and_predictions_match_engine() -> None:
     # each document is prefilled about once instead of once per replica
     assert s_ours["prefill_tokens"] < 0.6 * s_rr["prefill_tokens"]
     bound = lower_bound_prefill_tokens(wl)
-    assert bound <= s_ours["prefill_tokens"] <= 1.3 * bound
+    assert bound <= s_ours["prefill_tokens"] <= 1.5 * bound
     # with KV events the index is exact: warm predictions equal the engine's reuse
     warm = [r for r in ours.records if r.tier == "exact" and r.arrival > 1.0]
     assert warm and all(r.predicted_cached_tokens == r.cached_tokens for r in warm)

@@ -13,9 +13,13 @@ Structure:
   ``speculative_ttl_s`` unless confirmed or refreshed. A refresh only moves
   the entry's ``expires_at``; the heap item is re-pushed when it surfaces, so
   a refresh costs nothing and the heap holds one item per speculative entry.
-* ``_trust``: worker -> confidence in [min_trust, 1]. A miss (the engine reused
-  far fewer tokens than predicted) multiplies it by ``miss_decay`` and drops
-  the entries past the actual match; a hit raises it by ``hit_recovery``.
+* ``_trust``: worker -> confidence in [min_trust, 1] and when it last changed.
+  A miss (the engine reused far fewer tokens than predicted) multiplies it by
+  ``miss_decay`` and drops the entries past the actual match; a hit (or a
+  reuse we did not predict) raises it by ``hit_recovery``; between reports it
+  relaxes back toward 1 with time constant ``trust_recovery_s``. Without the
+  relaxation a distrusted worker would never be predicted warm again, so it
+  could never show that its cache works: a death spiral under cache churn.
 
 Invariants (checked by the property tests):
 
@@ -37,6 +41,7 @@ The index changes only through the explicit calls ``on_routed``,
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -94,7 +99,8 @@ class IndexParams:
             (engines recompute the last block of a fully cached prompt).
         miss_decay: Trust multiplier per miss.
         hit_recovery: Trust added per hit.
-        min_trust: Trust never falls below this, so a worker can regain it.
+        min_trust: Trust never falls below this.
+        trust_recovery_s: Time constant with which trust relaxes back to 1.
     """
 
     speculative_ttl_s: float = 120.0
@@ -105,6 +111,7 @@ class IndexParams:
     miss_decay: float = 0.5
     hit_recovery: float = 0.1
     min_trust: float = 0.05
+    trust_recovery_s: float = 60.0
 
 
 _SOURCE_CONFIDENCE = {EntrySource.CONFIRMED: 1.0, EntrySource.EVENT: 1.0}
@@ -118,7 +125,7 @@ class PrefixIndex:
         self._holders: dict[BlockHash, dict[WorkerId, IndexEntry]] = {}
         self._lru: dict[WorkerId, OrderedDict[BlockHash, IndexEntry]] = {}
         self._capacity: dict[WorkerId, int] = {}
-        self._trust: dict[WorkerId, float] = {}
+        self._trust: dict[WorkerId, tuple[float, float]] = {}  # (value, when set)
         # (time queued for, tie-breaker, worker, block, entry); one item per speculative entry.
         self._expiry: list[tuple[float, int, WorkerId, BlockHash, IndexEntry]] = []
         self._ticket = count()
@@ -140,9 +147,15 @@ class PrefixIndex:
         """The worker's capacity in blocks (engine-reported or the default)."""
         return self._capacity.get(worker, self.params.default_capacity_blocks)
 
-    def trust(self, worker: WorkerId) -> float:
-        """Current confidence in the worker's entries (1 = fully trusted)."""
-        return self._trust.get(worker, 1.0)
+    def trust(self, worker: WorkerId, now: float) -> float:
+        """Confidence in the worker's entries at ``now`` (1 = fully trusted)."""
+        state = self._trust.get(worker)
+        if state is None:
+            return 1.0
+        value, since = state
+        if now <= since:
+            return value
+        return 1.0 - (1.0 - value) * math.exp(-(now - since) / self.params.trust_recovery_s)
 
     def entry(self, worker: WorkerId, block: BlockHash) -> IndexEntry | None:
         """The entry for (block, worker), if any; for inspection and tests."""
@@ -195,7 +208,7 @@ class PrefixIndex:
                 depth += len(chunk)
                 window *= 4
             deepest = lru[hashes[depth - 1]]
-            conf = deepest.confidence * self.trust(worker)
+            conf = deepest.confidence * self.trust(worker, now)
             result[worker] = WorkerMatch(depth, conf, deepest.source)
         return result
 
@@ -244,12 +257,12 @@ class PrefixIndex:
         if actual_blocks:
             self._touch_chain(worker, hashes[:actual_blocks], now, EntrySource.CONFIRMED)
         miss = predicted_blocks - actual_blocks > p.miss_tolerance_blocks
-        trust = self.trust(worker)
+        trust = self.trust(worker, now)
         if miss:
-            self._trust[worker] = max(p.min_trust, trust * p.miss_decay)
+            self._trust[worker] = (max(p.min_trust, trust * p.miss_decay), now)
             self._remove(worker, hashes[actual_blocks:])
-        elif predicted_blocks:
-            self._trust[worker] = min(1.0, trust + p.hit_recovery)
+        elif predicted_blocks or actual_blocks:
+            self._trust[worker] = (min(1.0, trust + p.hit_recovery), now)
         return miss
 
     def apply(self, event: KvEvent, now: float) -> None:

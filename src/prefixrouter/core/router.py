@@ -254,6 +254,22 @@ class Router:
         """Mirror a worker's engine-reported KV size in the index."""
         self.index.set_capacity(worker, blocks)
 
+    def sync_capacity(self, views: Sequence[WorkerView]) -> None:
+        """Mirror the KV room each worker has for cached prefixes.
+
+        Running requests pin blocks; the part of those that is not prompt
+        (output reservations, partial blocks) leaves that much less room for
+        cached prefixes, and the engine evicts LRU prefixes to make it. The
+        index shrinks (forgetting its least recently used entries) or grows
+        the same way. Call it when fresh load figures arrive (each metrics
+        poll live; each arrival in the simulator).
+        """
+        for w in views:
+            block = max(1, w.block_size)
+            prompt_blocks = (w.context_tokens + w.queued_prompt_tokens) // block
+            pinned_other = max(0, w.kv_used_blocks - prompt_blocks)
+            self.index.set_capacity(w.worker_id, max(1, w.kv_capacity_blocks - pinned_other))
+
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget a worker: its index entries, calibration and policy state."""
         self.index.remove_worker(worker)

@@ -236,7 +236,9 @@ class Simulation:
             now = sreq.arrival
             rreq = routing_request(sreq)
             blocks: PromptBlocks = router.blocks_for(rreq)
-            decision = router.route(rreq, self._views(), now, blocks)
+            views = self._views()
+            router.sync_capacity(views)
+            decision = router.route(rreq, views, now, blocks)
             router.on_routed(decision, now)
             if log_left > 0:
                 logged.append(decision.to_dict())

@@ -139,7 +139,8 @@ class PrefixRouterPolicy(Policy):
 
     def __init__(self, params: PrefixRouterParams | None = None) -> None:
         super().__init__(params)
-        self._demand: dict[str, _Demand] = {}
+        # Demand per prefix, keyed by the block hash that ends it; see _demand_keys.
+        self._demand: dict[int, _Demand] = {}
 
     # ----------------------------------------------------------------- select
 
@@ -300,8 +301,15 @@ class PrefixRouterPolicy(Policy):
         prefix's rate times that; it needs ``ceil(demand / hot_prefix_utilization)``
         replicas.
         """
-        rate = self.prefix_rate(ctx.prefix_key, ctx.now)
-        if rate <= 0.0 or warm.terms is None:
+        hashes = ctx.blocks.hashes
+        depth = int(warm.matched_tokens // ctx.blocks.block_tokens)
+        if depth <= 0 or warm.terms is None:
+            return 0.0, 0
+        # The demand of the prefix this request would reuse, at the deepest
+        # tracked depth it covers (a session's history, not the system prompt
+        # every session shares).
+        rate = self.prefix_rate(hashes[(1 << (depth.bit_length() - 1)) - 1], ctx.now)
+        if rate <= 0.0:
             return rate, 0
         ref = max(1, min(self.params.reference_batch, worker.max_slots))
         context = ctx.blocks.prompt_tokens + output / 2.0
@@ -313,23 +321,37 @@ class PrefixRouterPolicy(Policy):
     # ------------------------------------------------------------------ hooks
 
     def on_routed(self, ctx: RoutingContext, worker: WorkerId) -> None:
+        # Count the request toward each of its prefixes of 1, 2, 4, 8, ...
+        # blocks: a demand tree of log2(blocks) counters per request, so the
+        # demand of whatever prefix a later request matches can be read back.
         tau = self.params.demand_window_s
-        d = self._demand.get(ctx.prefix_key)
-        if d is None:
-            if len(self._demand) >= self.params.max_tracked_prefixes:
-                self._demand.pop(next(iter(self._demand)))  # the oldest tracked prefix
-            recent: deque[float] = deque(maxlen=self.params.burst_samples)
-            d = self._demand[ctx.prefix_key] = _Demand(0.0, ctx.now, recent)
-        d.rate = d.rate * math.exp(-(ctx.now - d.last) / tau) + 1.0 / tau
-        d.last = ctx.now
-        d.recent.append(ctx.now)
+        now = ctx.now
+        demand = self._demand
+        hashes = ctx.blocks.hashes
+        depth = 1
+        while depth <= len(hashes):
+            key = hashes[depth - 1]
+            d = demand.get(key)
+            if d is None:
+                if len(demand) >= self.params.max_tracked_prefixes:
+                    demand.pop(next(iter(demand)))  # the oldest tracked prefix
+                recent: deque[float] = deque(maxlen=self.params.burst_samples)
+                d = demand[key] = _Demand(0.0, now, recent)
+            d.rate = d.rate * math.exp(-(now - d.last) / tau) + 1.0 / tau
+            d.last = now
+            d.recent.append(now)
+            depth <<= 1
 
     def on_completed(self, ctx: RoutingContext, worker: WorkerId, outcome: Outcome) -> None:
         """Nothing to do: the router feeds the index and the cost model."""
 
-    def prefix_rate(self, prefix_key: str, now: float) -> float:
-        """Estimated requests per second for a prefix (see :class:`_Demand`)."""
-        d = self._demand.get(prefix_key)
+    def prefix_rate(self, last_block: int, now: float) -> float:
+        """Requests per second for the prefix ending at block hash ``last_block``.
+
+        Only prefixes of a power-of-two number of blocks are tracked (see
+        :meth:`on_routed`); others read 0. See :class:`_Demand` for the estimate.
+        """
+        d = self._demand.get(last_block)
         if d is None:
             return 0.0
         steady = d.rate * math.exp(-(now - d.last) / self.params.demand_window_s)
@@ -337,6 +359,7 @@ class PrefixRouterPolicy(Policy):
         if len(recent) == recent.maxlen and now > recent[0]:
             return max(steady, (len(recent) - 1) / (now - recent[0]))
         return steady
+
 
 def _cache_pressure(ctx: RoutingContext, worker: WorkerId) -> float:
     """How full ``worker``'s cache would be with this prompt added, in [0, 1] (per the index).
