@@ -260,3 +260,17 @@ def test_sync_capacity_leaves_room_for_running_requests() -> None:
     r.sync_capacity([replace(view, kv_used_blocks=60, context_tokens=20 * 16)])
     assert r.index.capacity(A) == 80 and r.index.blocks_of(A) == 80
     assert r.index.match(doc, 0.0)[A].blocks == 80  # the chain's tail went first
+
+
+def test_a_miss_on_a_full_cache_is_put_down_to_eviction() -> None:
+    idx = PrefixIndex(IndexParams(miss_decay=0.5))
+    idx.set_capacity(A, 10)
+    doc = chain(1, 10)  # fills A's cache
+    idx.on_routed(A, doc, 0.0)
+    assert idx.on_completed(A, doc, 16.0, 160, 32, 1.0) is True
+    assert idx.trust(A, 1.0) == 1.0 and idx.eviction_misses == 1
+    assert idx.match(doc, 1.0)[A].blocks == 2  # entries past the actual reuse are gone
+    idx.set_capacity(B, 1000)  # room to spare: the same miss means wrong inputs
+    idx.on_routed(B, doc, 0.0)
+    idx.on_completed(B, doc, 16.0, 160, 32, 1.0)
+    assert idx.trust(B, 1.0) == 0.5 and idx.unexplained_misses == 1

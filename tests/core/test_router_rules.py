@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from prefixrouter.core import (
     CacheNamespace,
+    Decision,
     InflightLedger,
     Outcome,
     RequestId,
@@ -61,7 +62,7 @@ def test_warm_wins_within_the_margin_when_a_copy_would_evict(
     if cold_cache_full:
         fill_cache(r, W1)
     ws = workers(2)
-    ws[0] = replace(ws[0], pending_prefill_tokens=2_300)  # a short queue on the warm worker
+    ws[0] = replace(ws[0], pending_prefill_tokens=3_500)  # a short queue on the warm worker
     d = r.route(request("q", doc + tokens(5, 2_000)), ws, 1.0)
     c0, c1 = candidate(d, W0), candidate(d, W1)
     assert c0.score > c1.score  # type: ignore[attr-defined]  # pure cost says cold...
@@ -156,7 +157,7 @@ def test_long_generations_spread_differently_from_short_answers() -> None:
 def test_hot_prefix_warms_a_second_replica() -> None:
     doc = tokens(1, 8_000)
 
-    def route_under_demand(requests_per_s: float) -> str:
+    def route_under_demand(requests_per_s: float) -> Decision:
         r = Router()
         warm(r, W0, doc)
         ws = workers(2)
@@ -169,10 +170,11 @@ def test_hot_prefix_warms_a_second_replica() -> None:
         now = 300 / requests_per_s
         warm(r, W0, doc, now)  # keep the speculative entries fresh at any rate
         fill_cache(r, W1, 20_000, now)  # and w1 busy with other prefixes
-        return r.route(request("x", doc + tokens(7, 50)), ws, now).reason
+        return r.route(request("x", doc + tokens(7, 50)), ws, now)
 
-    assert "warm within margin" in route_under_demand(0.2)
-    assert "hot prefix" in route_under_demand(50.0)
+    calm, hot = route_under_demand(0.2), route_under_demand(50.0)
+    assert calm.worker_id == W0 and "hot prefix" not in calm.reason
+    assert hot.worker_id == W1 and "hot prefix" in hot.reason
 
 
 def test_cold_quota_keeps_slots_for_unique_requests_in_a_hot_stream() -> None:

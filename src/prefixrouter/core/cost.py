@@ -20,8 +20,14 @@ For a request of ``T`` prompt tokens of which worker ``w`` holds the first
   memory: the shortfall's share of the used blocks times the time the running
   batch takes to drain.
 
-Separately, ``decode_s`` is the expected time to generate ``O`` tokens on
-``w`` with its current batch; the router weighs it for long generations only.
+Two further terms are not part of this request's TTFT; policies may weigh them:
+
+* ``decode_s``: the expected time to generate ``O`` tokens on ``w`` with the
+  batch it would join;
+* ``eviction_s``: the prefill time of the cached blocks that storing this
+  prompt would evict from ``w``'s full cache (``evicted_tokens``, given by the
+  caller from the prefix index). It is the price of copying a prefix: another
+  request will likely have to recompute what was evicted.
 
 Calibration: each worker has a scale factor (start 1) applied to every time
 term. After each request the driver reports the observed TTFT; the factor
@@ -47,6 +53,7 @@ class CostTerms:
     decode_impact_s: float
     memory_risk_s: float
     decode_s: float
+    eviction_s: float = 0.0
     scale: float = 1.0
 
     @property
@@ -88,6 +95,7 @@ class CostModel:
         cached_tokens: int,
         confidence: float,
         output_tokens: int,
+        evicted_tokens: int = 0,
     ) -> CostTerms:
         """Predicted terms for a request on worker ``w``.
 
@@ -97,6 +105,7 @@ class CostModel:
             cached_tokens: ``M``, the matched prefix in tokens.
             confidence: ``c`` in [0, 1], how sure we are ``M`` is still cached.
             output_tokens: ``O``.
+            evicted_tokens: Cached tokens that storing the prompt would evict.
         """
         prof = w.profile
         chunk = max(1, prof.chunk_tokens)
@@ -148,7 +157,8 @@ class CostModel:
         decode = output_tokens * own_step
 
         s = self.scale(w.worker_id)
-        return CostTerms(queue * s, prefill * s, impact * s, risk * s, decode * s, s)
+        eviction = prof.prefill_time(evicted_tokens, 0.0) if evicted_tokens > 0 else 0.0
+        return CostTerms(queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, s)
 
     def observe(self, worker: WorkerId, predicted: CostTerms, observed_ttft_s: float) -> None:
         """Move the worker's scale toward what one request's TTFT showed.

@@ -14,8 +14,9 @@ Structure:
   the entry's ``expires_at``; the heap item is re-pushed when it surfaces, so
   a refresh costs nothing and the heap holds one item per speculative entry.
 * ``_trust``: worker -> confidence in [min_trust, 1] and when it last changed.
-  A miss (the engine reused far fewer tokens than predicted) multiplies it by
-  ``miss_decay`` and drops the entries past the actual match; a hit (or a
+  A miss (the engine reused far fewer tokens than predicted) drops the entries
+  past the actual match and, unless the worker's cache is full (eviction
+  explains it), multiplies trust by ``miss_decay``; a hit (or a
   reuse we did not predict) raises it by ``hit_recovery``; between reports it
   relaxes back toward 1 with time constant ``trust_recovery_s``. Without the
   relaxation a distrusted worker would never be predicted warm again, so it
@@ -101,6 +102,8 @@ class IndexParams:
         hit_recovery: Trust added per hit.
         min_trust: Trust never falls below this.
         trust_recovery_s: Time constant with which trust relaxes back to 1.
+        eviction_explains_fill: A miss on a worker whose index is at least this
+            full is put down to eviction and does not lower trust.
     """
 
     speculative_ttl_s: float = 120.0
@@ -112,6 +115,7 @@ class IndexParams:
     hit_recovery: float = 0.1
     min_trust: float = 0.05
     trust_recovery_s: float = 60.0
+    eviction_explains_fill: float = 0.75
 
 
 _SOURCE_CONFIDENCE = {EntrySource.CONFIRMED: 1.0, EntrySource.EVENT: 1.0}
@@ -131,6 +135,10 @@ class PrefixIndex:
         self._ticket = count()
         self._entries = 0
         self.evicted_entries = 0
+        self.eviction_misses = 0
+        """Misses on a full cache: the engine evicted what we thought it held."""
+        self.unexplained_misses = 0
+        """Misses on a cache with room: an input-identification problem."""
 
     # ----------------------------------------------------------------- reads
 
@@ -259,7 +267,16 @@ class PrefixIndex:
         miss = predicted_blocks - actual_blocks > p.miss_tolerance_blocks
         trust = self.trust(worker, now)
         if miss:
-            self._trust[worker] = (max(p.min_trust, trust * p.miss_decay), now)
+            # A miss on a full cache is explained by eviction: fix the entries,
+            # keep the trust. On a cache with room it is not: the engine sees
+            # other tokens than we hash (template drift, hidden timestamp, a
+            # tokenizer mismatch), so stop trusting this worker's matches.
+            full = self.blocks_of(worker) >= p.eviction_explains_fill * self.capacity(worker)
+            if full:
+                self.eviction_misses += 1
+            else:
+                self.unexplained_misses += 1
+                self._trust[worker] = (max(p.min_trust, trust * p.miss_decay), now)
             self._remove(worker, hashes[actual_blocks:])
         elif predicted_blocks or actual_blocks:
             self._trust[worker] = (min(1.0, trust + p.hit_recovery), now)

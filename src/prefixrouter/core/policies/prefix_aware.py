@@ -84,6 +84,8 @@ class PrefixRouterParams:
         min_match_tokens: Matches shorter than this do not make a worker warm.
         min_confidence: Matches trusted less than this are scored as cold.
         cold_reserved_share: Share of each worker's slots warm preference may not fill.
+        eviction_weight: Weight of the prefill time of what a copy would evict
+            (the chance that the evicted blocks are asked for again).
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
@@ -94,7 +96,7 @@ class PrefixRouterParams:
 
     short: OutputClassParams = field(
         default_factory=lambda: OutputClassParams(
-            warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0, decode_weight=0.3
+            warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0, decode_weight=0.1
         )
     )
     long: OutputClassParams = field(
@@ -106,6 +108,7 @@ class PrefixRouterParams:
     min_match_tokens: int = 64
     min_confidence: float = 0.5
     cold_reserved_share: float = 0.2
+    eviction_weight: float = 0.5
     hot_prefix_utilization: float = 0.8
     demand_window_s: float = 10.0
     burst_samples: int = 8
@@ -158,15 +161,25 @@ class PrefixRouterPolicy(Policy):
 
         scored: list[CandidateScore] = []
         warm_flags: list[bool] = []
+        index = ctx.index
+        n_blocks = len(blocks.hashes)
         for w in candidates:
             m = ctx.matches.get(w.worker_id)
             matched = min(blocks.tokens_for(m.blocks), reusable_cap) if m is not None else 0
             conf = m.confidence if m is not None else 0.0
             warm = matched >= p.min_match_tokens and conf >= p.min_confidence
+            # Storing the blocks w lacks evicts as many cached ones once its cache is full.
+            held = m.blocks if m is not None else 0
+            room = index.capacity(w.worker_id) - index.blocks_of(w.worker_id)
+            evicted = blocks.tokens_for(max(0, n_blocks - held - room))
             terms = ctx.cost.predict(
-                w, prompt, matched if warm else 0, conf if warm else 0.0, output
+                w, prompt, matched if warm else 0, conf if warm else 0.0, output, evicted
             )
-            score = terms.ttft_s + cls.decode_weight * terms.decode_s
+            score = (
+                terms.ttft_s
+                + cls.decode_weight * terms.decode_s
+                + p.eviction_weight * terms.eviction_s
+            )
             scored.append(CandidateScore(w.worker_id, matched, conf, terms, score))
             warm_flags.append(warm)
 
@@ -179,9 +192,11 @@ class PrefixRouterPolicy(Policy):
         eligible: Sequence[int] = everyone
         if warm_any and p.cold_reserved_share > 0:
             limit_share = 1.0 - p.cold_reserved_share
-            room = [i for i, w in enumerate(candidates) if w.in_flight < limit_share * w.max_slots]
-            if room:
-                eligible = room
+            with_room = [
+                i for i, w in enumerate(candidates) if w.in_flight < limit_share * w.max_slots
+            ]
+            if with_room:
+                eligible = with_room
         best_i = _argmin(scored, eligible)
         warm_idx = [i for i in warm_any if i in eligible] if eligible is not everyone else warm_any
 
