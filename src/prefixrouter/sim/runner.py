@@ -13,14 +13,16 @@ bound says it must (each reusable prefix computed once, see
 So load 0.9 is close to saturation for a router that reuses every prefix
 once, and beyond saturation for one that recomputes prefixes: the regime in
 which routing decides the outcome. On ``unique`` (nothing to reuse) it is the
-plain cold capacity. Trace replays keep their own times (``--rate-scale``).
+plain cold capacity. Trace replays keep their own times unless a load or a
+rate is given; then their clock is stretched to that mean rate, keeping the
+trace's own burstiness.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefixrouter.core.policy import create_policy
@@ -78,7 +80,19 @@ def plan(
     for name in policies:
         create_policy(name)  # fail early, naming the policy
     if workload.fixed_times:
-        return RunPlan(workload, profile, n, kv, policies, None, None, kv_events)
+        if load is None and rate is None:
+            return RunPlan(workload, profile, n, kv, policies, None, None, kv_events)
+        # A trace keeps its own burstiness; only its clock is stretched so its
+        # mean rate is the one asked for.
+        if rate is None:
+            assert load is not None
+            rate = load * capacity_rps(workload, profile, n)
+        span = workload.duration or 1.0
+        factor = (len(workload.requests) / span) / rate
+        requests = [replace(r, arrival=r.arrival * factor) for r in workload.requests]
+        return RunPlan(
+            replace(workload, requests=requests), profile, n, kv, policies, rate, load, kv_events
+        )
     if rate is None:
         load = 0.6 if load is None else load
         rate = load * capacity_rps(workload, profile, n)

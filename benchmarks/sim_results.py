@@ -1,0 +1,198 @@
+"""Every scenario, at a moderate and a high load, under every policy: benchmarks/RESULTS.md.
+
+Usage::
+
+    python benchmarks/sim_results.py [--out benchmarks] [--loads 0.6,0.9]
+        [--scenarios a,b,...] [--mooncake-limit 3000] [--seed 0]
+
+For each scenario and load it simulates every registered policy on the same
+requests and fleet (``prefixrouter.sim.runner``), then writes
+
+* ``RESULTS.md``: a summary (ours against the best baseline per scenario and
+  load) and one table per scenario and load;
+* ``results/<scenario>-<load>.json``: the same report ``prefixrouter simulate
+  --json`` writes;
+* ``results/<scenario>-<load>.png``: TTFT distributions and prefill per policy.
+
+Load is a fraction of the fleet's capacity with ideal prefix reuse (see
+``prefixrouter.sim.runner``); the Mooncake trace is time-scaled to the same
+loads. Deterministic: the same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from prefixrouter.core.policy import policy_names
+from prefixrouter.sim.plot import plot_report
+from prefixrouter.sim.profiles import get_profile
+from prefixrouter.sim.report import lower_bound_prefill_tokens
+from prefixrouter.sim.runner import plan, run_plan
+from prefixrouter.sim.scenarios import SCENARIOS
+from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
+from prefixrouter.sim.workload import Workload
+
+PROFILE = "llama3-8b-h100"
+
+
+def build(name: str, seed: int, mooncake_limit: int) -> Workload:
+    if name == "mooncake-conversation":
+        return load_mooncake(bundled_mooncake_path(), limit=mooncake_limit, seed=seed)
+    return SCENARIOS[name].build(seed)
+
+
+def verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """Ours against the best baseline on mean and p99 TTFT, and prefill against the bound."""
+    ours = next(r for r in report["results"] if r["policy"] == "prefixrouter")
+    base = [r for r in report["results"] if r["policy"] != "prefixrouter"]
+    best_mean = min(base, key=lambda r: r["ttft_ms"]["mean"])
+    best_p99 = min(base, key=lambda r: r["ttft_ms"]["p99"])
+    bound = report["lower_bound_prefill_tokens"]
+    return {
+        "ours_mean": ours["ttft_ms"]["mean"],
+        "best_mean": best_mean["ttft_ms"]["mean"],
+        "best_mean_policy": best_mean["policy"],
+        "ours_p99": ours["ttft_ms"]["p99"],
+        "best_p99": best_p99["ttft_ms"]["p99"],
+        "best_p99_policy": best_p99["policy"],
+        "prefill_x_bound": ours["prefill_tokens"] / bound if bound else float("nan"),
+    }
+
+
+def _ms(v: float) -> str:
+    return f"{v / 1e3:.2f} s" if v >= 10_000 else f"{v:.0f} ms"
+
+
+def _gain(ours: float, best: float) -> str:
+    """How much lower ours is than the best baseline, as a percentage (negative: worse)."""
+    if best <= 0:
+        return "n/a"
+    return f"{(1 - ours / best) * 100:+.0f}%"
+
+
+def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
+    lines = [
+        "# Simulated results: prefixrouter against the peers' policies",
+        "",
+        f"Produced by `{command}` in {elapsed_s / 60:.0f} minutes on the 2-core",
+        f"development machine; profile `{PROFILE}` (Llama-3-8B on one H100 per replica,",
+        "see `prefixrouter profiles`). Every policy sees the same requests on the same",
+        "simulated fleet. Load is a fraction of the fleet's capacity with ideal prefix",
+        "reuse (`prefixrouter.sim.runner`). The bound is the prefill no router can",
+        "avoid: each reusable prefix computed once. JSON and plots: `results/`.",
+        "",
+        "## Summary",
+        "",
+        "Gain = how much lower prefixrouter's TTFT is than the best baseline's",
+        "(a different baseline may be best on mean and on p99).",
+        "",
+        "| scenario | load | ours mean | best baseline mean | gain | ours p99 | "
+        "best baseline p99 | gain | prefill ×bound |",
+        "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for rep in reports:
+        v = verdict(rep)
+        lines.append(
+            f"| {rep['scenario']} | {rep['load']:.1f} | {_ms(v['ours_mean'])} | "
+            f"{_ms(v['best_mean'])} ({v['best_mean_policy']}) | "
+            f"{_gain(v['ours_mean'], v['best_mean'])} | {_ms(v['ours_p99'])} | "
+            f"{_ms(v['best_p99'])} ({v['best_p99_policy']}) | "
+            f"{_gain(v['ours_p99'], v['best_p99'])} | {v['prefill_x_bound']:.2f} |"
+        )
+    for rep in reports:
+        lines += [
+            "",
+            f"## {rep['scenario']} at load {rep['load']:.1f}",
+            "",
+            f"{rep['workers']} workers, {rep['rate_rps']:.2f} req/s, "
+            f"{rep['results'][0]['requests']} requests, KV {rep['kv_blocks']} blocks per "
+            f"worker; bound {rep['lower_bound_prefill_tokens']:,} prefill tokens. "
+            f"![plot](results/{rep['scenario']}-{rep['load']:.1f}.png)",
+            "",
+            "| policy | TTFT mean | p50 | p90 | p99 | e2e mean | e2e p99 | cached | "
+            "prefill ×bound | evictions | imbalance | warm left |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        bound = rep["lower_bound_prefill_tokens"] or 1
+        for r in sorted(rep["results"], key=lambda r: r["ttft_ms"]["mean"]):
+            t, e = r["ttft_ms"], r["e2e_ms"]
+            share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0
+            name = f"**{r['policy']}**" if r["policy"] == "prefixrouter" else r["policy"]
+            lines.append(
+                f"| {name} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p90'])} | "
+                f"{_ms(t['p99'])} | {_ms(e['mean'])} | {_ms(e['p99'])} | {share:.1%} | "
+                f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
+                f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks"))
+    ap.add_argument("--loads", default="0.6,0.9")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--mooncake-limit", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    loads = [float(x) for x in args.loads.split(",")]
+    names = [n for n in args.scenarios.split(",") if n]
+    policies = policy_names()
+    profile = get_profile(PROFILE)
+    out_dir = args.out / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    started = time.monotonic()
+    reports: list[dict[str, Any]] = []
+    with Progress(
+        TextColumn("[bold]{task.description:<40}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        overall = progress.add_task("scenario x load x policy", total=len(names) * len(loads))
+        for name in names:
+            workload = build(name, args.seed, args.mooncake_limit)
+            bound = lower_bound_prefill_tokens(workload)
+            for load in loads:
+                p = plan(workload, profile, policies, load=load)
+                task = progress.add_task(f"{name} @ {load}", total=len(policies))
+                results, runs = run_plan(
+                    p, on_start=lambda _n, _t, task=task: progress.advance(task)
+                )
+                report = {
+                    "scenario": name,
+                    "workers": p.workers,
+                    "profile": profile.name,
+                    "kv_blocks": p.kv_blocks if p.kv_blocks is not None else profile.kv_blocks,
+                    "seed": args.seed,
+                    "load": load,
+                    "rate_rps": p.rate,
+                    "kv_events": False,
+                    "lower_bound_prefill_tokens": bound,
+                    "results": results,
+                }
+                stem = f"{name}-{load:.1f}"
+                (out_dir / f"{stem}.json").write_bytes(
+                    orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n"
+                )
+                plot_report(report, runs, out_dir / f"{stem}.png")
+                reports.append(report)
+                progress.remove_task(task)
+                progress.advance(overall)
+    elapsed = time.monotonic() - started
+    command = "python benchmarks/sim_results.py"
+    (args.out / "RESULTS.md").write_text(markdown(reports, command, elapsed), encoding="utf-8")
+    console.print(f"wrote {args.out / 'RESULTS.md'} and {out_dir}/")
+
+
+if __name__ == "__main__":
+    main()
