@@ -1,17 +1,25 @@
 """``prefixrouter``: route where the first token comes soonest, counting cached prefill.
 
-Per candidate ``w`` the cost model predicts TTFT terms (queue wait, prefill of
-the uncached part, decode impact, memory risk); see
-:mod:`prefixrouter.core.cost`. The score is ``ttft + decode_weight * decode``
-where ``decode_weight`` depends on the request's output-length class: a short
-answer is judged by its first token only; a long generation also by how fast
-it will decode on ``w``'s batch, so long generations spread across decode
-load while short ones follow the cache.
+Per candidate ``w`` the cost model (:mod:`prefixrouter.core.cost`) predicts
+the TTFT terms (queue wait, prefill of the uncached part, decode impact,
+memory risk) and two costs beyond this request's first token. The score is::
+
+    score(w) = ttft(w) + decode_weight * decode(w) + eviction_weight * eviction(w)
+
+* ``decode``: time to generate the expected output on ``w``'s batch.
+  ``decode_weight`` depends on the output-length class: small for short
+  answers (judged by their first token), 1 for long generations, so long
+  generations spread by decode load while short ones follow the cache.
+* ``eviction``: the prefill time of the cached blocks that storing the blocks
+  ``w`` lacks would evict, once ``w``'s cache (as mirrored by the index) is
+  full. It is the price of copying a prefix into another cache, which round
+  robin and cache-blind routers pay without seeing it; with room to spare it
+  is zero, so replicas warm up in parallel.
 
 A candidate is *warm* when the index says it holds at least
 ``min_match_tokens`` of the prompt with confidence at least ``min_confidence``
-(an affinity whose trust decayed after misses is not trusted: it is scored as
-cold). Tiers, as in DESIGN.md:
+(an affinity whose trust decayed after unexplained misses is scored as cold).
+Tiers, as in DESIGN.md:
 
 1. ``exact``: a warm worker holding the deepest prefix any worker holds;
 2. ``partial``: a warm worker holding less;
@@ -19,20 +27,23 @@ cold). Tiers, as in DESIGN.md:
 4. ``cold_pool``: a configured pool that takes cold requests, so replicas that
    hold expensive hot prefixes keep serving them.
 
-Warm preference: the best warm worker is kept while its score is within
-``warm_margin_rel`` (relative) plus ``warm_margin_abs_s`` of the best score of
-all. Staying warm beyond pure TTFT keeps a prefix on one replica instead of
-copying it into every cache. The preference is dropped, and the best worker
-by score taken instead, when:
+Rules on top of the score, in order:
 
-* the warm worker's queue wait exceeds ``max_warm_wait_s`` (the request would
-  wait on cache affinity: ``warm_abandoned``);
-* the prefix is hot: its request rate times the service time per request on a
-  warm worker exceeds ``hot_prefix_utilization`` per warm replica. Then pure
-  TTFT decides, so a second replica warms up instead of the queue growing;
-* the cold quota: warm preference may fill only ``1 - cold_reserved_share`` of
-  a worker's sequence slots, keeping room for unique requests behind a
-  continuous hot stream.
+* **hot prefix**: the demand of the prefix the best warm worker holds (its
+  request rate times the engine time per request) needs more replicas than
+  hold it, at ``hot_prefix_utilization`` each: the best cold worker is warmed
+  now instead of growing the warm queues. Demand is counted per prefix of 1,
+  2, 4, 8, ... blocks, so a session's history is told apart from the system
+  prompt every session shares; a burst is seen from the last
+  ``burst_samples`` arrivals, before the decayed rate has grown.
+* **maximum wait**: warm preference never makes a request wait behind more
+  than ``max_warm_wait_s`` of queue (``warm_abandoned``).
+* **warm margin**: the best warm worker is kept while its score is within
+  ``warm_margin_rel`` of the best candidate's TTFT plus ``warm_margin_abs_s``
+  of the best score, scaled by how full the best candidate's cache is.
+* **cold quota**: a request that follows a cached prefix may not take a
+  worker's last ``cold_reserved_share`` of sequence slots while another
+  worker has room, so a continuous hot stream leaves room for unique requests.
 
 Parameters per output class live in :class:`OutputClassParams`; requests with
 ``max_tokens >= long_output_tokens`` use ``long``.
