@@ -15,15 +15,21 @@ For a request of ``T`` prompt tokens of which worker ``w`` holds the first
 * ``decode_impact``: chunked prefill shares each engine step with the running
   decodes, so every prefill step of the queued work and of this request also
   pays one decode step of the running batch.
-* ``memory_risk``: when the blocks the request needs (uncached prompt plus
-  output) exceed the free KV blocks, it waits for running requests to release
-  memory: the shortfall's share of the used blocks times the time the running
-  batch takes to drain.
+* ``memory_risk``: when the blocks that the work queued ahead and this
+  request need (uncached prompts plus outputs) exceed the free KV blocks, the
+  queue waits for running requests to release memory (engines admit in
+  order, so one request that does not fit blocks those behind it): the
+  shortfall's share of the used blocks times the time the running batch takes
+  to drain.
 
 Two further terms are not part of this request's TTFT; policies may weigh them:
 
 * ``decode_s``: the expected time to generate ``O`` tokens on ``w`` with the
   batch it would join;
+* ``interference_s``: the delay this request's prefill imposes on the
+  requests decoding on ``w`` (every decode waits while the engine prefills):
+  prefill time times the decode batch. Recomputing a long prefix on a busy
+  worker costs everyone there, not only this request;
 * ``eviction_s``: the prefill time of the cached blocks that storing this
   prompt would evict from ``w``'s full cache (``evicted_tokens``, given by the
   caller from the prefix index). It is the price of copying a prefix: another
@@ -54,6 +60,7 @@ class CostTerms:
     memory_risk_s: float
     decode_s: float
     eviction_s: float = 0.0
+    interference_s: float = 0.0
     scale: float = 1.0
 
     @property
@@ -146,7 +153,12 @@ class CostModel:
 
         risk = 0.0
         block = max(1, w.block_size)
-        needed = math.ceil((expected_new + output_tokens) / block)
+        # Engines admit first come, first served and a request that does not
+        # fit blocks the queue behind it, so what counts is the memory of all
+        # the work queued ahead plus this request's (each queued request is
+        # assumed to reserve as much output as this one).
+        queued = max(0, w.in_flight - w.decoding)
+        needed = math.ceil((pending + expected_new + (queued + 1) * output_tokens) / block)
         free = w.kv_capacity_blocks - w.kv_used_blocks
         if needed > free and w.decoding > 0:
             shortfall = min(1.0, (needed - free) / max(1, w.kv_used_blocks))

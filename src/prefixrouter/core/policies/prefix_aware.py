@@ -97,6 +97,8 @@ class PrefixRouterParams:
         cold_reserved_share: Share of each worker's slots warm preference may not fill.
         eviction_weight: Weight of the prefill time of what a copy would evict
             (the chance that the evicted blocks are asked for again).
+        min_margin_share: Share of the warm margin kept even when the other
+            worker's cache has room (a copy still costs memory and a prefill).
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
@@ -107,7 +109,7 @@ class PrefixRouterParams:
 
     short: OutputClassParams = field(
         default_factory=lambda: OutputClassParams(
-            warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0, decode_weight=0.1
+            warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0, decode_weight=0.2
         )
     )
     long: OutputClassParams = field(
@@ -120,7 +122,8 @@ class PrefixRouterParams:
     min_confidence: float = 0.5
     cold_reserved_share: float = 0.2
     eviction_weight: float = 0.5
-    hot_prefix_utilization: float = 0.8
+    min_margin_share: float = 0.5
+    hot_prefix_utilization: float = 1.5
     demand_window_s: float = 10.0
     burst_samples: int = 8
     reference_batch: int = 32
@@ -188,7 +191,7 @@ class PrefixRouterPolicy(Policy):
             )
             score = (
                 terms.ttft_s
-                + cls.decode_weight * terms.decode_s
+                + cls.decode_weight * (terms.decode_s + terms.interference_s)
                 + p.eviction_weight * terms.eviction_s
             )
             scored.append(CandidateScore(w.worker_id, matched, conf, terms, score))
@@ -247,7 +250,8 @@ class PrefixRouterPolicy(Policy):
             chosen = bw
             reason = "lowest predicted cost"
         else:
-            limit = self._margin_limit(best, cls, _cache_pressure(ctx, best.worker_id))
+            pressure = max(p.min_margin_share, _cache_pressure(ctx, best.worker_id))
+            limit = self._margin_limit(best, cls, pressure)
             if best_warm.terms.queue_wait_s > cls.max_warm_wait_s:
                 chosen, abandoned = best_i, True
                 wait_ms = best_warm.terms.queue_wait_s * 1e3

@@ -1,0 +1,374 @@
+"""Typed, validated configuration of the gateway (YAML in, errors that name the field).
+
+Every option has a default, so an empty file (or no file) is a valid
+configuration: a gateway on 127.0.0.1:8080 with the ``prefixrouter`` policy,
+text-mode hashing and no workers (add them with ``--worker`` or the admin API).
+
+Shape of the YAML file (all keys optional)::
+
+    server:        {host, port, max_body_bytes, admin_api_key}
+    workers:       [{url, id, kind, pool, models, adapters, tenants, api_key,
+                     block_size, kv_capacity_blocks, max_slots, health_path, metrics_path}]
+    policy:        {name, params}
+    routing:       {mode: text|token, tokenizer, chunk_chars, block_size,
+                    chars_per_token, template_version, tokenizer_revision,
+                    prefix_key_tokens, default_max_tokens, document_chars}
+    tenants:       {NAME: {share_cache, cache_salt}}
+    default_tenant: {share_cache, cache_salt}
+    api_keys:      {KEY: TENANT}
+    require_api_key, tenant_header, salt_secret
+    health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
+    metrics_poll:  {interval_s, timeout_s}
+    proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
+                    drain_timeout_s, retry_after_s}
+    decision_log:  {path, ring_size, flush_interval_s}
+    metrics:       {warm_fraction}
+
+Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
+with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
+comes from the YAML node marks (PyYAML's composer), so a typo deep in a worker
+list points at its own line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from prefixrouter.errors import ConfigError, PrefixRouterError
+
+EngineKind = Literal["vllm", "sglang", "llamacpp", "openai"]
+PosInt = Annotated[int, Field(gt=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+# Per engine kind: (health path, metrics path). "" = the engine has none.
+ENGINE_PATHS: dict[str, tuple[str, str]] = {
+    "vllm": ("/health", "/metrics"),
+    "sglang": ("/health", "/metrics"),
+    "llamacpp": ("/health", "/metrics"),
+    "openai": ("/v1/models", ""),
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class WorkerConfig(_Model):
+    """One upstream engine.
+
+    Attributes:
+        url: Base URL (``http://host:port``), without ``/v1``.
+        id: Stable worker id; default ``host:port`` of the URL.
+        kind: Engine kind; decides metric names, health path and ``cache_salt`` support.
+        pool: Pool name (a policy may keep a ``cold`` pool).
+        models: Models it serves; empty = discover from ``GET /v1/models``.
+        adapters: LoRA adapters it serves (requested by model name).
+        tenants: Tenants allowed on it; None = every tenant.
+        api_key: Sent upstream as ``Authorization: Bearer``.
+        block_size: Engine KV block size; None = from ``vllm:cache_config_info``.
+        kv_capacity_blocks: Engine KV size in blocks; None = from its metrics.
+        max_slots: Concurrent sequences the engine runs (``max_num_seqs``).
+        health_path: Health endpoint; None = the kind's default.
+        metrics_path: Prometheus endpoint; None = the kind's default, "" = none.
+    """
+
+    url: str
+    id: str = ""
+    kind: EngineKind = "vllm"
+    pool: str = "default"
+    models: list[str] = Field(default_factory=list)
+    adapters: list[str] = Field(default_factory=list)
+    tenants: list[str] | None = None
+    api_key: str | None = None
+    block_size: PosInt | None = None
+    kv_capacity_blocks: PosInt | None = None
+    max_slots: PosInt = 256
+    health_path: str | None = None
+    metrics_path: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        value = value.rstrip("/")
+        if value.endswith("/v1"):
+            value = value[:-3]
+        # A path prefix is allowed (an engine behind a reverse proxy); a host is not optional.
+        if not value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("has no host")
+        return value
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> WorkerConfig:
+        if not self.id:
+            object.__setattr__(self, "id", self.url.split("://", 1)[1].split("/", 1)[0])
+        health, metrics = ENGINE_PATHS[self.kind]
+        if self.health_path is None:
+            object.__setattr__(self, "health_path", health)
+        if self.metrics_path is None:
+            object.__setattr__(self, "metrics_path", metrics)
+        return self
+
+    @property
+    def supports_cache_salt(self) -> bool:
+        """vLLM isolates prefix caches per ``cache_salt``; other engines ignore it."""
+        return self.kind == "vllm"
+
+
+class ServerConfig(_Model):
+    """The gateway's own HTTP server.
+
+    Attributes:
+        host: Listen address.
+        port: Listen port.
+        max_body_bytes: Larger request bodies get 413.
+        admin_api_key: If set, ``/admin/*`` needs ``Authorization: Bearer`` with it.
+    """
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    max_body_bytes: PosInt = 8 * 1024 * 1024
+    admin_api_key: str | None = None
+
+
+class PolicyConfig(_Model):
+    """The routing policy: a registered name and its raw parameters."""
+
+    name: str = "prefixrouter"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_policy(self) -> PolicyConfig:
+        from prefixrouter.core.policy import create_policy
+
+        try:
+            create_policy(self.name, self.params)
+        except PrefixRouterError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class RoutingConfig(_Model):
+    """How a request becomes a routing key.
+
+    Attributes:
+        mode: ``text`` (character chunks, no tokenizer) or ``token`` (the model's tokenizer).
+        tokenizer: Tokenizer folder or file, required in token mode.
+        chunk_chars: Characters per block in text mode.
+        block_size: Tokens per block in token mode; None = the engines' (default 16).
+        chars_per_token: Starting estimate in text mode (learned from usage).
+        template_version: Part of the cache namespace: bump when the prompt template changes.
+        tokenizer_revision: Part of the cache namespace.
+        prefix_key_tokens: Depth of the prefix key in decisions and metrics.
+        default_max_tokens: Expected output tokens when a request gives none.
+        document_chars: A message this long makes the request's prefix class ``document``.
+    """
+
+    mode: Literal["text", "token"] = "text"
+    tokenizer: Path | None = None
+    chunk_chars: PosInt = 256
+    block_size: PosInt | None = None
+    chars_per_token: PosFloat = 4.0
+    template_version: str = ""
+    tokenizer_revision: str = ""
+    prefix_key_tokens: PosInt = 1024
+    default_max_tokens: PosInt = 256
+    document_chars: PosInt = 4000
+
+    @model_validator(mode="after")
+    def _token_mode_needs_tokenizer(self) -> RoutingConfig:
+        if self.mode == "token" and self.tokenizer is None:
+            raise ValueError("routing.mode 'token' needs routing.tokenizer")
+        return self
+
+
+class TenantRule(_Model):
+    """Cache sharing rule of one tenant.
+
+    Attributes:
+        share_cache: False: the tenant's requests get a namespace of their own
+            (never a warm route shared with another tenant) and, on vLLM
+            workers, a ``cache_salt`` so the engine keeps its blocks apart too.
+        cache_salt: Explicit salt; default derived from the tenant and ``salt_secret``.
+    """
+
+    share_cache: bool = True
+    cache_salt: str | None = None
+
+
+class HealthConfig(_Model):
+    """Health checks: failing workers are re-checked with exponential backoff.
+
+    Attributes:
+        timeout_s: Timeout of one check.
+        backoff_initial_s: First re-check delay after a failure.
+        backoff_max_s: Upper bound of the delay.
+        backoff_factor: Delay multiplier per consecutive failure.
+        unhealthy_after: Consecutive failed checks before a worker leaves routing.
+    """
+
+    timeout_s: PosFloat = 2.0
+    backoff_initial_s: PosFloat = 0.5
+    backoff_max_s: PosFloat = 30.0
+    backoff_factor: Annotated[float, Field(ge=1.0)] = 2.0
+    unhealthy_after: PosInt = 1
+
+
+class MetricsPollConfig(_Model):
+    """Polling of each healthy worker's health and ``/metrics`` (queue, KV usage, KV size)."""
+
+    interval_s: PosFloat = 2.0
+    timeout_s: PosFloat = 2.0
+
+
+class ProxyConfig(_Model):
+    """Forwarding.
+
+    Attributes:
+        max_attempts: Workers tried per request (retries happen only before the
+            first byte reaches the client).
+        retry_statuses: Upstream statuses that count as a refusal (retry elsewhere).
+        connect_timeout_s: TCP connect timeout per attempt.
+        request_timeout_s: Total time allowed for one upstream request.
+        drain_timeout_s: Default wait for a removed worker's requests to finish.
+        retry_after_s: ``Retry-After`` of a 503 when no worker is available.
+    """
+
+    max_attempts: PosInt = 3
+    retry_statuses: list[int] = Field(default_factory=lambda: [429, 502, 503, 504])
+    connect_timeout_s: PosFloat = 3.0
+    request_timeout_s: PosFloat = 600.0
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 60.0
+    retry_after_s: PosInt = 1
+
+
+class DecisionLogConfig(_Model):
+    """The decision log: JSON lines in a file (optional) and a ring for ``/admin/decisions``."""
+
+    path: Path | None = None
+    ring_size: PosInt = 1000
+    flush_interval_s: PosFloat = 1.0
+
+
+class MetricsConfig(_Model):
+    """Prometheus metrics settings.
+
+    Attributes:
+        warm_fraction: A request whose engine reused at least this share of the
+            prompt counts as ``hit="warm"``; more than zero but less, ``partial``.
+    """
+
+    warm_fraction: Annotated[float, Field(gt=0, le=1)] = 0.75
+
+
+class GatewayConfig(_Model):
+    """The whole gateway configuration; every field has a default."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    tenants: dict[str, TenantRule] = Field(default_factory=dict)
+    default_tenant: TenantRule = Field(default_factory=TenantRule)
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    require_api_key: bool = False
+    tenant_header: bool = True
+    salt_secret: str = ""
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    metrics_poll: MetricsPollConfig = Field(default_factory=MetricsPollConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _unique_worker_ids(self) -> GatewayConfig:
+        seen: set[str] = set()
+        for w in self.workers:
+            if w.id in seen:
+                raise ValueError(f"workers: duplicate worker id {w.id!r}")
+            seen.add(w.id)
+        return self
+
+    def tenant_rule(self, tenant: str) -> TenantRule:
+        """The sharing rule of ``tenant`` (the default rule if it has none)."""
+        return self.tenants.get(tenant, self.default_tenant)
+
+
+def config_from_dict(data: Any, source: str = "<config>", node: yaml.Node | None = None) -> GatewayConfig:
+    """Validate a parsed configuration.
+
+    Args:
+        data: The parsed mapping (None = all defaults).
+        source: Name used in error messages (a file path).
+        node: The YAML node tree the data came from, to name lines in errors.
+
+    Raises:
+        ConfigError: One line per invalid field.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the configuration must be a mapping, got {type(data).__name__}")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            line = _line_of(node, loc)
+            where = f"{source}:{line}" if line else source
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {field}: {msg}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: Path | str) -> GatewayConfig:
+    """Read and validate a YAML configuration file.
+
+    Raises:
+        ConfigError: Unreadable file, invalid YAML or invalid fields; the message
+            names the file, the line and the field.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    return config_from_dict(data, str(path), node)
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the deepest YAML node on ``loc`` (a pydantic error location)."""
+    if node is None:
+        return None
+    line: int = node.start_mark.line + 1
+    for part in loc:
+        child: yaml.Node | None = None
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value == str(part):
+                    child = value
+                    line = key.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if 0 <= part < len(node.value):
+                child = node.value[part]
+                line = child.start_mark.line + 1
+        if child is None:
+            break
+        node = child
+    return line

@@ -1,0 +1,93 @@
+"""Configuration of one simulated engine server, validated on construction.
+
+The engine server serves one model name from one :class:`EngineModel`. Its KV
+size and speed come from a named profile (``prefixrouter profiles``); the
+block size and the number of KV blocks can be overridden, as vLLM's
+``--block-size`` and ``--num-gpu-blocks-override`` do.
+
+Changing only the block size keeps the KV *memory* of the profile, as vLLM
+would: ``kv_blocks = profile.kv_blocks * profile.block_size // block_size``.
+``max_model_len`` defaults to the whole KV cache (``kv_blocks x block_size``)
+and may not exceed it (vLLM refuses to start when one request of
+``max_model_len`` tokens cannot fit either).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from prefixrouter.errors import ConfigError
+from prefixrouter.sim.profiles import EngineProfile, get_profile
+
+
+@dataclass(frozen=True, slots=True)
+class EngineServerConfig:
+    """What one ``prefixrouter engine`` process serves.
+
+    Attributes:
+        model: Served model name (``/v1/models``; requests naming another get 404).
+        profile: Engine profile name (speed, KV size, scheduler limits).
+        kv_blocks: KV cache size in blocks (default: the profile's, rescaled to
+            ``block_size``).
+        block_size: Tokens per KV block (default: the profile's).
+        time_scale: Speed-up of simulated time: 10 runs ten times faster than
+            the profile says (TTFTs are a tenth).
+        max_model_len: Longest prompt + output accepted (default: the KV cache).
+        default_max_tokens: Output length when a request gives no ``max_tokens``.
+        engine_id: Value of the ``engine`` label on every metric.
+        tokenizer: Tokenizer file or folder (default: the project's own).
+    """
+
+    model: str = "tiny"
+    profile: str = "tiny-cpu"
+    kv_blocks: int | None = None
+    block_size: int | None = None
+    time_scale: float = 1.0
+    max_model_len: int | None = None
+    default_max_tokens: int = 16
+    engine_id: str = "0"
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model: must be a non-empty name")
+        if not self.time_scale > 0:
+            raise ConfigError(f"time_scale: must be positive, got {self.time_scale}")
+        for name in ("kv_blocks", "block_size", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {value}")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
+        try:
+            prof = self.engine_profile()
+        except (KeyError, ValueError) as exc:
+            msg = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+            raise ConfigError(f"profile: {msg}") from None
+        capacity = prof.kv_blocks * prof.block_size
+        if self.max_model_len is not None and self.max_model_len > capacity:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} tokens exceed the KV cache "
+                f"({prof.kv_blocks} blocks of {prof.block_size} = {capacity} tokens)"
+            )
+
+    def engine_profile(self) -> EngineProfile:
+        """The profile with the block size and KV size overrides applied."""
+        base = get_profile(self.profile)
+        block = self.block_size or base.block_size
+        if self.kv_blocks is not None:
+            blocks = self.kv_blocks
+        else:
+            blocks = base.kv_blocks * base.block_size // block
+        if blocks == base.kv_blocks and block == base.block_size:
+            return base
+        return dataclasses.replace(base, kv_blocks=blocks, block_size=block)
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """``max_model_len``, or the whole KV cache in tokens."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        prof = self.engine_profile()
+        return prof.kv_blocks * prof.block_size

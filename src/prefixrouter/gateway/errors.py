@@ -1,0 +1,165 @@
+"""OpenAI-shaped error responses, and which exception becomes which status.
+
+Every error the gateway answers has OpenAI's shape, so OpenAI client libraries
+raise their usual exceptions::
+
+    {"error": {"message": "...", "type": "...", "param": "...", "code": "..."}}
+
+Mapping (exception -> HTTP status, ``type``, ``code``)::
+
+    PrefixRouterError
+    ├── GatewayError                 raised by the gateway's own handlers
+    │   ├── BadRequest               400  invalid_request_error  invalid_json | missing_field
+    │   │                                                         | invalid_field  (param = field)
+    │   ├── Unauthorized             401  authentication_error   invalid_api_key
+    │   ├── NotFound                 404  invalid_request_error  model_not_found | not_found
+    │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
+    │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
+    │   └── UpstreamFailed           502  upstream_error         upstream_unreachable
+    ├── RoutingError
+    │   └── NoWorkerAvailable        503  service_unavailable    no_healthy_worker  (+ Retry-After)
+    ├── ConfigError                  400  invalid_request_error  invalid_config  (admin API input)
+    └── UnknownNameError             404  invalid_request_error  not_found
+    anything else                    500  internal_error         internal_error  (never a traceback)
+
+An upstream engine's own error keeps its status: its body is passed through
+when it already has the OpenAI shape and wrapped into it otherwise
+(:func:`upstream_error_body`); vLLM's older ``{"object": "error", "message",
+"type", "code"}`` shape is converted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from prefixrouter.errors import (
+    ConfigError,
+    NoWorkerAvailable,
+    PrefixRouterError,
+    UnknownNameError,
+)
+
+JSON = "application/json"
+
+
+class GatewayError(PrefixRouterError):
+    """An error the gateway answers with an OpenAI-shaped body.
+
+    Attributes:
+        status: HTTP status.
+        type: OpenAI error ``type``.
+        code: OpenAI error ``code``.
+        param: The offending request field, if any.
+        headers: Extra response headers (``Retry-After``).
+    """
+
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+class BadRequest(GatewayError):
+    """400: invalid JSON, a missing field or a field of the wrong type or value."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_field"
+
+
+class Unauthorized(GatewayError):
+    """401: a missing or unknown API key where one is required."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    """404: an unknown model or object."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    """413: the body is larger than ``server.max_body_bytes``."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class ServiceUnavailable(GatewayError):
+    """503: no healthy worker can take the request; carries ``Retry-After``."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_worker"
+
+
+class UpstreamFailed(GatewayError):
+    """502: every attempted worker failed before answering."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_unreachable"
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    """The OpenAI error JSON."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_response(exc: BaseException, retry_after_s: int = 1) -> web.Response:
+    """The response for any exception, following the mapping in the module docstring."""
+    if isinstance(exc, GatewayError):
+        body = error_body(exc.message, exc.type, exc.code, exc.param)
+        return web.Response(status=exc.status, body=body, content_type=JSON, headers=exc.headers)
+    if isinstance(exc, NoWorkerAvailable):
+        err = ServiceUnavailable(str(exc), headers={"Retry-After": str(retry_after_s)})
+        return error_response(err)
+    if isinstance(exc, ConfigError):
+        return error_response(BadRequest(str(exc), code="invalid_config"))
+    if isinstance(exc, UnknownNameError):
+        return error_response(NotFound(str(exc)))
+    return error_response(GatewayError(f"internal error: {type(exc).__name__}"))
+
+
+def upstream_error_body(body: bytes, status: int) -> bytes:
+    """An upstream error body in OpenAI's shape (passed through when it already is)."""
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        if isinstance(data.get("error"), dict):
+            return body
+        if "message" in data:  # vLLM's older {"object": "error", ...}
+            code = data.get("code")
+            return error_body(
+                str(data["message"]),
+                str(data.get("type") or "upstream_error"),
+                str(code) if code is not None else str(status),
+                data.get("param") if isinstance(data.get("param"), str) else None,
+            )
+    text = body.decode("utf-8", "replace").strip()[:500] or f"upstream answered {status}"
+    return error_body(text, "upstream_error", str(status))

@@ -1,0 +1,436 @@
+"""The project's own tokenizer and chat template: real token counts with no downloads.
+
+Nothing can be downloaded on the machines this project runs on, yet the engine
+server, the gateway's token-mode routing and the tiny real-vLLM model must all
+count tokens the same way. So the tokenizer is *built* locally, deterministically:
+
+* **Corpus**: the Python standard library's top-level ``*.py`` sources
+  (``sysconfig.get_paths()["stdlib"]``), in file-name order, at most
+  ``PER_FILE_CHARS`` characters of each and ``CORPUS_CHARS`` in all: code,
+  docstrings and comments, so English prose tokenizes plausibly.
+* **Model**: byte-level BPE (GPT-2 style byte alphabet, so any text encodes, no
+  unknown token), ``VOCAB_SIZE`` = 8,192 entries, trained with ``tokenizers``.
+  Training is deterministic (ties between merges are broken by the pair), and
+  the JSON is written with the vocabulary in id order, so the same corpus gives
+  the same file byte for byte. The corpus depends on the Python minor version,
+  which is part of :data:`TOKENIZER_VERSION`.
+* **Special tokens**: ``<|endoftext|>`` (0), ``<|im_start|>`` (1),
+  ``<|im_end|>`` (2). They are matched in input text, as Hugging Face
+  tokenizers do, so a rendered chat template encodes them as single ids.
+* **Chat template**: ChatML, rendered by :func:`render_chat`, a pure function
+  (no Jinja) that the gateway reuses for token-mode routing::
+
+      <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n
+
+Building takes about 0.3 s; the result is cached as
+``<cache dir>/tokenizer-<version>.json`` where the cache dir is
+``$PREFIXROUTER_CACHE``, else ``$XDG_CACHE_HOME/prefixrouter``, else
+``~/.cache/prefixrouter``. The file is written to a temporary name and renamed,
+so concurrent processes never read a partial file (each may build; all write
+the same bytes). :func:`hf_tokenizer_dir` also writes a Hugging Face style
+folder (``tokenizer.json`` + ``tokenizer_config.json`` with an equivalent
+Jinja template) for tools that load tokenizers by directory: sglang-router,
+transformers, vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HfTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+__all__ = [
+    "CHAT_TEMPLATE_JINJA",
+    "SPECIAL_TOKENS",
+    "TOKENIZER_VERSION",
+    "VOCAB_SIZE",
+    "ChatTemplateError",
+    "Tokenizer",
+    "build_tokenizer_json",
+    "cache_dir",
+    "hf_tokenizer_dir",
+    "load_tokenizer",
+    "render_chat",
+    "tokenizer_path",
+]
+
+RECIPE = "r1"
+"""Bump when anything below changes the built file."""
+TOKENIZER_VERSION = f"{RECIPE}-py{sys.version_info.major}{sys.version_info.minor}"
+"""Recipe and Python minor version (the corpus comes from the standard library)."""
+VOCAB_SIZE = 8192
+CORPUS_CHARS = 1_000_000
+PER_FILE_CHARS = 40_000
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+CHAT_TEMPLATE_JINJA = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The same ChatML for plain string messages, as Jinja (for ``tokenizer_config.json``)."""
+
+
+class ChatTemplateError(ValueError):
+    """Malformed chat messages or tools; the message names the field (``messages[2].role``)."""
+
+
+# ----------------------------------------------------------------- chat template
+
+
+def _json(value: Any) -> str:
+    """Canonical JSON: sorted keys, no ASCII escaping (the same text on every run)."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"{where}: must be a string, a list of content parts or null")
+    texts: list[str] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise ChatTemplateError(f"{where}[{i}]: a content part must be an object")
+        kind = part.get("type", "text")
+        if kind not in ("text", "input_text"):
+            raise ChatTemplateError(
+                f"{where}[{i}].type: unsupported content part {kind!r} (this model is text only)"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"{where}[{i}].text: must be a string")
+        texts.append(text)
+    # vLLM joins the text parts of one message with a newline for string templates.
+    return "\n".join(texts)
+
+
+def _tool_call_text(call: Any, where: str) -> str:
+    if not isinstance(call, Mapping):
+        raise ChatTemplateError(f"{where}: a tool call must be an object")
+    fn = call.get("function")
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ChatTemplateError(f"{where}.function.name: must be a string")
+    args = fn.get("arguments", "{}")
+    # OpenAI sends arguments as JSON text: keep it verbatim (that is what the
+    # model produced); anything else is rendered canonically.
+    args_text = args if isinstance(args, str) else _json(args)
+    return f'<tool_call>\n{{"name": {_json(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
+
+
+def _tools_text(tools: Sequence[Any]) -> str:
+    lines = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise ChatTemplateError(f"tools[{i}]: must be an object")
+        lines.append(_json(tool))
+    return "# Tools\n\n<tools>\n" + "\n".join(lines) + "\n</tools>"
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render OpenAI chat messages to the prompt text the model sees (ChatML).
+
+    Pure and deterministic: the same messages give the same text, byte for byte.
+    Rules:
+
+    * each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``;
+    * ``content`` may be a string, null, or a list of text parts (joined with
+      ``\\n``, as vLLM does); other part types are rejected (text-only model);
+    * an assistant message's ``tool_calls`` follow its content, one
+      ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` each,
+      separated by newlines;
+    * ``tools`` (when non-empty) are listed, one canonical JSON object a line, in
+      a ``# Tools`` section appended to the first system message (a system
+      message is inserted first if there is none);
+    * ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
+
+    Args:
+        messages: Chat messages (``role``, ``content``, optional ``tool_calls``).
+        tools: OpenAI tool definitions, if any.
+        add_generation_prompt: Open an assistant turn at the end.
+
+    Returns:
+        The prompt text, special tokens included as text.
+
+    Raises:
+        ChatTemplateError: If a message or tool is malformed (names the field).
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError("messages: must be a list of message objects")
+    if not messages:
+        raise ChatTemplateError("messages: must not be empty")
+    if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
+        raise ChatTemplateError("tools: must be a list of tool objects")
+    turns: list[tuple[str, str]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise ChatTemplateError(f"{where}: must be an object")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"{where}.role: must be a non-empty string")
+        text = _content_text(msg.get("content"), f"{where}.content")
+        calls = msg.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise ChatTemplateError(f"{where}.tool_calls: must be a list")
+            rendered = [_tool_call_text(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+            text = "\n".join(([text] if text else []) + rendered)
+        turns.append((role, text))
+    if tools:
+        section = _tools_text(tools)
+        if turns[0][0] == "system":
+            system = turns[0][1]
+            turns[0] = ("system", f"{system}\n\n{section}" if system else section)
+        else:
+            turns.insert(0, ("system", section))
+    out = [f"{IM_START}{role}\n{text}{IM_END}\n" for role, text in turns]
+    if add_generation_prompt:
+        out.append(f"{IM_START}assistant\n")
+    return "".join(out)
+
+
+# ----------------------------------------------------------------- building
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py"), key=lambda p: p.name):
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")[:PER_FILE_CHARS]
+        except OSError:
+            continue
+        if total + len(text) > CORPUS_CHARS:
+            text = text[: CORPUS_CHARS - total]
+        texts.append(text)
+        total += len(text)
+        if total >= CORPUS_CHARS:
+            break
+    if total < 100_000:
+        raise RuntimeError(f"too little standard-library source under {stdlib} to train on")
+    return texts
+
+
+def build_tokenizer_json() -> str:
+    """Train the tokenizer from the standard library sources; return its JSON text.
+
+    Deterministic: the same Python installation gives the same text.
+    """
+    tok = _HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = _corpus()
+    tok.train_from_iterator(texts, trainer, length=len(texts))
+    return tok.to_str()
+
+
+def cache_dir() -> Path:
+    """Where built tokenizers are kept (see the module docstring)."""
+    env = os.environ.get("PREFIXROUTER_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "prefixrouter"
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _valid(path: Path) -> bool:
+    try:
+        _HfTokenizer.from_file(str(path))
+    except Exception:
+        return False
+    return True
+
+
+def tokenizer_path(directory: str | os.PathLike[str] | None = None) -> Path:
+    """The cached tokenizer file, built first if missing or unreadable.
+
+    Args:
+        directory: Cache directory (default :func:`cache_dir`).
+
+    Returns:
+        ``<directory>/tokenizer-<TOKENIZER_VERSION>.json``.
+    """
+    path = Path(directory) if directory is not None else cache_dir()
+    path = path / f"tokenizer-{TOKENIZER_VERSION}.json"
+    if not (path.is_file() and _valid(path)):
+        _write_atomic(path, build_tokenizer_json())
+    return path
+
+
+def hf_tokenizer_dir(directory: str | os.PathLike[str] | None = None) -> Path:
+    """A Hugging Face style tokenizer folder beside the cached file.
+
+    Holds ``tokenizer.json``, ``tokenizer_config.json`` (ChatML Jinja template,
+    special tokens) and ``special_tokens_map.json``; each written atomically.
+
+    Returns:
+        ``<directory>/tokenizer-<TOKENIZER_VERSION>/``.
+    """
+    src = tokenizer_path(directory)
+    folder = src.with_suffix("")
+    data = src.read_text(encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 1_000_000,
+        "chat_template": CHAT_TEMPLATE_JINJA,
+        "clean_up_tokenization_spaces": False,
+    }
+    special = {"eos_token": IM_END, "pad_token": "<|endoftext|>"}
+    files = {
+        "tokenizer.json": data,
+        "tokenizer_config.json": _json(config) + "\n",
+        "special_tokens_map.json": _json(special) + "\n",
+    }
+    for name, text in files.items():
+        target = folder / name
+        if not target.is_file() or target.read_text(encoding="utf-8") != text:
+            _write_atomic(target, text)
+    return folder
+
+
+# ----------------------------------------------------------------- the object
+
+
+class Tokenizer:
+    """A loaded tokenizer: encode, decode and the chat template.
+
+    Thread safe (the underlying Rust tokenizer is); share one per process via
+    :func:`load_tokenizer`.
+
+    Attributes:
+        path: The JSON file it was loaded from.
+        revision: First 16 hex digits of the file's SHA-256: put it in a
+            :class:`~prefixrouter.core.types.CacheNamespace` so a tokenizer
+            change never reuses stale routing state.
+    """
+
+    __slots__ = ("_tok", "eos_token_id", "path", "revision")
+
+    def __init__(self, path: Path) -> None:
+        data = path.read_bytes()
+        self.path = path
+        self.revision = hashlib.sha256(data).hexdigest()[:16]
+        self._tok = _HfTokenizer.from_str(data.decode("utf-8"))
+        eos = self._tok.token_to_id(IM_END)
+        self.eos_token_id: int = eos if eos is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries in the vocabulary, special tokens included."""
+        return int(self._tok.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens in the text become their ids)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary entry, None if absent."""
+        tid = self._tok.token_to_id(token)
+        return None if tid is None else int(tid)
+
+    def id_to_token(self, tid: int) -> str | None:
+        """Vocabulary entry of an id (byte-level form), None if out of range."""
+        tok = self._tok.id_to_token(tid)
+        return None if tok is None else str(tok)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text of chat messages (see :func:`render_chat`)."""
+        return render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of the rendered chat (template, then :meth:`encode`)."""
+        return self.encode(
+            render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        )
+
+
+_loaded: dict[Path, Tokenizer] = {}
+_lock = threading.Lock()
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Load a tokenizer, once per process and path.
+
+    Args:
+        path: A tokenizer JSON file, or a folder holding ``tokenizer.json``;
+            default: the project's own tokenizer (built and cached on first use).
+
+    Returns:
+        The shared :class:`Tokenizer` for that file.
+    """
+    if path is None:
+        file = tokenizer_path()
+    else:
+        file = Path(path).expanduser()
+        if file.is_dir():
+            file = file / "tokenizer.json"
+    file = file.resolve()
+    with _lock:
+        tok = _loaded.get(file)
+        if tok is None:
+            tok = _loaded[file] = Tokenizer(file)
+        return tok
