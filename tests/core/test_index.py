@@ -190,8 +190,9 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
         if op == "route":
             idx.on_routed(w, blocks, t)
         elif op == "complete":
+            # the engine prefilled the whole prompt: every whole block is given
             idx.on_completed(w, docs[d], 16.0, 16 * n, 16 * (n // 2), t)
-            blocks = docs[d][: n // 2]
+            blocks = docs[d]
         elif op == "store":
             idx.apply(BlockStored(w, blocks), t)
         elif op == "remove":
@@ -269,8 +270,11 @@ def test_a_miss_on_a_full_cache_is_put_down_to_eviction() -> None:
     idx.on_routed(A, doc, 0.0)
     assert idx.on_completed(A, doc, 16.0, 160, 32, 1.0) is True
     assert idx.trust(A, 1.0) == 1.0 and idx.eviction_misses == 1
-    assert idx.match(doc, 1.0)[A].blocks == 2  # entries past the actual reuse are gone
+    # the engine recomputed what it had evicted: the whole chain is confirmed again
+    m = idx.match(doc, 1.0)[A]
+    assert m.blocks == 10 and m.source is EntrySource.CONFIRMED
     idx.set_capacity(B, 1000)  # room to spare: the same miss means wrong inputs
     idx.on_routed(B, doc, 0.0)
     idx.on_completed(B, doc, 16.0, 160, 32, 1.0)
     assert idx.trust(B, 1.0) == 0.5 and idx.unexplained_misses == 1
+    assert idx.match(doc, 1.0)[B].blocks == 2  # past the actual reuse: dropped

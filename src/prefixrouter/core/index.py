@@ -251,10 +251,14 @@ class PrefixIndex:
     ) -> bool:
         """Fold in the engine's report of how many prompt tokens it reused.
 
-        The blocks up to the actual match are confirmed. If the engine reused
-        clearly fewer tokens than predicted (a *miss*), the worker's trust
-        drops and the entries of this chain past the actual match are removed:
-        the engine's cache evidently differs from our picture of it.
+        The engine prefilled the whole prompt, so its whole blocks are in the
+        engine's cache now: they become confirmed. A *miss* (the engine reused
+        clearly fewer tokens than predicted) on a full cache is explained by
+        eviction, and the recomputed blocks are back, so only the count moves.
+        A miss on a cache with room is not explained: the engine sees other
+        tokens than we hash (template drift, a hidden timestamp, a tokenizer
+        mismatch). Then the worker's trust drops and the entries of this chain
+        past the actual match are removed, since they would miss again.
 
         Returns:
             True if this was a miss.
@@ -262,24 +266,22 @@ class PrefixIndex:
         p = self.params
         actual_blocks = min(len(hashes), int(actual_cached_tokens // block_tokens))
         predicted_blocks = min(len(hashes), int(predicted_cached_tokens // block_tokens))
-        if actual_blocks:
-            self._touch_chain(worker, hashes[:actual_blocks], now, EntrySource.CONFIRMED)
         miss = predicted_blocks - actual_blocks > p.miss_tolerance_blocks
         trust = self.trust(worker, now)
         if miss:
-            # A miss on a full cache is explained by eviction: fix the entries,
-            # keep the trust. On a cache with room it is not: the engine sees
-            # other tokens than we hash (template drift, hidden timestamp, a
-            # tokenizer mismatch), so stop trusting this worker's matches.
             full = self.blocks_of(worker) >= p.eviction_explains_fill * self.capacity(worker)
             if full:
                 self.eviction_misses += 1
             else:
                 self.unexplained_misses += 1
                 self._trust[worker] = (max(p.min_trust, trust * p.miss_decay), now)
-            self._remove(worker, hashes[actual_blocks:])
+                if actual_blocks:
+                    self._touch_chain(worker, hashes[:actual_blocks], now, EntrySource.CONFIRMED)
+                self._remove(worker, hashes[actual_blocks:])
+                return True
         elif predicted_blocks or actual_blocks:
             self._trust[worker] = (min(1.0, trust + p.hit_recovery), now)
+        self._touch_chain(worker, hashes, now, EntrySource.CONFIRMED)
         return miss
 
     def apply(self, event: KvEvent, now: float) -> None:

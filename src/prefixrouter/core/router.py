@@ -266,7 +266,10 @@ class Router:
         """
         for w in views:
             block = max(1, w.block_size)
-            prompt_blocks = (w.context_tokens + w.queued_prompt_tokens) // block
+            # Prompts of requests past their first token hold cached prefix
+            # blocks; queued requests may not be admitted yet, so they are not
+            # counted (under-counting shrinks the mirror: fewer false hits).
+            prompt_blocks = w.context_tokens // block
             pinned_other = max(0, w.kv_used_blocks - prompt_blocks)
             self.index.set_capacity(w.worker_id, max(1, w.kv_capacity_blocks - pinned_other))
 

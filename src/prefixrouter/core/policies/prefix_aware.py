@@ -56,6 +56,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from prefixrouter.core.policy import (
     CandidateScore,
     Outcome,
@@ -75,13 +77,18 @@ class OutputClassParams:
         warm_margin_rel: Keep a warm worker while its score <= best * (1 + this) + abs.
         warm_margin_abs_s: The absolute part of that margin, seconds.
         max_warm_wait_s: Never keep warm preference past this queue wait.
-        decode_weight: Weight of predicted decode time in the score.
+        decode_weight: Weight of predicted decode time (own, and the delay
+            imposed on the running decodes) when ranking workers.
+        switch_decode_weight: The same weight when a warm worker is compared
+            with a cold one (leaving warm copies the prefix: a lasting cost
+            against a transient difference in decode batches).
     """
 
     warm_margin_rel: float = 0.25
     warm_margin_abs_s: float = 0.05
     max_warm_wait_s: float = 4.0
     decode_weight: float = 0.0
+    switch_decode_weight: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,8 @@ class PrefixRouterParams:
             (the chance that the evicted blocks are asked for again).
         min_margin_share: Share of the warm margin kept even when the other
             worker's cache has room (a copy still costs memory and a prefill).
+        home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
+            home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
@@ -114,7 +123,11 @@ class PrefixRouterParams:
     )
     long: OutputClassParams = field(
         default_factory=lambda: OutputClassParams(
-            warm_margin_rel=0.1, warm_margin_abs_s=0.02, max_warm_wait_s=2.0, decode_weight=1.0
+            warm_margin_rel=0.1,
+            warm_margin_abs_s=0.02,
+            max_warm_wait_s=2.0,
+            decode_weight=1.0,
+            switch_decode_weight=1.0,
         )
     )
     long_output_tokens: int = 1024
@@ -123,7 +136,8 @@ class PrefixRouterParams:
     cold_reserved_share: float = 0.2
     eviction_weight: float = 0.5
     min_margin_share: float = 0.5
-    hot_prefix_utilization: float = 1.5
+    home_by_hash: bool = True
+    hot_prefix_utilization: float = 1.0
     demand_window_s: float = 10.0
     burst_samples: int = 8
     reference_batch: int = 32
@@ -223,7 +237,7 @@ class PrefixRouterPolicy(Policy):
                     "lowest predicted TTFT among workers with room"
                 )
                 return Selection(c.worker_id, "cold", reason, 0, candidates_out)
-            return self._select_cold(candidates, scored, best_i, candidates_out)
+            return self._select_cold(ctx, candidates, scored, best_i, candidates_out)
 
         deepest = max(scored[i].matched_tokens for i in warm_idx)
         bw = _argmin(scored, warm_idx)
@@ -250,8 +264,17 @@ class PrefixRouterPolicy(Policy):
             chosen = bw
             reason = "lowest predicted cost"
         else:
+            # Leaving the warm worker copies the prefix: a lasting cost, while
+            # a difference in decode batches evens out within one request's
+            # lifetime. So this comparison weighs decode by the class's
+            # `switch_decode_weight` (0 for short answers), not `decode_weight`.
             pressure = max(p.min_margin_share, _cache_pressure(ctx, best.worker_id))
-            limit = self._margin_limit(best, cls, pressure)
+            warm_switch = self._switch_score(best_warm, cls)
+            cold_switch = self._switch_score(best, cls)
+            assert best.terms is not None
+            limit = cold_switch + pressure * (
+                best.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s
+            )
             if best_warm.terms.queue_wait_s > cls.max_warm_wait_s:
                 chosen, abandoned = best_i, True
                 wait_ms = best_warm.terms.queue_wait_s * 1e3
@@ -259,17 +282,17 @@ class PrefixRouterPolicy(Policy):
                     f"left warm {best_warm.worker_id}: queue wait {wait_ms:.0f} ms"
                     f" > max {cls.max_warm_wait_s * 1e3:.0f} ms"
                 )
-            elif best_warm.score <= limit:
+            elif warm_switch <= limit:
                 chosen = bw
                 reason = (
-                    f"warm within margin: {best_warm.score * 1e3:.0f} ms <= "
-                    f"{limit * 1e3:.0f} ms (best cold {best.score * 1e3:.0f} ms)"
+                    f"warm within margin: {warm_switch * 1e3:.0f} ms <= "
+                    f"{limit * 1e3:.0f} ms (best cold {best.worker_id} {cold_switch * 1e3:.0f} ms)"
                 )
             else:
                 chosen = best_i
                 reason = (
-                    f"warm {best_warm.worker_id} predicted {best_warm.score * 1e3:.0f} ms, "
-                    f"beyond margin of best {best.score * 1e3:.0f} ms"
+                    f"warm {best_warm.worker_id} predicted {warm_switch * 1e3:.0f} ms, "
+                    f"beyond margin of {best.worker_id} {cold_switch * 1e3:.0f} ms"
                 )
         c = scored[chosen]
         if warm_flags[chosen]:
@@ -282,6 +305,7 @@ class PrefixRouterPolicy(Policy):
 
     def _select_cold(
         self,
+        ctx: RoutingContext,
         candidates: Sequence[WorkerView],
         scored: list[CandidateScore],
         best_i: int,
@@ -302,12 +326,39 @@ class PrefixRouterPolicy(Policy):
                         0,
                         out,
                     )
+        if not self.params.home_by_hash or not ctx.blocks.hashes:
+            return Selection(
+                scored[best_i].worker_id,
+                "cold",
+                "no reusable prefix anywhere: lowest predicted TTFT",
+                0,
+                out,
+            )
+        # Among the workers within the margin of the best, the prefix's home by
+        # rendezvous hashing of its first block: a prefix that no cache holds
+        # (new, or evicted everywhere) goes back to the same worker each time,
+        # so prefixes partition across caches instead of scattering over all
+        # of them (the scattering is what makes caches thrash under pressure).
+        limit = self._margin_limit(scored[best_i], self.params.short, 1.0)
+        near = [i for i in range(len(scored)) if scored[i].score <= limit]
+        first = ctx.blocks.hashes[0]
+        home = max(near, key=lambda i: _rendezvous(first, scored[i].worker_id))
         return Selection(
-            scored[best_i].worker_id,
+            scored[home].worker_id,
             "cold",
-            "no reusable prefix anywhere: lowest predicted TTFT",
+            f"no reusable prefix anywhere: its home among {len(near)} within margin",
             0,
             out,
+        )
+
+    def _switch_score(self, c: CandidateScore, cls: OutputClassParams) -> float:
+        """The score used to compare a warm worker with a cold one (see select)."""
+        t = c.terms
+        assert t is not None
+        return (
+            t.ttft_s
+            + cls.switch_decode_weight * (t.decode_s + t.interference_s)
+            + self.params.eviction_weight * t.eviction_s
         )
 
     @staticmethod
@@ -404,6 +455,11 @@ def _cache_pressure(ctx: RoutingContext, worker: WorkerId) -> float:
     if capacity <= 0:
         return 1.0
     return min(1.0, (index.blocks_of(worker) + len(ctx.blocks.hashes)) / capacity)
+
+
+def _rendezvous(block: int, worker: WorkerId) -> int:
+    """Highest-random-weight score of (prefix, worker): stable across processes."""
+    return int(xxhash.xxh3_64_intdigest(worker.encode("utf-8"), block & 0xFFFF_FFFF_FFFF_FFFF))
 
 
 def _argmin(scored: Sequence[CandidateScore], indices: Sequence[int] | range) -> int:
