@@ -5,7 +5,8 @@ Commands:
 * ``simulate``: a scenario (or a trace) through every policy on a simulated
   fleet; prints a table, optionally writes JSON and a PNG;
 * ``policies``: the registered routing policies and their parameters;
-* ``profiles``: the simulated engine profiles.
+* ``profiles``: the simulated engine profiles;
+* ``engine``: one simulated engine behind a vLLM-compatible HTTP API.
 
 Errors the user can fix (unknown names, malformed traces, bad numbers) print
 one line on stderr and exit with status 2; never a traceback.
@@ -305,6 +306,16 @@ def list_profiles() -> None:
             str(p.max_batched_tokens),
         )
     console.print(table)
+
+
+def _register_commands() -> None:
+    """Commands that live in their own packages (their imports stay lazy enough)."""
+    from prefixrouter.engine_server.cli import engine
+
+    app.command("engine")(engine)
+
+
+_register_commands()
 
 
 def json_dumps(obj: Any) -> str:

@@ -271,6 +271,7 @@ def _write_atomic(path: Path, data: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' tools read the cache too
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

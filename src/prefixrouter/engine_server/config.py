@@ -59,7 +59,9 @@ class EngineServerConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")
         if self.default_max_tokens < 1:
-            raise ConfigError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
+            raise ConfigError(
+                f"default_max_tokens: must be at least 1, got {self.default_max_tokens}"
+            )
         try:
             prof = self.engine_profile()
         except (KeyError, ValueError) as exc:

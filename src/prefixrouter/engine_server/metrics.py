@@ -129,7 +129,8 @@ class EngineMetrics:
 
         values = list(labels.values())
         self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
         ).labels(*values)
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."

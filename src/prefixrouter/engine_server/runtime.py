@@ -50,6 +50,7 @@ class RequestHandle:
         prompt_tokens: Prompt length.
         output_tokens: Tokens to generate.
         submitted: Wall time (runtime clock) of the submit.
+        arrival: Simulated time of the submit (the engine's clock).
         first: Resolves to the engine's :class:`FirstToken`.
         done: Resolves to the engine's :class:`Completed`.
         first_at: Wall time the first token was delivered (0 before).
@@ -59,6 +60,7 @@ class RequestHandle:
     prompt_tokens: int
     output_tokens: int
     submitted: float
+    arrival: float
     first: asyncio.Future[FirstToken] = field(repr=False)
     done: asyncio.Future[Completed] = field(repr=False)
     first_at: float = 0.0
@@ -156,12 +158,21 @@ class EngineRuntime:
         if self._closed:
             raise RuntimeError("the engine runtime is stopped")
         loop = asyncio.get_running_loop()
-        now = self.sim_now()
+        wall = self._clock()
+        now = (wall - self._t0) * self.time_scale
         self._advance(now)
         rid = f"r{next(self._ids)}"
-        self.engine.submit(EngineRequest(rid, tuple(block_hashes), prompt_tokens, output_tokens, now), now)
+        self.engine.submit(
+            EngineRequest(rid, tuple(block_hashes), prompt_tokens, output_tokens, now), now
+        )
         handle = RequestHandle(
-            rid, prompt_tokens, output_tokens, self._clock(), loop.create_future(), loop.create_future()
+            rid,
+            prompt_tokens,
+            output_tokens,
+            wall,
+            now,
+            loop.create_future(),
+            loop.create_future(),
         )
         self._handles[rid] = handle
         self._arm()

@@ -7,7 +7,9 @@ For each run (one policy on one workload and fleet):
 * ``throughput_rps`` and ``output_tokens_per_s``: completed requests and
   generated tokens over the span from the first arrival to the last completion;
 * ``prompt_tokens``, ``cached_tokens``, ``prefill_tokens`` (= prompt - cached);
-* ``evictions``: prefix-cache blocks the engines evicted;
+* ``evictions``: prefix-cache blocks the engines evicted, and
+  ``eviction_mean_age_s`` how long they had been unused;
+* ``kv_wait_ms_total``: time requests waited for KV memory before admission;
 * ``load_imbalance``: max over mean of per-worker busy time (1 = perfectly even);
 * ``warm_abandoned``: requests that left a warm worker because of the wait limit.
 
@@ -103,6 +105,11 @@ def summarize(run: SimRun) -> dict[str, Any]:
         "cached_tokens": cached,
         "prefill_tokens": prompt - cached,
         "evictions": sum(w.evictions for w in run.workers),
+        "eviction_mean_age_s": round(
+            math.fsum(w.eviction_mean_age_s * w.evictions for w in run.workers)
+            / max(1, sum(w.evictions for w in run.workers)),
+            3,
+        ),
         "load_imbalance": round(max(busy) / mean_busy, 3) if mean_busy > 0 else 1.0,
         "warm_abandoned": sum(1 for r in run.records if r.warm_abandoned),
         "kv_wait_ms_total": round(sum(r.kv_wait_s for r in done) * 1e3, 1),

@@ -1,0 +1,1 @@
+"""``prefixrouter demo``: a live fleet on loopback, the same traffic through two routers."""

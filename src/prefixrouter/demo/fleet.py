@@ -1,0 +1,130 @@
+"""Start and stop the demo's servers: engine processes and gateways on loopback.
+
+Each server is a real subprocess (``python -m prefixrouter.engine_server`` or
+``python -m prefixrouter.gateway``) on a free port of 127.0.0.1, polled on
+``/health`` until it answers, and stopped by PID (SIGTERM, then SIGKILL after
+a grace period). :class:`Fleet` is a context manager, so servers never outlive
+the demo, even when it fails half-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import IO
+
+import aiohttp
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port that was free on loopback a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """One running server subprocess."""
+
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: IO[bytes]
+
+    def log_tail(self, chars: int = 500) -> str:
+        """The end of what the server wrote on stderr."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace").strip()[-chars:]
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+@dataclass
+class Fleet:
+    """Servers started by the demo; stops them all on exit."""
+
+    servers: list[Server] = field(default_factory=list)
+
+    def start(self, name: str, module: str, args: Sequence[str], port: int | None = None) -> Server:
+        """Start ``python -m module --port P args...`` and return it (not yet healthy)."""
+        port = port or free_port()
+        cmd = [sys.executable, "-m", module, "--port", str(port), *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # stderr goes to a file, not a pipe: a chatty server can never block on it.
+        log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True
+        )
+        server = Server(name, port, proc, log)
+        self.servers.append(server)
+        return server
+
+    async def wait_healthy(self, servers: Sequence[Server], timeout_s: float = 60.0) -> None:
+        """Poll ``/health`` of each server until 200; raise if one dies or times out."""
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            for server in servers:
+                while True:
+                    if server.process.poll() is not None:
+                        err = (
+                            server.process.stderr.read().decode(errors="replace")
+                            if server.process.stderr
+                            else ""
+                        )
+                        raise RuntimeError(f"{server.name} exited: {err.strip()[-500:]}")
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        async with session.get(server.url + "/health") as resp:
+                            if resp.status == 200:
+                                break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{server.name} did not become healthy in {timeout_s:.0f} s"
+                        )
+                    await asyncio.sleep(0.1)
+
+    def stop(self, server: Server, grace_s: float = 5.0) -> None:
+        """Stop one server by PID: SIGTERM, then SIGKILL after ``grace_s``."""
+        proc = server.process
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        server.log.close()
+        if server in self.servers:
+            self.servers.remove(server)
+
+    def stop_all(self) -> None:
+        for server in list(reversed(self.servers)):
+            self.stop(server)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop_all()

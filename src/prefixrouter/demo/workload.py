@@ -1,0 +1,94 @@
+"""The demo's built-in traffic: questions about long documents plus chats under one system prompt.
+
+Text, not token ids: the requests go through real HTTP to real servers that
+tokenize them. Everything is derived from a seed, so two runs send the same
+bytes in the same order at the same offsets:
+
+* **doc-QA**: ``documents`` policy documents of about ``doc_words`` words each;
+  each request is a fixed system instruction, one document, then a new
+  question (the document is the long reusable prefix);
+* **system-prompt**: one long system prompt (``system_words``) shared by
+  every chat, then a short user message.
+
+The two kinds are interleaved; arrivals are Poisson at ``rate`` requests per
+second. Words come from a fixed syllable grammar (pronounceable, so the BPE
+tokenizer splits them like text, about 1.5 to 2 tokens per word).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+_ONSETS = ("b", "c", "d", "f", "g", "l", "m", "n", "p", "r", "s", "t", "v", "st", "tr", "pl")
+_VOWELS = ("a", "e", "i", "o", "u", "ea", "io", "ou")
+_CODAS = ("", "n", "r", "s", "t", "l", "nd", "st", "m")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRequest:
+    """One request of the demo: when to send it and the OpenAI chat body."""
+
+    offset_s: float
+    kind: str  # "doc-qa" | "system-prompt"
+    group: str
+    body: dict[str, Any]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    out = []
+    for i in range(n):
+        syllables = rng.choice((1, 2, 2, 3))
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
+        )
+        out.append(word)
+        if i % 14 == 13:
+            out[-1] += "."
+    return " ".join(out)
+
+
+def build_workload(
+    requests: int,
+    *,
+    rate: float = 8.0,
+    documents: int = 3,
+    doc_words: int = 1_800,
+    system_words: int = 700,
+    max_tokens: int = 64,
+    model: str = "tiny",
+    seed: int = 0,
+) -> list[DemoRequest]:
+    """The demo's requests, sorted by send offset (seconds from the start)."""
+    rng = random.Random(seed)
+    docs = [f"Policy document {d + 1}.\n\n" + _words(rng, doc_words) for d in range(documents)]
+    system_prompt = "You are the support assistant of a small company. " + _words(rng, system_words)
+    instruction = "Answer questions about the document below, briefly and accurately."
+    out: list[DemoRequest] = []
+    t = 0.0
+    for i in range(requests):
+        t += rng.expovariate(rate)
+        if i % 2 == 0:
+            d = rng.randrange(documents)
+            messages = [
+                {"role": "system", "content": instruction},
+                {"role": "user", "content": docs[d] + "\n\nQuestion: " + _words(rng, 25) + "?"},
+            ]
+            kind, group = "doc-qa", f"doc{d + 1}"
+        else:
+            messages = [
+                {"role": "system", "content": system_prompt},
+                {"role": "user", "content": _words(rng, 40) + "?"},
+            ]
+            kind, group = "system-prompt", "system"
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        out.append(DemoRequest(t, kind, group, body))
+    return out

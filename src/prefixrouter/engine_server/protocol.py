@@ -1,0 +1,308 @@
+"""OpenAI / vLLM wire format: request validation, response bodies, SSE chunks, errors.
+
+Pure functions over JSON-shaped dicts, so the HTTP handlers in ``app.py`` stay
+short and this module can be tested without a server.
+
+Errors use OpenAI's shape, as vLLM does::
+
+    {"error": {"message": "...", "type": "BadRequestError", "param": null, "code": 400}}
+
+Supported request fields: ``model``, ``messages`` (chat) or ``prompt``
+(completions: a string, a list of token ids, or a one-element list of either),
+``max_tokens`` / ``max_completion_tokens`` (the output length; chat prefers the
+latter), ``stream``, ``stream_options.include_usage``, ``cache_salt``, ``tools``,
+``add_generation_prompt``, ``n`` (1 only), ``ignore_eos`` and every sampling
+field (accepted, ignored: output is filler of exactly ``max_tokens`` tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+Kind = Literal["chat", "completion"]
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's shape.
+
+    Args:
+        status: HTTP status.
+        message: Human-readable message (names the field).
+        type_: OpenAI error type (``BadRequestError``, ``NotFoundError``, ...).
+        param: The request field at fault, if any.
+    """
+
+    def __init__(
+        self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> bytes:
+        """The JSON error body."""
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        return orjson.dumps({"error": err})
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    """A 400 error."""
+    return ApiError(400, message, "BadRequestError", param)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        ApiError: 400 if it is not valid JSON or not an object.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def check_model(body: Mapping[str, Any], served: str) -> str:
+    """The served model name; 404 if the request names another one (vLLM's message)."""
+    model = body.get("model")
+    if model is None or model == served:
+        return served
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string.", "model")
+    raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise bad_request(f"'{name}' must be a positive integer, got {value!r}.", name)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The generation options of a request that this engine honours.
+
+    Attributes:
+        max_tokens: Output length asked for; None = the server's default.
+        stream: Answer with server-sent events.
+        include_usage: Send a final usage chunk when streaming.
+        cache_salt: vLLM's per-request cache isolation key.
+    """
+
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+
+def parse_options(body: Mapping[str, Any], kind: Kind) -> Options:
+    """Validate the options shared by chat and completions.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    max_tokens = _positive_int(body, "max_tokens")
+    if kind == "chat":
+        max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise bad_request("Only n=1 is supported by this engine.", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean.", "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("'stream_options' must be an object.", "stream_options")
+        if not stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.")
+        include_usage = bool(opts.get("include_usage", False))
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.")
+    return Options(max_tokens, stream, include_usage, salt)
+
+
+def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """The one prompt of a completions request: text or token ids.
+
+    Raises:
+        ApiError: 400 if missing, malformed or a batch of several prompts.
+    """
+    if "prompt" not in body:
+        raise bad_request("Field required: 'prompt'.", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("Batched prompts are not supported by this engine.", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        return list(prompt)
+    raise bad_request(
+        "'prompt' must be a string, a list of token ids or a one-element list of either.",
+        "prompt",
+    )
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[Any]:
+    """The ``messages`` of a chat request (rendering checks each message).
+
+    Raises:
+        ApiError: 400 if missing or not a non-empty list.
+    """
+    if "messages" not in body:
+        raise bad_request("Field required: 'messages'.", "messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list.", "messages")
+    return messages
+
+
+def length_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> ApiError | None:
+    """vLLM's 400 for a request that cannot fit in ``max_model_len``, or None."""
+    if prompt_tokens == 0:
+        return bad_request("The prompt cannot be empty.", "prompt")
+    if prompt_tokens >= max_model_len:
+        return bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
+            "messages."
+        )
+    if prompt_tokens + max_tokens > max_model_len:
+        return bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {max_model_len} tokens and your request has "
+            f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).",
+            "max_tokens",
+        )
+    return None
+
+
+# ----------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI usage with vLLM's ``prompt_tokens_details.cached_tokens``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def full_response(
+    kind: Kind, rid: str, created: int, model: str, text: str, use: dict[str, Any]
+) -> dict[str, Any]:
+    """A non-streaming response body."""
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+class ChunkWriter:
+    """Builds the SSE frames of one streaming response (``data: {json}\\n\\n``)."""
+
+    __slots__ = ("_head", "_kind")
+
+    def __init__(self, kind: Kind, rid: str, created: int, model: str) -> None:
+        self._kind = kind
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._head = {"id": rid, "object": obj, "created": created, "model": model}
+
+    @property
+    def is_chat(self) -> bool:
+        """Chat chunks (else completions)."""
+        return self._kind == "chat"
+
+    @staticmethod
+    def frame(payload: Mapping[str, Any]) -> bytes:
+        """One SSE event."""
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def role(self) -> bytes:
+        """Chat only: the first chunk, announcing the assistant role (as vLLM sends)."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self.frame({**self._head, "choices": [choice]})
+
+    def token(self, text: str, last: bool) -> bytes:
+        """One output token; the last one carries ``finish_reason``."""
+        reason = "length" if last else None
+        if self._kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if last:
+            choice["stop_reason"] = None
+        return self.frame({**self._head, "choices": [choice]})
+
+    def usage(self, use: dict[str, Any]) -> bytes:
+        """The usage chunk (``stream_options.include_usage``): no choices."""
+        return self.frame({**self._head, "choices": [], "usage": use})
+
+    DONE = b"data: [DONE]\n\n"
+
+
+def render_result(
+    rid: str, model: str, token_ids: Sequence[int], max_tokens: int, salt: str | None
+) -> dict[str, Any]:
+    """vLLM's ``/v1/*/render`` item: the request as the engine would run it."""
+    return {
+        "request_id": rid,
+        "model": model,
+        "token_ids": list(token_ids),
+        "features": None,
+        "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+        "cache_salt": salt,
+        "stream": False,
+    }

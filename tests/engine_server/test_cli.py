@@ -1,0 +1,78 @@
+"""``python -m prefixrouter.engine_server`` as a real process, and the command's errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import typer
+from typer.testing import CliRunner
+
+from prefixrouter.engine_server.cli import engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def test_subprocess_serves_and_stops_on_sigterm(tokenizer_cache: str) -> None:
+    port = _free_port()
+    env = {**os.environ, "PREFIXROUTER_CACHE": tokenizer_cache}
+    cmd = [sys.executable, "-m", "prefixrouter.engine_server", "--port", str(port)]
+    cmd += ["--time-scale", "20", "--model", "mini", "--block-size", "32"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=1) as resp:
+                    assert resp.status == 200
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1].decode()
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.05)
+        body = {"model": "mini", "prompt": "x " * 200, "max_tokens": 4}
+        first = _post(base + "/v1/completions", body)
+        second = _post(base + "/v1/completions", body)
+        assert first["usage"]["completion_tokens"] == 4
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and cached % 32 == 0  # the --block-size took effect
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+            assert b'vllm:prefix_cache_hits_total{engine="0",model_name="mini"}' in resp.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err.decode()
+    log = err.decode()
+    assert f"serving 'mini' on http://127.0.0.1:{port}" in log
+    assert "/v1/completions" not in log  # no per-request logging
+
+
+def test_configuration_errors_exit_2() -> None:
+    app = typer.Typer()
+    app.command()(engine)
+    runner = CliRunner()
+    res = runner.invoke(app, ["--port", "0", "--profile", "nope"])
+    assert res.exit_code == 2 and "unknown engine profile" in res.output
+    res = runner.invoke(app, ["--port", "0", "--max-model-len", "999999"])
+    assert res.exit_code == 2 and "max_model_len" in res.output
