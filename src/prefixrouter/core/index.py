@@ -360,8 +360,7 @@ class PrefixIndex:
                     held.source, held.confidence = source, confidence
             return
         # Tail first, so the chain's head ends up most recently used.
-        for block in reversed(hashes):
-            entry = lru.get(block)
+        for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
             if entry is not None:
                 lru.move_to_end(block)
                 entry.last_seen = now
@@ -383,10 +382,13 @@ class PrefixIndex:
             self._entries += 1
             if speculative:
                 heapq.heappush(self._expiry, (expires_at, next(self._ticket), worker, block, entry))
-            if len(lru) > capacity:
-                self._evict_one(worker, lru)
-            if self._entries > p.max_entries:
-                self._evict_global()
+        # Evict after the chain is in: the chain is the most recent part of the
+        # LRU, so other chains go first (and a chain longer than the capacity
+        # loses its tail first).
+        while len(lru) > capacity:
+            self._evict_one(worker, lru)
+        while self._entries > p.max_entries:
+            self._evict_global()
 
     def _evict_one(self, worker: WorkerId, lru: OrderedDict[BlockHash, IndexEntry]) -> None:
         block, _ = lru.popitem(last=False)

@@ -22,12 +22,22 @@ def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> N
     import matplotlib.pyplot as plt
 
     fig, (ax_cdf, ax_bar) = plt.subplots(1, 2, figsize=(13, 5.2))
-    for run in runs:
+    # Twelve policies: tab20's pairs, every other shade, then dashed lines, so
+    # no two curves look alike.
+    palette = [plt.get_cmap("tab20")(i) for i in range(20)]
+    for k, run in enumerate(runs):
         ttft = sorted(r.ttft_s * 1e3 for r in run.records if r.first_token >= 0)
         if not ttft:
             continue
         ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-        style = {"linewidth": 2.6, "color": "black"} if run.policy == "prefixrouter" else {}
+        style: dict[str, object] = (
+            {"linewidth": 2.6, "color": "black"}
+            if run.policy == "prefixrouter"
+            else {
+                "color": palette[(2 * k) % 20 + (k // 10) % 2],
+                "linestyle": "-" if k < 10 else "--",
+            }
+        )
         ax_cdf.step([max(t, 1e-3) for t in ttft], ys, where="post", label=run.policy, **style)
     ax_cdf.set_xscale("log")
     ax_cdf.set_xlabel("time to first token (ms, log)")
