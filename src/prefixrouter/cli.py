@@ -6,7 +6,8 @@ Commands:
   fleet; prints a table, optionally writes JSON and a PNG;
 * ``policies``: the registered routing policies and their parameters;
 * ``profiles``: the simulated engine profiles;
-* ``engine``: one simulated engine behind a vLLM-compatible HTTP API.
+* ``engine``: one simulated engine behind a vLLM-compatible HTTP API;
+* ``demo``: engines and the gateway on loopback, round robin against prefixrouter.
 
 Errors the user can fix (unknown names, malformed traces, bad numbers) print
 one line on stderr and exit with status 2; never a traceback.
@@ -310,9 +311,11 @@ def list_profiles() -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own packages (their imports stay lazy enough)."""
+    from prefixrouter.demo.cli import demo
     from prefixrouter.engine_server.cli import engine
 
     app.command("engine")(engine)
+    app.command("demo")(demo)
 
 
 _register_commands()

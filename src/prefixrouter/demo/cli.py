@@ -1,0 +1,100 @@
+"""The ``prefixrouter demo`` command (see :mod:`prefixrouter.demo.run`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from prefixrouter.demo.client import Result
+from prefixrouter.demo.fleet import Fleet
+
+console = Console(width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True)
+
+
+def demo(
+    workers: Annotated[int, typer.Option(min=1, max=16, help="Engine processes.")] = 4,
+    requests: Annotated[int, typer.Option(min=10, help="Requests per router.")] = 240,
+    rate: Annotated[float, typer.Option(min=0.1, help="Offered requests per second.")] = 8.0,
+    kv_blocks: Annotated[int, typer.Option(min=64, help="KV blocks per engine.")] = 700,
+    plot: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("demo.png"),
+    serve: Annotated[
+        bool, typer.Option("--serve", help="Keep a prefixrouter gateway running afterwards.")
+    ] = False,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+) -> None:
+    """Start engines and the gateway on loopback; compare round robin and prefixrouter live."""
+    from prefixrouter.demo.run import DemoConfig, plot_runs, run_demo, serve_forever
+    from prefixrouter.demo.run import wait_for_interrupt as wait
+
+    cfg = DemoConfig(workers=workers, requests=requests, rate=rate, kv_blocks=kv_blocks, seed=seed)
+    with Fleet() as fleet:
+        with Progress(
+            TextColumn("[bold]{task.description:<24}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+        ) as progress:
+            tasks: list[Any] = []
+
+            def on_router(name: str, total: int) -> None:
+                tasks.append(progress.add_task(f"through {name}", total=total))
+
+            def on_done(_: Result) -> None:
+                progress.advance(tasks[-1])
+
+            try:
+                runs = asyncio.run(run_demo(cfg, fleet, on_router=on_router, on_done=on_done))
+            except RuntimeError as exc:
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(code=1) from None
+        table = Table(title=f"{workers} engines, {requests} requests per router, {rate:g} req/s")
+        for col in (
+            "router",
+            "ok",
+            "TTFT p50",
+            "TTFT p99",
+            "TTFT mean",
+            "cached",
+            "prefill tokens",
+        ):
+            table.add_column(col, justify="left" if col == "router" else "right")
+        for run in runs:
+            s = run.summary()
+            table.add_row(
+                s["router"],
+                f"{s['ok']}/{s['requests']}",
+                f"{s['ttft_p50_ms']:.0f} ms",
+                f"{s['ttft_p99_ms']:.0f} ms",
+                f"{s['ttft_mean_ms']:.0f} ms",
+                f"{s['cached_share']:.1%}",
+                f"{s['prefill_tokens']:,}",
+                style="bold" if s["router"] == "prefixrouter" else None,
+            )
+        console.print(table)
+        plot_runs(runs, plot)
+        console.print(f"wrote {plot}")
+        if serve:
+            engines = [s for s in fleet.servers if s.name.startswith("engine")]
+
+            async def keep_serving() -> None:
+                gateway = await serve_forever(fleet, engines)
+                console.print(f"prefixrouter gateway on {gateway.url} (Ctrl-C stops everything)")
+                body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
+                console.print(
+                    f"curl -s {gateway.url}/v1/chat/completions "
+                    f"-H 'Content-Type: application/json' -d '{body}'",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                await wait()
+
+            asyncio.run(keep_serving())
