@@ -7,7 +7,9 @@ Commands:
 * ``policies``: the registered routing policies and their parameters;
 * ``profiles``: the simulated engine profiles;
 * ``engine``: one simulated engine behind a vLLM-compatible HTTP API;
-* ``demo``: engines and the gateway on loopback, round robin against prefixrouter.
+* ``demo``: engines and the gateway on loopback, round robin against prefixrouter;
+* ``lint``: volatile fields placed before long stable prompt content;
+* ``analyze``: how much of a request log's prefill a prefix cache would save.
 
 Errors the user can fix (unknown names, malformed traces, bad numbers) print
 one line on stderr and exit with status 2; never a traceback.
@@ -311,11 +313,15 @@ def list_profiles() -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own packages (their imports stay lazy enough)."""
+    from prefixrouter.analyze.cli import analyze
     from prefixrouter.demo.cli import demo
     from prefixrouter.engine_server.cli import engine
+    from prefixrouter.prompt.cli import lint
 
-    app.command("engine")(engine)
     app.command("demo")(demo)
+    app.command("engine")(engine)
+    app.command("lint")(lint)
+    app.command("analyze")(analyze)
 
 
 _register_commands()

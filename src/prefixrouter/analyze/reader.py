@@ -1,0 +1,201 @@
+"""Streaming reader of request logs: OpenAI request bodies or decision-log records.
+
+One JSON object per line (``.gz`` files are decompressed on the fly); the file
+is read line by line, so memory does not grow with its length. A line is one
+of:
+
+* a request body: an object with ``messages`` (chat) or a string ``prompt``
+  (completions);
+* a wrapper or gateway decision-log record holding the body under
+  ``request``, ``body`` or ``request_body``, with optional ``prefix_class``,
+  ``namespace``, ``headers`` (``X-Prefix-Class``), ``prompt_tokens`` and
+  ``usage`` (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``);
+* a gateway decision-log record without a body
+  (:mod:`prefixrouter.gateway.decision_log`): its ``prefix_key`` (the id of
+  the prompt's first ``prefix_key_tokens`` tokens), ``prompt_tokens`` (or
+  ``estimated_prompt_tokens``), ``actual_cached_tokens`` and
+  ``prefix_class`` are kept; the analysis then works on prefix keys.
+
+A line that is none of these (invalid JSON, not an object, a ``messages``
+that is not a list of objects, a body-less record without a prompt length) is
+reported through ``on_error(line, reason)`` and skipped; blank lines are
+skipped silently. Nothing here raises on bad input except for I/O errors.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+import orjson
+
+from prefixrouter.core.types import CacheNamespace, PrefixClass
+from prefixrouter.prompt.assemble import PREFIX_CLASS_HEADER, explicit_prefix_class
+
+BODY_KEYS = ("request", "body", "request_body")
+
+ErrorHandler = Callable[[int, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    """One request read from a log.
+
+    Attributes:
+        line: 1-based line number in the file.
+        body: The OpenAI request body.
+        prefix_class: The class the log states (record field, header or body
+            metadata); None when it must be inferred.
+        namespace: Cache namespace key: the record's ``namespace``, else the
+            model's (``CacheNamespace(model).key``).
+        prompt_tokens: Prompt tokens the engine reported (or the router
+            estimated, for a body-less decision record), if logged.
+        cached_tokens: Cached prompt tokens the engine reported, if logged.
+        prefix_key: For a decision record without a body (``body`` is then
+            empty): the id of the prompt's leading prefix.
+    """
+
+    line: int
+    body: Mapping[str, Any]
+    prefix_class: PrefixClass | None = None
+    namespace: str = ""
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefix_key: str | None = None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+_CACHED_KEYS = ("cached_tokens", "actual_cached_tokens")
+
+
+def _first(record: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    return next((record[k] for k in keys if record.get(k) is not None), None)
+
+
+def _check_body(body: Mapping[str, Any]) -> str | None:
+    """Why ``body`` is not a usable request body, or None."""
+    messages = body.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list):
+            return "'messages' is not a list"
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                return f"messages[{i}] is not an object"
+        return None
+    prompt = body.get("prompt")
+    if prompt is None:
+        return "no 'messages' or 'prompt'"
+    if not isinstance(prompt, str):
+        return "'prompt' is not a string (token-id and batched prompts are not supported)"
+    return None
+
+
+def parse_record(obj: Any, line: int = 0) -> LogRecord | str:
+    """A decoded JSON line as a :class:`LogRecord`, or the reason it is not one."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    record: Mapping[str, Any] = obj
+    body: Any = obj
+    if "messages" not in obj and "prompt" not in obj:
+        body = next((obj[k] for k in BODY_KEYS if isinstance(obj.get(k), dict)), None)
+        if body is None:
+            if isinstance(obj.get("prefix_key"), str) and obj["prefix_key"]:
+                return _key_record(obj, line)
+            return "no 'messages' or 'prompt'"
+    why = _check_body(body)
+    if why is not None:
+        return why
+    cls = explicit_prefix_class(record.get("prefix_class"))
+    headers = record.get("headers")
+    if cls is None and isinstance(headers, Mapping):
+        wanted = PREFIX_CLASS_HEADER.lower()
+        cls = next(
+            (explicit_prefix_class(v) for k, v in headers.items() if str(k).lower() == wanted),
+            None,
+        )
+    meta = body.get("metadata")
+    if cls is None and isinstance(meta, Mapping):
+        cls = explicit_prefix_class(meta.get("prefix_class"))
+    if cls is PrefixClass.UNKNOWN:
+        cls = None  # "unknown" in a log means nobody knew: infer it
+    namespace = record.get("namespace")
+    if not isinstance(namespace, str) or not namespace:
+        namespace = CacheNamespace(str(body.get("model", ""))).key
+    usage = record.get("usage")
+    usage = usage if isinstance(usage, Mapping) else {}
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, Mapping) else {}
+    return LogRecord(
+        line=line,
+        body=body,
+        prefix_class=cls,
+        namespace=namespace,
+        prompt_tokens=_int(usage.get("prompt_tokens", record.get("prompt_tokens"))),
+        cached_tokens=_int(details.get("cached_tokens", _first(record, _CACHED_KEYS))),
+    )
+
+
+def _key_record(obj: Mapping[str, Any], line: int) -> LogRecord | str:
+    """A body-less decision record: its prefix key and token counts."""
+    tokens = _int(obj.get("prompt_tokens")) or _int(obj.get("estimated_prompt_tokens"))
+    if not tokens:
+        return "decision record without a body or a prompt length"
+    cls = explicit_prefix_class(obj.get("prefix_class"))
+    namespace = obj.get("namespace")
+    return LogRecord(
+        line=line,
+        body={},
+        prefix_class=None if cls is PrefixClass.UNKNOWN else cls,
+        namespace=namespace if isinstance(namespace, str) else str(obj.get("model", "")),
+        prompt_tokens=tokens,
+        cached_tokens=_int(obj.get("actual_cached_tokens")),
+        prefix_key=str(obj["prefix_key"]),
+    )
+
+
+def _open(path: Path) -> IO[bytes]:
+    if path.suffix == ".gz":
+        return cast(IO[bytes], gzip.open(path, "rb"))
+    return path.open("rb")
+
+
+def iter_records(path: Path, on_error: ErrorHandler | None = None) -> Iterator[LogRecord]:
+    """Stream the usable records of a JSON-lines log.
+
+    Args:
+        path: The log (``.gz`` is decompressed).
+        on_error: Called with (line number, reason) for each line skipped as malformed.
+
+    Yields:
+        One :class:`LogRecord` per usable line, in file order.
+
+    Raises:
+        OSError: The file cannot be opened or read.
+    """
+    with _open(path) as fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                if on_error is not None:
+                    on_error(number, f"invalid JSON: {exc}")
+                continue
+            rec = parse_record(obj, number)
+            if isinstance(rec, str):
+                if on_error is not None:
+                    on_error(number, rec)
+                continue
+            yield rec
+
+
+def format_error(path: Path | str, line: int, reason: str) -> str:
+    """``FILE:LINE: reason``, the way compilers report."""
+    return f"{path}:{line}: {reason}"

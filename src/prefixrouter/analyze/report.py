@@ -1,0 +1,301 @@
+"""The analysis report: JSON record, verdict, tables and an optional plot.
+
+The verdict answers two questions from the measured shares:
+
+* **Does prefix-aware routing pay?** Yes when the prefill an LRU cache of the
+  given KV capacity would save is at least :data:`PAYS_SHARE` (10%) of all
+  prompt tokens (with ``kv_tokens=0``, the unlimited share decides). When the
+  unlimited share clears the bar but the LRU share does not, the hot prefixes
+  do not fit one cache: the verdict says so (prefix affinity spreads them over
+  the replicas' caches, but the fleet must hold them).
+* **Where to roll it out first?** On the prefix class with the most reusable
+  tokens under the KV limit (system template, document, session, RAG).
+
+Near-identical requests that diverge early (a hidden timestamp or trace id)
+are named in the verdict: fixing them comes before any routing change.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from prefixrouter.analyze.prefixes import Analysis
+
+PAYS_SHARE = 0.10
+"""Share of prompt tokens a cache must save for prefix-aware routing to pay."""
+
+
+def _share(part: float, whole: float) -> float:
+    return round(part / whole, 4) if whole else 0.0
+
+
+def _percentile(hist: dict[int, int], q: float) -> int:
+    total = sum(hist.values())
+    if not total:
+        return 0
+    rank = q * (total - 1)
+    seen = 0
+    for value, n in sorted(hist.items()):
+        seen += n
+        if seen > rank:
+            return value
+    return max(hist)
+
+
+def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0) -> dict[str, Any]:
+    """The JSON-ready report of one analysis, verdict included.
+
+    Args:
+        analysis: What :class:`~prefixrouter.analyze.prefixes.PrefixAnalyzer` measured.
+        log: The log's path, echoed.
+        malformed_lines: Lines skipped as malformed.
+    """
+    a, p = analysis, analysis.params
+    bs = p.block_size
+    hist_tokens = {blocks * bs: n for blocks, n in a.shared_prefix_hist.items()}
+    total = sum(hist_tokens.values())
+    by_class = {
+        name: {
+            "requests": s.requests,
+            "prompt_tokens": s.prompt_tokens,
+            "reusable_tokens_unlimited": round(s.reusable_unlimited),
+            "reusable_share_unlimited": _share(s.reusable_unlimited, s.prompt_tokens),
+            "reusable_tokens_kv": round(s.reusable_kv),
+            "reusable_share_kv": _share(s.reusable_kv, s.prompt_tokens),
+        }
+        for name, s in a.by_class.items()
+    }
+    report: dict[str, Any] = {
+        "log": log,
+        "mode": a.mode,
+        "block_size": bs,
+        "kv_tokens": p.kv_tokens,
+        "requests": a.requests,
+        "malformed_lines": malformed_lines,
+        "key_only_requests": a.key_only_requests,
+        "prompt_tokens": a.prompt_tokens,
+        "reusable_tokens_unlimited": round(a.reusable_unlimited),
+        "reusable_share_unlimited": _share(a.reusable_unlimited, a.prompt_tokens),
+        "reusable_tokens_kv": round(a.reusable_kv),
+        "reusable_share_kv": _share(a.reusable_kv, a.prompt_tokens),
+        "shared_prefix_tokens": {
+            "mean": round(sum(t * n for t, n in hist_tokens.items()) / total, 1) if total else 0.0,
+            "p50": _percentile(hist_tokens, 0.5),
+            "p90": _percentile(hist_tokens, 0.9),
+            "p99": _percentile(hist_tokens, 0.99),
+            "max": max(hist_tokens, default=0),
+            "requests_sharing": sum(n for t, n in hist_tokens.items() if t > 0),
+        },
+        "top_prefixes": [
+            {
+                "tokens": t.tokens,
+                "count": t.count,
+                "saved_tokens": (t.count - 1) * t.tokens,
+                "text_start": t.text_start,
+                "text_end": t.text_end,
+            }
+            for t in a.top_prefixes
+        ],
+        "divergences": [
+            {
+                "token_position": d.token_position,
+                "text": d.text,
+                "requests": d.requests,
+                "stable_tokens_after": d.stable_tokens_after,
+            }
+            for d in a.divergences
+        ],
+        "by_class": by_class,
+        "observed_cached_share": (
+            _share(a.observed_cached_tokens, a.observed_prompt_tokens)
+            if a.observed_prompt_tokens
+            else None
+        ),
+        "sampling_rate": a.sampling_rate,
+        "count_error_bound": a.count_error_bound,
+        "memory": dict(a.memory),
+    }
+    text, pays, first = verdict(report)
+    report.update(verdict=text, pays=pays, first_class=first)
+    return report
+
+
+def verdict(report: dict[str, Any]) -> tuple[str, bool, str | None]:
+    """(verdict sentence, whether prefix-aware routing pays, class to roll out first)."""
+    if not report["requests"]:
+        return "No requests to analyze.", False, None
+    su, sk, kv = (
+        report["reusable_share_unlimited"],
+        report["reusable_share_kv"],
+        report["kv_tokens"],
+    )
+    key = "reusable_tokens_kv" if kv else "reusable_tokens_unlimited"
+    decisive = sk if kv else su
+    classes = report["by_class"]
+
+    def best(field: str) -> str | None:
+        top = max(classes, key=lambda c: (classes[c][field], c)) if classes else None
+        return top if top is not None and classes[top][field] > 0 else None
+
+    first = best(key)
+    kv_text = f"{sk:.0%} fit a {kv:,}-token KV cache under LRU" if kv else "no KV limit given"
+    if decisive >= PAYS_SHARE and first is not None:
+        c = classes[first]
+        share = c["reusable_share_kv" if kv else "reusable_share_unlimited"]
+        text = (
+            f"Prefix-aware routing pays for this traffic: {su:.0%} of prompt tokens repeat an "
+            f"earlier prefix ({kv_text}). Roll it out first on {first} traffic: {share:.0%} of "
+            f"its prompt tokens are reusable ({c[key]:,} tokens)."
+        )
+        if kv and sk < su / 2:
+            text += (
+                " The hot prefixes do not fit one cache: prefix affinity spreads them over the "
+                "replicas' caches."
+            )
+        pays = True
+    elif su >= PAYS_SHARE and (first := best("reusable_tokens_unlimited")) is not None:
+        text = (
+            f"Prefix-aware routing pays only if the fleet's KV holds the hot prefixes: {su:.0%} "
+            f"of prompt tokens repeat, but {kv_text}. Give them room (prefix affinity spreads "
+            f"them over the replicas), then roll out on {first} traffic first."
+        )
+        pays = False
+    else:
+        text = (
+            f"Prefix-aware routing does not pay for this traffic: only {su:.1%} of prompt tokens "
+            f"repeat an earlier prefix ({kv_text}); keep load-based routing (least loaded)."
+        )
+        pays, first = False, None
+    hidden = [d for d in report["divergences"] if d["requests"] >= 2]
+    if hidden:
+        d = max(hidden, key=lambda d: d["requests"] * d["stable_tokens_after"])
+        text += (
+            f" {d['requests']:,} near-identical requests diverge at token {d['token_position']:,}"
+            f" ({d['text']!r}) and agree again for {d['stable_tokens_after']:,} tokens: a volatile"
+            " field hides that reuse; move it after the stable content first (prefixrouter lint)."
+        )
+    return text, pays, first
+
+
+def report_tables(report: dict[str, Any]) -> list[Table]:
+    """Rich tables: summary, classes, top prefixes, divergences."""
+    summary = Table(title=f"prefix analysis · {report['log']}", title_justify="left")
+    summary.add_column("measure")
+    summary.add_column("value", justify="right")
+    sp = report["shared_prefix_tokens"]
+    rows = [
+        ("requests", f"{report['requests']:,}"),
+        ("malformed lines skipped", f"{report['malformed_lines']:,}"),
+        ("mode / block size", f"{report['mode']} / {report['block_size']}"),
+        ("prompt tokens", f"{report['prompt_tokens']:,}"),
+        (
+            "reusable, unlimited cache",
+            f"{report['reusable_tokens_unlimited']:,} ({report['reusable_share_unlimited']:.1%})",
+        ),
+        (
+            f"reusable, LRU {report['kv_tokens']:,} KV tokens",
+            f"{report['reusable_tokens_kv']:,} ({report['reusable_share_kv']:.1%})",
+        ),
+        ("shared prefix p50 / p90 / max", f"{sp['p50']:,} / {sp['p90']:,} / {sp['max']:,}"),
+    ]
+    if report["key_only_requests"]:
+        rows.append(("records with a prefix key only", f"{report['key_only_requests']:,}"))
+    if report["observed_cached_share"] is not None:
+        rows.append(("engine-reported cached share", f"{report['observed_cached_share']:.1%}"))
+    if report["sampling_rate"] < 1:
+        rows.append(("hash sampling rate", f"{report['sampling_rate']:.4f}"))
+    for name, value in rows:
+        summary.add_row(name, value)
+
+    classes = Table(title="by prefix class", title_justify="left")
+    for col in ("class", "requests", "prompt tokens", "reusable", "reusable (LRU)"):
+        classes.add_column(col, justify="left" if col == "class" else "right")
+    for name, c in report["by_class"].items():
+        classes.add_row(
+            name,
+            f"{c['requests']:,}",
+            f"{c['prompt_tokens']:,}",
+            f"{c['reusable_share_unlimited']:.1%}",
+            f"{c['reusable_share_kv']:.1%}",
+        )
+
+    top = Table(title="top repeated prefixes", title_justify="left")
+    for col in ("tokens", "requests", "saved tokens", "starts with", "ends with"):
+        top.add_column(
+            col, justify="right" if col in ("tokens", "requests", "saved tokens") else "left"
+        )
+    for t in report["top_prefixes"]:
+        top.add_row(
+            f"{t['tokens']:,}", f"{t['count']:,}", f"{t['saved_tokens']:,}",
+            t["text_start"][:50], t["text_end"][-40:],
+        )  # fmt: skip
+
+    div = Table(title="where near-identical requests diverge", title_justify="left")
+    for col in ("token", "requests", "equal tokens after", "text"):
+        div.add_column(col, justify="left" if col == "text" else "right")
+    for d in report["divergences"]:
+        div.add_row(
+            f"{d['token_position']:,}",
+            f"{d['requests']:,}",
+            f"{d['stable_tokens_after']:,}",
+            d["text"],
+        )
+    tables = [summary, classes]
+    if report["top_prefixes"]:
+        tables.append(top)
+    if report["divergences"]:
+        tables.append(div)
+    return tables
+
+
+def plot_report(report: dict[str, Any], hist: dict[int, int], path: Path) -> None:
+    """A two-panel PNG: reusable share by class; distribution of shared prefix lengths.
+
+    Args:
+        report: From :func:`build_report`.
+        hist: Shared prefix length in tokens -> requests.
+        path: Where to write the PNG.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_cls, ax_cdf) = plt.subplots(1, 2, figsize=(12, 4.6))
+    names = ["all", *report["by_class"]]
+    unlimited = [report["reusable_share_unlimited"]] + [
+        c["reusable_share_unlimited"] for c in report["by_class"].values()
+    ]
+    kv = [report["reusable_share_kv"]] + [
+        c["reusable_share_kv"] for c in report["by_class"].values()
+    ]
+    xs = range(len(names))
+    ax_cls.bar([x - 0.2 for x in xs], unlimited, width=0.4, label="unlimited cache")
+    ax_cls.bar([x + 0.2 for x in xs], kv, width=0.4, label=f"LRU, {report['kv_tokens']:,} tokens")
+    ax_cls.set_xticks(list(xs), names)
+    ax_cls.set_ylim(0, 1)
+    ax_cls.set_ylabel("share of prompt tokens reusable")
+    ax_cls.set_title("prefill a cache would save")
+    ax_cls.legend(fontsize=8)
+
+    total = sum(hist.values())
+    xs_cdf, ys_cdf, seen = [], [], 0
+    for tokens, n in sorted(hist.items()):
+        seen += n
+        xs_cdf.append(max(tokens, 1))
+        ys_cdf.append(seen / total if total else 0.0)
+    ax_cdf.step(xs_cdf, ys_cdf, where="post")
+    ax_cdf.set_xscale("log")
+    ax_cdf.set_xlabel("tokens shared with an earlier request (log; 0 shown at 1)")
+    ax_cdf.set_ylabel("share of requests")
+    ax_cdf.set_title("common prefix length")
+    ax_cdf.grid(True, which="both", alpha=0.3)
+    fig.suptitle(textwrap.fill(report["verdict"].split(". ")[0] + ".", 150), fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

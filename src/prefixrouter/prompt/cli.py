@@ -1,0 +1,123 @@
+"""``prefixrouter lint FILE``: volatile fields placed before long stable content.
+
+``FILE`` is read as, in order: one JSON request body (or a log record
+wrapping one), a JSON array of bodies, JSON lines of bodies (malformed lines
+are reported as ``FILE:LINE: reason`` on stderr and skipped), or else a prompt
+template (plain text). Findings print as a table, or with ``--json`` as a JSON
+list of ``{"kind", "position", "text", "stable_tokens_after", "fix", ...}``.
+
+Exit status: 0 when there are at most ``--max-findings`` findings, 1 when
+there are more, 2 when the file cannot be read.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from prefixrouter.prompt.lint import DEFAULT_MIN_STABLE_TOKENS, Finding, Linter, LintParams
+
+_out = Console(width=None if sys.stdout.isatty() else 170)
+_err = Console(stderr=True, highlight=False)
+
+
+def _fail(message: str) -> typer.Exit:
+    # Same shape as prefixrouter.cli.fail; kept local so this module never imports the CLI root.
+    _err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+def lint_file(path: Path, linter: Linter) -> list[Finding]:
+    """Lint a body, an array of bodies, JSON lines of bodies or a template.
+
+    Raises:
+        OSError: The file cannot be read.
+        ValueError: It is JSON but not a request body, or not UTF-8.
+    """
+    from prefixrouter.analyze.reader import format_error, iter_records, parse_record
+
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    head = text.lstrip()
+    if head.startswith(("{", "[")):
+        try:
+            doc: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            doc = None
+        if isinstance(doc, dict):
+            rec = parse_record(doc, 1)
+            if isinstance(rec, str):
+                raise ValueError(rec)
+            return linter.lint_body(rec.body)
+        if isinstance(doc, list):
+            bodies: list[tuple[int, Mapping[str, Any]]] = []
+            for i, item in enumerate(doc):
+                rec = parse_record(item, i + 1)
+                if isinstance(rec, str):
+                    _err.print(f"{path}: item {i}: {rec}", markup=False)
+                else:
+                    bodies.append((i + 1, rec.body))
+            return linter.lint_bodies(bodies)
+        if head.startswith("{"):
+
+            def on_error(line: int, reason: str) -> None:
+                _err.print(format_error(path, line, reason), markup=False, soft_wrap=True)
+
+            records = iter_records(path, on_error)
+            return linter.lint_bodies((r.line, r.body) for r in records)
+    return linter.lint_template(text)
+
+
+def _table(findings: list[Finding]) -> Table:
+    table = Table(title="prompt lint", title_justify="left")
+    for col in ("kind", "where", "tokens after", "requests", "text", "fix"):
+        table.add_column(col, justify="right" if col in ("tokens after", "requests") else "left")
+    for f in findings:
+        where = f.location + (f" (line {f.line})" if f.line and "line" not in f.location else "")
+        table.add_row(
+            f.kind, where, f"{f.stable_tokens_after:,}", str(f.requests), f.text[:40], f.fix
+        )
+    return table
+
+
+def lint(
+    file: Annotated[
+        Path, typer.Argument(help="A request body (JSON), JSON lines of bodies, or a template.")
+    ],
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the findings as a JSON list.")
+    ] = False,
+    max_findings: Annotated[
+        int, typer.Option("--max-findings", min=0, help="Exit 1 above this many findings.")
+    ] = 0,
+    min_stable_tokens: Annotated[
+        int,
+        typer.Option(min=0, help="Report a field only before at least this many stable tokens."),
+    ] = DEFAULT_MIN_STABLE_TOKENS,
+) -> None:
+    """Find volatile fields (timestamps, ids, counters) placed before long stable content."""
+    linter = Linter(LintParams(min_stable_tokens=min_stable_tokens))
+    try:
+        findings = lint_file(file, linter)
+    except (OSError, ValueError) as exc:
+        raise _fail(f"{file}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    if json_out:
+        typer.echo(orjson.dumps([f.to_dict() for f in findings]).decode())
+    elif findings:
+        _out.print(_table(findings))
+        _out.print(f"{len(findings)} finding(s); allowed: {max_findings}", highlight=False)
+    else:
+        _out.print("no volatile fields before stable content", highlight=False)
+    if len(findings) > max_findings:
+        raise typer.Exit(code=1)
