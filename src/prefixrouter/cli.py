@@ -8,6 +8,7 @@ Commands:
 * ``profiles``: the simulated engine profiles;
 * ``engine``: one simulated engine behind a vLLM-compatible HTTP API;
 * ``demo``: engines and the gateway on loopback, round robin against prefixrouter;
+* ``serve``: the OpenAI-compatible gateway in front of a fleet;
 * ``lint``: volatile fields placed before long stable prompt content;
 * ``analyze``: how much of a request log's prefill a prefix cache would save.
 
@@ -316,9 +317,11 @@ def _register_commands() -> None:
     from prefixrouter.analyze.cli import analyze
     from prefixrouter.demo.cli import demo
     from prefixrouter.engine_server.cli import engine
+    from prefixrouter.gateway.cli import serve
     from prefixrouter.prompt.cli import lint
 
     app.command("demo")(demo)
+    app.command("serve")(serve)
     app.command("engine")(engine)
     app.command("lint")(lint)
     app.command("analyze")(analyze)

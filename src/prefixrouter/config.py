@@ -158,7 +158,7 @@ class RoutingConfig(_Model):
 
     Attributes:
         mode: ``text`` (character chunks, no tokenizer) or ``token`` (the model's tokenizer).
-        tokenizer: Tokenizer folder or file, required in token mode.
+        tokenizer: Tokenizer JSON file or folder (token mode); None = the project's own.
         chunk_chars: Characters per block in text mode.
         block_size: Tokens per block in token mode; None = the engines' (default 16).
         chars_per_token: Starting estimate in text mode (learned from usage).
@@ -179,12 +179,6 @@ class RoutingConfig(_Model):
     prefix_key_tokens: PosInt = 1024
     default_max_tokens: PosInt = 256
     document_chars: PosInt = 4000
-
-    @model_validator(mode="after")
-    def _token_mode_needs_tokenizer(self) -> RoutingConfig:
-        if self.mode == "token" and self.tokenizer is None:
-            raise ValueError("routing.mode 'token' needs routing.tokenizer")
-        return self
 
 
 class TenantRule(_Model):
@@ -299,7 +293,9 @@ class GatewayConfig(_Model):
         return self.tenants.get(tenant, self.default_tenant)
 
 
-def config_from_dict(data: Any, source: str = "<config>", node: yaml.Node | None = None) -> GatewayConfig:
+def config_from_dict(
+    data: Any, source: str = "<config>", node: yaml.Node | None = None
+) -> GatewayConfig:
     """Validate a parsed configuration.
 
     Args:
@@ -313,7 +309,9 @@ def config_from_dict(data: Any, source: str = "<config>", node: yaml.Node | None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the configuration must be a mapping, got {type(data).__name__}")
+        raise ConfigError(
+            f"{source}: the configuration must be a mapping, got {type(data).__name__}"
+        )
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
@@ -364,10 +362,13 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
                     child = value
                     line = key.start_mark.line + 1
                     break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if 0 <= part < len(node.value):
-                child = node.value[part]
-                line = child.start_mark.line + 1
+        elif (
+            isinstance(node, yaml.SequenceNode)
+            and isinstance(part, int)
+            and 0 <= part < len(node.value)
+        ):
+            child = node.value[part]
+            line = child.start_mark.line + 1
         if child is None:
             break
         node = child

@@ -13,6 +13,7 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   │                                                         | invalid_field  (param = field)
     │   ├── Unauthorized             401  authentication_error   invalid_api_key
     │   ├── NotFound                 404  invalid_request_error  model_not_found | not_found
+    │   ├── Conflict                 409  invalid_request_error  conflict  (admin: worker id exists)
     │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
     │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
     │   └── UpstreamFailed           502  upstream_error         upstream_unreachable
@@ -21,6 +22,13 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     ├── ConfigError                  400  invalid_request_error  invalid_config  (admin API input)
     └── UnknownNameError             404  invalid_request_error  not_found
     anything else                    500  internal_error         internal_error  (never a traceback)
+
+Upstream failures: an upstream that cannot be reached, refuses
+(``proxy.retry_statuses``) or breaks before its first byte makes the request
+try another worker; only when none is left does the client see the last
+refusal's own answer (status kept) or a 502 ``upstream_unreachable`` that
+names every worker tried and why. A stream that breaks after bytes reached
+the client ends with an SSE ``data: {"error": ...}`` event (never a retry).
 
 An upstream engine's own error keeps its status: its body is passed through
 when it already has the OpenAI shape and wrapped into it otherwise
@@ -100,6 +108,14 @@ class NotFound(GatewayError):
     code = "not_found"
 
 
+class Conflict(GatewayError):
+    """409: the object exists (adding a worker whose id is taken)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class PayloadTooLarge(GatewayError):
     """413: the body is larger than ``server.max_body_bytes``."""
 
@@ -126,7 +142,9 @@ class UpstreamFailed(GatewayError):
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
     """The OpenAI error JSON."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 def error_response(exc: BaseException, retry_after_s: int = 1) -> web.Response:

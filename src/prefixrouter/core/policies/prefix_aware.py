@@ -275,7 +275,12 @@ class PrefixRouterPolicy(Policy):
             limit = cold_switch + pressure * (
                 best.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s
             )
-            if best_warm.terms.queue_wait_s > cls.max_warm_wait_s:
+            if (
+                best_warm.terms.queue_wait_s > cls.max_warm_wait_s
+                and best.terms.queue_wait_s <= cls.max_warm_wait_s
+            ):
+                # Only when leaving actually avoids the wait: under overload
+                # every queue is long, and a copy would only add prefill work.
                 chosen, abandoned = best_i, True
                 wait_ms = best_warm.terms.queue_wait_s * 1e3
                 reason = (
@@ -326,7 +331,11 @@ class PrefixRouterPolicy(Policy):
                         0,
                         out,
                     )
-        if not self.params.home_by_hash or not ctx.blocks.hashes:
+        if (
+            not self.params.home_by_hash
+            or not ctx.blocks.hashes
+            or ctx.blocks.hashes[0] not in self._demand
+        ):
             return Selection(
                 scored[best_i].worker_id,
                 "cold",
@@ -334,11 +343,12 @@ class PrefixRouterPolicy(Policy):
                 0,
                 out,
             )
-        # Among the workers within the margin of the best, the prefix's home by
-        # rendezvous hashing of its first block: a prefix that no cache holds
-        # (new, or evicted everywhere) goes back to the same worker each time,
-        # so prefixes partition across caches instead of scattering over all
-        # of them (the scattering is what makes caches thrash under pressure).
+        # A prefix seen before that no cache holds any more (evicted
+        # everywhere) goes to its home among the workers within the margin of
+        # the best, by rendezvous hashing of its first block: the same worker
+        # each time, so prefixes partition across caches instead of scattering
+        # over all of them (the scattering is what makes caches thrash under
+        # pressure). A prefix never seen before goes to the best worker.
         limit = self._margin_limit(scored[best_i], self.params.short, 1.0)
         near = [i for i in range(len(scored)) if scored[i].score <= limit]
         first = ctx.blocks.hashes[0]

@@ -1,0 +1,476 @@
+"""What the gateway adds over a direct call: latency, throughput and CPU per request.
+
+Setup, all on loopback:
+
+* **upstream**: one separate process (aiohttp + uvloop) listening on three
+  ports, i.e. three "engines" that answer every completion at once with a fixed
+  vLLM-shaped body (usage with ``prompt_tokens_details.cached_tokens``), plus
+  ``/health``, ``/v1/models`` and vLLM ``/metrics``;
+* **gateway**: ``python -m prefixrouter.gateway`` in its own process, routing
+  in text mode with the ``prefixrouter`` policy over the three engines, no
+  decision-log file (the admin ring only);
+* **load**: this process, a minimal HTTP/1.1 keep-alive client on raw asyncio
+  protocols (uvloop), so the generator costs little of the shared CPUs.
+  Requests are 8 KB chat bodies: a shared 6 KB system prompt plus a 2 KB
+  user message, one of 64 variants.
+
+Phases:
+
+1. direct (client -> engine) and via the gateway, each at a fixed offered rate
+   (``--rate``, default 500 requests/s, open loop: latency counts from the
+   scheduled send time) for ``--seconds`` in all, in ``--rounds`` interleaved
+   rounds; ``added_p50_ms`` / ``added_p99_ms``
+   are the differences of the latency percentiles; the gateway's CPU time
+   (``/proc/PID/stat`` utime+stime) over the via-gateway phase divided by its
+   requests is ``cpu_ms_per_request``;
+2. closed loop with ``--connections`` concurrent connections through the
+   gateway for ``--seconds``: completed requests per second is ``rps_max``.
+
+``--baseline`` runs the same phases through a bare aiohttp + uvloop proxy
+(read the body, POST it upstream, return the answer) and reports it under
+``"baseline_bare_proxy"``: the floor any Python proxy pays on this machine.
+
+Usage::
+
+    python benchmarks/gateway_overhead.py [--json] [--rate 500] [--seconds 4] [--rounds 4]
+                                          [--baseline]
+
+Targets (issue 4): <= 1 ms added p50, <= 5 ms added p99, >= 2,500 rps,
+<= 0.4 ms of gateway CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from typing import Any
+
+import orjson
+
+PY = sys.executable
+SYSTEM = ("You are the assistant of a law firm. Follow the style guide. " * 100)[:6144]
+VARIANTS = 64
+WARMUP = 50  # sequential requests before each open-loop round (counted in CPU)
+RESPONSE = orjson.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 2048,
+            "completion_tokens": 1,
+            "total_tokens": 2049,
+            "prompt_tokens_details": {"cached_tokens": 1536},
+        },
+    }
+)
+METRICS = (
+    'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
+    'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0\n'
+    'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0\n'
+    'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100000"} 1.0\n'
+)
+
+
+def _bodies() -> list[bytes]:
+    out = []
+    for i in range(VARIANTS):
+        user = (f"Question {i}: summarize clause {i} of the contract. " * 60)[:2048]
+        body = {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": user},
+            ],
+            "max_tokens": 16,
+        }
+        out.append(orjson.dumps(body))
+    return out
+
+
+# ----------------------------------------------------------------- servers (subprocesses)
+
+
+def serve_upstream(ports: list[int]) -> None:
+    """The instant engines: one process, one app, several ports."""
+    import uvloop
+    from aiohttp import web
+
+    async def completion(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=RESPONSE, content_type="application/json")
+
+    async def models(request: web.Request) -> web.Response:
+        data = {"object": "list", "data": [{"id": "tiny", "object": "model", "parent": None}]}
+        return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=METRICS)
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completion)
+        app.router.add_post("/v1/completions", completion)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for p in ports:
+            await web.TCPSite(runner, "127.0.0.1", p, backlog=2048).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def serve_bare_proxy(port: int, upstream: str) -> None:
+    """The floor: a bare aiohttp + uvloop proxy without routing."""
+    import aiohttp
+    import uvloop
+    from aiohttp import web
+
+    async def main() -> None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            async with session.post(
+                upstream + request.path,
+                data=body,
+                headers={"Content-Type": "application/json"},
+            ) as r:
+                data = await r.read()
+                return web.Response(body=data, status=r.status, content_type="application/json")
+
+        async def process(request: web.Request) -> web.Response:
+            return web.Response(text="{}")
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", forward)
+        app.router.add_get("/health", process)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+# ----------------------------------------------------------------- load generator
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future[int] | None = None
+        self.need = -1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.need < 0:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buf[:end]).lower()
+            m = re.search(rb"content-length: *(\d+)", head)
+            self.need = end + 4 + (int(m.group(1)) if m else 0)
+            self.status = int(head[9:12])
+        if len(self.buf) >= self.need and self.waiter is not None:
+            del self.buf[: self.need]
+            self.need = -1
+            w, self.waiter = self.waiter, None
+            if not w.done():
+                w.set_result(self.status)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("closed"))
+
+    async def request(self, raw: bytes) -> int:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.waiter
+
+
+def _requests(port: int) -> list[bytes]:
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        "Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
+    )
+    return [head.format(port=port, n=len(b)).encode() + b for b in _bodies()]
+
+
+class _Pool:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.idle: deque[_Conn] = deque()
+
+    async def get(self) -> _Conn:
+        if self.idle:
+            return self.idle.popleft()
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(_Conn, "127.0.0.1", self.port)
+        return conn
+
+    def put(self, conn: _Conn) -> None:
+        self.idle.append(conn)
+
+
+async def open_loop(port: int, rate: float, seconds: float) -> dict[str, Any]:
+    """Fixed offered rate; latency from the scheduled send time.
+
+    Times come from ``time.perf_counter`` (uvloop's ``loop.time`` has a
+    resolution of one millisecond).
+    """
+    clock = time.perf_counter
+    reqs = _requests(port)
+    pool = _Pool(port)
+    loop = asyncio.get_running_loop()
+    lat: list[float] = []
+    errors = 0
+    n = int(rate * seconds)
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one(i: int, at: float) -> None:
+        nonlocal errors
+        conn = await pool.get()
+        try:
+            status = await conn.request(reqs[i % len(reqs)])
+        except ConnectionError:
+            errors += 1
+            return
+        lat.append(clock() - at)
+        if status != 200:
+            errors += 1
+        pool.put(conn)
+
+    # warm up connections and caches
+    for i in range(WARMUP):
+        await one(i, clock())
+    lat.clear()
+    start = clock() + 0.05
+    for i in range(n):
+        at = start + i / rate
+        delay = at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(loop.create_task(one(i, at)))
+    await asyncio.gather(*tasks)
+    return {"requests": len(lat), "errors": errors, "latencies": lat}
+
+
+def _summary(lat: list[float], errors: int) -> dict[str, Any]:
+    lat = sorted(lat)
+    return {
+        "requests": len(lat),
+        "errors": errors,
+        "p50_ms": round(1e3 * lat[len(lat) // 2], 4),
+        "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 4),
+        "mean_ms": round(1e3 * statistics.fmean(lat), 4),
+    }
+
+
+async def closed_loop(port: int, connections: int, seconds: float) -> dict[str, Any]:
+    """``connections`` clients sending back to back; completed requests per second."""
+    reqs = _requests(port)
+    loop = asyncio.get_running_loop()
+    clock = time.perf_counter
+    done = 0
+    errors = 0
+    stop_at = 0.0
+
+    async def client(k: int) -> None:
+        nonlocal done, errors
+        _, conn = await loop.create_connection(_Conn, "127.0.0.1", port)
+        i = k
+        while clock() < stop_at:
+            status = await conn.request(reqs[i % len(reqs)])
+            i += connections
+            if status == 200:
+                done += 1
+            else:
+                errors += 1
+
+    stop_at = clock() + 0.5  # warm-up
+    await asyncio.gather(*(client(k) for k in range(connections)))
+    done = errors = 0
+    t0 = clock()
+    stop_at = t0 + seconds
+    await asyncio.gather(*(client(k) for k in range(connections)))
+    elapsed = clock() - t0
+    return {"rps": done / elapsed, "requests": done, "errors": errors}
+
+
+# ----------------------------------------------------------------- orchestration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def _measure_proxy(
+    port: int, pid: int, direct_port: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Direct and via-proxy open-loop rounds, interleaved, then the closed loop.
+
+    Interleaving ``--rounds`` short rounds spreads the noise of a shared
+    machine over both sides instead of letting a burst land on one of them.
+    """
+    import uvloop
+
+    direct: list[float] = []
+    via: list[float] = []
+    errors = [0, 0]
+    cpu = 0.0
+    via_requests = 0
+    seconds = args.seconds / args.rounds
+    for _ in range(args.rounds):
+        d = uvloop.run(open_loop(direct_port, args.rate, seconds))
+        direct += d["latencies"]
+        errors[0] += d["errors"]
+        cpu0 = _cpu_s(pid)
+        v = uvloop.run(open_loop(port, args.rate, seconds))
+        cpu += _cpu_s(pid) - cpu0
+        via += v["latencies"]
+        errors[1] += v["errors"]
+        via_requests += v["requests"] + WARMUP
+    sat = uvloop.run(closed_loop(port, args.connections, args.seconds))
+    ds, vs = _summary(direct, errors[0]), _summary(via, errors[1])
+    return {
+        "added_p50_ms": round(vs["p50_ms"] - ds["p50_ms"], 3),
+        "added_p99_ms": round(vs["p99_ms"] - ds["p99_ms"], 3),
+        "rps_max": round(sat["rps"], 1),
+        "cpu_ms_per_request": round(1e3 * cpu / via_requests, 4),
+        "detail": {"direct": ds, "via": vs, "saturation": sat},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """All phases; returns the report."""
+
+    ports = [_free_port() for _ in range(3)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        up = subprocess.Popen(
+            [PY, __file__, "--serve-upstream", ",".join(map(str, ports))],
+            stdout=subprocess.DEVNULL,
+        )
+        procs.append(up)
+        for p in ports:
+            _wait(f"http://127.0.0.1:{p}/health", up)
+        gw_port = _free_port()
+        cmd = [PY, "-m", "prefixrouter.gateway", "--port", str(gw_port)]
+        for p in ports:
+            cmd += ["--worker", f"http://127.0.0.1:{p}"]
+        gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(gw)
+        _wait(f"http://127.0.0.1:{gw_port}/health", gw)
+
+        report = _measure_proxy(gw_port, gw.pid, ports[0], args)
+        _stop(gw)
+        if args.baseline:
+            bare_port = _free_port()
+            bare = subprocess.Popen(
+                [PY, __file__, "--serve-bare", f"{bare_port},http://127.0.0.1:{ports[0]}"],
+                stdout=subprocess.DEVNULL,
+            )
+            procs.append(bare)
+            _wait(f"http://127.0.0.1:{bare_port}/health", bare)
+            report["baseline_bare_proxy"] = _measure_proxy(bare_port, bare.pid, ports[0], args)
+        return report
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON result")
+    ap.add_argument("--rate", type=float, default=500.0, help="offered rate, requests/s")
+    ap.add_argument("--seconds", type=float, default=4.0, help="duration of each phase")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved direct/via rounds")
+    ap.add_argument("--connections", type=int, default=32, help="closed-loop connections")
+    ap.add_argument("--baseline", action="store_true", help="also measure a bare proxy")
+    ap.add_argument("--serve-upstream", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-bare", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_upstream:
+        serve_upstream([int(p) for p in args.serve_upstream.split(",")])
+        return
+    if args.serve_bare:
+        port, upstream = args.serve_bare.split(",", 1)
+        serve_bare_proxy(int(port), upstream)
+        return
+    report = run(args)
+    if args.json:
+        keys = ("added_p50_ms", "added_p99_ms", "rps_max", "cpu_ms_per_request")
+        out = {k: report[k] for k in keys}
+        if "baseline_bare_proxy" in report:
+            b = report["baseline_bare_proxy"]
+            out["baseline_bare_proxy"] = {k: b[k] for k in out}
+        print(orjson.dumps(out).decode())
+    else:
+        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Admin and discovery endpoints: workers, decisions, process figures, models, health.
+
+* ``GET /admin/workers``: every worker's state (health, draining, models,
+  in-flight requests, last engine figures, the view the router reads).
+* ``POST /admin/workers``: add a worker; the body is a worker entry of the
+  configuration (``{"url": ..., "id": ..., "kind": ...}``), validated the same
+  way (400 naming the field, 409 for an existing id). Answers after the first
+  health check, with the worker's state.
+* ``DELETE /admin/workers/{id}?timeout=S``: drain (no new requests), wait for
+  its in-flight requests up to ``S`` seconds (default ``proxy.drain_timeout_s``),
+  then remove.
+* ``GET /admin/decisions?limit=N``: the newest N decision-log records (default 100).
+* ``GET /admin/process``: the gateway's pid, CPU seconds and request count, so a
+  benchmark can measure CPU per request without reading ``/proc``.
+
+When ``server.admin_api_key`` is set, admin endpoints need it as a bearer token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import ValidationError
+
+from prefixrouter.config import WorkerConfig
+from prefixrouter.core.types import WorkerId
+from prefixrouter.gateway.errors import (
+    JSON,
+    BadRequest,
+    Conflict,
+    GatewayError,
+    NotFound,
+    Unauthorized,
+    error_response,
+)
+from prefixrouter.gateway.state import GatewayState
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type=JSON)
+
+
+class Admin:
+    """Admin and discovery handlers of one gateway."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.st = state
+        key = state.config.server.admin_api_key
+        self._admin_auth = f"Bearer {key}" if key else None
+
+    def _check(self, request: web.Request) -> None:
+        if self._admin_auth is None:
+            return
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), self._admin_auth.encode()):
+            raise Unauthorized("admin endpoints need the admin API key")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the union of the workers' models and adapters."""
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "prefixrouter"}
+            for m in self.st.registry.models()
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: 200 while at least one worker can take requests, else 503."""
+        reg = self.st.registry
+        healthy = sum(1 for w in reg.workers.values() if w.healthy and not w.draining)
+        body = {
+            "status": "ok" if healthy else "no_healthy_worker",
+            "healthy_workers": healthy,
+            "workers": len(reg.workers),
+        }
+        return _json(body, 200 if healthy else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus text format."""
+        resp = web.Response(body=self.st.metrics.exposition())
+        resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+        return resp
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        """``GET /admin/workers``."""
+        try:
+            self._check(request)
+        except GatewayError as exc:
+            return error_response(exc)
+        ledger = self.st.ledger
+        data = [w.to_dict(ledger.load(w.id).in_flight) for w in self.st.registry.workers.values()]
+        return _json({"workers": data})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        """``POST /admin/workers``."""
+        try:
+            self._check(request)
+            try:
+                body = orjson.loads(await request.read())
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+            try:
+                wc = WorkerConfig.model_validate(body)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(p) for p in err["loc"]) or "(body)"
+                msg = err["msg"].removeprefix("Value error, ")
+                raise BadRequest(f"{field}: {msg}", param=field) from None
+            if WorkerId(wc.id) in self.st.registry.workers:
+                raise Conflict(f"worker {wc.id!r} exists", param="id")
+            w = await self.st.registry.add(wc)
+        except GatewayError as exc:
+            return error_response(exc)
+        return _json(w.to_dict(0), 201)
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        """``DELETE /admin/workers/{id}``: drain, then remove."""
+        try:
+            self._check(request)
+            wid = WorkerId(request.match_info["id"])
+            if wid not in self.st.registry.workers:
+                raise NotFound(f"no worker {wid!r}", param="id")
+            timeout = self.st.config.proxy.drain_timeout_s
+            if "timeout" in request.query:
+                try:
+                    timeout = max(0.0, float(request.query["timeout"]))
+                except ValueError:
+                    raise BadRequest(
+                        "timeout: must be a number of seconds", param="timeout"
+                    ) from None
+            result = await self.st.registry.drain_and_remove(wid, timeout)
+        except GatewayError as exc:
+            return error_response(exc)
+        return _json(result)
+
+    async def decisions(self, request: web.Request) -> web.Response:
+        """``GET /admin/decisions?limit=N``."""
+        try:
+            self._check(request)
+            raw = request.query.get("limit", "100")
+            if not raw.isdigit():
+                raise BadRequest("limit: must be a non-negative integer", param="limit")
+        except GatewayError as exc:
+            return error_response(exc)
+        return _json({"decisions": self.st.decisions.recent(int(raw))})
+
+    async def process(self, request: web.Request) -> web.Response:
+        """``GET /admin/process``: pid, CPU seconds, requests seen."""
+        try:
+            self._check(request)
+        except GatewayError as exc:
+            return error_response(exc)
+        return _json(self.st.process_stats())
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        """Any other path: 404 in OpenAI's shape."""
+        return error_response(NotFound(f"no route {request.method} {request.path}"))

@@ -1,0 +1,78 @@
+"""The application factory: routes, and the lifespan that runs the background work.
+
+``create_app(config)`` returns an aiohttp application with:
+
+* ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`.proxy`);
+* ``GET /v1/models``, ``/health``, ``/metrics`` and the ``/admin/*`` endpoints
+  (:mod:`.admin`); any other path answers 404 in OpenAI's shape.
+
+Its cleanup context (aiohttp's lifespan) opens the upstream HTTP session (one
+keep-alive connection pool for every worker), checks every worker once, starts
+the per-worker health/metrics pollers and the decision-log flusher, and on
+shutdown stops them and closes the session. Run it with handler cancellation
+on (:func:`prefixrouter.gateway.cli.run_gateway` does) so a client that
+disconnects cancels its upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from prefixrouter.config import GatewayConfig
+from prefixrouter.gateway.admin import Admin
+from prefixrouter.gateway.proxy import Proxy
+from prefixrouter.gateway.request_builder import ChatTokenizer
+from prefixrouter.gateway.state import STATE, GatewayState, build_state
+
+
+async def _lifespan(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+    st.session = aiohttp.ClientSession(connector=connector)
+    flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
+    try:
+        await st.registry.start(st.session)
+        yield
+    finally:
+        flusher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flusher
+        await st.registry.stop()
+        await st.session.close()
+        st.session = None
+
+
+def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -> web.Application:
+    """Build the gateway application.
+
+    Args:
+        config: A validated configuration.
+        tokenizer: Token-mode tokenizer to use instead of loading ``routing.tokenizer``.
+
+    Returns:
+        The application; its state is ``app[STATE]``.
+    """
+    state: GatewayState = build_state(config, tokenizer)
+    app = web.Application(client_max_size=config.server.max_body_bytes)
+    app[STATE] = state
+    proxy = Proxy(state)
+    admin = Admin(state)
+    r = app.router
+    r.add_post("/v1/chat/completions", proxy.chat)
+    r.add_post("/v1/completions", proxy.completions)
+    r.add_get("/v1/models", admin.models)
+    r.add_get("/health", admin.health)
+    r.add_get("/metrics", admin.metrics)
+    r.add_get("/admin/workers", admin.list_workers)
+    r.add_post("/admin/workers", admin.add_worker)
+    r.add_delete("/admin/workers/{id}", admin.remove_worker)
+    r.add_get("/admin/decisions", admin.decisions)
+    r.add_get("/admin/process", admin.process)
+    r.add_route("*", "/{tail:.*}", admin.not_found)
+    app.cleanup_ctx.append(_lifespan)
+    return app

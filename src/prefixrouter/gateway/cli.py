@@ -1,0 +1,150 @@
+"""``prefixrouter serve``: run the gateway (uvloop, one process).
+
+Configuration comes from a YAML file (``--config``, see
+:mod:`prefixrouter.config`); command-line options override it when they
+differ from their defaults: ``--worker URL`` (repeatable) adds workers,
+``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
+file, ``--policy`` the routing policy (its parameters then come from the file
+only if the names match). Port 0 picks a free port; the first line printed on
+stdout is ``prefixrouter gateway listening on http://HOST:PORT``, so scripts can
+read the port.
+
+Errors the user can fix (a bad file, a bad worker URL) print one line on
+stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prefixrouter.config import GatewayConfig, WorkerConfig, config_from_dict, load_config
+from prefixrouter.errors import PrefixRouterError
+
+DEFAULT_PORT = 8080
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_POLICY = "prefixrouter"
+
+
+def build_config(
+    config: Path | None,
+    worker: list[str] | None,
+    port: int,
+    host: str,
+    decision_log: Path | None,
+    policy: str,
+) -> GatewayConfig:
+    """The configuration the options describe (file first, options over it).
+
+    Raises:
+        ConfigError: Invalid file or option, naming the field.
+    """
+    cfg = load_config(config) if config is not None else GatewayConfig()
+    data = cfg.model_dump(mode="python", exclude_unset=False)
+    if worker:
+        data["workers"] = [*data["workers"], *({"url": u} for u in worker)]
+    if port != DEFAULT_PORT or config is None:
+        data["server"]["port"] = port
+    if host != DEFAULT_HOST or config is None:
+        data["server"]["host"] = host
+    if decision_log is not None:
+        data["decision_log"]["path"] = decision_log
+    if policy != data["policy"]["name"] and (policy != DEFAULT_POLICY or config is None):
+        data["policy"] = {"name": policy, "params": {}}
+    source = str(config) if config is not None else "command line"
+    return config_from_dict(data, source)
+
+
+async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
+    """Serve until SIGINT or SIGTERM.
+
+    Args:
+        config: The configuration.
+        announce: Print the listening line on stdout.
+    """
+    from aiohttp import web
+
+    from prefixrouter.gateway.app import create_app
+
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(
+        runner, config.server.host, config.server.port, backlog=2048, reuse_address=True
+    )
+    await site.start()
+    # Everything allocated so far (modules, config, the app) lives as long as
+    # the process: keep it out of the cyclic collector's full scans.
+    gc.collect()
+    gc.freeze()
+    port = config.server.port
+    sockets = getattr(site._server, "sockets", None)
+    if sockets:
+        port = sockets[0].getsockname()[1]
+    if announce:
+        print(f"prefixrouter gateway listening on http://{config.server.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _run(coro_config: GatewayConfig) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(run_gateway(coro_config))
+    except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
+        asyncio.run(run_gateway(coro_config))
+
+
+def serve(
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="YAML configuration file.")
+    ] = None,
+    worker: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--worker", "-w", help="Worker base URL (repeatable), e.g. http://127.0.0.1:8001."
+        ),
+    ] = None,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Listen port (0: any free port).")] = (
+        DEFAULT_PORT
+    ),
+    host: Annotated[str, typer.Option(help="Listen address.")] = DEFAULT_HOST,
+    decision_log: Annotated[
+        Path | None, typer.Option(help="Append the decision log (JSON lines) to this file.")
+    ] = None,
+    policy: Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")] = (
+        DEFAULT_POLICY
+    ),
+) -> None:
+    """Run the OpenAI-compatible gateway in front of the workers."""
+    try:
+        cfg = build_config(config, worker, port, host, decision_log, policy)
+    except PrefixRouterError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    if not cfg.workers:
+        typer.echo("warning: no workers yet; add them with POST /admin/workers", err=True)
+    _run(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m prefixrouter.gateway``: the ``serve`` command on its own."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(serve)
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="prefixrouter-gateway")
+
+
+__all__ = ["WorkerConfig", "build_config", "main", "run_gateway", "serve"]

@@ -1,0 +1,299 @@
+"""The gateway's Prometheus metrics, in a registry of their own (one per app).
+
+Per request (updated once, when the request ends):
+
+* ``prefixrouter_requests_total{worker,decision,status}``: every request,
+  ``decision`` = the tier (``none`` when it failed before routing), ``status``
+  = the HTTP status the client got (``499`` when the client went away);
+* ``prefixrouter_input_tokens_total{model,pool,kind,prefix_class}``: prompt
+  tokens the engine reused (``kind="cached"``) or prefilled (``"uncached"``);
+* ``prefixrouter_prefill_tokens_saved_total{model,prefix_class}``: the cached ones again;
+* ``prefixrouter_ttft_seconds{hit}``: streaming time to first token by what the
+  engine reported: ``warm`` (at least ``metrics.warm_fraction`` of the prompt
+  reused), ``partial`` (some) or ``cold`` (none);
+* ``prefixrouter_queue_wait_seconds{decision}``: the queue wait the cost model
+  predicted on the chosen worker;
+* ``prefixrouter_cache_prediction_error_tokens``: ``|predicted - actual|``
+  cached tokens, when the engine reports them;
+* ``prefixrouter_warm_abandoned_total{prefix_class}``: requests that left a
+  warm candidate because of the wait limit;
+* ``prefixrouter_evicted_prefix_age_seconds``: when a worker no longer holds a
+  prefix it served before (a miss), the time since it last served it;
+* ``prefixrouter_retries_total{worker,status}``: attempts abandoned before
+  the first byte (unreachable worker: ``status="502"``, or a refusal status);
+* ``prefixrouter_kv_evictions_total{source}``: ``observed`` = those misses;
+  ``mirrored`` = blocks the router's index dropped to mirror the engines' KV size.
+
+Read at scrape time from the live state: per-worker gauges
+``prefixrouter_worker_healthy``, ``_in_flight``, ``_kv_usage`` and
+``_engine_waiting``.
+
+The per-request series are kept in plain dicts (:class:`_Counter`,
+:class:`_Histogram`: one dict lookup and an add, no lock, which is safe in a
+single-threaded event loop) and turned into Prometheus families only when
+``/metrics`` is scraped. prometheus_client's own ``Counter.labels().inc()``
+and ``Histogram.observe()`` take a lock and allocate per call, which costs
+several microseconds per request on the hot path.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+AGE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGauges:
+    """One worker's live figures for the scrape-time gauges."""
+
+    worker: str
+    healthy: bool
+    in_flight: int
+    kv_usage: float
+    engine_waiting: float
+
+
+class _Counter:
+    """A labelled counter: label values -> total."""
+
+    __slots__ = ("doc", "labels", "name", "values")
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        values = self.values
+        values[key] = values.get(key, 0.0) + amount
+
+    def family(self) -> Metric:
+        fam = CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+        for key, value in sorted(self.values.items()):
+            fam.add_metric(list(key), value)
+        return fam
+
+
+class _Histogram:
+    """A labelled histogram: label values -> (per-bucket counts, sum)."""
+
+    __slots__ = ("bounds", "doc", "labels", "name", "series")
+
+    def __init__(
+        self, name: str, doc: str, labels: tuple[str, ...], bounds: tuple[float, ...]
+    ) -> None:
+        self.name, self.doc, self.labels, self.bounds = name, doc, labels, bounds
+        self.series: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = [0.0] * (len(self.bounds) + 2)  # buckets, +Inf, sum
+        s[bisect_left(self.bounds, value)] += 1  # le is inclusive
+        s[-1] += value
+
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        if not self.labels and () not in self.series:
+            self.series[()] = [0.0] * (len(self.bounds) + 2)
+        for key, s in sorted(self.series.items()):
+            cumulative, buckets = 0.0, []
+            for bound, count in zip((*self.bounds, float("inf")), s[:-1], strict=True):
+                cumulative += count
+                buckets.append((_le(bound), cumulative))
+            fam.add_metric(list(key), buckets, s[-1])
+        return fam
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+class _Collector(Collector):
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        workers: Callable[[], Iterable[WorkerGauges]],
+        mirrored_evictions: Callable[[], int],
+    ) -> None:
+        self._m = metrics
+        self._workers = workers
+        self._mirrored = mirrored_evictions
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        for series in m.series:
+            yield series.family()
+        ev = CounterMetricFamily(
+            "prefixrouter_kv_evictions",
+            "KV prefix evictions: observed (a worker lost a prefix it served) or "
+            "mirrored (index blocks dropped to match engine KV size).",
+            labels=["source"],
+        )
+        ev.add_metric(["observed"], float(m.observed_evictions))
+        ev.add_metric(["mirrored"], float(self._mirrored()))
+        yield ev
+        healthy = GaugeMetricFamily(
+            "prefixrouter_worker_healthy", "1 if routable.", labels=["worker"]
+        )
+        flight = GaugeMetricFamily(
+            "prefixrouter_worker_in_flight", "Requests sent and not finished.", labels=["worker"]
+        )
+        kv = GaugeMetricFamily(
+            "prefixrouter_worker_kv_usage", "Engine KV usage (0-1), last poll.", labels=["worker"]
+        )
+        waiting = GaugeMetricFamily(
+            "prefixrouter_worker_engine_waiting", "Engine queue, last poll.", labels=["worker"]
+        )
+        for w in self._workers():
+            healthy.add_metric([w.worker], 1.0 if w.healthy else 0.0)
+            flight.add_metric([w.worker], float(w.in_flight))
+            kv.add_metric([w.worker], w.kv_usage)
+            waiting.add_metric([w.worker], w.engine_waiting)
+        yield healthy
+        yield flight
+        yield kv
+        yield waiting
+
+
+class GatewayMetrics:
+    """The metrics of one gateway; see the module docstring for the list."""
+
+    def __init__(self, warm_fraction: float = 0.75) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.warm_fraction = warm_fraction
+        self.observed_evictions = 0
+        self.requests = _Counter(
+            "prefixrouter_requests",
+            "Requests by worker, routing decision and HTTP status.",
+            ("worker", "decision", "status"),
+        )
+        self.input_tokens = _Counter(
+            "prefixrouter_input_tokens",
+            "Prompt tokens, cached (reused by the engine) or uncached (prefilled).",
+            ("model", "pool", "kind", "prefix_class"),
+        )
+        self.saved = _Counter(
+            "prefixrouter_prefill_tokens_saved",
+            "Prompt tokens the engines did not have to prefill.",
+            ("model", "prefix_class"),
+        )
+        self.warm_abandoned = _Counter(
+            "prefixrouter_warm_abandoned",
+            "Requests that left a warm candidate because of the wait limit.",
+            ("prefix_class",),
+        )
+        self.retries = _Counter(
+            "prefixrouter_retries",
+            "Attempts abandoned before the first byte (the request went to another worker).",
+            ("worker", "status"),
+        )
+        self.ttft = _Histogram(
+            "prefixrouter_ttft_seconds",
+            "Time to first token of streamed requests, by engine-reported cache hit.",
+            ("hit",),
+            TTFT_BUCKETS,
+        )
+        self.queue_wait = _Histogram(
+            "prefixrouter_queue_wait_seconds",
+            "Predicted queue wait on the chosen worker, by decision tier.",
+            ("decision",),
+            WAIT_BUCKETS,
+        )
+        self.prediction_error = _Histogram(
+            "prefixrouter_cache_prediction_error_tokens",
+            "|predicted - actual| cached prompt tokens.",
+            (),
+            TOKEN_BUCKETS,
+        )
+        self.evicted_age = _Histogram(
+            "prefixrouter_evicted_prefix_age_seconds",
+            "Age of prefixes a worker had lost when asked again (since it last served them).",
+            (),
+            AGE_BUCKETS,
+        )
+        self.series: tuple[_Counter | _Histogram, ...] = (
+            self.requests,
+            self.input_tokens,
+            self.saved,
+            self.warm_abandoned,
+            self.retries,
+            self.ttft,
+            self.queue_wait,
+            self.prediction_error,
+            self.evicted_age,
+        )
+        self.warm_abandoned.values[("unknown",)] = 0.0  # exported from the start
+
+    def attach_live(
+        self, workers: Callable[[], Iterable[WorkerGauges]], mirrored_evictions: Callable[[], int]
+    ) -> None:
+        """Register the scrape-time collector (every series, worker gauges, evictions)."""
+        self.registry.register(_Collector(self, workers, mirrored_evictions))
+
+    def hit_label(self, cached_tokens: int, prompt_tokens: int) -> str:
+        """``warm`` / ``partial`` / ``cold`` for a request's engine-reported reuse."""
+        if cached_tokens <= 0:
+            return "cold"
+        if prompt_tokens > 0 and cached_tokens >= self.warm_fraction * prompt_tokens:
+            return "warm"
+        return "partial"
+
+    def request_done(self, worker: str, decision: str, status: int) -> None:
+        """Count one finished request."""
+        self.requests.inc((worker, decision, str(status)))
+
+    def retried(self, worker: str, status: str) -> None:
+        """An attempt on ``worker`` failed before the first byte."""
+        self.retries.inc((worker, status))
+
+    def routed(self, tier: str, queue_wait_s: float | None, warm_abandoned: bool, cls: str) -> None:
+        """A request was routed (first attempt)."""
+        if queue_wait_s is not None:
+            self.queue_wait.observe((tier,), queue_wait_s)
+        if warm_abandoned:
+            self.warm_abandoned.inc((cls,))
+
+    def usage(
+        self,
+        model: str,
+        pool: str,
+        cls: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        predicted_cached: int,
+        ttft_s: float | None,
+    ) -> None:
+        """What the engine reported for a successful request."""
+        cached = min(cached_tokens, prompt_tokens) if prompt_tokens else cached_tokens
+        self.input_tokens.inc((model, pool, "cached", cls), cached)
+        self.input_tokens.inc((model, pool, "uncached", cls), max(0, prompt_tokens - cached))
+        if cached:
+            self.saved.inc((model, cls), cached)
+        self.prediction_error.observe((), abs(predicted_cached - cached_tokens))
+        if ttft_s is not None:
+            self.ttft.observe((self.hit_label(cached_tokens, prompt_tokens),), ttft_s)
+
+    def eviction_observed(self, age_s: float) -> None:
+        """A worker had lost a prefix it served ``age_s`` seconds ago."""
+        self.observed_evictions += 1
+        self.evicted_age.observe((), max(0.0, age_s))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

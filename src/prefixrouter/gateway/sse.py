@@ -1,0 +1,103 @@
+"""SSE relay: pass a stream through, read its usage, drop what the client did not ask for.
+
+The gateway always asks a streaming engine for the usage chunk
+(``stream_options.include_usage``), because the final chunk's
+``usage.prompt_tokens_details.cached_tokens`` is the only place a stream
+reports its prefix-cache reuse. If the client did not ask for it, that chunk
+(``"choices": []`` with a ``usage`` object) is removed, so the client receives
+the same events a direct call would have produced.
+
+Bytes are forwarded per *complete event* (events end with a blank line): a
+partial event stays buffered until its end arrives, which costs one
+``rfind`` per upstream chunk and keeps events byte-identical. Only a span of
+events that contains ``"usage"`` is split and parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_SEP = b"\n\n"
+_USAGE = b'"usage"'
+
+
+class SseRelay:
+    """Incremental relay of one event stream.
+
+    Attributes:
+        strip_usage: Drop the usage-only chunk (the client did not ask for it).
+        usage: The last non-null ``usage`` object seen, if any.
+    """
+
+    __slots__ = ("_buf", "strip_usage", "usage")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.usage: dict[str, Any] | None = None
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take an upstream chunk; return the bytes to send to the client now."""
+        if self._buf:
+            chunk = self._buf + chunk
+        end = chunk.rfind(_SEP)
+        if end < 0:
+            self._buf = chunk
+            return b""
+        end += 2
+        self._buf = chunk[end:]
+        ready = chunk[:end]
+        if _USAGE in ready:
+            ready = self._events(ready)
+        return ready
+
+    def finish(self) -> bytes:
+        """The upstream ended: whatever is left (an unterminated last event)."""
+        rest, self._buf = self._buf, b""
+        # At most one event is left (it holds no blank line): keep it verbatim
+        # unless it is the usage chunk to strip.
+        if rest and _USAGE in rest and self._is_usage_only(rest.rstrip(b"\n")):
+            return b""
+        return rest
+
+    def _events(self, span: bytes) -> bytes:
+        kept: list[bytes] = []
+        for event in span.split(_SEP):
+            if not event:
+                continue
+            if _USAGE in event and self._is_usage_only(event):
+                continue
+            kept.append(event + _SEP)
+        return b"".join(kept)
+
+    def _is_usage_only(self, event: bytes) -> bool:
+        """Record the event's usage; True if it is the usage chunk to strip."""
+        data = b"".join(
+            line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+        )
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(obj, dict):
+            return False
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+            return self.strip_usage and not obj.get("choices")
+        return False
+
+
+def usage_figures(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, cached_tokens)`` from an OpenAI usage object (None: not reported)."""
+    if not usage:
+        return None, None
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (
+        prompt if isinstance(prompt, int) else None,
+        cached if isinstance(cached, int) else None,
+    )

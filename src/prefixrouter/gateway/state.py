@@ -1,0 +1,120 @@
+"""Everything one gateway process holds, built from a configuration.
+
+One :class:`GatewayState` per application: the routing core (router and
+in-flight ledger), the worker registry, the metrics, the decision log, the
+request builder and the tenancy rules. Handlers reach it through
+``app[STATE]``; nothing is global, so tests can run several gateways in one
+process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from prefixrouter.config import GatewayConfig
+from prefixrouter.core.hashing import BlockHasher, TokenEstimator
+from prefixrouter.core.load import InflightLedger
+from prefixrouter.core.policy import create_policy
+from prefixrouter.core.router import Router
+from prefixrouter.core.types import WorkerId
+from prefixrouter.gateway.decision_log import DecisionLog
+from prefixrouter.gateway.metrics import GatewayMetrics
+from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
+from prefixrouter.gateway.tenancy import Tenancy
+from prefixrouter.gateway.workers import WorkerRegistry
+
+LAST_SERVED_MAX = 65_536
+
+
+@dataclass(eq=False)
+class GatewayState:
+    """The live state of one gateway (see the module docstring)."""
+
+    config: GatewayConfig
+    router: Router
+    ledger: InflightLedger
+    registry: WorkerRegistry
+    metrics: GatewayMetrics
+    decisions: DecisionLog
+    builder: RequestBuilder
+    tenancy: Tenancy
+    session: aiohttp.ClientSession | None = None
+    last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
+    requests_seen: int = 0
+
+    @staticmethod
+    def clock() -> float:
+        """The gateway's clock: ``time.monotonic`` (seconds).
+
+        Not ``loop.time()``: uvloop's has a resolution of one millisecond and
+        is cached per loop iteration, too coarse for time to first token.
+        """
+        return time.monotonic()
+
+    def note_served(self, worker: WorkerId, prefix_key: str, now: float) -> float | None:
+        """Remember that ``worker`` served ``prefix_key`` now; return the previous time."""
+        key = (worker, prefix_key)
+        last = self.last_served.pop(key, None)
+        self.last_served[key] = now
+        if len(self.last_served) > LAST_SERVED_MAX:
+            self.last_served.popitem(last=False)
+        return last
+
+    def process_stats(self) -> dict[str, float | int]:
+        """The process's CPU time and request count (for overhead benchmarks)."""
+        t = os.times()
+        return {
+            "pid": os.getpid(),
+            "cpu_user_s": t.user,
+            "cpu_system_s": t.system,
+            "requests": self.requests_seen,
+        }
+
+
+def _load_tokenizer(config: GatewayConfig) -> ChatTokenizer | None:
+    if config.routing.mode != "token":
+        return None
+    from prefixrouter.tokenizer import load_tokenizer
+
+    tok: ChatTokenizer = load_tokenizer(config.routing.tokenizer)
+    return tok
+
+
+def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -> GatewayState:
+    """Build a gateway's state (no I/O besides loading a tokenizer in token mode)."""
+    r = config.routing
+    hasher = BlockHasher(
+        block_size=r.block_size or 16,
+        chunk_chars=r.chunk_chars,
+        estimator=TokenEstimator(r.chars_per_token),
+    )
+    policy = create_policy(config.policy.name, config.policy.params)
+    router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens)
+    ledger = InflightLedger()
+    registry = WorkerRegistry(config, router, ledger, time.monotonic)
+    metrics = GatewayMetrics(config.metrics.warm_fraction)
+    metrics.attach_live(registry.gauges, lambda: router.index.evicted_entries)
+    dl = config.decision_log
+    decisions = DecisionLog(dl.path, dl.ring_size, dl.flush_interval_s)
+    tok = tokenizer if tokenizer is not None else _load_tokenizer(config)
+    builder = RequestBuilder(config, registry.adapters, tok)
+    return GatewayState(
+        config=config,
+        router=router,
+        ledger=ledger,
+        registry=registry,
+        metrics=metrics,
+        decisions=decisions,
+        builder=builder,
+        tenancy=Tenancy(config),
+    )
+
+
+STATE = web.AppKey("prefixrouter_state", GatewayState)
+"""Where the application keeps its :class:`GatewayState`."""

@@ -1,0 +1,519 @@
+"""The worker registry: health with backoff, metric polls, models, drain and remove.
+
+Each worker has one background task (started in the app's lifespan, or when
+added through the admin API) that, every ``metrics_poll.interval_s`` while the
+worker is healthy:
+
+1. checks health (``GET /health``; ``/v1/models`` for plain OpenAI servers);
+2. discovers the models and LoRA adapters it serves (``GET /v1/models``; an
+   entry whose ``parent`` differs from its ``id`` is an adapter), unless the
+   configuration lists them;
+3. scrapes ``/metrics`` for the engine's queue (running, waiting), KV usage and
+   KV size (vLLM's ``vllm:cache_config_info`` labels ``block_size`` and
+   ``num_gpu_blocks``) and mirrors the KV room in the router's index.
+
+A failed check (or a request that could not reach the worker) takes the worker
+out of routing once ``health.unhealthy_after`` checks in a row failed; it is
+then re-checked after ``backoff_initial_s``, multiplied by ``backoff_factor``
+per failure up to ``backoff_max_s``, and returns on the first success.
+
+Routing reads prebuilt :class:`~prefixrouter.core.types.WorkerView` objects,
+one per worker, refreshed in place: the poller writes the engine figures, the
+in-flight ledger's figures are copied in just before each decision
+(:meth:`WorkerRegistry.views`). The list is rebuilt only when membership,
+health or draining changes.
+
+Draining (``DELETE /admin/workers/{id}``): the worker leaves routing at once;
+its in-flight requests finish (up to a timeout); then the router forgets it
+(index, calibration, policy state) and its poller stops. Requests still running
+on a removed worker complete normally but feed nothing back, so the index never
+holds entries of a worker that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixrouter.config import GatewayConfig, WorkerConfig
+from prefixrouter.core.load import InflightLedger
+from prefixrouter.core.router import Router
+from prefixrouter.core.types import WorkerId, WorkerView
+from prefixrouter.gateway.metrics import WorkerGauges
+
+log = logging.getLogger("prefixrouter.gateway")
+
+# Engine kind -> (running, waiting, KV usage 0-1) metric sample names.
+ENGINE_METRICS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "vllm": (
+        ("vllm:num_requests_running",),
+        ("vllm:num_requests_waiting",),
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    "sglang": (("sglang:num_running_reqs",), ("sglang:num_queue_reqs",), ("sglang:token_usage",)),
+    "llamacpp": (
+        ("llamacpp:requests_processing",),
+        ("llamacpp:requests_deferred",),
+        ("llamacpp:kv_cache_usage_ratio",),
+    ),
+    "openai": ((), (), ()),
+}
+CACHE_INFO = ("vllm:cache_config_info",)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """The engine's own figures from its last metrics poll."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    scraped_at: float | None = None
+
+
+def parse_engine_metrics(text: str, kind: str) -> EngineStats:
+    """The figures the router uses from a Prometheus text page (summed over engines)."""
+    running_names, waiting_names, usage_names = ENGINE_METRICS.get(kind, ENGINE_METRICS["vllm"])
+    stats = EngineStats()
+    usage: list[float] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name
+            if name in running_names:
+                stats.running += s.value
+            elif name in waiting_names:
+                stats.waiting += s.value
+            elif name in usage_names:
+                usage.append(s.value)
+            elif name in CACHE_INFO:
+                bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
+                if bs and bs.isdigit():
+                    stats.block_size = int(bs)
+                if nb and nb.isdigit():
+                    stats.num_blocks = (stats.num_blocks or 0) + int(nb)
+            elif name == "vllm:prefix_cache_queries_total":
+                stats.prefix_queries = (stats.prefix_queries or 0.0) + s.value
+            elif name == "vllm:prefix_cache_hits_total":
+                stats.prefix_hits = (stats.prefix_hits or 0.0) + s.value
+    if usage:
+        stats.kv_usage = max(0.0, min(1.0, sum(usage) / len(usage)))
+    return stats
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """One upstream engine and the gateway's picture of it."""
+
+    config: WorkerConfig
+    view: WorkerView
+    headers: dict[str, str]
+    healthy: bool = True
+    draining: bool = False
+    removed: bool = False
+    failures: int = 0
+    backoff_s: float = 0.0
+    last_error: str | None = None
+    models: frozenset[str] = frozenset()
+    adapters: frozenset[str] = frozenset()
+    discovered: bool = False
+    engine: EngineStats = field(default_factory=EngineStats)
+    foreign: int = 0
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def id(self) -> WorkerId:
+        """The worker id."""
+        return self.view.worker_id
+
+    @property
+    def url(self) -> str:
+        """Base URL (no trailing slash, no ``/v1``)."""
+        return self.config.url
+
+    def to_dict(self, in_flight: int) -> dict[str, Any]:
+        """A JSON-ready state record for ``/admin/workers``."""
+        e = self.engine
+        return {
+            "id": self.id,
+            "url": self.url,
+            "kind": self.config.kind,
+            "pool": self.config.pool,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "models": sorted(self.models),
+            "adapters": sorted(self.adapters),
+            "in_flight": in_flight,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "engine": {
+                "running": e.running,
+                "waiting": e.waiting,
+                "kv_usage": e.kv_usage,
+                "block_size": e.block_size,
+                "num_blocks": e.num_blocks,
+                "prefix_cache_hit_rate": (
+                    e.prefix_hits / e.prefix_queries
+                    if e.prefix_queries and e.prefix_hits is not None
+                    else None
+                ),
+            },
+            "view": {
+                "kv_capacity_blocks": self.view.kv_capacity_blocks,
+                "kv_used_blocks": self.view.kv_used_blocks,
+                "block_size": self.view.block_size,
+                "max_slots": self.view.max_slots,
+            },
+        }
+
+
+class WorkerRegistry:
+    """Every worker, their health pollers and the views the router reads.
+
+    Args:
+        config: The gateway configuration (health, poll and proxy settings).
+        router: The routing core (capacity mirror, forgetting removed workers).
+        ledger: The in-flight ledger (load figures, drain progress).
+        clock: The gateway's monotonic clock.
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        router: Router,
+        ledger: InflightLedger,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.ledger = ledger
+        self.clock = clock
+        self.workers: dict[WorkerId, Worker] = {}
+        self._routable: list[Worker] = []
+        self._views: list[WorkerView] = []
+        self._models: frozenset[str] = frozenset()
+        self._adapters: frozenset[str] = frozenset()
+        self._serves_any = True
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=config.health.timeout_s)
+        self._poll_timeout = aiohttp.ClientTimeout(total=config.metrics_poll.timeout_s)
+        for wc in config.workers:
+            self._add(wc)
+
+    # ------------------------------------------------------------- membership
+
+    def _add(self, wc: WorkerConfig) -> Worker:
+        if WorkerId(wc.id) in self.workers:
+            raise KeyError(wc.id)
+        view = WorkerView(
+            worker_id=WorkerId(wc.id),
+            pool=wc.pool,
+            models=frozenset(wc.models),
+            adapters=frozenset(wc.adapters),
+            tenants=frozenset(wc.tenants) if wc.tenants is not None else None,
+            max_slots=wc.max_slots,
+            block_size=wc.block_size or self.config.routing.block_size or 16,
+        )
+        if wc.kv_capacity_blocks is not None:
+            view.kv_capacity_blocks = wc.kv_capacity_blocks
+        headers = {"Authorization": f"Bearer {wc.api_key}"} if wc.api_key else {}
+        w = Worker(
+            config=wc,
+            view=view,
+            headers=headers,
+            models=frozenset(wc.models),
+            adapters=frozenset(wc.adapters),
+            discovered=bool(wc.models),
+            backoff_s=self.config.health.backoff_initial_s,
+        )
+        self.workers[w.id] = w
+        self._mirror_capacity(w)
+        self._rebuild()
+        return w
+
+    async def add(self, wc: WorkerConfig) -> Worker:
+        """Add a worker, check it once and start its poller.
+
+        Raises:
+            KeyError: A worker with that id exists.
+        """
+        w = self._add(wc)
+        await self.check(w)
+        self._start(w)
+        return w
+
+    async def drain_and_remove(self, worker_id: WorkerId, timeout_s: float) -> dict[str, Any]:
+        """Stop routing to a worker, wait for its requests, then forget it.
+
+        Returns:
+            ``{"id", "removed": True, "drained": bool, "in_flight_left": int, "waited_s"}``.
+
+        Raises:
+            KeyError: No such worker.
+        """
+        w = self.workers[worker_id]
+        w.draining = True
+        self._rebuild()
+        start = self.clock()
+        deadline = start + timeout_s
+        while self.ledger.load(worker_id).in_flight > 0 and self.clock() < deadline:
+            await asyncio.sleep(0.02)
+        left = self.ledger.load(worker_id).in_flight
+        await self._remove(w)
+        return {
+            "id": worker_id,
+            "removed": True,
+            "drained": left == 0,
+            "in_flight_left": left,
+            "waited_s": round(self.clock() - start, 3),
+        }
+
+    async def _remove(self, w: Worker) -> None:
+        w.removed = True
+        self.workers.pop(w.id, None)
+        self._rebuild()
+        if w.task is not None:
+            w.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w.task
+        self.router.remove_worker(w.id)
+        self.ledger.drop_worker(w.id)
+
+    # ------------------------------------------------------------- routing reads
+
+    def _rebuild(self) -> None:
+        self._routable = [w for w in self.workers.values() if not w.draining]
+        self._views = [w.view for w in self._routable]
+        for w in self._routable:
+            w.view.healthy = w.healthy
+        live = [w for w in self.workers.values() if not w.draining]
+        self._models = frozenset().union(*(w.models for w in live)) if live else frozenset()
+        self._adapters = frozenset().union(*(w.adapters for w in live)) if live else frozenset()
+        # A worker that lists no models (not discovered yet, or a server that
+        # does not list them) may serve any model: then no model is unknown.
+        self._serves_any = any(not w.models and not w.adapters for w in live)
+
+    def views(self) -> list[WorkerView]:
+        """The routable workers' views with fresh in-flight figures (not draining)."""
+        fill = self.ledger.fill
+        for w in self._routable:
+            fill(w.view)
+            if w.foreign:
+                w.view.in_flight += w.foreign
+        return self._views
+
+    def serves(self, model: str) -> bool:
+        """Whether some registered, non-draining worker serves ``model`` (or may)."""
+        return self._serves_any or model in self._models or model in self._adapters
+
+    def models(self) -> list[str]:
+        """The union of the workers' models and adapters, sorted."""
+        return sorted(self._models | self._adapters)
+
+    def adapters(self) -> frozenset[str]:
+        """Adapter names any worker serves."""
+        return self._adapters
+
+    def gauges(self) -> list[WorkerGauges]:
+        """Scrape-time figures per worker."""
+        return [
+            WorkerGauges(
+                w.id,
+                w.healthy and not w.draining,
+                self.ledger.load(w.id).in_flight,
+                w.engine.kv_usage,
+                w.engine.waiting,
+            )
+            for w in self.workers.values()
+        ]
+
+    def mark_failed(self, w: Worker, error: str) -> None:
+        """A request could not reach ``w``: take it out of routing until a check passes."""
+        w.last_error = error
+        w.failures += 1
+        w.backoff_s = self._backoff(w.failures)
+        if w.healthy:
+            w.healthy = False
+            log.warning("worker %s unreachable (%s): out of routing", w.id, error)
+            self._rebuild()
+
+    # ------------------------------------------------------------- polling
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Check every worker once (concurrently), then start the pollers."""
+        self._session = session
+        workers = list(self.workers.values())
+        await asyncio.gather(*(self.check(w) for w in workers))
+        for w in workers:
+            self._start(w)
+
+    async def stop(self) -> None:
+        """Stop every poller."""
+        tasks = [w.task for w in self.workers.values() if w.task is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    def _start(self, w: Worker) -> None:
+        if self._session is not None and w.task is None:
+            w.task = asyncio.get_running_loop().create_task(self._poll(w), name=f"poll-{w.id}")
+
+    async def _poll(self, w: Worker) -> None:
+        interval = self.config.metrics_poll.interval_s
+        while not w.removed:
+            await asyncio.sleep(interval if w.healthy else w.backoff_s)
+            try:
+                await self.check(w)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let a poller die
+                log.exception("poll of %s failed: %s", w.id, exc)
+
+    def _backoff(self, failures: int) -> float:
+        h = self.config.health
+        return float(
+            min(h.backoff_max_s, h.backoff_initial_s * h.backoff_factor ** max(0, failures - 1))
+        )
+
+    async def check(self, w: Worker) -> bool:
+        """One health check (+ model discovery and metrics when healthy)."""
+        session = self._session
+        if session is None or w.removed:
+            return w.healthy
+        ok, error = await self._get_ok(session, w, w.config.health_path or "/health")
+        if not ok:
+            w.failures += 1
+            w.last_error = error
+            w.backoff_s = self._backoff(w.failures)
+            if w.healthy and w.failures >= self.config.health.unhealthy_after:
+                w.healthy = False
+                log.warning("worker %s unhealthy (%s)", w.id, error)
+                self._rebuild()
+            return False
+        w.failures = 0
+        w.backoff_s = self.config.health.backoff_initial_s
+        if not w.discovered:
+            await self._discover(session, w)
+        if w.config.metrics_path:
+            await self._scrape(session, w)
+        if not w.healthy:
+            w.healthy = True
+            log.info("worker %s healthy again", w.id)
+            self._rebuild()
+        return True
+
+    async def _get_ok(
+        self, session: aiohttp.ClientSession, w: Worker, path: str
+    ) -> tuple[bool, str]:
+        try:
+            async with session.get(w.url + path, headers=w.headers, timeout=self._timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return True, ""
+                return False, f"{path} answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return False, f"{path}: {type(exc).__name__}: {exc}"
+
+    async def _discover(self, session: aiohttp.ClientSession, w: Worker) -> None:
+        try:
+            async with session.get(
+                w.url + "/v1/models", headers=w.headers, timeout=self._poll_timeout
+            ) as resp:
+                if resp.status != 200:
+                    return
+                data = orjson.loads(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
+            return
+        models: set[str] = set()
+        adapters: set[str] = set()
+        for item in data.get("data", []) if isinstance(data, dict) else []:
+            if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+                continue
+            parent = item.get("parent")
+            if isinstance(parent, str) and parent and parent != item["id"]:
+                adapters.add(item["id"])
+            else:
+                models.add(item["id"])
+        w.models = frozenset(models) | frozenset(w.config.models)
+        w.adapters = frozenset(adapters) | frozenset(w.config.adapters)
+        w.view.models = w.models
+        w.view.adapters = w.adapters
+        w.discovered = True
+        self._rebuild()
+
+    async def _scrape(self, session: aiohttp.ClientSession, w: Worker) -> None:
+        try:
+            async with session.get(
+                w.url + (w.config.metrics_path or "/metrics"),
+                headers=w.headers,
+                timeout=self._poll_timeout,
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+            stats = parse_engine_metrics(text, w.config.kind)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            w.last_error = f"metrics: {type(exc).__name__}: {exc}"
+            return
+        stats.scraped_at = self.clock()
+        w.engine = stats
+        self._apply_stats(w, stats)
+
+    def _apply_stats(self, w: Worker, stats: EngineStats) -> None:
+        view, wc = w.view, w.config
+        if wc.block_size is None and stats.block_size:
+            view.block_size = stats.block_size
+        if wc.kv_capacity_blocks is None and stats.num_blocks:
+            view.kv_capacity_blocks = stats.num_blocks
+        view.kv_used_blocks = round(stats.kv_usage * view.kv_capacity_blocks)
+        ours = self.ledger.load(w.id).in_flight
+        w.foreign = max(0, round(stats.running + stats.waiting) - ours)
+        self._align_token_blocks(view.block_size)
+        self._mirror_capacity(w)
+
+    def _align_token_blocks(self, engine_block_size: int) -> None:
+        # Token mode without a configured block size follows the engines', so
+        # the router's block boundaries are the engine's.
+        r = self.config.routing
+        hasher = self.router.hasher
+        if r.mode == "token" and r.block_size is None and hasher.block_size != engine_block_size:
+            from dataclasses import replace
+
+            self.router.hasher = replace(hasher, block_size=engine_block_size)
+
+    def _mirror_capacity(self, w: Worker) -> None:
+        """Mirror the KV room for cached prefixes in the index, in index blocks.
+
+        Like :meth:`Router.sync_capacity`, but converted to the router's block
+        unit: in text mode an index block stands for ``chunk_chars /
+        chars_per_token`` tokens, not the engine's block size.
+        """
+        v = w.view
+        if w.config.kv_capacity_blocks is None and not w.engine.num_blocks:
+            return  # capacity unknown: keep the index default
+        hasher = self.router.hasher
+        if self.config.routing.mode == "token":
+            index_block_tokens = float(hasher.block_size)
+        else:
+            index_block_tokens = hasher.chunk_chars / hasher.estimator.chars_per_token
+        # Running requests pin blocks; their prompt blocks are cached prefixes
+        # too, so only the rest (output, partial blocks) takes room from them.
+        block = max(1, v.block_size)
+        prompt_blocks = (v.context_tokens + v.queued_prompt_tokens) // block
+        pinned_other = max(0, v.kv_used_blocks - prompt_blocks)
+        room_tokens = max(1, v.kv_capacity_blocks - pinned_other) * block
+        self.router.set_worker_capacity(w.id, max(1, math.floor(room_tokens / index_block_tokens)))

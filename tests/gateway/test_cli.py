@@ -1,0 +1,68 @@
+"""``serve`` / ``python -m prefixrouter.gateway``: options, errors, the listening line."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from prefixrouter.gateway.cli import serve
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(serve)
+    return app
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workers:\n  - url: nope\n")
+    result = CliRunner().invoke(_app(), ["--config", str(bad)])
+    assert result.exit_code == 2
+    assert f"{bad}:2: workers.0.url" in result.output
+    result = CliRunner().invoke(_app(), ["--policy", "nope"])
+    assert result.exit_code == 2 and "unknown policy 'nope'" in result.output
+
+
+def test_module_entry_point_serves_and_stops_on_sigterm() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixrouter.gateway", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line
+        with urllib.request.urlopen(match.group(1) + "/v1/models", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    assert proc.stderr is not None
+    assert b"no workers yet" in proc.stderr.read()
+
+
+def test_public_api() -> None:
+    import prefixrouter.gateway as gw
+
+    assert sorted(gw.__all__) == [
+        "GatewayState",
+        "STATE",
+        "build_config",
+        "build_state",
+        "create_app",
+        "run_gateway",
+        "serve",
+    ]
+    for name in gw.__all__:
+        assert getattr(gw, name) is not None

@@ -1,0 +1,111 @@
+"""Configuration: defaults, errors that name file, line and field, CLI overrides, examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixrouter.config import GatewayConfig, config_from_dict, load_config
+from prefixrouter.errors import ConfigError
+from prefixrouter.gateway.cli import build_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_every_option_has_a_default(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == GatewayConfig()
+    cfg = GatewayConfig()
+    assert cfg.server.port == 8080 and cfg.policy.name == "prefixrouter"
+    assert cfg.routing.mode == "text" and cfg.decision_log.path is None
+
+
+def test_errors_name_file_line_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "server:\n"
+        "  port: 9000\n"
+        "workers:\n"
+        "  - url: http://127.0.0.1:8001\n"
+        "  - url: ftp://nope\n"
+        "  - url: http://127.0.0.1:8003\n"
+        "    max_slots: -1\n"
+        "tenants:\n"
+        "  acme: {share_cache: false, bogus: 1}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = str(info.value).splitlines()
+    assert f"{path}:5: workers.1.url: must start with http:// or https://" in lines
+    assert any(line.startswith(f"{path}:7: workers.2.max_slots:") for line in lines)
+    assert any(line.startswith(f"{path}:9: tenants.acme.bogus:") for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"policy": {"name": "nope"}}, "policy: unknown policy 'nope'"),
+        ({"policy": {"params": {"bogus": 1}}}, "unknown field 'bogus'"),
+        ({"routing": {"mode": "chars"}}, "routing.mode"),
+        ({"workers": [{"url": "http://a:1"}, {"url": "http://a:1"}]}, "duplicate worker id"),
+        ({"proxy": {"max_attempts": 0}}, "proxy.max_attempts"),
+        ({"workers": [{"url": "http://a:1", "kind": "tgi"}]}, "workers.0.kind"),
+        ({"server": {"max_body_bytes": "big"}}, "server.max_body_bytes"),
+    ],
+)
+def test_invalid_fields_are_named(data: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        config_from_dict(data, "cfg.yaml")
+    assert needle in str(info.value)
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("server:\n  port: 1\n workers: [\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:3: invalid YAML"):
+        load_config(path)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config("/nonexistent/prefixrouter.yaml")
+
+
+def test_worker_defaults_follow_the_engine_kind() -> None:
+    cfg = config_from_dict(
+        {"workers": [{"url": "http://h:1/v1/"}, {"url": "https://api.x.com", "kind": "openai"}]}
+    )
+    vllm, openai = cfg.workers
+    assert (vllm.url, vllm.id, vllm.health_path, vllm.metrics_path) == (
+        "http://h:1",
+        "h:1",
+        "/health",
+        "/metrics",
+    )
+    assert vllm.supports_cache_salt and not openai.supports_cache_salt
+    assert (openai.health_path, openai.metrics_path) == ("/v1/models", "")
+
+
+@pytest.mark.parametrize("name", ["vllm.yaml", "sglang.yaml", "openai.yaml"])
+def test_examples_are_valid(name: str) -> None:
+    cfg = load_config(EXAMPLES / name)
+    assert cfg.workers
+
+
+def test_cli_options_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "server: {port: 9000}\n"
+        "workers: [{url: 'http://127.0.0.1:8001'}]\n"
+        "policy: {name: prefixrouter, params: {}}\n"
+    )
+    cfg = build_config(path, ["http://127.0.0.1:8002"], 8080, "127.0.0.1", None, "prefixrouter")
+    assert [w.id for w in cfg.workers] == ["127.0.0.1:8001", "127.0.0.1:8002"]
+    assert cfg.server.port == 9000  # default CLI value leaves the file's
+    cfg = build_config(path, None, 7000, "127.0.0.1", tmp_path / "d.jsonl", "round_robin")
+    assert cfg.server.port == 7000 and cfg.policy.name == "round_robin"
+    assert cfg.decision_log.path == tmp_path / "d.jsonl"
+    with pytest.raises(ConfigError, match=r"workers\.0\.url"):
+        build_config(None, ["localhost:1"], 8080, "127.0.0.1", None, "prefixrouter")

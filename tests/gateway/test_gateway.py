@@ -1,0 +1,402 @@
+"""The gateway over HTTP in front of fake vLLM engines (one event loop, loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import orjson
+
+from prefixrouter.core.types import WorkerId
+from tests.gateway.fakes import FakeEngine
+from tests.gateway.helpers import Env, gateway_env, run
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~2,700 chars
+
+
+def _error(data: Any) -> dict[str, Any]:
+    assert set(data) == {"error"}
+    err = data["error"]
+    assert {"message", "type", "code"} <= set(err)
+    return dict(err)
+
+
+async def _decisions(env: Env, n: int = 100) -> list[dict[str, Any]]:
+    r = await env.client.get(f"/admin/decisions?limit={n}")
+    return list((await r.json())["decisions"])
+
+
+def test_non_streaming_pass_through_and_affinity() -> None:
+    async def body() -> None:
+        async with gateway_env() as env:
+            workers = set()
+            for i in range(5):
+                r = await env.chat(LONG + f" question {i}", temperature=0.3, vendor_field={"a": 1})
+                assert r.status == 200
+                data = await r.json()
+                assert data["object"] == "chat.completion"
+                assert data["usage"]["prompt_tokens"] > 600
+                workers.add(r.headers["X-Prefixrouter-Worker"])
+            assert len(workers) == 1  # same prefix -> same worker while idle
+            sent = [req for e in env.engines for req in e.requests]
+            assert all(
+                req["vendor_field"] == {"a": 1} and req["temperature"] == 0.3 for req in sent
+            )
+            assert all("stream_options" not in req and "cache_salt" not in req for req in sent)
+            logs = await _decisions(env)
+            assert [d["actual_cached_tokens"] > 0 for d in logs] == [False, True, True, True, True]
+            last = logs[-1]
+            for key in (
+                "request_id", "model", "tenant", "prefix_key", "prefix_class", "selected_worker",
+                "candidate_workers", "predicted_cached_tokens", "actual_cached_tokens",
+                "queue_wait_ms", "prefill_tokens", "ttft_ms", "decision",
+            ):  # fmt: skip
+                assert key in last, key
+            assert last["decision"]["tier"] in ("exact", "partial")
+            assert last["prefill_tokens"] == last["prompt_tokens"] - last["actual_cached_tokens"]
+            assert last["prefix_class"] == "system"
+
+    run(body)
+
+
+def test_streaming_injects_and_strips_the_usage_chunk() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1) as env:
+            r = await env.chat(LONG, stream=True, max_tokens=3)
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            text = await r.text()
+            assert '"usage"' not in text and text.endswith("data: [DONE]\n\n")
+            assert text.count("data: ") == 5  # 3 tokens, finish chunk, [DONE]
+            upstream = env.engines[0].requests[-1]
+            assert upstream["stream_options"] == {"include_usage": True}
+            r = await env.chat(
+                LONG, stream=True, max_tokens=3, stream_options={"include_usage": True}
+            )
+            text = await r.text()
+            assert text.count('"usage"') == 1 and '"choices":[]' in text
+            logs = await _decisions(env)
+            assert logs[0]["ttft_ms"] is not None and logs[0]["stream"]
+            assert logs[1]["actual_cached_tokens"] > 0  # feedback from the stream's usage
+
+    run(body)
+
+
+def test_completions_endpoint() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1) as env:
+            payload = {"model": "tiny", "prompt": LONG, "max_tokens": 2}
+            r = await env.client.post("/v1/completions", json=payload)
+            assert r.status == 200 and (await r.json())["object"] == "text_completion"
+            r = await env.client.post("/v1/completions", json={**payload, "stream": True})
+            text = await r.text()
+            assert r.status == 200 and '"usage"' not in text and "[DONE]" in text
+
+    run(body)
+
+
+def test_bad_input() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1, overrides={"server": {"max_body_bytes": 4096}}) as env:
+            c = env.client
+            r = await c.post("/v1/chat/completions", data=b"{not json")
+            assert r.status == 400 and _error(await r.json())["code"] == "invalid_json"
+            r = await c.post("/v1/chat/completions", json={"messages": []})
+            err = _error(await r.json())
+            assert r.status == 400 and err["param"] == "model" and "model" in err["message"]
+            r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": "x"})
+            assert r.status == 400 and _error(await r.json())["param"] == "messages"
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": 1.5})
+            assert r.status == 400 and _error(await r.json())["param"] == "prompt"
+            r = await env.chat("hi", model="gpt-unknown")
+            err = _error(await r.json())
+            assert r.status == 404 and err["code"] == "model_not_found"
+            r = await env.chat("x" * 5000)
+            assert r.status == 413 and _error(await r.json())["code"] == "request_too_large"
+            r = await c.get("/nope")
+            assert r.status == 404 and _error(await r.json())
+            env.engines[0].status = 400  # an upstream error keeps its status and shape
+            r = await env.chat("hi")
+            assert r.status == 400 and _error(await r.json())["message"] == "overloaded"
+            assert len(env.engines[0].requests) == 1  # a 400 is not retried
+            env.engines[0].status = 503  # a refusal everywhere: the upstream's 503
+            r = await env.chat("hi")
+            assert r.status == 503 and _error(await r.json())
+            r = await c.get("/metrics")
+            text = await r.text()
+            assert 'prefixrouter_requests_total{decision="none",status="400",worker=""} 4.0' in text
+            assert 'status="413"' in text and 'status="404"' in text
+
+    run(body)
+
+
+def test_no_healthy_worker_is_503_with_retry_after() -> None:
+    async def body() -> None:
+        async with gateway_env(n=2) as env:
+            for e in env.engines:
+                e.healthy = False
+            for _ in range(100):
+                if not any(w.healthy for w in env.state.registry.workers.values()):
+                    break
+                await asyncio.sleep(0.05)
+            r = await env.chat("hi")
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+            assert _error(await r.json())["code"] == "no_healthy_worker"
+            r = await env.client.get("/health")
+            assert r.status == 503
+            env.engines[1].healthy = True  # back after the backoff re-check
+            for _ in range(100):
+                if env.state.registry.workers[WorkerId("w1")].healthy:
+                    break
+                await asyncio.sleep(0.05)
+            r = await env.chat("hi")
+            assert r.status == 200 and r.headers["X-Prefixrouter-Worker"] == "w1"
+
+    run(body)
+
+
+def test_refusal_and_unreachable_workers_are_retried_before_the_first_byte() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(status=503), FakeEngine(die_before_first_byte=True), FakeEngine()]
+        overrides = {"policy": {"name": "round_robin"}}
+        async with gateway_env(engines=engines, overrides=overrides) as env:
+            for i in range(6):
+                r = await env.chat(LONG + str(i), stream=i % 2 == 1)
+                assert r.status == 200 and r.headers["X-Prefixrouter-Worker"] == "w2"
+                await r.read()
+            logs = await _decisions(env)
+            assert all(d["selected_worker"] == "w2" and d["status"] == 200 for d in logs)
+            retried = {w for d in logs for w in d["retried_from"]}
+            assert retried == {"w0", "w1"}
+            assert max(d["attempts"] for d in logs) >= 2
+            # the unreachable one left routing; the refusing one did not (it is alive)
+            reg = env.state.registry.workers
+            assert not reg[WorkerId("w1")].healthy and reg[WorkerId("w0")].healthy
+            r = await env.client.get("/metrics")
+            assert 'prefixrouter_retries_total{status="503",worker="w0"}' in await r.text()
+
+    run(body)
+
+
+def test_killed_worker_is_retried_and_marked_unhealthy() -> None:
+    async def body() -> None:
+        async with gateway_env(n=2) as env:
+            r = await env.chat(LONG)
+            first = r.headers["X-Prefixrouter-Worker"]
+            i = int(first[1])
+            await env.servers[i].close()  # the warm worker dies
+            r = await env.chat(LONG)
+            assert r.status == 200 and r.headers["X-Prefixrouter-Worker"] != first
+            assert not env.state.registry.workers[WorkerId(first)].healthy
+
+    run(body)
+
+
+def test_no_second_worker_after_bytes_reached_the_client() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(die_after_chunks=2), FakeEngine(), FakeEngine()]
+        async with gateway_env(engines=engines) as env:
+            env.state.registry.workers[WorkerId("w1")].draining = True
+            env.state.registry.workers[WorkerId("w2")].draining = True
+            env.state.registry._rebuild()
+            r = await env.chat(LONG, stream=True, max_tokens=6)
+            text = await r.text()
+            assert r.status == 200
+            assert text.count('"content"') == 2 and '"error"' in text  # truncated + error event
+            env.state.registry.workers[WorkerId("w1")].draining = False
+            env.state.registry._rebuild()
+            await asyncio.sleep(0.05)
+            assert not engines[1].requests and not engines[2].requests
+            logs = await _decisions(env, 1)
+            assert logs[0]["status"] == 502 and logs[0]["attempts"] == 1
+
+    run(body)
+
+
+def test_client_disconnect_cancels_the_upstream_request() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(chunk_delay_s=0.05)]
+        async with gateway_env(engines=engines) as env:
+            r = await env.chat(LONG, stream=True, max_tokens=200)
+            await r.content.readany()
+            r.close()  # the client goes away mid-stream
+            for _ in range(100):
+                if engines[0].cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert engines[0].cancelled == 1
+            for _ in range(100):
+                if env.state.ledger.load(WorkerId("w0")).in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert env.state.ledger.load(WorkerId("w0")).in_flight == 0
+            engines[0].chunk_delay_s = 0
+            engines[0].delay_s = 5.0  # non-streaming: the client gives up while waiting
+            payload = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
+            with contextlib.suppress(TimeoutError):
+                await env.client.post(
+                    "/v1/chat/completions", json=payload, timeout=aiohttp.ClientTimeout(total=0.3)
+                )
+            for _ in range(100):
+                if engines[0].cancelled == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert engines[0].cancelled == 2
+            logs = await _decisions(env)
+            assert logs[-1]["status"] == 499
+
+    run(body)
+
+
+def test_admin_add_drain_remove() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(delay_s=0.3), FakeEngine()]
+        async with gateway_env(engines=engines[:1]) as env:
+            from aiohttp.test_utils import TestServer
+
+            from tests.gateway.fakes import make_app
+
+            extra = TestServer(make_app(engines[1]))
+            await extra.start_server()
+            try:
+                c = env.client
+                r = await c.post("/admin/workers", json={"url": str(extra.make_url("")), "id": "x"})
+                assert r.status == 201 and (await r.json())["healthy"]
+                r = await c.post("/admin/workers", json={"url": str(extra.make_url("")), "id": "x"})
+                assert r.status == 409
+                r = await c.post("/admin/workers", json={"url": "nope"})
+                assert r.status == 400 and _error(await r.json())["param"] == "url"
+                r = await c.get("/admin/workers")
+                assert [w["id"] for w in (await r.json())["workers"]] == ["w0", "x"]
+                env.state.registry.workers[WorkerId("x")].draining = True
+                env.state.registry._rebuild()
+                slow = asyncio.ensure_future(env.chat(LONG))
+                await asyncio.sleep(0.1)
+                env.state.registry.workers[WorkerId("x")].draining = False
+                env.state.registry._rebuild()
+                r = await c.delete("/admin/workers/w0")  # drains the in-flight request first
+                result = await r.json()
+                assert r.status == 200 and result["drained"] and result["waited_s"] > 0.05
+                assert (await slow).status == 200
+                r = await env.chat(LONG)
+                assert r.headers["X-Prefixrouter-Worker"] == "x"
+                assert WorkerId("w0") not in env.state.router.index._lru
+                r = await c.delete("/admin/workers/w0")
+                assert r.status == 404
+                r = await c.get("/v1/models")
+                assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+            finally:
+                await extra.close()
+
+    run(body)
+
+
+def test_tenant_isolation_and_cache_salt() -> None:
+    async def body() -> None:
+        overrides = {
+            "tenants": {"acme": {"share_cache": False}, "globex": {"share_cache": False}},
+            "api_keys": {"k-acme": "acme"},
+        }
+        async with gateway_env(overrides=overrides) as env:
+            acme = {"Authorization": "Bearer k-acme"}
+            r = await env.chat(LONG, headers=acme)
+            r = await env.chat(LONG, headers=acme)
+            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            r = await env.chat(LONG, headers={"X-Tenant": "globex"})
+            data = await r.json()
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            logs = await _decisions(env)
+            assert logs[1]["tenant"] == "acme" and logs[1]["decision"]["tier"] == "exact"
+            assert logs[2]["tenant"] == "globex" and logs[2]["predicted_cached_tokens"] == 0
+            salts = {req.get("cache_salt") for e in env.engines for req in e.requests}
+            assert len(salts) == 2 and None not in salts
+            # sharing tenants share the warm route and send no salt
+            r1 = await env.chat(LONG + "shared", headers={"X-Tenant": "a"})
+            r2 = await env.chat(LONG + "shared", headers={"X-Tenant": "b"})
+            assert r1.headers["X-Prefixrouter-Worker"] == r2.headers["X-Prefixrouter-Worker"]
+            assert (await _decisions(env, 1))[0]["decision"]["tier"] == "exact"
+
+    run(body)
+
+
+def test_metrics_poll_feeds_views_and_prometheus_names() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1) as env:
+            view = env.state.registry.workers[WorkerId("w0")].view
+            assert view.kv_capacity_blocks == 4096 and view.block_size == 16
+            for i in range(3):
+                await (await env.chat(LONG + str(i), stream=True)).read()
+            r = await env.client.get("/metrics")
+            text = await r.text()
+            for name in (
+                "prefixrouter_input_tokens_total",
+                "prefixrouter_ttft_seconds_bucket",
+                "prefixrouter_queue_wait_seconds_bucket",
+                "prefixrouter_kv_evictions_total",
+                "prefixrouter_evicted_prefix_age_seconds_bucket",
+                "prefixrouter_warm_abandoned_total",
+                "prefixrouter_prefill_tokens_saved_total",
+                "prefixrouter_cache_prediction_error_tokens_bucket",
+                "prefixrouter_requests_total",
+            ):
+                assert name in text, name
+            assert 'prefixrouter_ttft_seconds_count{hit="warm"} 2.0' in text
+            assert 'prefixrouter_ttft_seconds_count{hit="cold"} 1.0' in text
+            assert 'kind="cached",model="tiny",pool="default",prefix_class="system"' in text
+            r = await env.client.get("/admin/process")
+            stats = await r.json()
+            assert stats["requests"] == 3 and stats["cpu_user_s"] > 0
+
+    run(body)
+
+
+def test_decision_log_file(tmp_path: Any) -> None:
+    path = tmp_path / "d.jsonl"
+
+    async def body() -> None:
+        async with gateway_env(n=1, overrides={"decision_log": {"path": str(path)}}) as env:
+            for i in range(3):
+                assert (await env.chat(f"q{i}")).status == 200
+
+    run(body)
+    rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert len(rows) == 3 and all(r["status"] == 200 for r in rows)
+
+
+def test_token_mode_routes_on_the_engines_block_size() -> None:
+    async def body() -> None:
+        overrides = {"routing": {"mode": "token"}}
+        async with gateway_env(n=2, overrides=overrides) as env:
+            assert env.state.router.hasher.block_size == 16  # from vllm:cache_config_info
+            workers = set()
+            for i in range(3):
+                r = await env.chat(LONG + f" q{i}")
+                assert r.status == 200
+                workers.add(r.headers["X-Prefixrouter-Worker"])
+            assert len(workers) == 1
+            logs = await _decisions(env)
+            assert logs[-1]["predicted_cached_tokens"] > 0 and logs[-1]["actual_cached_tokens"] > 0
+
+    run(body)
+
+
+def test_health_backoff_grows_and_is_bounded() -> None:
+    async def body() -> None:
+        overrides = {
+            "health": {"backoff_initial_s": 0.5, "backoff_factor": 2.0, "backoff_max_s": 3}
+        }
+        async with gateway_env(n=1, overrides=overrides) as env:
+            reg = env.state.registry
+            assert [reg._backoff(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+            w = reg.workers[WorkerId("w0")]
+            env.engines[0].healthy = False
+            assert not await reg.check(w)
+            assert not w.healthy and w.failures == 1 and w.backoff_s == 0.5
+            assert not await reg.check(w)
+            assert w.backoff_s == 1.0 and "503" in (w.last_error or "")
+            env.engines[0].healthy = True
+            assert await reg.check(w)
+            assert w.healthy and w.failures == 0 and w.backoff_s == 0.5
+
+    run(body)

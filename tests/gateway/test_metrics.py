@@ -1,0 +1,79 @@
+"""The gateway's Prometheus exposition: names, labels, cumulative buckets."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixrouter.gateway.metrics import GatewayMetrics, WorkerGauges
+
+
+def _samples(m: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = m.exposition().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def test_exposition_parses_with_the_expected_series() -> None:
+    m = GatewayMetrics(warm_fraction=0.75)
+    m.attach_live(lambda: [WorkerGauges("w0", True, 2, 0.5, 1.0)], lambda: 7)
+    m.routed("exact", 0.003, True, "system")
+    m.usage("tiny", "default", "system", 1000, 800, 900, 0.02)  # warm
+    m.usage("tiny", "default", "system", 1000, 100, 0, 0.2)  # partial
+    m.usage("tiny", "default", "system", 1000, 0, 0, None)  # not streamed: no TTFT
+    m.request_done("w0", "exact", 200)
+    m.request_done("", "none", 400)
+    m.retried("w1", "502")
+    m.eviction_observed(42.0)
+    s = _samples(m)
+    cached = (
+        ("kind", "cached"),
+        ("model", "tiny"),
+        ("pool", "default"),
+        ("prefix_class", "system"),
+    )
+    assert s[("prefixrouter_input_tokens_total", cached)] == 900
+    uncached = tuple((k, "uncached" if k == "kind" else v) for k, v in cached)
+    assert s[("prefixrouter_input_tokens_total", uncached)] == 2100
+    assert (
+        s[
+            (
+                "prefixrouter_prefill_tokens_saved_total",
+                (("model", "tiny"), ("prefix_class", "system")),
+            )
+        ]
+        == 900
+    )
+    assert s[("prefixrouter_ttft_seconds_count", (("hit", "warm"),))] == 1
+    assert s[("prefixrouter_ttft_seconds_bucket", (("hit", "partial"), ("le", "0.25")))] == 1
+    assert s[("prefixrouter_ttft_seconds_bucket", (("hit", "partial"), ("le", "0.1")))] == 0
+    assert s[("prefixrouter_ttft_seconds_bucket", (("hit", "partial"), ("le", "+Inf")))] == 1
+    assert (
+        s[("prefixrouter_queue_wait_seconds_bucket", (("decision", "exact"), ("le", "0.005")))] == 1
+    )
+    assert s[("prefixrouter_cache_prediction_error_tokens_count", ())] == 3
+    assert s[("prefixrouter_cache_prediction_error_tokens_sum", ())] == 100 + 100 + 0
+    assert s[("prefixrouter_warm_abandoned_total", (("prefix_class", "system"),))] == 1
+    key = (("decision", "exact"), ("status", "200"), ("worker", "w0"))
+    assert s[("prefixrouter_requests_total", key)] == 1
+    assert s[("prefixrouter_retries_total", (("status", "502"), ("worker", "w1")))] == 1
+    assert s[("prefixrouter_kv_evictions_total", (("source", "observed"),))] == 1
+    assert s[("prefixrouter_kv_evictions_total", (("source", "mirrored"),))] == 7
+    assert s[("prefixrouter_evicted_prefix_age_seconds_bucket", (("le", "60.0"),))] == 1
+    assert s[("prefixrouter_worker_in_flight", (("worker", "w0"),))] == 2
+
+
+def test_hit_labels() -> None:
+    m = GatewayMetrics(warm_fraction=0.5)
+    assert m.hit_label(0, 100) == "cold"
+    assert m.hit_label(49, 100) == "partial"
+    assert m.hit_label(50, 100) == "warm"
+
+
+def test_empty_exposition_is_valid() -> None:
+    m = GatewayMetrics()
+    m.attach_live(list, lambda: 0)
+    s = _samples(m)
+    assert s[("prefixrouter_cache_prediction_error_tokens_count", ())] == 0
