@@ -255,9 +255,14 @@ class MetricsConfig(_Model):
     Attributes:
         warm_fraction: A request whose engine reused at least this share of the
             prompt counts as ``hit="warm"``; more than zero but less, ``partial``.
+        lint_observe: Run the prompt linter on every request in observe mode:
+            findings are counted per prefix class in
+            ``prefixrouter_lint_findings_total`` and the request is never
+            changed (costs about 0.3-0.5 ms of CPU per long request).
     """
 
     warm_fraction: Annotated[float, Field(gt=0, le=1)] = 0.75
+    lint_observe: bool = False
 
 
 class GatewayConfig(_Model):

@@ -400,3 +400,23 @@ def test_health_backoff_grows_and_is_bounded() -> None:
             assert w.healthy and w.failures == 0 and w.backoff_s == 0.5
 
     run(body)
+
+
+def test_lint_observe_mode_counts_findings_and_forwards_the_body_unchanged() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1, overrides={"metrics": {"lint_observe": True}}) as env:
+            system = "Generated at 2026-11-29T15:04:05Z. " + LONG
+            r = await env.chat("What is the cap?", system=system)
+            assert r.status == 200
+            await r.read()
+            text = await (await env.client.get("/metrics")).text()
+            assert 'prefixrouter_lint_findings_total{kind="timestamp"' in text
+            received = env.engines[0].requests[-1]
+            assert received["messages"][0]["content"] == system  # observed, never changed
+
+        async with gateway_env(n=1) as env:  # off by default
+            await (await env.chat("Q?", system="Generated at 2026-11-29T15:04:05Z. " + LONG)).read()
+            text = await (await env.client.get("/metrics")).text()
+            assert "prefixrouter_lint_findings_total{" not in text
+
+    run(body)

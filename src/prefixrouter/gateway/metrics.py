@@ -227,7 +227,13 @@ class GatewayMetrics:
             (),
             AGE_BUCKETS,
         )
+        self.lint_findings = _Counter(
+            "prefixrouter_lint_findings",
+            "Volatile fields before stable prompt content (linter in observe mode).",
+            ("prefix_class", "kind"),
+        )
         self.series: tuple[_Counter | _Histogram, ...] = (
+            self.lint_findings,
             self.requests,
             self.input_tokens,
             self.saved,
@@ -288,6 +294,11 @@ class GatewayMetrics:
         self.prediction_error.observe((), abs(predicted_cached - cached_tokens))
         if ttft_s is not None:
             self.ttft.observe((self.hit_label(cached_tokens, prompt_tokens),), ttft_s)
+
+    def linted(self, prefix_class: str, findings: dict[str, int]) -> None:
+        """Count the linter's findings for one request (observe mode)."""
+        for kind, n in findings.items():
+            self.lint_findings.inc((prefix_class, kind), n)
 
     def eviction_observed(self, age_s: float) -> None:
         """A worker had lost a prefix it served ``age_s`` seconds ago."""

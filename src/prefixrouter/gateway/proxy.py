@@ -200,6 +200,10 @@ class Proxy:
                 rid, worker.id, max(0, est - decision.predicted_cached_tokens), est, rr.max_tokens
             )
             if not retry.tried:
+                if st.lint is not None:
+                    # Observe mode: count what the linter finds, never change the body.
+                    cls = decision.prefix_class
+                    st.metrics.linted(cls, st.lint.observe(built.body, cls))
                 chosen = decision.chosen
                 terms = chosen.terms if chosen is not None else None
                 st.metrics.routed(

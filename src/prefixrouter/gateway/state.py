@@ -28,6 +28,7 @@ from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
 from prefixrouter.gateway.workers import WorkerRegistry
+from prefixrouter.prompt.lint import LintObserver
 
 LAST_SERVED_MAX = 65_536
 
@@ -44,6 +45,7 @@ class GatewayState:
     decisions: DecisionLog
     builder: RequestBuilder
     tenancy: Tenancy
+    lint: LintObserver | None = None
     session: aiohttp.ClientSession | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
     requests_seen: int = 0
@@ -113,6 +115,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         decisions=decisions,
         builder=builder,
         tenancy=Tenancy(config),
+        lint=LintObserver() if config.metrics.lint_observe else None,
     )
 
 
