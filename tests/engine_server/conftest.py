@@ -2,16 +2,15 @@
 
 ``async def`` tests run on a fresh event loop each (a tiny runner below: the
 project has no pytest-asyncio). Servers are real aiohttp servers on a free
-loopback port (:func:`served`), stopped when the block ends. The tokenizer is
-built once per session into a temporary cache directory, never into ``~``.
+loopback port (:func:`served`), stopped when the block ends. The tokenizer
+cache is a session temp dir (``tests/conftest.py``), never ``~``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,19 +27,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     asyncio.run(asyncio.wait_for(pyfuncitem.obj(**args), timeout=30))
     return True
-
-
-@pytest.fixture(scope="session", autouse=True)
-def tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Point the tokenizer cache at a session temp dir (and build it once)."""
-    path = str(tmp_path_factory.mktemp("prefixrouter-cache"))
-    old = os.environ.get("PREFIXROUTER_CACHE")
-    os.environ["PREFIXROUTER_CACHE"] = path
-    yield path
-    if old is None:
-        os.environ.pop("PREFIXROUTER_CACHE", None)
-    else:
-        os.environ["PREFIXROUTER_CACHE"] = old
 
 
 @asynccontextmanager
