@@ -206,11 +206,14 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
         assert len(idx) <= 20
         for ww in (A, B, WorkerId("c")):
             assert idx.blocks_of(ww) <= capacity
-        # the index never claims more than a worker was given
+        # the index never claims more than a worker was given, and the matched
+        # depth is exactly the first block the worker does not hold
         for doc in docs:
             for ww, m in idx.match(doc, t).items():
                 assert set(doc[: m.blocks]) <= given_blocks[ww]
                 assert 0.0 < m.confidence <= 1.0
+                assert all(idx.entry(ww, h) is not None for h in doc[: m.blocks])
+                assert m.blocks == len(doc) or idx.entry(ww, doc[m.blocks]) is None
 
 
 @settings(max_examples=100, deadline=None)
