@@ -77,11 +77,15 @@ def _gain(ours: float, best: float) -> str:
     return f"{(1 - ours / best) * 100:+.0f}%"
 
 
+NOTES = Path(__file__).with_name("results_notes.md")
+
+
 def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
+    took = f" in {elapsed_s / 60:.0f} minutes" if elapsed_s > 0 else ""
     lines = [
         "# Simulated results: prefixrouter against the peers' policies",
         "",
-        f"Produced by `{command}` in {elapsed_s / 60:.0f} minutes on the 2-core",
+        f"Produced by `{command}`{took} on the 2-core",
         f"development machine; profile `{PROFILE}` (Llama-3-8B on one H100 per replica,",
         "see `prefixrouter profiles`). Every policy sees the same requests on the same",
         "simulated fleet. Load is a fraction of the fleet's capacity with ideal prefix",
@@ -106,6 +110,8 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
             f"{_ms(v['best_p99'])} ({v['best_p99_policy']}) | "
             f"{_gain(v['ours_p99'], v['best_p99'])} | {v['prefill_x_bound']:.2f} |"
         )
+    if NOTES.exists():
+        lines += ["", NOTES.read_text(encoding="utf-8").strip()]
     for rep in reports:
         lines += [
             "",
@@ -141,6 +147,11 @@ def main() -> None:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--mooncake-limit", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--markdown-only",
+        action="store_true",
+        help="rewrite RESULTS.md from the JSON files already in results/ (no simulation)",
+    )
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     names = [n for n in args.scenarios.split(",") if n]
@@ -149,6 +160,16 @@ def main() -> None:
     out_dir = args.out / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
+    command = "python benchmarks/sim_results.py"
+    if args.markdown_only:
+        reports = [
+            orjson.loads((out_dir / f"{n}-{load:.1f}.json").read_bytes())
+            for n in names
+            for load in loads
+        ]
+        (args.out / "RESULTS.md").write_text(markdown(reports, command, 0.0), encoding="utf-8")
+        console.print(f"wrote {args.out / 'RESULTS.md'}")
+        return
     started = time.monotonic()
     reports: list[dict[str, Any]] = []
     with Progress(
@@ -189,7 +210,6 @@ def main() -> None:
                 progress.remove_task(task)
                 progress.advance(overall)
     elapsed = time.monotonic() - started
-    command = "python benchmarks/sim_results.py"
     (args.out / "RESULTS.md").write_text(markdown(reports, command, elapsed), encoding="utf-8")
     console.print(f"wrote {args.out / 'RESULTS.md'} and {out_dir}/")
 

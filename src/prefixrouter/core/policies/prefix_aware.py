@@ -106,6 +106,8 @@ class PrefixRouterParams:
             (the chance that the evicted blocks are asked for again).
         min_margin_share: Share of the warm margin kept even when the other
             worker's cache has room (a copy still costs memory and a prefill).
+        interference_weight: Weight, when leaving the deepest prefix is weighed,
+            of the delay the recomputation imposes on the worker's running decodes.
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
@@ -136,6 +138,7 @@ class PrefixRouterParams:
     cold_reserved_share: float = 0.2
     eviction_weight: float = 0.5
     min_margin_share: float = 0.5
+    interference_weight: float = 0.0
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
     demand_window_s: float = 10.0
@@ -240,31 +243,34 @@ class PrefixRouterPolicy(Policy):
             return self._select_cold(ctx, candidates, scored, best_i, candidates_out)
 
         deepest = max(scored[i].matched_tokens for i in warm_idx)
-        bw = _argmin(scored, warm_idx)
+        # The workers holding the deepest prefix: leaving them for anyone else
+        # (cold, or holding a shorter prefix) recomputes part of the prompt.
+        exact_idx = [i for i in warm_idx if scored[i].matched_tokens >= deepest]
+        bw = _argmin(scored, exact_idx)
         best, best_warm = scored[best_i], scored[bw]
         abandoned = False
         assert best_warm.terms is not None
         rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
-        cold_idx = [i for i in eligible if not warm_flags[i]]
-        ci = _argmin(scored, cold_idx) if cold_idx else -1
-        cold_terms = scored[ci].terms if ci >= 0 else None
+        other_idx = [i for i in eligible if i not in exact_idx]
+        ci = _argmin(scored, other_idx) if other_idx else -1
+        other_terms = scored[ci].terms if ci >= 0 else None
         if (
-            needed > len(warm_idx)
-            and cold_terms is not None
-            and cold_terms.queue_wait_s <= cls.max_warm_wait_s
+            needed > len(exact_idx)
+            and other_terms is not None
+            and other_terms.queue_wait_s <= cls.max_warm_wait_s
         ):
             # Hot prefix: its demand needs more replicas than hold it. Warm the
-            # best cold one now rather than queue on the warm ones.
+            # best other one now rather than queue on those that hold it.
             chosen = ci
             reason = (
                 f"hot prefix: {rate:.1f} req/s needs {needed} replicas, "
-                f"{len(warm_idx)} warm; warming {scored[ci].worker_id}"
+                f"{len(exact_idx)} hold it; warming {scored[ci].worker_id}"
             )
         elif bw == best_i:
             chosen = bw
             reason = "lowest predicted cost"
         else:
-            # Leaving the warm worker copies the prefix: a lasting cost, while
+            # Leaving the deepest prefix copies it: a lasting cost, while
             # a difference in decode batches evens out within one request's
             # lifetime. So this comparison weighs decode by the class's
             # `switch_decode_weight` (0 for short answers), not `decode_weight`.
@@ -278,9 +284,11 @@ class PrefixRouterPolicy(Policy):
             if (
                 best_warm.terms.queue_wait_s > cls.max_warm_wait_s
                 and best.terms.queue_wait_s <= cls.max_warm_wait_s
+                and best.terms.ttft_s < best_warm.terms.ttft_s
             ):
-                # Only when leaving actually avoids the wait: under overload
-                # every queue is long, and a copy would only add prefill work.
+                # Only when leaving actually avoids the wait and brings the
+                # first token sooner: under overload every queue is long, and
+                # a copy would only add prefill work.
                 chosen, abandoned = best_i, True
                 wait_ms = best_warm.terms.queue_wait_s * 1e3
                 reason = (
@@ -367,7 +375,8 @@ class PrefixRouterPolicy(Policy):
         assert t is not None
         return (
             t.ttft_s
-            + cls.switch_decode_weight * (t.decode_s + t.interference_s)
+            + cls.switch_decode_weight * t.decode_s
+            + max(cls.switch_decode_weight, self.params.interference_weight) * t.interference_s
             + self.params.eviction_weight * t.eviction_s
         )
 
