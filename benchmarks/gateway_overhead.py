@@ -33,7 +33,7 @@ Phases:
 Usage::
 
     python benchmarks/gateway_overhead.py [--json] [--rate 500] [--seconds 4] [--rounds 4]
-                                          [--baseline]
+                                          [--baseline] [--profile OUT.txt]
 
 Targets (issue 4): <= 1 ms added p50, <= 5 ms added p99, >= 2,500 rps,
 <= 0.4 ms of gateway CPU per request.
@@ -419,6 +419,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait(f"http://127.0.0.1:{p}/health", up)
         gw_port = _free_port()
         cmd = [PY, "-m", "prefixrouter.gateway", "--port", str(gw_port)]
+        if args.profile:
+            # pyinstrument (pip install pyinstrument) samples the gateway and
+            # writes a text profile when it exits; figures are then slower.
+            cmd[1:2] = ["-m", "pyinstrument", "--renderer", "text", "-o", args.profile, "-m"]
         for p in ports:
             cmd += ["--worker", f"http://127.0.0.1:{p}"]
         gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -450,6 +454,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="interleaved direct/via rounds")
     ap.add_argument("--connections", type=int, default=32, help="closed-loop connections")
     ap.add_argument("--baseline", action="store_true", help="also measure a bare proxy")
+    ap.add_argument("--profile", help="write a pyinstrument profile of the gateway here")
     ap.add_argument("--serve-upstream", help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", help=argparse.SUPPRESS)
     args = ap.parse_args()
