@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prefixrouter.core import Router, create_policy
-from prefixrouter.core.policies.power_of_two import request_rng
+from prefixrouter.core.policies.common import request_rng
 from tests.core.conftest import request, tokens, workers
 
 

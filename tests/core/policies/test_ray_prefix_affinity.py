@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView, create_policy
-from prefixrouter.core.policies.power_of_two import request_rng
+from prefixrouter.core.policies.common import request_rng
 from prefixrouter.core.policies.ray_prefix_affinity import RayPrefixAffinity
 from tests.core.conftest import request, tokens, workers
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from prefixrouter.core.policies.sglang_cache_aware import CHARS_PER_TOKEN
+from prefixrouter.core.policies.common import CHARS_PER_TOKEN
 from prefixrouter.core.policy import CandidateScore, Policy, RoutingContext, Selection, register
 from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
 

@@ -36,8 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixrouter.core.policies.power_of_two import request_rng
-from prefixrouter.core.policies.sglang_cache_aware import CHARS_PER_TOKEN, TenantTree
+from prefixrouter.core.policies.common import CHARS_PER_TOKEN, TenantTree, request_rng
 from prefixrouter.core.policies.vllm_prefixaware import chunk_hashes
 from prefixrouter.core.policy import CandidateScore, Policy, RoutingContext, Selection, register
 from prefixrouter.core.types import BlockHash, WorkerId, WorkerView

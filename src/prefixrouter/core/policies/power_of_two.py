@@ -20,27 +20,12 @@ Parameters (defaults): ``seed`` 0, ``use_token_load`` False.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import xxhash
-
+from prefixrouter.core.policies.common import request_rng
 from prefixrouter.core.policy import CandidateScore, Policy, RoutingContext, Selection, register
 from prefixrouter.core.types import WorkerView
-
-
-def request_rng(request_id: str, seed: int) -> random.Random:
-    """A private random stream for one request: deterministic, no global state.
-
-    Args:
-        request_id: The request's id.
-        seed: The policy's seed, XORed into the id's hash.
-
-    Returns:
-        A fresh ``random.Random``; the same arguments give the same stream.
-    """
-    return random.Random(xxhash.xxh3_64_intdigest(request_id.encode("utf-8")) ^ seed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefixrouter.core.policies.sglang_cache_aware import TenantTree
+from prefixrouter.core.policies.common import TenantTree
 from prefixrouter.core.policy import CandidateScore, Policy, RoutingContext, Selection, register
 from prefixrouter.core.types import BlockHash, SpeedProfile, WorkerId, WorkerView
 

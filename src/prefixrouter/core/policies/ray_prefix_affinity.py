@@ -41,8 +41,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixrouter.core.policies.power_of_two import request_rng
-from prefixrouter.core.policies.sglang_cache_aware import CHARS_PER_TOKEN, TenantTree
+from prefixrouter.core.policies.common import CHARS_PER_TOKEN, TenantTree, request_rng
 from prefixrouter.core.policy import CandidateScore, Policy, RoutingContext, Selection, register
 from prefixrouter.core.types import WorkerId, WorkerView
 
