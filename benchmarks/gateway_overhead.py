@@ -422,7 +422,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.profile:
             # pyinstrument (pip install pyinstrument) samples the gateway and
             # writes a text profile when it exits; figures are then slower.
-            cmd[1:2] = ["-m", "pyinstrument", "--renderer", "text", "-o", args.profile, "-m"]
+            cmd[1:2] = [
+                "-m",
+                "pyinstrument",
+                "--renderer",
+                "text",
+                "--show-all",
+                "-o",
+                args.profile,
+                "-m",
+            ]
         for p in ports:
             cmd += ["--worker", f"http://127.0.0.1:{p}"]
         gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -40,7 +40,7 @@ DEFAULT_CHUNK_CHARS = 256
 DEFAULT_CHARS_PER_TOKEN = 4.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PromptBlocks:
     """A prompt's chained block hashes and how many tokens each stands for.
 

@@ -80,7 +80,7 @@ class IndexEntry:
     confidence: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerMatch:
     """The longest consecutive prefix of a request that one worker holds.
 

@@ -53,7 +53,7 @@ class RoutingContext:
     index: PrefixIndex
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     """What the engine reported for a finished request.
 
@@ -68,9 +68,9 @@ class Outcome:
     ok: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CandidateScore:
-    """One candidate as a policy saw it.
+    """One candidate as a policy saw it (read-only; not frozen, for speed).
 
     Attributes:
         worker_id: The worker.
@@ -109,7 +109,7 @@ class CandidateScore:
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Selection:
     """A policy's answer.
 
