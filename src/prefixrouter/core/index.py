@@ -302,6 +302,13 @@ class PrefixIndex:
                 return True
         elif predicted_blocks or actual_blocks:
             self._trust[worker] = (min(1.0, trust + p.hit_recovery), now)
+        if hashes:
+            lru = self._lru.get(worker)
+            deepest = lru.get(hashes[-1]) if lru is not None else None
+            if deepest is not None and deepest.source is not EntrySource.SPECULATIVE:
+                # Already confirmed as a whole (chains are confirmed from the
+                # head, and on_routed refreshed their recency moments ago).
+                return miss
         self._touch_chain(worker, hashes, now, EntrySource.CONFIRMED)
         return miss
 

@@ -250,17 +250,16 @@ class PrefixRouterPolicy(Policy):
         best, best_warm = scored[best_i], scored[bw]
         abandoned = False
         assert best_warm.terms is not None
-        rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
         other_idx = [i for i in eligible if i not in exact_idx]
         ci = _argmin(scored, other_idx) if other_idx else -1
         other_terms = scored[ci].terms if ci >= 0 else None
-        if (
-            needed > len(exact_idx)
-            and other_terms is not None
-            and other_terms.queue_wait_s <= cls.max_warm_wait_s
-        ):
+        rate, needed = 0.0, 0
+        if other_terms is not None and other_terms.queue_wait_s <= cls.max_warm_wait_s:
+            rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
+        if needed > len(exact_idx):
             # Hot prefix: its demand needs more replicas than hold it. Warm the
             # best other one now rather than queue on those that hold it.
+            assert ci >= 0
             chosen = ci
             reason = (
                 f"hot prefix: {rate:.1f} req/s needs {needed} replicas, "
