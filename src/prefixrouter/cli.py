@@ -328,8 +328,3 @@ def _register_commands() -> None:
 
 
 _register_commands()
-
-
-def json_dumps(obj: Any) -> str:
-    """Compact JSON text (orjson), for commands that print JSON."""
-    return orjson.dumps(obj).decode()

@@ -22,7 +22,7 @@ the last prompt token), i.e. what one infinite cache shared by all would do.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from prefixrouter.core.hashing import BlockHasher
@@ -115,32 +115,3 @@ def summarize(run: SimRun) -> dict[str, Any]:
         "kv_wait_ms_total": round(sum(r.kv_wait_s for r in done) * 1e3, 1),
         "per_worker_requests": {w.worker: w.requests for w in run.workers},
     }
-
-
-def by_prefix_class(run: SimRun) -> dict[str, dict[str, Any]]:
-    """TTFT and cached share per prefix class (system, document, session, rag, ...)."""
-    out: dict[str, dict[str, Any]] = {}
-    classes = sorted({r.prefix_class for r in run.records})
-    for cls in classes:
-        recs = [r for r in run.records if r.prefix_class == cls and r.completed >= 0]
-        prompt = sum(r.prompt_tokens for r in recs)
-        out[cls] = {
-            "requests": len(recs),
-            "ttft_ms": percentiles([r.ttft_s * 1e3 for r in recs]),
-            "cached_share": round(sum(r.cached_tokens for r in recs) / prompt, 4) if prompt else 0,
-        }
-    return out
-
-
-def tiers(run: SimRun) -> dict[str, int]:
-    """How many decisions fell in each tier."""
-    counts: dict[str, int] = {}
-    for r in run.records:
-        counts[r.tier] = counts.get(r.tier, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def best_baseline(results: Iterable[dict[str, Any]], key: str, stat: str) -> dict[str, Any] | None:
-    """The baseline (not ``prefixrouter``) with the lowest ``result[key][stat]``."""
-    base = [r for r in results if r["policy"] != "prefixrouter"]
-    return min(base, key=lambda r: r[key][stat]) if base else None
