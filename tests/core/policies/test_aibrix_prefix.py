@@ -1,26 +1,12 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView
-from tests.core.conftest import request, tokens, workers
+from prefixrouter.core import Router, WorkerId
+from tests.core.conftest import request, send, tokens, with_loads
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 DOC = tokens(1, 1_600)
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
-
-
-def running(*loads: int) -> list[WorkerView]:
-    return [replace(w, in_flight=n) for w, n in zip(workers(len(loads)), loads, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -34,14 +20,14 @@ def test_imbalance_beyond_8_restricts_to_least_loaded(
     loads: tuple[int, int], worker: WorkerId, tier: str
 ) -> None:
     r = Router("aibrix_prefix")
-    send(r, request("a", DOC), running(*loads), W0, 0.0)
-    d = r.route(request("q", DOC), running(*loads), 1.0)
+    send(r, request("a", DOC), with_loads(*loads), W0, 0.0)
+    d = r.route(request("q", DOC), with_loads(*loads), 1.0)
     assert (d.worker_id, d.tier) == (worker, tier)
 
 
 def test_match_percent_desc_then_running_asc_within_mean_plus_k_std() -> None:
     r = Router("aibrix_prefix")
-    ws = running(5, 1, 0)
+    ws = with_loads(5, 1, 0)
     send(r, request("a", DOC), ws, W0, 0.0)
     send(r, request("b", DOC[:800]), ws, W1, 0.0)
     # mean 2, std 2.16: w0 (100%, 5 running) is above the bound, w1 (50%, 1) is not
@@ -55,7 +41,7 @@ def test_match_percent_desc_then_running_asc_within_mean_plus_k_std() -> None:
 
 def test_least_request_when_no_matching_worker_passes_the_bound() -> None:
     r = Router("aibrix_prefix")
-    ws = running(5, 0, 0)
+    ws = with_loads(5, 0, 0)
     send(r, request("a", DOC), ws, W0, 0.0)
     d = r.route(request("q", DOC), ws, 1.0)  # bound 1.67 + 2.36 = 4.02 < 5
     assert (d.worker_id, d.tier) == (W1, "cache_miss")

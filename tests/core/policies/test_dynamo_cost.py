@@ -4,20 +4,12 @@ from dataclasses import replace
 
 import pytest
 
-from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView, create_policy
-from tests.core.conftest import request, tokens, workers
+from prefixrouter.core import Router, WorkerId, create_policy
+from tests.core.conftest import request, send, tokens, workers
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
 DOC = tokens(1, 1_280)  # 80 blocks
 PROMPT = DOC + tokens(2, 320)  # 100 blocks
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
 
 
 @pytest.mark.parametrize(

@@ -4,20 +4,12 @@ from dataclasses import replace
 
 import pytest
 
-from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView, create_policy
+from prefixrouter.core import Router, WorkerId, create_policy
 from prefixrouter.core.policies.llmd_weighted import LlmdWeighted
-from tests.core.conftest import request, tokens, workers
+from tests.core.conftest import request, send, tokens, workers
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 DOC = tokens(1, 1_600)  # 100 blocks of 16 tokens = 64 characters
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
 
 
 @pytest.mark.parametrize(

@@ -5,29 +5,19 @@ from dataclasses import replace
 import pytest
 
 from prefixrouter.core import (
-    Decision,
     Router,
-    RoutingRequest,
     SpeedProfile,
     WorkerId,
     WorkerView,
     create_policy,
 )
 from prefixrouter.core.policies.preble_e2 import PrebleE2
-from tests.core.conftest import request, tokens, workers
+from tests.core.conftest import request, send, tokens, workers
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 DOC = tokens(1, 1_600)
 PROFILE = SpeedProfile()
 DOC_PREFILL = PROFILE.prefill_time(1_600)  # the window load of routing DOC cold
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
 
 
 def decoding(w: WorkerView, remaining: int) -> WorkerView:

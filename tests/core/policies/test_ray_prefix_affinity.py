@@ -2,21 +2,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView, create_policy
+from prefixrouter.core import Router, WorkerId, WorkerView, create_policy
 from prefixrouter.core.policies.common import request_rng
 from prefixrouter.core.policies.ray_prefix_affinity import RayPrefixAffinity
-from tests.core.conftest import request, tokens, workers
+from tests.core.conftest import request, send, tokens, workers
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 DOC = tokens(1, 1_000)
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
 
 
 def queued(*loads: int) -> list[WorkerView]:

@@ -1,27 +1,13 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView, create_policy
+from prefixrouter.core import Decision, Router, WorkerId, create_policy
 from prefixrouter.core.policies.sglang_cache_aware import SglangCacheAware
-from tests.core.conftest import request, tokens, workers
+from tests.core.conftest import request, send, tokens, with_loads, workers
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
 DOC = tokens(1, 1_000)
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
-
-
-def loaded(*loads: int) -> list[WorkerView]:
-    return [replace(w, in_flight=n) for w, n in zip(workers(len(loads)), loads, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -34,14 +20,14 @@ def loaded(*loads: int) -> list[WorkerView]:
 )
 def test_balance_needs_both_thresholds(loads: tuple[int, int], worker: WorkerId, tier: str) -> None:
     r = Router("sglang_cache_aware")
-    send(r, request("a", DOC), loaded(*loads), W0, 0.0)
-    d = r.route(request("q", DOC + tokens(2, 100)), loaded(*loads), 1.0)
+    send(r, request("a", DOC), with_loads(*loads), W0, 0.0)
+    d = r.route(request("q", DOC + tokens(2, 100)), with_loads(*loads), 1.0)
     assert (d.worker_id, d.tier) == (worker, tier)
 
 
 def test_cache_hit_goes_to_the_deepest_node() -> None:
     r = Router("sglang_cache_aware")
-    ws = loaded(10, 0, 0)
+    ws = with_loads(10, 0, 0)
     send(r, request("a", DOC), ws, W0, 0.0)
     send(r, request("b", DOC[:500]), ws, W1, 0.5)
     d = r.route(request("q", DOC + tokens(2, 100)), ws, 1.0)
@@ -51,7 +37,7 @@ def test_cache_hit_goes_to_the_deepest_node() -> None:
 
 
 def test_miss_goes_to_least_loaded_or_smallest_tree() -> None:
-    ws = loaded(3, 1, 2)
+    ws = with_loads(3, 1, 2)
     q = request("q", DOC[:200] + tokens(5, 800))  # w0 holds 192 of 1,000 tokens: rate 0.19
 
     def decide(fallback: str) -> Decision:

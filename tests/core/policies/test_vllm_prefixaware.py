@@ -2,19 +2,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from prefixrouter.core import Decision, Router, RoutingRequest, WorkerId, WorkerView, create_policy
-from tests.core.conftest import request, tokens, workers
+from prefixrouter.core import Router, WorkerId, create_policy
+from tests.core.conftest import request, send, tokens, workers
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 DOC = tokens(1, 2_000)
-
-
-def send(
-    r: Router, req: RoutingRequest, ws: list[WorkerView], to: WorkerId, now: float
-) -> Decision:
-    d = replace(r.route(req, ws, now), worker_id=to)
-    r.on_routed(d, now)
-    return d
 
 
 def test_longest_match_wins_with_no_load_term() -> None:
