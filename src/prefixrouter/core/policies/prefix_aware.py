@@ -60,7 +60,6 @@ import xxhash
 
 from prefixrouter.core.policy import (
     CandidateScore,
-    Outcome,
     Policy,
     RoutingContext,
     Selection,
@@ -440,9 +439,6 @@ class PrefixRouterPolicy(Policy):
             d.last = now
             d.recent.append(now)
             depth <<= 1
-
-    def on_completed(self, ctx: RoutingContext, worker: WorkerId, outcome: Outcome) -> None:
-        """Nothing to do: the router feeds the index and the cost model."""
 
     def prefix_rate(self, last_block: int, now: float) -> float:
         """Requests per second for the prefix ending at block hash ``last_block``.
