@@ -3,14 +3,28 @@
 The locally built tokenizer is cached per session in a temporary directory
 (``PREFIXROUTER_CACHE``), so no test writes into the user's home directory and
 every session proves that the tokenizer builds from scratch.
+
+``async def`` tests run on a fresh event loop each, with a 30 s bound (a tiny
+runner below: the project has no pytest-asyncio).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 from collections.abc import Iterator
 
 import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**args), timeout=30))
+    return True
 
 
 @pytest.fixture(scope="session", autouse=True)

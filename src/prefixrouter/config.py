@@ -8,7 +8,8 @@ Shape of the YAML file (all keys optional)::
 
     server:        {host, port, max_body_bytes, admin_api_key}
     workers:       [{url, id, kind, pool, models, adapters, tenants, api_key,
-                     block_size, kv_capacity_blocks, max_slots, health_path, metrics_path}]
+                     block_size, kv_capacity_blocks, max_slots, health_path, metrics_path,
+                     kv_events_topic, kv_replay_endpoint}]
     policy:        {name, params}
     routing:       {mode: text|token, tokenizer, chunk_chars, block_size,
                     chars_per_token, template_version, tokenizer_revision,
@@ -22,7 +23,8 @@ Shape of the YAML file (all keys optional)::
     proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
                     drain_timeout_s, retry_after_s}
     decision_log:  {path, ring_size, flush_interval_s}
-    metrics:       {warm_fraction}
+    metrics:       {warm_fraction, lint_observe}
+    kv_events:     {endpoint, max_blocks_per_worker}
 
 Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
 with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
@@ -74,6 +76,11 @@ class WorkerConfig(_Model):
         max_slots: Concurrent sequences the engine runs (``max_num_seqs``).
         health_path: Health endpoint; None = the kind's default.
         metrics_path: Prometheus endpoint; None = the kind's default, "" = none.
+        kv_events_topic: The topic of this engine's KV events on the gateway's
+            ``kv_events.endpoint`` (vLLM's ``--kv-events-config`` ``topic``);
+            None = the worker id. Used only when ``kv_events.endpoint`` is set.
+        kv_replay_endpoint: The engine's KV-event replay socket (vLLM's
+            ``replay_endpoint``), asked for missed batches after a gap.
     """
 
     url: str
@@ -89,6 +96,8 @@ class WorkerConfig(_Model):
     max_slots: PosInt = 256
     health_path: str | None = None
     metrics_path: str | None = None
+    kv_events_topic: str | None = None
+    kv_replay_endpoint: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -112,6 +121,8 @@ class WorkerConfig(_Model):
             object.__setattr__(self, "health_path", health)
         if self.metrics_path is None:
             object.__setattr__(self, "metrics_path", metrics)
+        if self.kv_events_topic is None:
+            object.__setattr__(self, "kv_events_topic", self.id)
         return self
 
     @property
@@ -265,6 +276,29 @@ class MetricsConfig(_Model):
     lint_observe: bool = False
 
 
+class KvEventsConfig(_Model):
+    """The engines' KV-event feed (vLLM's ZMQ publisher).
+
+    Attributes:
+        endpoint: Where the gateway binds its SUB socket (``tcp://127.0.0.1:5557``);
+            each vLLM engine *connects* its publisher there (``--kv-events-config
+            '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+            "tcp://127.0.0.1:5557", "topic": "<worker's kv_events_topic>"}'``).
+            None = no events: the index learns from routing and completions only.
+        max_blocks_per_worker: Bound on each worker's engine-hash -> router-hash map.
+    """
+
+    endpoint: str | None = None
+    max_blocks_per_worker: PosInt = 1 << 20
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("must be a ZMQ address: tcp://HOST:PORT or ipc://PATH")
+        return value
+
+
 class GatewayConfig(_Model):
     """The whole gateway configuration; every field has a default."""
 
@@ -283,6 +317,7 @@ class GatewayConfig(_Model):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
 
     @model_validator(mode="after")
     def _unique_worker_ids(self) -> GatewayConfig:
@@ -291,6 +326,11 @@ class GatewayConfig(_Model):
             if w.id in seen:
                 raise ValueError(f"workers: duplicate worker id {w.id!r}")
             seen.add(w.id)
+        topics: set[str | None] = set()
+        for w in self.workers:
+            if w.kv_events_topic in topics:
+                raise ValueError(f"workers: duplicate kv_events_topic {w.kv_events_topic!r}")
+            topics.add(w.kv_events_topic)
         return self
 
     def tenant_rule(self, tenant: str) -> TenantRule:

@@ -324,6 +324,30 @@ class PrefixIndex:
         elif isinstance(event, AllBlocksCleared):
             self.clear_worker(event.worker_id)
 
+    def demote_events(self, worker: WorkerId, now: float) -> int:
+        """The worker's event feed lost messages: its event entries become speculative.
+
+        After a gap in the event sequence, a ``BlockRemoved`` may have been
+        missed, so what the events told us is no longer exact. The entries are
+        kept (most are still right) but treated like routed-only ones: lower
+        confidence and a TTL from ``now``, unless confirmed again by a
+        completion or a new event. Returns how many entries were demoted.
+        """
+        lru = self._lru.get(worker)
+        if not lru:
+            return 0
+        p = self.params
+        expires_at = now + p.speculative_ttl_s
+        demoted = 0
+        for block, entry in lru.items():
+            if entry.source is EntrySource.EVENT:
+                entry.source = EntrySource.SPECULATIVE
+                entry.confidence = p.speculative_confidence
+                entry.expires_at = expires_at
+                heapq.heappush(self._expiry, (expires_at, next(self._ticket), worker, block, entry))
+                demoted += 1
+        return demoted
+
     def clear_worker(self, worker: WorkerId) -> None:
         """Forget every block of ``worker`` (keeps its capacity and trust)."""
         self._holey.discard(worker)

@@ -36,9 +36,13 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     st.session = aiohttp.ClientSession(connector=connector)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
     try:
+        if st.events is not None:
+            await st.events.start()  # bind before the engines' first events
         await st.registry.start(st.session)
         yield
     finally:
+        if st.events is not None:
+            await st.events.stop()
         flusher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await flusher

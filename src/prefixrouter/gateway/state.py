@@ -23,11 +23,13 @@ from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
+from prefixrouter.engines.kv_events import NamespaceSeed
+from prefixrouter.engines.kv_subscriber import KvEventCollector, KvEventSubscriber
 from prefixrouter.gateway.decision_log import DecisionLog
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
-from prefixrouter.gateway.workers import WorkerRegistry
+from prefixrouter.gateway.workers import Worker, WorkerRegistry
 from prefixrouter.prompt.lint import LintObserver
 
 LAST_SERVED_MAX = 65_536
@@ -46,6 +48,7 @@ class GatewayState:
     builder: RequestBuilder
     tenancy: Tenancy
     lint: LintObserver | None = None
+    events: KvEventSubscriber | None = None
     session: aiohttp.ClientSession | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
     requests_seen: int = 0
@@ -106,6 +109,12 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     decisions = DecisionLog(dl.path, dl.ring_size, dl.flush_interval_s)
     tok = tokenizer if tokenizer is not None else _load_tokenizer(config)
     builder = RequestBuilder(config, registry.adapters, tok)
+    tenancy = Tenancy(config)
+    events = None
+    if config.kv_events.endpoint is not None:
+        events = KvEventSubscriber(config.kv_events.endpoint, router, time.monotonic)
+        registry.attach_events(events, lambda w: _event_namespace(w, builder, tenancy))
+        metrics.registry.register(KvEventCollector(events))
     return GatewayState(
         config=config,
         router=router,
@@ -114,9 +123,31 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         metrics=metrics,
         decisions=decisions,
         builder=builder,
-        tenancy=Tenancy(config),
+        tenancy=tenancy,
         lint=LintObserver() if config.metrics.lint_observe else None,
+        events=events,
     )
+
+
+def _event_namespace(worker: Worker, builder: RequestBuilder, tenancy: Tenancy) -> NamespaceSeed:
+    """How a worker's event chains find their namespace: the one its requests hash in.
+
+    A request names the model it wants; an event names only the adapter and
+    carries the salt. So a base-model chain is put in the namespace of the
+    engine's model (the first it lists: a vLLM engine serves one base model),
+    an adapter chain in the adapter's, and the salt gives the tenant back.
+    """
+
+    def seed(lora: str | None, salt: str | None) -> int | None:
+        tenant_ns = tenancy.namespace_of_salt(salt)
+        if lora:
+            return builder.namespace(lora, lora, tenant_ns).seed
+        models = sorted(worker.models - worker.adapters)
+        if not models:
+            return None
+        return builder.namespace(models[0], "", tenant_ns).seed
+
+    return seed
 
 
 STATE = web.AppKey("prefixrouter_state", GatewayState)

@@ -56,6 +56,9 @@ class Tenancy:
         self.config = config
         self._secret = config.salt_secret.encode("utf-8")
         self._memo: dict[tuple[str | None, str | None, str | None], TenantScope] = {}
+        # Salt sent to engines -> the namespace's tenant field, so KV events
+        # (which carry the salt) land in the namespace the requests hash in.
+        self._salt_namespaces: dict[str, str] = {}
 
     def resolve(
         self, authorization: str | None, tenant_header: str | None, client_salt: str | None
@@ -77,8 +80,21 @@ class Tenancy:
         scope = self._resolve(authorization, tenant_header, client_salt)
         if len(self._memo) >= _MEMO_MAX:
             self._memo.clear()
+            self._salt_namespaces.clear()
         self._memo[memo_key] = scope
+        if scope.cache_salt is not None:
+            self._salt_namespaces[scope.cache_salt] = scope.namespace
         return scope
+
+    def namespace_of_salt(self, salt: str | None) -> str:
+        """The namespace tenant field of requests an engine saw with ``salt``.
+
+        A salt this gateway set maps back to its tenant; any other salt is a
+        client's own, passed through, whose namespace is ``salt:<salt>``.
+        """
+        if not salt:
+            return ""
+        return self._salt_namespaces.get(salt, f"salt:{salt}")
 
     def _resolve(
         self, authorization: str | None, tenant_header: str | None, client_salt: str | None

@@ -48,6 +48,8 @@ from prefixrouter.config import GatewayConfig, WorkerConfig
 from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId, WorkerView
+from prefixrouter.engines.kv_events import NamespaceSeed
+from prefixrouter.engines.kv_subscriber import KvEventSubscriber, WorkerFeed
 from prefixrouter.gateway.metrics import WorkerGauges
 
 log = logging.getLogger("prefixrouter.gateway")
@@ -132,6 +134,7 @@ class Worker:
     engine: EngineStats = field(default_factory=EngineStats)
     foreign: int = 0
     task: asyncio.Task[None] | None = None
+    feed: WorkerFeed | None = None
 
     @property
     def id(self) -> WorkerId:
@@ -176,6 +179,9 @@ class Worker:
                 "block_size": self.view.block_size,
                 "max_slots": self.view.max_slots,
             },
+            "kv_events": (
+                self.feed.stats.to_dict(self.feed.translator) if self.feed is not None else None
+            ),
         }
 
 
@@ -209,8 +215,34 @@ class WorkerRegistry:
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.health.timeout_s)
         self._poll_timeout = aiohttp.ClientTimeout(total=config.metrics_poll.timeout_s)
+        self.events: KvEventSubscriber | None = None
+        self._seed_for: Callable[[Worker], NamespaceSeed] | None = None
         for wc in config.workers:
             self._add(wc)
+
+    def attach_events(
+        self, events: KvEventSubscriber, seed_for: Callable[[Worker], NamespaceSeed]
+    ) -> None:
+        """Feed every worker's KV events (present and future) through ``events``.
+
+        Args:
+            events: The gateway's subscriber.
+            seed_for: The namespace seed function of a worker's event chains.
+        """
+        self.events, self._seed_for = events, seed_for
+        for w in self.workers.values():
+            self._listen(w)
+
+    def _listen(self, w: Worker) -> None:
+        if self.events is None or self._seed_for is None:
+            return
+        w.feed = self.events.add_worker(
+            w.id,
+            w.config.kv_events_topic or w.id,
+            self._seed_for(w),
+            w.config.kv_replay_endpoint,
+            self.config.kv_events.max_blocks_per_worker,
+        )
 
     # ------------------------------------------------------------- membership
 
@@ -239,6 +271,7 @@ class WorkerRegistry:
             backoff_s=self.config.health.backoff_initial_s,
         )
         self.workers[w.id] = w
+        self._listen(w)
         self._mirror_capacity(w)
         self._rebuild()
         return w
@@ -290,6 +323,8 @@ class WorkerRegistry:
                 await w.task
         self.router.remove_worker(w.id)
         self.ledger.drop_worker(w.id)
+        if self.events is not None:
+            self.events.remove_worker(w.id)
 
     # ------------------------------------------------------------- routing reads
 
@@ -345,9 +380,22 @@ class WorkerRegistry:
         w.failures += 1
         w.backoff_s = self._backoff(w.failures)
         if w.healthy:
-            w.healthy = False
             log.warning("worker %s unreachable (%s): out of routing", w.id, error)
-            self._rebuild()
+            self._went_down(w)
+
+    def _went_down(self, w: Worker) -> None:
+        """Take ``w`` out of routing and forget its cache.
+
+        An engine that stopped answering may come back as a new process with
+        an empty cache, and nothing would tell a router without KV events:
+        entries kept through the outage would send hot prefixes to a cold
+        engine. So they go now; routing (or the engine's events) rebuilds them.
+        """
+        w.healthy = False
+        self.router.index.clear_worker(w.id)
+        if self.events is not None:
+            self.events.engine_restarted(w.id)
+        self._rebuild()
 
     # ------------------------------------------------------------- polling
 
@@ -400,9 +448,8 @@ class WorkerRegistry:
             w.last_error = error
             w.backoff_s = self._backoff(w.failures)
             if w.healthy and w.failures >= self.config.health.unhealthy_after:
-                w.healthy = False
                 log.warning("worker %s unhealthy (%s)", w.id, error)
-                self._rebuild()
+                self._went_down(w)
             return False
         w.failures = 0
         w.backoff_s = self.config.health.backoff_initial_s

@@ -1,0 +1,375 @@
+"""The gateway's KV-event feed: one bound ZMQ SUB socket that every engine publishes to.
+
+vLLM *connects* its publisher to a plain ``tcp://host:port`` endpoint, so the
+router binds one SUB socket there, subscribes to every topic, and tells the
+engines apart by topic (``kv_events.topic`` of each worker; vLLM's
+``--kv-events-config '{"topic": ...}'``). Each message is handled at once on
+the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
+
+1. decode the frames (:mod:`prefixrouter.engines.kv_events`); a message that
+   is not the format is counted and dropped, never fatal;
+2. check the sequence number: after a **gap** the worker's event-fed index
+   entries are demoted to speculative (a ``BlockRemoved`` may be lost) and, if
+   the worker has a replay endpoint, the missed range is fetched from it in
+   the background and applied; after a **restart** (the sequence starts again
+   at 0) the worker's entries and hash map are cleared: a new engine process
+   has an empty cache;
+3. translate each event to the router's hashes and apply it to the index.
+
+Replay (vLLM's ``replay_endpoint``, a ROUTER socket the engine binds): send
+``[b"", start_seq]`` from a DEALER socket; the engine answers one
+``[b"", seq, payload]`` message per buffered batch from ``start_seq`` on, then
+``[b"", END_SEQ, b""]``.
+
+Stats per worker (messages, events by type, gaps, restarts, decode errors,
+untranslatable blocks, replays) are exported as Prometheus counters by
+:class:`KvEventCollector` and listed in ``/admin/workers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixrouter.core.router import Router
+from prefixrouter.core.types import WorkerId
+from prefixrouter.engines.kv_events import (
+    END_SEQ,
+    EventTranslator,
+    KvEventDecodeError,
+    NamespaceSeed,
+    SeqStatus,
+    SequenceTracker,
+    decode_batch,
+    decode_seq,
+)
+
+log = logging.getLogger("prefixrouter.kv_events")
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class FeedStats:
+    """Counters of one worker's event feed."""
+
+    messages: int = 0
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    gaps: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    replayed: int = 0
+    last_seq: int | None = None
+
+    def to_dict(self, translator: EventTranslator) -> dict[str, Any]:
+        """A JSON-ready record (``/admin/workers``)."""
+        return {
+            "messages": self.messages,
+            "stored_events": self.stored,
+            "removed_events": self.removed,
+            "cleared_events": self.cleared,
+            "gaps": self.gaps,
+            "restarts": self.restarts,
+            "decode_errors": self.decode_errors,
+            "replayed_messages": self.replayed,
+            "last_seq": self.last_seq,
+            "mapped_blocks": len(translator),
+            "untranslated_blocks": translator.skipped_blocks,
+        }
+
+
+@dataclass(eq=False, slots=True)
+class WorkerFeed:
+    """One worker's topic, hash map and replay endpoint."""
+
+    worker_id: WorkerId
+    topic: str
+    translator: EventTranslator
+    replay_endpoint: str | None = None
+    stats: FeedStats = field(default_factory=FeedStats)
+    replaying: bool = False
+
+
+class KvEventSubscriber:
+    """Receives every engine's KV events and applies them to the router's index.
+
+    Args:
+        endpoint: The address to bind (``tcp://127.0.0.1:5557``).
+        router: The routing core whose index the events update.
+        clock: The gateway's clock (event application time).
+    """
+
+    def __init__(self, endpoint: str, router: Router, clock: Callable[[], float]) -> None:
+        self.endpoint = endpoint
+        self.router = router
+        self.clock = clock
+        self._feeds: dict[str, WorkerFeed] = {}
+        self._by_worker: dict[WorkerId, WorkerFeed] = {}
+        self._seq = SequenceTracker()
+        self.unknown_topics = 0
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._replays: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------- membership
+
+    def add_worker(
+        self,
+        worker_id: WorkerId,
+        topic: str,
+        namespace_seed: NamespaceSeed,
+        replay_endpoint: str | None = None,
+        max_blocks: int = 1 << 20,
+    ) -> WorkerFeed:
+        """Listen for ``topic`` as ``worker_id``'s events."""
+        if topic in self._feeds:
+            raise KeyError(f"topic {topic!r} is already used by {self._feeds[topic].worker_id}")
+        feed = WorkerFeed(
+            worker_id,
+            topic,
+            EventTranslator(worker_id, namespace_seed, max_blocks),
+            replay_endpoint,
+        )
+        self._feeds[topic] = feed
+        self._by_worker[worker_id] = feed
+        return feed
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Stop listening for a worker (its index entries are the router's to drop)."""
+        feed = self._by_worker.pop(worker_id, None)
+        if feed is not None:
+            self._feeds.pop(feed.topic, None)
+            self._seq.forget(feed.topic)
+
+    def feed(self, worker_id: WorkerId) -> WorkerFeed | None:
+        """The worker's feed, if it has one."""
+        return self._by_worker.get(worker_id)
+
+    def feeds(self) -> Iterator[WorkerFeed]:
+        """Every feed."""
+        return iter(self._feeds.values())
+
+    def engine_restarted(self, worker_id: WorkerId) -> None:
+        """The worker came back after being unreachable: forget its cache and sequence.
+
+        Called by the health checker, because a restarted engine may not have
+        published anything yet (its cache is empty, so there is nothing to say).
+        """
+        feed = self._by_worker.get(worker_id)
+        if feed is None:
+            return
+        self._seq.forget(feed.topic)
+        feed.translator.clear()
+        self.router.apply(AllBlocksCleared(worker_id), self.clock())
+
+    # ------------------------------------------------------------- messages
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One received message (``[topic, seq, payload]``)."""
+        if len(frames) != 3:
+            self.unknown_topics += 1
+            return
+        try:
+            topic = frames[0].decode("utf-8")
+        except UnicodeDecodeError:
+            self.unknown_topics += 1
+            return
+        feed = self._feeds.get(topic)
+        if feed is None:
+            self.unknown_topics += 1
+            return
+        stats = feed.stats
+        try:
+            seq = decode_seq(frames[1])
+            batch = decode_batch(frames[2])
+        except KvEventDecodeError as exc:
+            stats.decode_errors += 1
+            log.warning("KV event from %s dropped: %s", feed.worker_id, exc)
+            return
+        now = self.clock()
+        expected = self._seq.expected(topic)
+        status = self._seq.check(topic, seq)
+        if status is SeqStatus.STALE:
+            return
+        if status is SeqStatus.RESTART:
+            stats.restarts += 1
+            feed.translator.clear()
+            self.router.apply(AllBlocksCleared(feed.worker_id), now)
+        elif status is SeqStatus.GAP:
+            stats.gaps += 1
+            demoted = self.router.index.demote_events(feed.worker_id, now)
+            log.warning(
+                "KV event gap on %s (expected %s, got %d): %d entries now speculative",
+                feed.worker_id,
+                expected,
+                seq,
+                demoted,
+            )
+            if feed.replay_endpoint and expected is not None:
+                self._start_replay(feed, expected, seq)
+        stats.messages += 1
+        stats.last_seq = seq
+        self._apply(feed, batch.events, now)
+
+    def _apply(self, feed: WorkerFeed, events: Any, now: float) -> None:
+        stats = feed.stats
+        translate = feed.translator.translate
+        apply = self.router.apply
+        for raw in events:
+            event = translate(raw)
+            if event is None:
+                continue
+            if isinstance(event, BlockStored):
+                stats.stored += 1
+            elif isinstance(event, BlockRemoved):
+                stats.removed += 1
+            else:
+                stats.cleared += 1
+            apply(event, now)
+
+    # ------------------------------------------------------------- replay
+
+    def _start_replay(self, feed: WorkerFeed, start: int, stop: int) -> None:
+        if feed.replaying or self._ctx is None:
+            return
+        feed.replaying = True
+        task = asyncio.get_running_loop().create_task(
+            self._replay(feed, start, stop), name=f"kv-replay-{feed.worker_id}"
+        )
+        self._replays.add(task)
+        task.add_done_callback(self._replays.discard)
+
+    async def _replay(self, feed: WorkerFeed, start: int, stop: int) -> None:
+        """Fetch and apply batches ``start .. stop-1`` from the worker's replay socket."""
+        assert self._ctx is not None and feed.replay_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(feed.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                    log.warning("replay from %s timed out", feed.worker_id)
+                    return
+                frames = await sock.recv_multipart()
+                if len(frames) < 3 or frames[1] == END_SEQ:
+                    return
+                seq = int.from_bytes(frames[1], "big")
+                if seq >= stop:
+                    continue  # already heard live
+                try:
+                    batch = decode_batch(frames[2])
+                except KvEventDecodeError:
+                    feed.stats.decode_errors += 1
+                    continue
+                feed.stats.replayed += 1
+                self._apply(feed, batch.events, self.clock())
+        except (zmq.ZMQError, OSError) as exc:
+            log.warning("replay from %s failed: %s", feed.worker_id, exc)
+        finally:
+            sock.close()
+            feed.replaying = False
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Bind the SUB socket and start receiving.
+
+        Raises:
+            zmq.ZMQError: The endpoint cannot be bound (in use, bad address).
+        """
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError:
+            sock.close()
+            self._ctx.term()
+            self._ctx = None
+            raise
+        self._sock = sock
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-events")
+
+    async def _run(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                self.handle(frames)
+            except Exception:  # a bug in one message must not stop the feed
+                log.exception("KV event handling failed")
+
+    async def stop(self) -> None:
+        """Stop receiving and close the sockets."""
+        tasks = [t for t in (self._task, *self._replays) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+class KvEventCollector(Collector):
+    """Prometheus counters of the event feeds (read at scrape time)."""
+
+    def __init__(self, subscriber: KvEventSubscriber) -> None:
+        self.subscriber = subscriber
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """``prefixrouter_kv_events_total{worker,type}`` and the feed's trouble counters."""
+        events = CounterMetricFamily(
+            "prefixrouter_kv_events",
+            "KV events applied to the index, by worker and type",
+            labels=["worker", "type"],
+        )
+        gaps = CounterMetricFamily(
+            "prefixrouter_kv_event_gaps",
+            "Gaps in a worker's KV-event sequence (entries demoted to speculative)",
+            labels=["worker"],
+        )
+        restarts = CounterMetricFamily(
+            "prefixrouter_kv_event_restarts",
+            "Engine restarts seen on the KV-event feed (cache cleared)",
+            labels=["worker"],
+        )
+        errors = CounterMetricFamily(
+            "prefixrouter_kv_event_decode_errors",
+            "KV-event messages that could not be decoded",
+            labels=["worker"],
+        )
+        for feed in self.subscriber.feeds():
+            w, s = feed.worker_id, feed.stats
+            events.add_metric([w, "BlockStored"], s.stored)
+            events.add_metric([w, "BlockRemoved"], s.removed)
+            events.add_metric([w, "AllBlocksCleared"], s.cleared)
+            gaps.add_metric([w], s.gaps)
+            restarts.add_metric([w], s.restarts)
+            errors.add_metric([w], s.decode_errors)
+        yield events
+        yield gaps
+        yield restarts
+        yield errors

@@ -1,0 +1,161 @@
+"""The ZMQ subscriber: real sockets on loopback, vLLM's framing, gaps, restarts, replay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
+from prefixrouter.core.policy import create_policy
+from prefixrouter.core.router import Router
+from prefixrouter.core.types import EntrySource, WorkerId
+from prefixrouter.demo.fleet import free_port
+from prefixrouter.engines.kv_events import END_SEQ
+from prefixrouter.engines.kv_subscriber import KvEventCollector, KvEventSubscriber
+
+BS = 4
+SEED = 555
+W = WorkerId("w0")
+TOKENS = list(range(100, 116))  # four blocks
+OURS = hash_token_blocks(SEED, TOKENS, BS)
+
+
+def frames(topic: str, seq: int, events: list[object]) -> list[bytes]:
+    return [topic.encode(), seq.to_bytes(8, "big"), msgpack.packb([1.0, events, 0])]
+
+
+def store(hashes: list[int], parent: int | None, tokens: list[int]) -> list[object]:
+    return ["BlockStored", hashes, parent, tokens, BS, None, None]
+
+
+@asynccontextmanager
+async def feed() -> AsyncIterator[tuple[KvEventSubscriber, zmq.asyncio.Socket, Router]]:
+    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", router, lambda: 10.0)
+    sub.add_worker(W, "kv@w0", lambda lora, salt: SEED)
+    await sub.start()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(sub.endpoint)  # as vLLM does: the engine connects, the router binds
+    # Slow joiner: probe with an unknown topic until the subscriber hears it.
+    for _ in range(200):
+        await pub.send_multipart(frames("probe", 0, []))
+        await asyncio.sleep(0.01)
+        if sub.unknown_topics:
+            break
+    assert sub.unknown_topics, "the subscriber never heard the publisher"
+    try:
+        yield sub, pub, router
+    finally:
+        pub.close()
+        ctx.term()
+        await sub.stop()
+
+
+async def wait_for(cond, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def held(router: Router) -> int:
+    m = router.index.match(OURS, 10.0).get(W)
+    return m.blocks if m is not None else 0
+
+
+async def test_events_over_zmq_reach_the_index() -> None:
+    async with feed() as (sub, pub, router):
+        await pub.send_multipart(frames("kv@w0", 0, [store([1, 2], None, TOKENS[:8])]))
+        await pub.send_multipart(frames("kv@w0", 1, [store([3, 4], 2, TOKENS[8:])]))
+        await wait_for(lambda: held(router) == 4)
+        assert router.index.entry(W, OURS[3]).source is EntrySource.EVENT  # type: ignore[union-attr]
+        await pub.send_multipart(frames("kv@w0", 2, [["BlockRemoved", [4], None]]))
+        await wait_for(lambda: held(router) == 3)
+        stats = sub.feed(W).stats  # type: ignore[union-attr]
+        assert (stats.stored, stats.removed, stats.gaps) == (2, 1, 0)
+        text = "\n".join(
+            f"{s.name}{s.labels} {s.value}"
+            for f in KvEventCollector(sub).collect()
+            for s in f.samples
+        )
+        assert "prefixrouter_kv_events_total{'worker': 'w0', 'type': 'BlockStored'} 2" in text
+
+
+async def test_gap_demotes_entries_and_restart_clears_them() -> None:
+    async with feed() as (sub, pub, router):
+        await pub.send_multipart(frames("kv@w0", 0, [store([1, 2, 3, 4], None, TOKENS)]))
+        await wait_for(lambda: held(router) == 4)
+        await pub.send_multipart(frames("kv@w0", 5, []))  # 1..4 lost
+        await wait_for(lambda: sub.feed(W).stats.gaps == 1)  # type: ignore[union-attr]
+        entry = router.index.entry(W, OURS[0])
+        assert entry is not None and entry.source is EntrySource.SPECULATIVE
+        await pub.send_multipart(frames("kv@w0", 0, []))  # a new engine process
+        await wait_for(lambda: held(router) == 0)
+        assert sub.feed(W).stats.restarts == 1  # type: ignore[union-attr]
+
+
+async def test_garbage_is_counted_not_fatal() -> None:
+    async with feed() as (sub, pub, router):
+        await pub.send_multipart([b"kv@w0", b"\x00" * 8, b"\xc1\xc1"])
+        await pub.send_multipart([b"kv@w0", b"short", b""])
+        await pub.send_multipart(frames("kv@w0", 0, [store([1, 2, 3, 4], None, TOKENS)]))
+        await wait_for(lambda: held(router) == 4)
+        assert sub.feed(W).stats.decode_errors == 2  # type: ignore[union-attr]
+
+
+async def test_gap_is_filled_from_the_replay_socket() -> None:
+    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", router, lambda: 10.0)
+    replay_ep = f"tcp://127.0.0.1:{free_port()}"
+    sub.add_worker(W, "kv@w0", lambda lora, salt: SEED, replay_endpoint=replay_ep)
+    ctx = zmq.asyncio.Context()
+    # The engine's replay socket, as vLLM runs it: ROUTER, [id, b"", start] in,
+    # one [id, b"", seq, payload] per buffered batch out, then END_SEQ.
+    replay = ctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind(replay_ep)
+    buffered = {1: [store([3, 4], 2, TOKENS[8:])]}
+    requests: list[int] = []
+
+    async def serve_replay() -> None:
+        ident, _, start = await replay.recv_multipart()
+        requests.append(int.from_bytes(start, "big"))
+        for seq, events in buffered.items():
+            if seq >= requests[-1]:
+                payload = msgpack.packb([1.0, events, 0])
+                await replay.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+        await replay.send_multipart([ident, b"", END_SEQ, b""])
+
+    server = asyncio.get_running_loop().create_task(serve_replay())
+    await sub.start()
+    try:
+        sub.handle(frames("kv@w0", 0, [store([1, 2], None, TOKENS[:8])]))
+        sub.handle(frames("kv@w0", 2, []))  # seq 1 was lost: replay from 1
+        await wait_for(lambda: held(router) == 4)
+        assert requests == [1]
+        assert sub.feed(W).stats.replayed == 1  # type: ignore[union-attr]
+    finally:
+        server.cancel()
+        replay.close()
+        ctx.term()
+        await sub.stop()
+
+
+async def test_topics_are_exclusive_and_removal_stops_a_feed() -> None:
+    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", router, lambda: 0.0)
+    sub.add_worker(W, "t", lambda lora, salt: SEED)
+    with pytest.raises(KeyError):
+        sub.add_worker(WorkerId("w1"), "t", lambda lora, salt: SEED)
+    sub.remove_worker(W)
+    sub.handle(frames("t", 0, [store([1, 2, 3, 4], None, TOKENS)]))
+    assert sub.unknown_topics == 1 and held(router) == 0
