@@ -54,6 +54,7 @@ from prefixrouter import __version__
 from prefixrouter.core.hashing import hash_token_blocks
 from prefixrouter.core.types import CacheNamespace, WorkerId
 from prefixrouter.engine_server.config import EngineServerConfig
+from prefixrouter.engine_server.kv_publisher import KvEventPublisher
 from prefixrouter.engine_server.metrics import CONTENT_TYPE, EngineMetrics
 from prefixrouter.engine_server.protocol import (
     ApiError,
@@ -132,9 +133,22 @@ class EngineServer:
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
         self.profile = config.engine_profile()
         self.max_model_len = config.effective_max_model_len
-        self.engine = EngineModel(WorkerId(f"engine-{config.engine_id}"), self.profile)
+        self.engine = EngineModel(
+            WorkerId(f"engine-{config.engine_id}"),
+            self.profile,
+            emit_events=config.kv_events_endpoint is not None,
+        )
         self.metrics = EngineMetrics(self.engine, config.model, config.engine_id, config.time_scale)
         self.runtime = EngineRuntime(self.engine, config.time_scale, self.metrics, clock)
+        self.publisher: KvEventPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            self.publisher = KvEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_topic or f"kv@{config.engine_id}",
+                self.profile.block_size,
+                max_blocks=4 * self.profile.kv_blocks,
+            )
+            self.runtime.on_kv_events = self.publisher.publish
         self.started = int(time.time())
         self.in_flight = 0
         self._seeds: dict[str | None, int] = {None: CacheNamespace(config.model).seed}
@@ -213,6 +227,8 @@ class EngineServer:
         if err is not None:
             raise err
         hashes = hash_token_blocks(self.seed(opts.cache_salt), ids, self.profile.block_size)
+        if self.publisher is not None:
+            self.publisher.remember(hashes, ids, opts.cache_salt)
         try:
             handle = self.runtime.submit(hashes, len(ids), max_tokens)
         except ValueError as exc:
@@ -442,6 +458,8 @@ def create_app(
 
     async def _stop(_app: web.Application) -> None:
         server.runtime.stop()
+        if server.publisher is not None:
+            server.publisher.close()
 
     app.on_cleanup.append(_stop)
     s = server

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+import zmq
 from aiohttp import web
 from rich.console import Console
 
@@ -98,6 +99,13 @@ def engine(
     tokenizer: Annotated[
         Path | None, typer.Option(help="Tokenizer JSON file or folder (default: built-in).")
     ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(help="Publish vLLM-style KV events to this ZMQ address (router binds)."),
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None, typer.Option(help="Topic of the KV events (default kv@ENGINE_ID).")
+    ] = None,
 ) -> None:
     """Serve a simulated vLLM engine: OpenAI API, vLLM metrics, real token counts."""
     try:
@@ -111,9 +119,11 @@ def engine(
             default_max_tokens=default_max_tokens,
             engine_id=engine_id,
             tokenizer=str(tokenizer) if tokenizer is not None else None,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_topic=kv_events_topic,
         )
         _run(serve(config, host, port))
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, zmq.ZMQError) as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(code=2) from None
     except KeyboardInterrupt:  # pragma: no cover - the signal handler normally wins

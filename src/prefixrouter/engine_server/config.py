@@ -37,6 +37,9 @@ class EngineServerConfig:
         default_max_tokens: Output length when a request gives no ``max_tokens``.
         engine_id: Value of the ``engine`` label on every metric.
         tokenizer: Tokenizer file or folder (default: the project's own).
+        kv_events_endpoint: Publish KV events like vLLM to this ZMQ address
+            (None: no events); see :mod:`prefixrouter.engine_server.kv_publisher`.
+        kv_events_topic: The events' topic (default ``kv@<engine_id>``).
     """
 
     model: str = "tiny"
@@ -48,6 +51,8 @@ class EngineServerConfig:
     default_max_tokens: int = 16
     engine_id: str = "0"
     tokenizer: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -58,6 +63,9 @@ class EngineServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")
+        ep = self.kv_events_endpoint
+        if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"kv_events_endpoint: must be a ZMQ address, got {ep!r}")
         if self.default_max_tokens < 1:
             raise ConfigError(
                 f"default_max_tokens: must be at least 1, got {self.default_max_tokens}"

@@ -37,8 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prefixrouter.core.events import KvEvent
 from prefixrouter.core.types import BlockHash
-from prefixrouter.sim.engine import Completed, EngineModel, EngineRequest, FirstToken
+from prefixrouter.sim.engine import Completed, EngineModel, EngineRequest, FirstToken, KvEventOut
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +106,8 @@ class EngineRuntime:
         self._armed_epoch = -1
         self._ids = itertools.count()
         self._closed = False
+        self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
+        """Gets each step's KV events (the engine model must emit them)."""
 
     # ---------------------------------------------------------------- clock
 
@@ -186,7 +189,9 @@ class EngineRuntime:
         """Drop the engine's prefix cache (vLLM's ``/reset_prefix_cache``)."""
         now = self.sim_now()
         self._advance(now)
-        self.engine.reset_cache(now)
+        outs = self.engine.reset_cache(now)
+        if self.on_kv_events is not None and outs:
+            self.on_kv_events([o.event for o in outs if isinstance(o, KvEventOut)])
         self._arm()
 
     def stop(self) -> None:
@@ -230,6 +235,7 @@ class EngineRuntime:
         wall = self._clock()
         handles = self._handles
         observer = self.observer
+        events: list[KvEvent] = []
         for out in outputs:
             if isinstance(out, FirstToken):
                 handle = handles.get(out.request_id)
@@ -244,4 +250,7 @@ class EngineRuntime:
                     observer.completed(out, handle, wall)
                 if handle is not None and not handle.done.done():
                     handle.done.set_result(out)
-            # KvEventOut: events are off in this server (a later issue publishes them).
+            elif isinstance(out, KvEventOut):
+                events.append(out.event)
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
