@@ -89,8 +89,11 @@ class Admin:
             self._check(request)
         except GatewayError as exc:
             return error_response(exc)
-        ledger = self.st.ledger
-        data = [w.to_dict(ledger.load(w.id).in_flight) for w in self.st.registry.workers.values()]
+        ledger, index = self.st.ledger, self.st.router.index
+        data = [
+            w.to_dict(ledger.load(w.id).in_flight, index.blocks_of(w.id))
+            for w in self.st.registry.workers.values()
+        ]
         return _json({"workers": data})
 
     async def add_worker(self, request: web.Request) -> web.Response:

@@ -146,8 +146,13 @@ class Worker:
         """Base URL (no trailing slash, no ``/v1``)."""
         return self.config.url
 
-    def to_dict(self, in_flight: int) -> dict[str, Any]:
-        """A JSON-ready state record for ``/admin/workers``."""
+    def to_dict(self, in_flight: int, index_blocks: int | None = None) -> dict[str, Any]:
+        """A JSON-ready state record for ``/admin/workers``.
+
+        Args:
+            in_flight: The gateway's requests running on it.
+            index_blocks: Blocks the router's index holds for it.
+        """
         e = self.engine
         return {
             "id": self.id,
@@ -159,6 +164,7 @@ class Worker:
             "models": sorted(self.models),
             "adapters": sorted(self.adapters),
             "in_flight": in_flight,
+            "index_blocks": index_blocks,
             "failures": self.failures,
             "last_error": self.last_error,
             "engine": {

@@ -1,0 +1,189 @@
+"""The router against real vLLM CPU engines: exact predictions, evictions, TTFT, tenants, restarts.
+
+Run with ``pytest -m vllm`` (see ``tests/real_vllm/conftest.py`` for the
+fleet). The tests share one fleet and run in file order; each uses documents
+of its own, so one test's cache contents never decide another's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+
+from prefixrouter.engines.vllm_fleet import reset_prefix_cache
+from tests.real_vllm.conftest import (
+    BLOCK,
+    VllmCluster,
+    chat,
+    decisions,
+    document,
+    post_chat,
+    until,
+    workers,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_repeated_documents_are_predicted_exactly(vllm: VllmCluster) -> None:
+    gw = vllm.gateway
+    assert gw is not None
+
+    async def body() -> None:
+        ids = []
+        for doc_seed in (101, 102):
+            doc = document(doc_seed, 3000)
+            for q in range(3):
+                ids.append((await post_chat(gw.url, chat(doc, f"Question {q}?")))["id"])
+        recs = await decisions(gw, ids)
+        for i, r in enumerate(recs):
+            actual, predicted = r["actual_cached_tokens"], r["predicted_cached_tokens"]
+            print(f"{r['selected_worker']} predicted {predicted} actual {actual}")
+            assert actual % BLOCK == 0
+            if i % 3 == 0:
+                assert actual == 0  # a new document: cold
+            else:
+                assert actual >= 2900  # the document is cached...
+            assert predicted == actual  # ...and the router knew exactly how much
+
+    asyncio.run(body())
+
+
+def test_b_evicted_blocks_are_no_longer_predicted(vllm: VllmCluster) -> None:
+    gw = vllm.gateway
+    assert gw is not None
+
+    async def body() -> None:
+        doc = document(201, 8000)
+        first = await post_chat(gw.url, chat(doc, "First?"))
+        worker = first["worker"]
+        before = (await workers(gw))[worker]["kv_events"]["removed_events"]
+        # Three other 8k documents straight to that engine: its 20k-token pool
+        # must evict. Only the engine's BlockRemoved events can tell the router.
+        url = vllm.engine_url(worker)
+        for seed in (202, 203, 204):
+            await post_chat(url, chat(document(seed, 8000), "Fill?"))
+
+        async def removed() -> bool:
+            return (await workers(gw))[worker]["kv_events"]["removed_events"] > before
+
+        await until(removed, 10, "BlockRemoved events")
+        again = await post_chat(gw.url, chat(doc, "Again?"))
+        (rec,) = await decisions(gw, [again["id"]])
+        print(
+            f"after eviction: {rec['selected_worker']} predicted "
+            f"{rec['predicted_cached_tokens']} actual {rec['actual_cached_tokens']}"
+        )
+        assert rec["actual_cached_tokens"] < 7900  # the document was (partly) evicted
+        assert rec["predicted_cached_tokens"] == rec["actual_cached_tokens"]
+
+    asyncio.run(body())
+
+
+async def doc_qa(url: str, seeds: list[int], questions: int, gap_s: float) -> list[dict]:
+    """Interleaved questions on each document, one request every ``gap_s``, open loop."""
+    docs = {s: document(s, 8000 + 2000 * (s % 4)) for s in seeds}
+    tasks = []
+    for q in range(questions):
+        for s in seeds:
+            body = chat(docs[s], f"Question {q} about document {s}?")
+            tasks.append(asyncio.create_task(post_chat(url, body)))
+            await asyncio.sleep(gap_s)
+    return list(await asyncio.gather(*tasks))
+
+
+def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
+    gw = vllm.gateway
+    assert gw is not None
+    seeds = [301, 302, 303, 304]
+    rr = vllm.start_gateway("round_robin", events=False, name="rr")
+    results = {}
+    try:
+        for name, url in (("round_robin", rr.url), ("prefixrouter", gw.url)):
+            for e in vllm.engines.engines:
+                reset_prefix_cache(e.url)
+            t0 = time.monotonic()
+            out = asyncio.run(doc_qa(url, seeds, questions=5, gap_s=0.5))
+            ttfts = [r["ttft_s"] for r in out]
+            usage = [r["usage"] for r in out]
+            cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+            prompt = sum(u["prompt_tokens"] for u in usage)
+            results[name] = (statistics.mean(ttfts), cached / prompt)
+            print(
+                f"{name}: mean TTFT {statistics.mean(ttfts):.3f} s, "
+                f"p50 {statistics.median(ttfts):.3f} s, cached {cached / prompt:.1%}, "
+                f"{time.monotonic() - t0:.0f} s"
+            )
+    finally:
+        vllm.stop_gateway(rr)
+    ratio = results["prefixrouter"][0] / results["round_robin"][0]
+    print(f"TTFT ratio prefixrouter / round robin: {ratio:.2f}")
+    assert results["prefixrouter"][1] > results["round_robin"][1]
+    assert ratio < 1.0
+
+
+def test_d_salted_tenants_share_nothing(vllm: VllmCluster) -> None:
+    gw = vllm.gateway
+    assert gw is not None
+
+    async def body() -> None:
+        doc = document(401, 3000)
+        acme = [
+            (await post_chat(gw.url, chat(doc, f"A{i}?"), {"X-Tenant": "acme"}))["id"]
+            for i in range(2)
+        ]
+        globex = (await post_chat(gw.url, chat(doc, "G?"), {"X-Tenant": "globex"}))["id"]
+        a0, a1, g = await decisions(gw, [*acme, globex])
+        print(
+            f"acme {a1['predicted_cached_tokens']}/{a1['actual_cached_tokens']}, "
+            f"globex {g['predicted_cached_tokens']}/{g['actual_cached_tokens']}"
+        )
+        assert a0["actual_cached_tokens"] == 0
+        assert a1["actual_cached_tokens"] >= 2900
+        assert a1["predicted_cached_tokens"] == a1["actual_cached_tokens"]
+        assert g["actual_cached_tokens"] == 0  # the engine kept the salts apart
+        assert g["predicted_cached_tokens"] == 0  # and the router never predicted a share
+
+    asyncio.run(body())
+
+
+def test_e_killed_engine_is_dropped_and_comes_back_cold(vllm: VllmCluster) -> None:
+    gw = vllm.gateway
+    assert gw is not None
+
+    async def body() -> None:
+        doc = document(501, 3000)
+        first = await post_chat(gw.url, chat(doc, "Before?"))
+        victim_id = first["worker"]
+        assert (await workers(gw))[victim_id]["index_blocks"] > 0
+        victim = next(e for e in vllm.engines.engines if vllm.worker_id(e.index) == victim_id)
+        vllm.engines.kill(victim)
+        # Requests keep succeeding, on the other engine (retried before any byte).
+        during = [await post_chat(gw.url, chat(doc, f"During {i}?")) for i in range(3)]
+        assert all(r["worker"] != victim_id for r in during)
+        state = (await workers(gw))[victim_id]
+        assert not state["healthy"]
+        assert state["index_blocks"] == 0  # its entries are gone
+        return victim
+
+    victim = asyncio.run(body())
+    new = vllm.engines.restart(victim)  # same port, topic and replay socket; cold
+
+    async def after() -> None:
+        victim_id = vllm.worker_id(new.index)
+
+        async def healthy() -> bool:
+            return bool((await workers(gw))[victim_id]["healthy"])
+
+        await until(healthy, 30, "the restarted engine to be healthy again")
+        # New documents: the restarted engine is empty and idle, so it gets work, cold.
+        out = [await post_chat(gw.url, chat(document(510 + i, 3000), "New?")) for i in range(4)]
+        mine = [r for r in out if r["worker"] == victim_id]
+        assert mine, "the restarted engine never got a request"
+        (rec,) = await decisions(gw, [mine[0]["id"]])
+        assert rec["actual_cached_tokens"] == 0 and rec["predicted_cached_tokens"] == 0
+
+    asyncio.run(after())
