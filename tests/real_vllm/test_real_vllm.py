@@ -8,6 +8,7 @@ of its own, so one test's cache contents never decide another's result.
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import time
 
@@ -84,11 +85,19 @@ def test_b_evicted_blocks_are_no_longer_predicted(vllm: VllmCluster) -> None:
 
 
 async def doc_qa(url: str, seeds: list[int], questions: int, gap_s: float) -> list[dict]:
-    """Interleaved questions on each document, one request every ``gap_s``, open loop."""
-    docs = {s: document(s, 8000 + 2000 * (s % 4)) for s in seeds}
+    """Questions on each document, rounds in shuffled order, one request every ``gap_s``.
+
+    Four 8,000-token documents on two engines whose pools hold 20,480 tokens
+    each: two documents per engine fit, all four on one do not. The order is
+    shuffled per round (seeded) so that round robin does not pin documents to
+    engines by accident.
+    """
+    docs = {s: document(s, 8000) for s in seeds}
     tasks = []
     for q in range(questions):
-        for s in seeds:
+        order = list(seeds)
+        random.Random(q).shuffle(order)
+        for s in order:
             body = chat(docs[s], f"Question {q} about document {s}?")
             tasks.append(asyncio.create_task(post_chat(url, body)))
             await asyncio.sleep(gap_s)
@@ -106,7 +115,7 @@ def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
             for e in vllm.engines.engines:
                 reset_prefix_cache(e.url)
             t0 = time.monotonic()
-            out = asyncio.run(doc_qa(url, seeds, questions=5, gap_s=0.5))
+            out = asyncio.run(doc_qa(url, seeds, questions=8, gap_s=0.5))
             ttfts = [r["ttft_s"] for r in out]
             usage = [r["usage"] for r in out]
             cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
@@ -122,6 +131,7 @@ def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
     ratio = results["prefixrouter"][0] / results["round_robin"][0]
     print(f"TTFT ratio prefixrouter / round robin: {ratio:.2f}")
     assert results["prefixrouter"][1] > results["round_robin"][1]
+    assert results["prefixrouter"][1] >= 0.8  # the ceiling is 7/8: each document's first ask
     assert ratio < 1.0
 
 
