@@ -45,7 +45,7 @@ class Server:
     log: IO[bytes]
 
     def log_tail(self, chars: int = 500) -> str:
-        """The end of what the server wrote on stderr."""
+        """The end of what the server wrote (stdout and stderr)."""
         self.log.flush()
         self.log.seek(0)
         return self.log.read().decode(errors="replace").strip()[-chars:]
@@ -64,12 +64,19 @@ class Fleet:
     def start(self, name: str, module: str, args: Sequence[str], port: int | None = None) -> Server:
         """Start ``python -m module --port P args...`` and return it (not yet healthy)."""
         port = port or free_port()
-        cmd = [sys.executable, "-m", module, "--port", str(port), *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # stderr goes to a file, not a pipe: a chatty server can never block on it.
+        return self.start_command(
+            name, [sys.executable, "-m", module, "--port", str(port), *args], port
+        )
+
+    def start_command(
+        self, name: str, cmd: Sequence[str], port: int, env: dict[str, str] | None = None
+    ) -> Server:
+        """Start any server command that listens on ``port``; return it (not yet healthy)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Output goes to a file, not a pipe: a chatty server can never block on it.
         log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         server = Server(name, port, proc, log)
         self.servers.append(server)
@@ -82,12 +89,7 @@ class Fleet:
             for server in servers:
                 while True:
                     if server.process.poll() is not None:
-                        err = (
-                            server.process.stderr.read().decode(errors="replace")
-                            if server.process.stderr
-                            else ""
-                        )
-                        raise RuntimeError(f"{server.name} exited: {err.strip()[-500:]}")
+                        raise RuntimeError(f"{server.name} exited: {server.log_tail()}")
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                         async with session.get(server.url + "/health") as resp:
                             if resp.status == 200:
