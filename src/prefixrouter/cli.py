@@ -8,6 +8,7 @@ Commands:
 * ``profiles``: the simulated engine profiles;
 * ``engine``: one simulated engine behind a vLLM-compatible HTTP API;
 * ``demo``: engines and the gateway on loopback, round robin against prefixrouter;
+* ``bench``: our gateway against sglang-router and vllm-router on one live fleet;
 * ``serve``: the OpenAI-compatible gateway in front of a fleet;
 * ``lint``: volatile fields placed before long stable prompt content;
 * ``analyze``: how much of a request log's prefill a prefix cache would save.
@@ -315,6 +316,7 @@ def list_profiles() -> None:
 def _register_commands() -> None:
     """Commands that live in their own packages (their imports stay lazy enough)."""
     from prefixrouter.analyze.cli import analyze
+    from prefixrouter.bench.cli import bench
     from prefixrouter.demo.cli import demo
     from prefixrouter.engine_server.cli import engine
     from prefixrouter.gateway.cli import serve
@@ -325,6 +327,7 @@ def _register_commands() -> None:
     app.command("engine")(engine)
     app.command("lint")(lint)
     app.command("analyze")(analyze)
+    app.command("bench")(bench)
 
 
 _register_commands()

@@ -1,0 +1,71 @@
+"""The engines' own counters: prefix-cache hits and queries, finished requests, per engine.
+
+The benchmark reads what the engines counted, not what a router believes:
+before and after one router's run it scrapes every engine's ``GET /metrics``
+(vLLM names, which our simulated engine and real vLLM both expose) and takes
+the differences:
+
+* cached-token share = ``sum(delta vllm:prefix_cache_hits_total)`` /
+  ``sum(delta vllm:prefix_cache_queries_total)``;
+* requests per engine = ``delta vllm:request_success_total`` (all finish
+  reasons), i.e. where the router actually sent the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+SUCCESS = "vllm:request_success_total"
+COUNTERS = (HITS, QUERIES, SUCCESS)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """One engine's counters at one moment (summed over labels)."""
+
+    hits: float = 0.0
+    queries: float = 0.0
+    requests: float = 0.0
+
+    def __sub__(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(
+            self.hits - other.hits, self.queries - other.queries, self.requests - other.requests
+        )
+
+
+def parse_counters(text: str) -> EngineCounters:
+    """The counters in one Prometheus exposition (missing series count as 0)."""
+    sums = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += float(sample.value)
+    return EngineCounters(sums[HITS], sums[QUERIES], sums[SUCCESS])
+
+
+async def scrape(urls: Sequence[str], timeout_s: float = 10.0) -> list[EngineCounters]:
+    """Every engine's counters, in ``urls`` order.
+
+    Raises:
+        RuntimeError: An engine did not answer 200.
+    """
+    out: list[EngineCounters] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        for url in urls:
+            async with session.get(url.rstrip("/") + "/metrics") as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{url}/metrics answered {resp.status}")
+                out.append(parse_counters(await resp.text()))
+    return out
+
+
+def cached_share(deltas: Sequence[EngineCounters]) -> float:
+    """Prompt tokens found in the engines' prefix caches over tokens looked up."""
+    queries = sum(d.queries for d in deltas)
+    return sum(d.hits for d in deltas) / queries if queries else 0.0

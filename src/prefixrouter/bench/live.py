@@ -1,0 +1,294 @@
+"""One scenario through every router, live, on one fleet of simulated engines.
+
+Steps for a scenario (:func:`run_scenario`):
+
+1. start ``workers`` engine processes (``prefixrouter engine``: vLLM's API, real
+   tokenizer, the engine model run at the scenario's time scale, the scenario's
+   KV size) on free loopback ports;
+2. for each router in turn: start it in front of the engines, wait for
+   ``/health`` and for one request to pass through it, send the same warm-up
+   traffic through it (unique prompts: a router that learns from traffic is
+   measured in its steady state), let the engines finish anything left, empty
+   their prefix caches (``POST /reset_prefix_cache``),
+   read their counters, replay the scenario at its offsets with the demo's
+   bounded streaming client (:func:`prefixrouter.demo.client.replay`), read the
+   counters again, stop the router;
+3. a peer that is not installed is recorded as skipped (with the command that
+   installs it); a router that fails to start is recorded with its error, and
+   the others still run.
+
+Figures per router (:meth:`RouterRun.summary`): client-side TTFT and end-to-end
+latency (mean, p50, p90, p99; nearest rank, successful requests only),
+throughput (successful requests over the time from the first send to the last
+answer), the engines' cached-token share and requests per engine (from their
+counters, see :mod:`prefixrouter.bench.engine_metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scrape
+from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason
+from prefixrouter.bench.workload import BenchWorkload
+from prefixrouter.demo.client import Result, replay
+from prefixrouter.demo.fleet import Fleet, Server, free_port
+from prefixrouter.demo.workload import DemoRequest
+
+PROBE = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "ready?"}],
+    "max_tokens": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    """How the fleet and the client run.
+
+    Attributes:
+        workers: Engine processes.
+        profile: Engine profile (speed, KV size).
+        peers_dir: Where the peers' venvs are.
+        tokenizer_dir: Local tokenizer folder (sglang-router's ``--model-path``).
+        concurrency: Most requests the client keeps in flight.
+        timeout_s: Per-request client timeout.
+        log_dir: Keep router logs and our gateway's decision logs here.
+        warmup: Requests sent through each router before its measured run.
+        warmup_concurrency: Warm-up requests in flight at once.
+    """
+
+    workers: int
+    profile: str
+    peers_dir: Path
+    tokenizer_dir: Path
+    concurrency: int = 512
+    timeout_s: float = 600.0
+    log_dir: Path | None = None
+    warmup: tuple[DemoRequest, ...] = ()
+    warmup_concurrency: int = 8
+
+
+@dataclass(slots=True)
+class RouterRun:
+    """One router's run of one scenario."""
+
+    spec: RouterSpec
+    results: list[Result] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    engines: list[EngineCounters] = field(default_factory=list)
+    skipped: str | None = None
+    error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON figures of this run (module doc)."""
+        out: dict[str, Any] = {"router": self.spec.name, "label": self.spec.label}
+        if self.skipped is not None:
+            return {**out, "skipped": self.skipped}
+        if self.error is not None:
+            return {**out, "error": self.error}
+        ok = [r for r in self.results if r.ok]
+        ttft = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s >= 0)
+        e2e = sorted(r.e2e_s * 1e3 for r in ok)
+        errors = [r for r in self.results if not r.ok]
+        return {
+            **out,
+            "requests": len(self.results),
+            "ok": len(ok),
+            "errors": len(errors),
+            "first_error": (errors[0].error or f"HTTP {errors[0].status}") if errors else None,
+            "ttft_ms": distribution(ttft),
+            "e2e_ms": distribution(e2e),
+            "throughput_rps": len(ok) / self.elapsed_s if self.elapsed_s > 0 else 0.0,
+            "cached_token_share": cached_share(self.engines),
+            "per_worker_requests": [round(c.requests) for c in self.engines],
+            "client_cached_share": (
+                sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
+            ),
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+@dataclass(slots=True)
+class ScenarioRun:
+    """A scenario's workload and every router's run."""
+
+    workload: BenchWorkload
+    workers: int
+    profile: str
+    runs: list[RouterRun] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        """``{"scenario", ..., "results": [...]}`` for the JSON file."""
+        w = self.workload
+        return {
+            "scenario": w.scenario,
+            "description": w.description,
+            "shared_prefix": w.shared_prefix,
+            "workers": self.workers,
+            "profile": self.profile,
+            "requests": len(w.requests),
+            "rate_rps": w.rate,
+            "load": round(w.load, 4),
+            "time_scale": round(w.time_scale, 6),
+            "kv_blocks": w.kv_blocks,
+            "results": [r.summary() for r in self.runs],
+        }
+
+
+def distribution(values: Sequence[float]) -> dict[str, float]:
+    """Mean and nearest-rank p50/p90/p99 of sorted ``values`` (zeros when empty)."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+
+    def rank(q: float) -> float:
+        return values[max(0, math.ceil(q * len(values)) - 1)]
+
+    return {
+        "mean": sum(values) / len(values),
+        "p50": rank(0.5),
+        "p90": rank(0.9),
+        "p99": rank(0.99),
+    }
+
+
+async def wait_routable(url: str, timeout_s: float = 60.0) -> None:
+    """Until one small chat request passes through ``url`` with 200."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.post(url + "/v1/chat/completions", json=PROBE) as resp:
+                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"no request passed through {url} in {timeout_s:.0f} s ({last})")
+
+
+async def drain_and_reset(engines: Sequence[Server], timeout_s: float = 120.0) -> None:
+    """Wait until no engine runs or queues anything, then empty their prefix caches."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for e in engines:
+            while time.monotonic() < deadline:
+                async with session.get(e.url + "/metrics") as resp:
+                    text = await resp.text()
+                if _busy(text) == 0:
+                    break
+                await asyncio.sleep(0.2)
+        for e in engines:
+            async with session.post(e.url + "/reset_prefix_cache") as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{e.name}: /reset_prefix_cache answered {resp.status}")
+
+
+def _busy(metrics: str) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def engine_args(cfg: LiveConfig, workload: BenchWorkload, index: int) -> list[str]:
+    """``prefixrouter engine`` options for engine ``index`` of a scenario's fleet."""
+    args = ["--profile", cfg.profile, "--time-scale", repr(workload.time_scale)]
+    if workload.kv_blocks is not None:
+        args += ["--kv-blocks", str(workload.kv_blocks)]
+    return [*args, "--model", "tiny", "--engine-id", str(index)]
+
+
+async def run_router(
+    spec: RouterSpec,
+    cfg: LiveConfig,
+    workload: BenchWorkload,
+    fleet: Fleet,
+    engines: Sequence[Server],
+    *,
+    on_start: Callable[[str, int], None] | None = None,
+    on_done: Callable[[Result], None] | None = None,
+) -> RouterRun:
+    """One router's run of the scenario on the running ``engines`` (module doc)."""
+    run = RouterRun(spec)
+    run.skipped = skip_reason(spec, cfg.peers_dir)
+    if run.skipped is not None:
+        return run
+    urls = [e.url for e in engines]
+    stem = f"{workload.scenario}-{spec.name}"
+    decisions = cfg.log_dir / f"{stem}.decisions.jsonl" if cfg.log_dir and spec.ours else None
+    if decisions is not None:
+        decisions.unlink(missing_ok=True)
+    port = free_port()
+    cmd = router_command(
+        spec, port=port, workers=urls, peers_dir=cfg.peers_dir, prometheus_port=free_port(),
+        tokenizer_dir=cfg.tokenizer_dir, decision_log=decisions,
+    )  # fmt: skip
+    router = fleet.start_command(spec.label, cmd, port)
+    try:
+        await fleet.wait_healthy([router])
+        await wait_routable(router.url)
+        if cfg.warmup:
+            warm = await replay(router.url, cfg.warmup, concurrency=cfg.warmup_concurrency)
+            failed = [r for r in warm if not r.ok]
+            if len(failed) > len(warm) // 2:
+                raise RuntimeError(f"warm-up failed: {failed[0].error or failed[0].status}")
+        await drain_and_reset(engines)
+        before = await scrape(urls)
+        if on_start is not None:
+            on_start(spec.name, len(workload.requests))
+        t0 = time.perf_counter()
+        run.results = await replay(
+            router.url, workload.requests, concurrency=cfg.concurrency,
+            timeout_s=cfg.timeout_s, on_done=on_done,
+        )  # fmt: skip
+        run.elapsed_s = time.perf_counter() - t0
+        after = await scrape(urls)
+        run.engines = [a - b for a, b in zip(after, before, strict=True)]
+    except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as exc:
+        run.error = f"{exc}".strip() or type(exc).__name__
+    finally:
+        if cfg.log_dir is not None:
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            (cfg.log_dir / f"{stem}.log").write_text(router.log_tail(200_000))
+        fleet.stop(router)
+    return run
+
+
+async def run_scenario(
+    workload: BenchWorkload,
+    routers: Sequence[RouterSpec],
+    cfg: LiveConfig,
+    fleet: Fleet,
+    *,
+    on_start: Callable[[str, int], None] | None = None,
+    on_done: Callable[[Result], None] | None = None,
+) -> ScenarioRun:
+    """Start a fleet for ``workload`` and run every router on it in turn; stop the fleet."""
+    engines = [
+        fleet.start(f"engine {i}", "prefixrouter.engine_server", engine_args(cfg, workload, i))
+        for i in range(cfg.workers)
+    ]
+    out = ScenarioRun(workload, cfg.workers, cfg.profile)
+    try:
+        await fleet.wait_healthy(engines)
+        for spec in routers:
+            out.runs.append(
+                await run_router(
+                    spec, cfg, workload, fleet, engines, on_start=on_start, on_done=on_done
+                )
+            )
+    finally:
+        for e in engines:
+            fleet.stop(e)
+    return out

@@ -1,0 +1,175 @@
+"""What ``prefixrouter bench`` shows and writes: rich tables, the JSON file and the PNG.
+
+JSON: one scenario gives ``{"scenario", ..., "results": [{"router", "ttft_ms":
+{"mean", "p50", "p90", "p99"}, "e2e_ms": {...}, "throughput_rps",
+"cached_token_share", "per_worker_requests", ...}]}``; several scenarios (or a
+scenario and the overhead comparison) give a list of such objects. The overhead
+comparison is the object whose ``scenario`` is ``"overhead"``; its results hold
+``added_p50_ms``, ``added_p99_ms``, ``rps_max``, ``cpu_ms_per_request`` and
+``engine_cpu_ms_per_request`` per router. A skipped router has ``skipped`` (why,
+and the install command) instead of figures; a failed one has ``error``.
+
+PNG: one row per scenario (TTFT distribution, TTFT p50 and p99, cached-token
+share per router) and one row for the overhead comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.table import Table
+
+from prefixrouter.bench.live import ScenarioRun
+
+COLORS = {
+    "round_robin": "tab:blue",
+    "prefixrouter": "black",
+    "sglang-cache_aware": "tab:orange",
+    "sglang-round_robin": "tab:green",
+    "vllm-cache_aware": "tab:red",
+}
+
+
+def _ms(value: float) -> str:
+    return f"{value / 1e3:.2f} s" if value >= 10_000 else f"{value:.0f} ms"
+
+
+def scenario_table(report: dict[str, Any]) -> Table:
+    """One scenario's results, one row per router."""
+    title = (
+        f"{report['scenario']} · {report['workers']} engines · {report['requests']} requests at "
+        f"{report['rate_rps']:g} req/s · load {report['load']:.2f} · engine time scale "
+        f"{report['time_scale']:.3g}"
+    )
+    table = Table(title=title, title_justify="left")
+    cols = ("router", "ok", "TTFT mean", "p50", "p90", "p99", "e2e p50", "e2e p99", "req/s",
+            "cached", "requests per engine")  # fmt: skip
+    for col in cols:
+        table.add_column(
+            col, justify="left" if col in ("router", "requests per engine") else "right"
+        )
+    for r in report["results"]:
+        if "ttft_ms" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            table.add_row(r["router"], "skipped" if "skipped" in r else "failed", why[:150])
+            continue
+        t, e = r["ttft_ms"], r["e2e_ms"]
+        table.add_row(
+            r["router"],
+            f"{r['ok']}/{r['requests']}",
+            _ms(t["mean"]), _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]),
+            _ms(e["p50"]), _ms(e["p99"]),
+            f"{r['throughput_rps']:.2f}",
+            f"{r['cached_token_share']:.1%}",
+            " ".join(str(n) for n in r["per_worker_requests"]),
+            style="bold" if r["router"] == "prefixrouter" else None,
+        )  # fmt: skip
+    return table
+
+
+def overhead_table(rows: Sequence[dict[str, Any]], rate: float) -> Table:
+    """The overhead comparison, one row per router."""
+    table = Table(
+        title=f"overhead over a direct call · instant engines · {rate:g} req/s open loop",
+        title_justify="left",
+    )
+    for col in ("router", "added p50", "added p99", "max req/s", "router CPU/req",
+                "engine CPU/req", "errors"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "router" else "right")
+    for r in rows:
+        if "added_p50_ms" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            table.add_row(r["router"], "skipped" if "skipped" in r else "failed", why[:150])
+            continue
+        table.add_row(
+            r["router"],
+            f"{r['added_p50_ms']:.2f} ms",
+            f"{r['added_p99_ms']:.2f} ms",
+            f"{r['rps_max']:,.0f}",
+            f"{r['cpu_ms_per_request']:.3f} ms",
+            f"{r['engine_cpu_ms_per_request']:.3f} ms",
+            str(r["errors"]),
+            style="bold" if r["router"] == "prefixrouter" else None,
+        )
+    return table
+
+
+def document(
+    scenarios: Sequence[dict[str, Any]], overhead: dict[str, Any] | None
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """The JSON document: one object, or a list when there is more than one."""
+    items = [*scenarios, *([overhead] if overhead is not None else [])]
+    return items[0] if len(items) == 1 else items
+
+
+def write_json(path: Path, doc: dict[str, Any] | list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: Path) -> None:
+    """The PNG (module doc)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured_overhead = [r for r in overhead if "added_p50_ms" in r]
+    nrows = len(runs) + (1 if measured_overhead else 0)
+    if nrows == 0:
+        return
+    fig, axes = plt.subplots(nrows, 3, figsize=(16, 3.8 * nrows), squeeze=False)
+    for row, run in zip(axes, runs, strict=False):
+        ax_cdf, ax_ttft, ax_cache = row
+        done = [r for r in run.runs if r.results]
+        names = [r.spec.name for r in done]
+        colors = [COLORS.get(n, "tab:gray") for n in names]
+        for r, color in zip(done, colors, strict=True):
+            ttft = sorted(x.ttft_s * 1e3 for x in r.results if x.ok and x.ttft_s >= 0)
+            if ttft:
+                ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+                width = 2.5 if r.spec.name == "prefixrouter" else 1.5
+                ax_cdf.step(ttft, ys, where="post", label=r.spec.name, color=color, lw=width)
+        ax_cdf.set_xscale("log")
+        ax_cdf.set_xlabel("TTFT (ms, log)")
+        ax_cdf.set_ylabel("share of requests")
+        ax_cdf.set_title(f"{run.workload.scenario}: TTFT distribution")
+        ax_cdf.grid(True, which="both", alpha=0.3)
+        ax_cdf.legend(fontsize=8)
+        summaries = [r.summary() for r in done]
+        xs = range(len(done))
+        p50 = [s["ttft_ms"]["p50"] for s in summaries]
+        p99 = [s["ttft_ms"]["p99"] for s in summaries]
+        ax_ttft.bar([x - 0.2 for x in xs], p50, 0.4, color=colors, alpha=0.5, label="p50")
+        ax_ttft.bar([x + 0.2 for x in xs], p99, 0.4, color=colors, label="p99")
+        ax_ttft.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax_ttft.set_ylabel("TTFT (ms)")
+        ax_ttft.set_title("TTFT p50 (light) and p99")
+        ax_cache.bar(list(xs), [100 * s["cached_token_share"] for s in summaries], color=colors)
+        ax_cache.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax_cache.set_ylabel("prompt tokens from cache (%)")
+        ax_cache.set_title("cached-token share (engine counters)")
+    if measured_overhead:
+        ax_lat, ax_cpu, ax_rps = axes[-1]
+        names = [r["router"] for r in measured_overhead]
+        colors = [COLORS.get(n, "tab:gray") for n in names]
+        xs = range(len(names))
+        ax_lat.bar([x - 0.2 for x in xs], [r["added_p50_ms"] for r in measured_overhead], 0.4,
+                   color=colors, alpha=0.5)  # fmt: skip
+        ax_lat.bar([x + 0.2 for x in xs], [r["added_p99_ms"] for r in measured_overhead], 0.4,
+                   color=colors)  # fmt: skip
+        ax_lat.set_yscale("symlog", linthresh=1.0)
+        ax_lat.set_title("overhead: added latency p50 (light) and p99 (ms)")
+        ax_cpu.bar(list(xs), [r["cpu_ms_per_request"] for r in measured_overhead], color=colors)
+        ax_cpu.set_title("router CPU per request (ms)")
+        ax_rps.bar(list(xs), [r["rps_max"] for r in measured_overhead], color=colors)
+        ax_rps.set_title("most requests per second (closed loop)")
+        for ax in (ax_lat, ax_cpu, ax_rps):
+            ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

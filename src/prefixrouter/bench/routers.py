@@ -1,0 +1,183 @@
+"""The routers the benchmark compares, where the peers are installed, and how to start each.
+
+Five routers, each started as its own process on loopback in front of the same
+workers:
+
+* ``round_robin`` and ``prefixrouter``: our gateway (``python -m
+  prefixrouter.gateway``) with that policy, default configuration (text mode);
+* ``sglang-cache_aware`` and ``sglang-round_robin``: sglang-router (PyPI
+  ``sglang-router==0.3.2``), ``python -m sglang_router.launch_router``, its own
+  defaults, ``--model-path`` set to the project's local tokenizer folder so it
+  never tries to download one;
+* ``vllm-cache_aware``: vllm-router (PyPI ``vllm-router==0.1.17``), its own defaults.
+
+Peers live in their own virtual environments, ``<peers dir>/sglang-router`` and
+``<peers dir>/vllm-router``, made by ``scripts/install_peers.sh``. The peers dir
+is ``--peers-dir``, else ``$PREFIXROUTER_PEERS_DIR``, else ``./.venvs`` or the
+source checkout's ``.venvs`` (whichever exists). A peer whose venv is missing is
+*skipped* with the command that installs it, never silently.
+
+Each peer gets its own Prometheus port (both default to 29000) and a quiet log
+level (their INFO logs write a line per request, which costs CPU the other
+routers do not pay).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from prefixrouter.errors import ConfigError
+
+HOST = "127.0.0.1"
+PEERS_ENV = "PREFIXROUTER_PEERS_DIR"
+INSTALL_SCRIPT = "scripts/install_peers.sh"
+
+Kind = Literal["gateway", "sglang", "vllm"]
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A peer router package installed from PyPI into its own venv."""
+
+    package: str
+    version: str
+    venv: str
+
+    def install_command(self, peers_dir: Path) -> str:
+        """The shell command that installs this peer where the benchmark looks."""
+        venv = peers_dir / self.venv
+        return (
+            f"{INSTALL_SCRIPT} (or: python3 -m venv {venv} && "
+            f"{venv}/bin/pip install {self.package}=={self.version})"
+        )
+
+
+PEERS: dict[str, Peer] = {
+    "sglang": Peer("sglang-router", "0.3.2", "sglang-router"),
+    "vllm": Peer("vllm-router", "0.1.17", "vllm-router"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """One router of the comparison.
+
+    Attributes:
+        name: Key on the command line and in the JSON.
+        kind: Which program.
+        policy: Its routing policy.
+    """
+
+    name: str
+    kind: Kind
+    policy: str
+
+    @property
+    def ours(self) -> bool:
+        return self.kind == "gateway"
+
+    @property
+    def label(self) -> str:
+        """What a table shows."""
+        if self.kind == "gateway":
+            return f"gateway {self.policy}"
+        return f"{PEERS[self.kind].package} {self.policy}"
+
+
+ROUTERS: dict[str, RouterSpec] = {
+    r.name: r
+    for r in (
+        RouterSpec("round_robin", "gateway", "round_robin"),
+        RouterSpec("prefixrouter", "gateway", "prefixrouter"),
+        RouterSpec("sglang-cache_aware", "sglang", "cache_aware"),
+        RouterSpec("sglang-round_robin", "sglang", "round_robin"),
+        RouterSpec("vllm-cache_aware", "vllm", "cache_aware"),
+    )
+}
+
+
+def parse_routers(spec: str) -> list[RouterSpec]:
+    """``all`` or a comma-separated list of router names, in the given order.
+
+    Raises:
+        ConfigError: An unknown name (the message lists the known ones).
+    """
+    if spec.strip() == "all":
+        return list(ROUTERS.values())
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--routers: give 'all' or a comma-separated list of router names")
+    unknown = [n for n in names if n not in ROUTERS]
+    if unknown:
+        raise ConfigError(f"unknown router {unknown[0]!r}; known: all, {', '.join(ROUTERS)}")
+    return [ROUTERS[n] for n in dict.fromkeys(names)]
+
+
+def default_peers_dir() -> Path:
+    """``$PREFIXROUTER_PEERS_DIR``, else ``./.venvs`` or the source checkout's ``.venvs``."""
+    env = os.environ.get(PEERS_ENV)
+    if env:
+        return Path(env)
+    here = Path(".venvs")
+    if here.is_dir():
+        return here
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "pyproject.toml").is_file() and (checkout / ".venvs").is_dir():
+        return checkout / ".venvs"
+    return here
+
+
+def skip_reason(spec: RouterSpec, peers_dir: Path) -> str | None:
+    """Why ``spec`` cannot run here (with the install command), or None if it can."""
+    if spec.kind == "gateway":
+        return None
+    peer = PEERS[spec.kind]
+    # The package's own console script marks a complete install (not just a venv).
+    if (peers_dir / peer.venv / "bin" / peer.package).is_file():
+        return None
+    return f"{peer.package} not installed in {peers_dir / peer.venv}; install: " + (
+        peer.install_command(peers_dir)
+    )
+
+
+def _peer_executable(peers_dir: Path, kind: Kind) -> Path:
+    venv = peers_dir / PEERS[kind].venv / "bin"
+    return venv / "python" if kind == "sglang" else venv / "vllm-router"
+
+
+def router_command(
+    spec: RouterSpec,
+    *,
+    port: int,
+    workers: Sequence[str],
+    peers_dir: Path,
+    prometheus_port: int,
+    tokenizer_dir: Path,
+    decision_log: Path | None = None,
+) -> list[str]:
+    """The command line that starts ``spec`` on ``port`` in front of ``workers``."""
+    if spec.kind == "gateway":
+        cmd = [sys.executable, "-m", "prefixrouter.gateway", "--port", str(port)]
+        cmd += ["--policy", spec.policy]
+        for url in workers:
+            cmd += ["--worker", url]
+        if decision_log is not None:
+            cmd += ["--decision-log", str(decision_log)]
+        return cmd
+    exe = str(_peer_executable(peers_dir, spec.kind))
+    common = [
+        "--host", HOST, "--port", str(port), "--policy", spec.policy,
+        "--worker-urls", *workers,
+        "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
+    ]  # fmt: skip
+    if spec.kind == "sglang":
+        return [
+            exe, "-m", "sglang_router.launch_router", *common,
+            "--model-path", str(tokenizer_dir), "--log-level", "warn",
+        ]  # fmt: skip
+    return [exe, *common, "--log-level", "warning"]

@@ -1,0 +1,248 @@
+"""Simulator scenarios as live text traffic, and the engine speed that puts a fleet at a load.
+
+The scenarios of :mod:`prefixrouter.sim.scenarios` are token-id workloads whose
+shared prefixes are shared array objects. A live benchmark needs text that real
+routers (ours, sglang-router, vllm-router) can read, so each distinct segment
+becomes text once and every request that holds the segment holds that text:
+
+* **lengths**: every segment and output length is multiplied by ``scale`` (0.5
+  halves a 40,000-token document), so a run fits a small machine; a scenario's
+  KV size per engine is scaled the same way, so caches stay under the pressure
+  the scenario was designed for;
+* **text**: a segment of ``n`` tokens becomes about ``n`` tokens of pronounceable
+  words from the demo's syllable grammar (words per token measured once with
+  the project's tokenizer), seeded by the segment's order of first appearance,
+  so the same seed gives the same bytes;
+* **messages**: the segments before the scenario's ``first_user_offset`` form the
+  system message; the rest is one user message (joined by blank lines), except in
+  sessions (``multi-turn``), whose history alternates user and assistant
+  messages, so each turn's prompt starts with the previous turn's prompt and answer;
+* **timing**: arrivals are the scenario's own (Poisson unless it says otherwise)
+  at ``rate`` requests per second of wall time.
+
+The engines' time scale is then chosen so that this wall rate is ``load`` of
+the fleet's capacity (:func:`~prefixrouter.sim.runner.capacity_rps`: every
+reusable prefix computed once), i.e. ``time_scale = rate / (load x capacity)``;
+or the time scale is given and the load follows.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from prefixrouter.core.types import PrefixClass
+from prefixrouter.demo.workload import DemoRequest
+from prefixrouter.demo.workload import _words as words  # the demo's syllable grammar
+from prefixrouter.errors import ConfigError
+from prefixrouter.sim.profiles import EngineProfile
+from prefixrouter.sim.runner import capacity_rps
+from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
+from prefixrouter.sim.workload import SimRequest, Workload
+from prefixrouter.tokenizer import Tokenizer
+
+DEFAULT_SCENARIOS = ("doc-qa", "system-prompt", "multi-turn", "unique")
+CALIBRATION_WORDS = 4000
+
+
+def live_scenarios() -> list[str]:
+    """Scenario names that can run live (trace replays with real times cannot)."""
+    return [name for name in SCENARIOS if name != "mooncake-conversation"]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchWorkload:
+    """One scenario ready to replay.
+
+    Attributes:
+        scenario: Scenario name.
+        description: What the scenario models (its own words, before scaling).
+        shared_prefix: False when no request shares a reusable prefix.
+        requests: Chat requests with their send offsets (wall seconds).
+        rate: Offered requests per second (wall).
+        load: Offered load as a fraction of the fleet's capacity.
+        time_scale: Engine time compression that gives that load.
+        kv_blocks: KV blocks per engine (None: the profile's).
+        prompt_tokens: Prompt tokens of the scaled scenario (token ids, before text).
+    """
+
+    scenario: str
+    description: str
+    shared_prefix: bool
+    requests: list[DemoRequest]
+    rate: float
+    load: float
+    time_scale: float
+    kv_blocks: int | None
+    prompt_tokens: int
+
+
+def scale_lengths(workload: Workload, scale: float) -> Workload:
+    """A copy with every segment and output ``scale`` times as long; sharing is kept."""
+    if not 0 < scale <= 1:
+        raise ConfigError(f"scale: must be in (0, 1], got {scale}")
+    if scale == 1:
+        return workload
+    cut: dict[int, array[int]] = {}
+
+    def seg(s: array[int]) -> array[int]:
+        out = cut.get(id(s))
+        if out is None:
+            out = cut[id(s)] = s[: max(1, round(len(s) * scale))]
+        return out
+
+    reqs = [
+        replace(
+            r,
+            segments=tuple(seg(s) for s in r.segments),
+            output_tokens=max(1, round(r.output_tokens * scale)),
+            first_user_offset=sum(len(seg(s)) for s in r.segments[: system_segments(r)]),
+        )
+        for r in workload.requests
+    ]
+    blocks = workload.default_kv_blocks
+    return replace(
+        workload,
+        requests=reqs,
+        default_kv_blocks=math.ceil(blocks * scale) if blocks is not None else None,
+    )
+
+
+class SegmentText:
+    """Text for token-id segments: one text per distinct segment object."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+        sample = words(random.Random(f"calibrate-{seed}"), CALIBRATION_WORDS)
+        self.tokens_per_word = len(tokenizer.encode(sample)) / CALIBRATION_WORDS
+        self.seed = seed
+        self._texts: dict[int, str] = {}
+        self._held: list[array[int]] = []  # keeps ids unique while texts are made
+
+    def __call__(self, segment: array[int]) -> str:
+        text = self._texts.get(id(segment))
+        if text is None:
+            n = max(1, round(len(segment) / self.tokens_per_word))
+            rng = random.Random(f"{self.seed}-{len(self._held)}")
+            text = self._texts[id(segment)] = words(rng, n)
+            self._held.append(segment)
+        return text
+
+
+def system_segments(req: SimRequest) -> int:
+    """How many leading segments are the system message (``first_user_offset``)."""
+    pos = count = 0
+    for s in req.segments:
+        if pos >= req.first_user_offset:
+            break
+        pos += len(s)
+        count += 1
+    return min(count, len(req.segments) - 1)
+
+
+def chat_messages(req: SimRequest, text: SegmentText) -> list[dict[str, str]]:
+    """The OpenAI chat messages of one scenario request (module doc)."""
+    k = system_segments(req)
+    messages: list[dict[str, str]] = []
+    if k:
+        system = "\n\n".join(text(s) for s in req.segments[:k])
+        messages.append({"role": "system", "content": system})
+    rest = req.segments[k:]
+    if req.prefix_class == PrefixClass.SESSION:
+        for i, s in enumerate(rest):
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text(s)})
+    else:
+        messages.append({"role": "user", "content": "\n\n".join(text(s) for s in rest)})
+    return messages
+
+
+def request_body(messages: Sequence[dict[str, str]], max_tokens: int, model: str) -> dict[str, Any]:
+    """A streaming chat request with a fixed output length and usage in the last chunk."""
+    return {
+        "model": model,
+        "messages": list(messages),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def build_bench_workload(
+    scenario: str,
+    *,
+    requests: int,
+    rate: float,
+    scale: float,
+    workers: int,
+    profile: EngineProfile,
+    tokenizer: Tokenizer,
+    load: float = 0.8,
+    time_scale: float | None = None,
+    seed: int = 0,
+    model: str = "tiny",
+) -> BenchWorkload:
+    """``scenario`` as text requests at ``rate``, and the engine speed for ``load``.
+
+    Raises:
+        ConfigError: Unknown or non-live scenario, or a bad number.
+    """
+    if scenario not in live_scenarios():
+        raise ConfigError(
+            f"unknown scenario {scenario!r}; live scenarios: {', '.join(live_scenarios())}"
+        )
+    for name, value in (("rate", rate), ("load", load), ("requests", requests)):
+        if not value > 0:
+            raise ConfigError(f"{name}: must be positive, got {value}")
+    spec = get_scenario(scenario)
+    base = spec.build(seed, requests)
+    scaled = scale_lengths(base, scale)
+    capacity = capacity_rps(scaled, profile, workers)
+    if time_scale is None:
+        time_scale = rate / (load * capacity)
+    else:
+        load = rate / (time_scale * capacity)
+    timed = scaled.scaled(rate)
+    text = SegmentText(tokenizer, seed)
+    reqs = [
+        DemoRequest(
+            r.arrival,
+            scenario,
+            r.group,
+            request_body(chat_messages(r, text), r.output_tokens, model),
+        )
+        for r in timed.requests
+    ]
+    return BenchWorkload(
+        scenario=scenario,
+        description=base.description,
+        shared_prefix=spec.shared_prefix,
+        requests=reqs,
+        rate=rate,
+        load=load,
+        time_scale=time_scale,
+        kv_blocks=scaled.default_kv_blocks,
+        prompt_tokens=scaled.prompt_token_total(),
+    )
+
+
+def warmup_requests(
+    n: int, *, tokens: int, tokenizer: Tokenizer, seed: int = 0, model: str = "tiny"
+) -> list[DemoRequest]:
+    """``n`` unique prompts of about ``tokens`` tokens, one output token, all due at once.
+
+    Every router gets the same warm-up before its measured run, so a router that
+    learns from traffic (our gateway calibrates its cost model and its characters
+    per token) is measured in its steady state, as it would be in production;
+    the engines' caches are emptied after it.
+    """
+    text = SegmentText(tokenizer, seed + 1_000_003)
+    out = []
+    for i in range(n):
+        prompt = text(array("I", bytes(4 * tokens)))  # a fresh segment: new words each time
+        body = request_body([{"role": "user", "content": f"{i}: {prompt}"}], 1, model)
+        out.append(DemoRequest(0.0, "warmup", f"warmup-{i}", body))
+    return out
