@@ -1,0 +1,118 @@
+"""`prefixrouter bench` end to end: real engine, gateway and peer processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from prefixrouter.cli import app
+
+EXE = str(Path(sys.executable).with_name("prefixrouter"))
+# Small documents at the engines' own speed: a run of each router takes a few seconds.
+TINY = ["--scenario", "doc-qa", "--requests", "24", "--rate", "8", "--scale", "0.1",
+        "--time-scale", "1", "--warmup", "8", "--workers", "4"]  # fmt: skip
+
+
+def _bench(args: list[str], tmp_path: Path, cache: str, timeout: int = 170) -> dict[str, Any]:
+    out_json = tmp_path / "bench.json"
+    env = {**os.environ, "PREFIXROUTER_CACHE": cache}
+    out = subprocess.run(
+        [EXE, "bench", *args, "--json", str(out_json), "--plot", str(tmp_path / "bench.png")],
+        capture_output=True, text=True, timeout=timeout, check=False, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    doc = json.loads(out_json.read_text())
+    return {"doc": doc, "stdout": out.stdout, "stderr": out.stderr}
+
+
+def _by_router(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["router"]: r for r in results}
+
+
+@pytest.mark.timeout(180)
+def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_cache: str) -> None:
+    no_peers = tmp_path / "no-peers"
+    no_peers.mkdir()
+    run = _bench(
+        [*TINY, "--routers", "round_robin,prefixrouter,sglang-cache_aware,vllm-cache_aware",
+         "--peers-dir", str(no_peers), "--overhead", "--overhead-seconds", "0.5"],
+        tmp_path, tokenizer_cache,
+    )  # fmt: skip
+    scenario, overhead = run["doc"]
+    assert scenario["scenario"] == "doc-qa" and overhead["scenario"] == "overhead"
+    rows = _by_router(scenario["results"])
+    for name in ("round_robin", "prefixrouter"):
+        r = rows[name]
+        assert r["ok"] == r["requests"] == 24
+        assert set(r["ttft_ms"]) == set(r["e2e_ms"]) == {"mean", "p50", "p90", "p99"}
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
+        assert r["throughput_rps"] > 0 and 0 <= r["cached_token_share"] <= 1
+        assert len(r["per_worker_requests"]) == 4 and sum(r["per_worker_requests"]) == 24
+    # Round robin copies every document to every engine; prefixrouter keeps them apart.
+    assert rows["prefixrouter"]["cached_token_share"] > rows["round_robin"]["cached_token_share"]
+    # Missing peers: reported as skipped with the command that installs them, not dropped.
+    assert "pip install sglang-router==0.3.2" in rows["sglang-cache_aware"]["skipped"]
+    assert "pip install vllm-router==0.1.17" in rows["vllm-cache_aware"]["skipped"]
+    assert "skipping sglang-cache_aware" in run["stderr"]
+    over = _by_router(overhead["results"])
+    for name in ("round_robin", "prefixrouter"):
+        o = over[name]
+        assert o["errors"] == 0 and o["rps_max"] > 0 and o["cpu_ms_per_request"] > 0
+        assert {"added_p50_ms", "added_p99_ms"} <= set(o)
+    assert "skipped" in over["vllm-cache_aware"]
+    assert "prefixrouter" in run["stdout"] and "overhead over a direct call" in run["stdout"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scenario", "nope"], "unknown scenario 'nope'"),
+        (["--scenario", "mooncake-conversation"], "unknown scenario"),
+        (["--routers", "prefixrouter,nginx"], "unknown router 'nginx'"),
+        (["--routers", ","], "comma-separated"),
+        (["--profile", "a100"], "unknown engine profile"),
+        (["--scale", "2"], "scale"),
+        (["--rate", "0"], "rate"),
+    ],
+)
+def test_bad_input_is_one_line_not_a_traceback(args: list[str], message: str) -> None:
+    out = CliRunner().invoke(app, ["bench", *args])
+    assert out.exit_code == 2
+    assert message in out.output and "Traceback" not in out.output
+
+
+def test_peers_dir_must_be_a_directory(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("")
+    out = CliRunner().invoke(app, ["bench", "--peers-dir", str(f)])
+    assert out.exit_code == 2 and "not a directory" in out.output
+
+
+@pytest.mark.peers
+@pytest.mark.timeout(300)
+def test_real_peer_routers(tmp_path: Path, tokenizer_cache: str) -> None:
+    """sglang-router and vllm-router from `scripts/install_peers.sh` (run with `pytest -m peers`).
+
+    Fails, never skips, when the peers are not installed: the message says how.
+    """
+    run = _bench(
+        [*TINY, "--routers", "sglang-cache_aware,sglang-round_robin,vllm-cache_aware",
+         "--overhead", "--overhead-seconds", "0.5"],
+        tmp_path, tokenizer_cache, timeout=280,
+    )  # fmt: skip
+    scenario, overhead = run["doc"]
+    for r in scenario["results"]:
+        assert "skipped" not in r, r["skipped"]
+        assert r["ok"] == r["requests"] == 24, r
+        assert r["cached_token_share"] > 0.3
+    for o in overhead["results"]:
+        assert "skipped" not in o and "error" not in o, o
+        assert o["errors"] == 0 and o["rps_max"] > 0

@@ -1,0 +1,126 @@
+"""The benchmark's parts on their own: router registry, peer discovery, counters, framing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, parse_counters
+from prefixrouter.bench.instant import create_app
+from prefixrouter.bench.live import distribution
+from prefixrouter.bench.loadgen import _Conn
+from prefixrouter.bench.routers import (
+    PEERS_ENV,
+    ROUTERS,
+    default_peers_dir,
+    parse_routers,
+    router_command,
+    skip_reason,
+)
+from prefixrouter.errors import ConfigError
+
+
+def test_parse_routers() -> None:
+    assert [r.name for r in parse_routers("all")] == list(ROUTERS)
+    assert [r.name for r in parse_routers("prefixrouter, round_robin")] == [
+        "prefixrouter",
+        "round_robin",
+    ]
+    with pytest.raises(ConfigError, match="known: all, round_robin"):
+        parse_routers("prefixrouter,nginx")
+    with pytest.raises(ConfigError):
+        parse_routers(" , ")
+
+
+def test_missing_peer_is_skipped_with_its_install_command(tmp_path: Path) -> None:
+    sglang, vllm = ROUTERS["sglang-cache_aware"], ROUTERS["vllm-cache_aware"]
+    assert skip_reason(ROUTERS["prefixrouter"], tmp_path) is None
+    why = skip_reason(sglang, tmp_path)
+    assert why is not None and "pip install sglang-router==0.3.2" in why
+    assert "scripts/install_peers.sh" in why
+    why = skip_reason(vllm, tmp_path)
+    assert why is not None and "pip install vllm-router==0.1.17" in why
+    # A venv with the package's console script counts as installed.
+    script = tmp_path / "sglang-router" / "bin" / "sglang-router"
+    script.parent.mkdir(parents=True)
+    script.write_text("")
+    assert skip_reason(sglang, tmp_path) is None
+
+
+def test_peers_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PEERS_ENV, str(tmp_path))
+    assert default_peers_dir() == tmp_path
+
+
+def test_router_commands(tmp_path: Path) -> None:
+    workers = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    kw = {"port": 9, "workers": workers, "peers_dir": tmp_path, "prometheus_port": 7,
+          "tokenizer_dir": tmp_path / "tok"}  # fmt: skip
+    ours = router_command(ROUTERS["prefixrouter"], **kw)  # type: ignore[arg-type]
+    assert ours[1:3] == ["-m", "prefixrouter.gateway"] and ours.count("--worker") == 2
+    sg = router_command(ROUTERS["sglang-round_robin"], **kw)  # type: ignore[arg-type]
+    assert sg[0] == str(tmp_path / "sglang-router" / "bin" / "python")
+    assert sg[sg.index("--policy") + 1] == "round_robin"
+    assert sg[sg.index("--prometheus-port") + 1] == "7"
+    assert sg[sg.index("--model-path") + 1] == str(tmp_path / "tok")
+    vr = router_command(ROUTERS["vllm-cache_aware"], **kw)  # type: ignore[arg-type]
+    assert vr[0].endswith("vllm-router/bin/vllm-router")
+    assert vr[vr.index("--worker-urls") + 1 : vr.index("--worker-urls") + 3] == workers
+
+
+def test_counters_and_share() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 750.0\n'
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1000.0\n'
+        "# TYPE vllm:request_success counter\n"
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 3.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 2.0\n'
+    )
+    c = parse_counters(text)
+    assert c == EngineCounters(750.0, 1000.0, 5.0)
+    assert c - EngineCounters(250.0, 500.0, 1.0) == EngineCounters(500.0, 500.0, 4.0)
+    assert cached_share([c, EngineCounters(0.0, 1000.0, 1.0)]) == pytest.approx(0.375)
+    assert cached_share([]) == 0.0
+
+
+def test_distribution_nearest_rank() -> None:
+    d = distribution([float(i) for i in range(1, 101)])
+    assert d == {"mean": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert distribution([])["p99"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("chunks", "status"),
+    [
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel", b"lo"], 200),
+        ([b"HTTP/1.1 503 X\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n", b"0\r\n\r\n"], 503),
+    ],
+)
+def test_loadgen_reads_length_and_chunked_responses(chunks: list[bytes], status: int) -> None:
+    conn = _Conn()
+    conn.waiter = None
+    for i, chunk in enumerate(chunks):
+        conn.buf += chunk
+        assert (conn._complete() >= 0) == (i == len(chunks) - 1)
+    assert conn.status == status
+    assert conn._complete() == len(conn.buf)
+
+
+async def test_instant_engines_answer_what_peers_call() -> None:
+    async with TestClient(TestServer(create_app("tiny", "/tok"))) as client:
+        info = await (await client.get("/server_info")).json()
+        assert info["model_path"] == "/tok" and info["served_model_name"] == "tiny"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "abcdefgh"}]}
+        render = await (await client.post("/v1/chat/completions/render", json=body)).json()
+        assert render["token_ids"] == list(b"ae")
+        tok = await (await client.post("/tokenize", json=body)).json()
+        assert tok["count"] == 2
+        out = await (await client.post("/v1/chat/completions", json=body)).json()
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        stream = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert (await stream.text()).endswith("data: [DONE]\n\n")
+        assert "vllm:num_requests_running" in await (await client.get("/metrics")).text()
