@@ -75,12 +75,48 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 CHAT_TEMPLATE_JINJA = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    # Roles are rendered as given; naming 'developer' here keeps vLLM from
+    # rewriting developer messages to system ones (and merging them).
+    "{#- ChatML; roles (system, user, assistant, tool, 'developer') as given -#}"
+    "{%- macro obj(d) -%}{{ '{' }}"
+    "{%- for k, v in d|dictsort(true) if v is not none -%}"
+    "{{ (', ' if not loop.first else '') ~ k|tojson ~ ': ' }}"
+    "{{ obj(v) if k == 'function' and v is mapping else v|tojson(sort_keys=true) }}"
+    "{%- endfor -%}{{ '}' }}{%- endmacro -%}"
+    "{%- set ns = namespace(section='', text='') -%}"
+    "{%- if tools -%}"
+    "{%- for tool in tools -%}"
+    "{%- set ns.section = ns.section ~ ('\\n' if not loop.first else '') ~ obj(tool) -%}"
+    "{%- endfor -%}"
+    "{%- set ns.section = '# Tools\\n\\n<tools>\\n' ~ ns.section ~ '\\n</tools>' -%}"
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\n' ~ ns.section ~ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- set ns.text = message['content'] or '' -%}"
+    "{%- if message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set ns.text = (ns.text ~ '\\n' if ns.text else '') ~ '<tool_call>\\n{\"name\": '"
+    " ~ call['function']['name']|tojson ~ ', \"arguments\": '"
+    " ~ (call['function']['arguments'] or {})|tojson ~ '}\\n</tool_call>' -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- if loop.first and tools and message['role'] == 'system' -%}"
+    "{%- set ns.text = ns.text ~ '\\n\\n' ~ ns.section if ns.text else ns.section -%}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' ~ message['role'] ~ '\\n' ~ ns.text ~ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-"""The same ChatML for plain string messages, as Jinja (for ``tokenizer_config.json``)."""
+"""The same rendering as :func:`render_chat`, as Jinja (for ``tokenizer_config.json``).
+
+Checked against vLLM 0.32 (``scripts/probe_vllm.py``): vLLM joins text parts,
+turns tool-call ``arguments`` into objects and dumps tools with every field
+(absent ones as null) before rendering, so the template writes arguments with
+``tojson`` and drops null tool fields, as :func:`render_chat` does. It relies
+on the ``tojson`` filter of transformers (``sort_keys``, no HTML escaping).
+"""
 
 
 class ChatTemplateError(ValueError):
@@ -128,10 +164,17 @@ def _tool_call_text(call: Any, where: str) -> str:
     fn = call.get("function")
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
         raise ChatTemplateError(f"{where}.function.name: must be a string")
-    args = fn.get("arguments", "{}")
-    # OpenAI sends arguments as JSON text: keep it verbatim (that is what the
-    # model produced); anything else is rendered canonically.
-    args_text = args if isinstance(args, str) else _json(args)
+    # As vLLM does before rendering: OpenAI's JSON text is parsed to an object
+    # (keys in their order), and anything that is not an object becomes {}.
+    args = fn.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = {}
+    if not isinstance(args, Mapping):
+        args = {}
+    args_text = json.dumps(args, ensure_ascii=False)
     return f'<tool_call>\n{{"name": {_json(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
 
 
@@ -140,6 +183,11 @@ def _tools_text(tools: Sequence[Any]) -> str:
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
             raise ChatTemplateError(f"tools[{i}]: must be an object")
+        # Null fields are dropped (vLLM sends every field, absent ones as null).
+        tool = {k: v for k, v in tool.items() if v is not None}
+        fn = tool.get("function")
+        if isinstance(fn, Mapping):
+            tool["function"] = {k: v for k, v in fn.items() if v is not None}
         lines.append(_json(tool))
     return "# Tools\n\n<tools>\n" + "\n".join(lines) + "\n</tools>"
 
@@ -160,8 +208,10 @@ def render_chat(
       ``\\n``, as vLLM does); other part types are rejected (text-only model);
     * an assistant message's ``tool_calls`` follow its content, one
       ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` each,
-      separated by newlines;
-    * ``tools`` (when non-empty) are listed, one canonical JSON object a line, in
+      separated by newlines; ``arguments`` (JSON text or an object) is written
+      as JSON with its keys in their order, ``{}`` when it is not an object;
+    * ``tools`` (when non-empty) are listed, one canonical JSON object a line
+      (null fields of a tool and of its ``function`` left out), in
       a ``# Tools`` section appended to the first system message (a system
       message is inserted first if there is none);
     * ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
