@@ -17,7 +17,11 @@ from prefixrouter.core.router import Router
 from prefixrouter.core.types import EntrySource, WorkerId
 from prefixrouter.demo.fleet import free_port
 from prefixrouter.engines.kv_events import END_SEQ
-from prefixrouter.engines.kv_subscriber import KvEventCollector, KvEventSubscriber
+from prefixrouter.engines.kv_subscriber import (
+    KvEventCollector,
+    KvEventSubscriber,
+    parse_replay_reply,
+)
 
 BS = 4
 SEED = 555
@@ -118,8 +122,9 @@ async def test_gap_is_filled_from_the_replay_socket() -> None:
     replay_ep = f"tcp://127.0.0.1:{free_port()}"
     sub.add_worker(W, "kv@w0", lambda lora, salt: SEED, replay_endpoint=replay_ep)
     ctx = zmq.asyncio.Context()
-    # The engine's replay socket, as vLLM runs it: ROUTER, [id, b"", start] in,
-    # one [id, b"", seq, payload] per buffered batch out, then END_SEQ.
+    # The engine's replay socket, as vLLM 0.32 runs it: ROUTER, [id, b"", start]
+    # in, one [id, b"", topic, seq, payload] per buffered batch out, then
+    # [id, b"", b"", END_SEQ, b""].
     replay = ctx.socket(zmq.ROUTER)
     replay.setsockopt(zmq.LINGER, 0)
     replay.bind(replay_ep)
@@ -132,8 +137,9 @@ async def test_gap_is_filled_from_the_replay_socket() -> None:
         for seq, events in buffered.items():
             if seq >= requests[-1]:
                 payload = msgpack.packb([1.0, events, 0])
-                await replay.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
-        await replay.send_multipart([ident, b"", END_SEQ, b""])
+                frames = [ident, b"", b"kv@w0", seq.to_bytes(8, "big"), payload]
+                await replay.send_multipart(frames)
+        await replay.send_multipart([ident, b"", b"", END_SEQ, b""])
 
     server = asyncio.get_running_loop().create_task(serve_replay())
     await sub.start()
@@ -159,3 +165,12 @@ async def test_topics_are_exclusive_and_removal_stops_a_feed() -> None:
     sub.remove_worker(W)
     sub.handle(frames("t", 0, [store([1, 2, 3, 4], None, TOKENS)]))
     assert sub.unknown_topics == 1 and held(router) == 0
+
+
+def test_replay_replies_of_both_vllm_layouts_parse() -> None:
+    seq = (5).to_bytes(8, "big")
+    assert parse_replay_reply([b"", b"topic", seq, b"p"]) == (5, b"p")
+    assert parse_replay_reply([b"", seq, b"p"]) == (5, b"p")
+    assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
+    assert parse_replay_reply([b"", END_SEQ, b""]) is None
+    assert parse_replay_reply([b"", b"x"]) is None

@@ -14,9 +14,16 @@ import time
 
 import pytest
 
+from prefixrouter.core.hashing import BlockHasher
+from prefixrouter.core.policy import create_policy
+from prefixrouter.core.router import Router
+from prefixrouter.core.types import CacheNamespace, WorkerId
+from prefixrouter.demo.fleet import free_port
+from prefixrouter.engines.kv_subscriber import KvEventSubscriber
 from prefixrouter.engines.vllm_fleet import reset_prefix_cache
 from tests.real_vllm.conftest import (
     BLOCK,
+    KV_BLOCKS,
     VllmCluster,
     chat,
     decisions,
@@ -197,3 +204,36 @@ def test_e_killed_engine_is_dropped_and_comes_back_cold(vllm: VllmCluster) -> No
         assert rec["actual_cached_tokens"] == 0 and rec["predicted_cached_tokens"] == 0
 
     asyncio.run(after())
+
+
+def test_f_metrics_and_replay_socket_of_a_real_engine(vllm: VllmCluster) -> None:
+    """The block size and KV size come from vLLM's metrics; the replay protocol works."""
+    gw = vllm.gateway
+    assert gw is not None
+    engine = vllm.engines.engines[0]
+
+    async def body() -> None:
+        state = (await workers(gw))[vllm.worker_id(engine.index)]
+        assert state["engine"]["block_size"] == BLOCK
+        assert state["engine"]["num_blocks"] == KV_BLOCKS
+        assert state["view"]["kv_capacity_blocks"] == KV_BLOCKS
+        # Make sure the engine has published something, then ask its replay
+        # socket for everything it buffered, through a subscriber of our own
+        # (not bound where the engines publish).
+        await post_chat(engine.url, chat(document(601, 1000), "Replay?"))
+        router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BLOCK))
+        sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", router, lambda: 0.0)
+        seed = CacheNamespace("tiny").seed
+        feed = sub.add_worker(
+            WorkerId("r"), "unused", lambda lora, salt: seed, engine.replay_endpoint
+        )
+        await sub.start()
+        try:
+            applied = await sub.replay(feed, 0, 1 << 62)
+        finally:
+            await sub.stop()
+        print(f"replayed {applied} batches, {feed.stats.stored} BlockStored")
+        assert applied > 0 and feed.stats.stored > 0
+        assert router.index.blocks_of(WorkerId("r")) > 0
+
+    asyncio.run(body())

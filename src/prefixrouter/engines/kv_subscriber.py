@@ -18,8 +18,9 @@ the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
 
 Replay (vLLM's ``replay_endpoint``, a ROUTER socket the engine binds): send
 ``[b"", start_seq]`` from a DEALER socket; the engine answers one
-``[b"", seq, payload]`` message per buffered batch from ``start_seq`` on, then
-``[b"", END_SEQ, b""]``.
+``[b"", topic, seq, payload]`` message per buffered batch from ``start_seq`` on
+(vLLM 0.32; earlier releases send ``[b"", seq, payload]``), then an end marker
+whose sequence frame is ``END_SEQ`` (-1).
 
 Stats per worker (messages, events by type, gaps, restarts, decode errors,
 untranslatable blocks, replays) are exported as Prometheus counters by
@@ -100,6 +101,24 @@ class WorkerFeed:
     replay_endpoint: str | None = None
     stats: FeedStats = field(default_factory=FeedStats)
     replaying: bool = False
+
+
+def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replay reply; None for the end marker or a malformed reply.
+
+    Accepts ``[b"", topic, seq, payload]`` (vLLM 0.32) and ``[b"", seq, payload]``.
+    """
+    if frames and frames[0] == b"":
+        frames = frames[1:]
+    if len(frames) == 3:
+        seq_frame, payload = frames[1], frames[2]
+    elif len(frames) == 2:
+        seq_frame, payload = frames
+    else:
+        return None
+    if seq_frame == END_SEQ or len(seq_frame) != 8:
+        return None
+    return int.from_bytes(seq_frame, "big"), payload
 
 
 class KvEventSubscriber:
@@ -247,14 +266,26 @@ class KvEventSubscriber:
             return
         feed.replaying = True
         task = asyncio.get_running_loop().create_task(
-            self._replay(feed, start, stop), name=f"kv-replay-{feed.worker_id}"
+            self._replay_task(feed, start, stop), name=f"kv-replay-{feed.worker_id}"
         )
         self._replays.add(task)
         task.add_done_callback(self._replays.discard)
 
-    async def _replay(self, feed: WorkerFeed, start: int, stop: int) -> None:
-        """Fetch and apply batches ``start .. stop-1`` from the worker's replay socket."""
-        assert self._ctx is not None and feed.replay_endpoint is not None
+    async def _replay_task(self, feed: WorkerFeed, start: int, stop: int) -> None:
+        try:
+            await self.replay(feed, start, stop)
+        finally:
+            feed.replaying = False
+
+    async def replay(self, feed: WorkerFeed, start: int, stop: int) -> int:
+        """Fetch and apply batches ``start .. stop-1`` from the worker's replay socket.
+
+        Returns how many batches were applied. Errors and timeouts are logged,
+        not raised: a failed replay leaves the entries speculative, which is safe.
+        """
+        if self._ctx is None or feed.replay_endpoint is None:
+            return 0
+        applied = 0
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -263,25 +294,27 @@ class KvEventSubscriber:
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
                     log.warning("replay from %s timed out", feed.worker_id)
-                    return
+                    return applied
                 frames = await sock.recv_multipart()
-                if len(frames) < 3 or frames[1] == END_SEQ:
-                    return
-                seq = int.from_bytes(frames[1], "big")
+                parsed = parse_replay_reply(frames)
+                if parsed is None:
+                    return applied  # the end marker (or a reply we cannot read)
+                seq, payload = parsed
                 if seq >= stop:
                     continue  # already heard live
                 try:
-                    batch = decode_batch(frames[2])
+                    batch = decode_batch(payload)
                 except KvEventDecodeError:
                     feed.stats.decode_errors += 1
                     continue
                 feed.stats.replayed += 1
+                applied += 1
                 self._apply(feed, batch.events, self.clock())
         except (zmq.ZMQError, OSError) as exc:
             log.warning("replay from %s failed: %s", feed.worker_id, exc)
         finally:
             sock.close()
-            feed.replaying = False
+        return applied
 
     # ------------------------------------------------------------- lifecycle
 
