@@ -65,3 +65,18 @@ def test_default_rule_applies_to_unlisted_tenants() -> None:
     t = _tenancy(default_tenant={"share_cache": False})
     x = t.resolve(None, "newco", None)
     assert x.namespace == "tenant:newco" and x.cache_salt
+
+
+def test_salts_vllm_would_refuse_are_replaced_by_a_derived_one() -> None:
+    from prefixrouter.gateway.tenancy import vllm_accepts_salt
+
+    cfg = config_from_dict(
+        {"tenants": {"acme": {"share_cache": False, "cache_salt": "team/acme@corp"}}}
+    )
+    t = Tenancy(cfg)
+    plain = t.resolve(None, "acme", None).cache_salt
+    with_client = t.resolve(None, "acme", "x" * 200).cache_salt
+    assert plain is not None and vllm_accepts_salt(plain)
+    assert with_client is not None and vllm_accepts_salt(with_client)
+    assert plain != with_client  # the client's salt still separates caches
+    assert not vllm_accepts_salt("a" * 129) and not vllm_accepts_salt("a\\b")

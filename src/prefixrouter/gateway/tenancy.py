@@ -49,6 +49,14 @@ class TenantScope:
     cache_salt: str | None
 
 
+_VLLM_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def vllm_accepts_salt(salt: str) -> bool:
+    """Whether vLLM takes ``salt``: at most 128 characters, none of ``@ / \\`` or NUL."""
+    return 0 < len(salt) <= 128 and not _VLLM_SALT_FORBIDDEN.intersection(salt)
+
+
 class Tenancy:
     """Resolves tenants and their cache scope from the configuration."""
 
@@ -117,9 +125,11 @@ class Tenancy:
             return TenantScope(tenant, namespace, None)
         namespace = f"tenant:{tenant}" + (f"#{client_salt}" if client_salt else "")
         salt = rule.cache_salt
-        if salt is None:
-            msg = tenant + ("\0" + client_salt if client_salt else "")
-            salt = hmac.new(self._secret, msg.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
-        elif client_salt:
+        if salt is not None and client_salt:
             salt = f"{salt}:{client_salt}"
+        if salt is None or not vllm_accepts_salt(salt):
+            # Derived (or made acceptable): vLLM refuses salts over 128
+            # characters or with '@', '/', '\\' or NUL in them with a 400.
+            msg = (salt or tenant) + ("\0" + client_salt if client_salt and salt is None else "")
+            salt = hmac.new(self._secret, msg.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
         return TenantScope(tenant, namespace, salt)
