@@ -17,11 +17,17 @@ streamed); ``latency_ms`` from arrival to the end of the response; ``ts`` is
 the wall-clock end time (Unix seconds), ``time`` the decision time on the
 gateway's monotonic clock.
 
-The hot path only appends ``(decision, outcome)`` to a bounded deque (and to a
-pending list when a file is configured); turning it into JSON happens when
+The hot path only appends a small :class:`LogEntry` to a bounded deque (and to
+a pending list when a file is configured); turning it into JSON happens when
 ``/admin/decisions`` is read or when the background flusher writes the batch
-(every ``flush_interval_s``), so a request pays for neither. Records are
-complete only at the end of a request, so the file is in completion order.
+(every ``flush_interval_s``), so a request pays for neither. The entry copies
+the decision's logged fields instead of keeping the
+:class:`~prefixrouter.core.router.Decision`: the decision's routing context
+holds the request's rendered prompt and block hashes (about 12 KB for an 8 KB
+chat body), and keeping a thousand of those alive for the ring made every
+request allocate cold memory and made the cyclic collector rescan them.
+Records are complete only at the end of a request, so the file is in
+completion order.
 """
 
 from __future__ import annotations
@@ -64,39 +70,100 @@ class RequestOutcome:
     ttft_s: float | None
     latency_s: float
     attempts: int
-    retried_from: list[str]
+    retried_from: tuple[str, ...]
     stream: bool
     error: str | None = None
     ts: float = 0.0
 
 
-def render(decision: Decision, outcome: RequestOutcome) -> dict[str, Any]:
+class LogEntry:
+    """What the log keeps of one finished request until it is rendered.
+
+    The decision's fields that :func:`render` writes (those of
+    :meth:`Decision.to_dict <prefixrouter.core.router.Decision.to_dict>` and
+    the chosen worker's cost terms), without its routing context.
+    """
+
+    __slots__ = (
+        "candidates",
+        "filtered",
+        "namespace",
+        "now",
+        "outcome",
+        "policy",
+        "predicted_cached_tokens",
+        "prefix_class",
+        "prefix_key",
+        "prompt_tokens",
+        "reason",
+        "request_id",
+        "tier",
+        "warm_abandoned",
+        "worker_id",
+    )
+
+    def __init__(self, d: Decision, outcome: RequestOutcome) -> None:
+        self.request_id = d.request_id
+        self.namespace = d.namespace
+        self.prefix_key = d.prefix_key
+        self.prefix_class = d.prefix_class
+        self.policy = d.policy
+        self.worker_id = d.worker_id
+        self.tier = d.tier
+        self.reason = d.reason
+        self.predicted_cached_tokens = d.predicted_cached_tokens
+        self.prompt_tokens = d.prompt_tokens
+        self.candidates = d.candidates
+        self.filtered = d.filtered
+        self.warm_abandoned = d.warm_abandoned
+        self.now = d.now
+        self.outcome = outcome
+
+
+def render(entry: LogEntry) -> dict[str, Any]:
     """One decision-log record."""
-    rec = decision.to_dict()
-    chosen = decision.chosen
-    terms = chosen.terms if chosen is not None else None
+    terms = None
+    for c in entry.candidates:
+        if c.worker_id == entry.worker_id:
+            terms = c.terms
+            break
+    outcome = entry.outcome
     actual = outcome.actual_cached_tokens
     prompt = outcome.prompt_tokens
-    rec.update(
-        model=outcome.model,
-        tenant=outcome.tenant,
-        decision={"tier": decision.tier, "reason": decision.reason, "policy": decision.policy},
-        actual_cached_tokens=actual,
-        queue_wait_ms=round(terms.queue_wait_s * 1e3, 3) if terms is not None else None,
-        predicted_ttft_ms=round(terms.ttft_s * 1e3, 3) if terms is not None else None,
-        prefill_tokens=(prompt - actual) if prompt is not None and actual is not None else None,
-        estimated_prompt_tokens=decision.prompt_tokens,
-        prompt_tokens=prompt,
-        ttft_ms=round(outcome.ttft_s * 1e3, 3) if outcome.ttft_s is not None else None,
-        latency_ms=round(outcome.latency_s * 1e3, 3),
-        status=outcome.status,
-        attempts=outcome.attempts,
-        retried_from=outcome.retried_from,
-        stream=outcome.stream,
-        error=outcome.error,
-        ts=round(outcome.ts, 6),
-    )
-    return rec
+    return {
+        # Decision.to_dict's fields, in its order.
+        "request_id": entry.request_id,
+        "namespace": entry.namespace,
+        "prefix_key": entry.prefix_key,
+        "prefix_class": entry.prefix_class,
+        "policy": entry.policy,
+        "selected_worker": entry.worker_id,
+        "tier": entry.tier,
+        "reason": entry.reason,
+        "predicted_cached_tokens": entry.predicted_cached_tokens,
+        "prompt_tokens": prompt,
+        "candidate_workers": [c.to_dict() for c in entry.candidates],
+        "filtered": dict(entry.filtered),
+        "warm_abandoned": entry.warm_abandoned,
+        "time": entry.now,
+        # What happened.
+        "model": outcome.model,
+        "tenant": outcome.tenant,
+        "decision": {"tier": entry.tier, "reason": entry.reason, "policy": entry.policy},
+        "actual_cached_tokens": actual,
+        "queue_wait_ms": round(terms.queue_wait_s * 1e3, 3) if terms is not None else None,
+        "predicted_ttft_ms": round(terms.ttft_s * 1e3, 3) if terms is not None else None,
+        "prefill_tokens": (prompt - actual) if prompt is not None and actual is not None else None,
+        "estimated_prompt_tokens": entry.prompt_tokens,
+        "ttft_ms": round(outcome.ttft_s * 1e3, 3) if outcome.ttft_s is not None else None,
+        "latency_ms": round(outcome.latency_s * 1e3, 3),
+        "status": outcome.status,
+        "attempts": outcome.attempts,
+        "retried_from": list(outcome.retried_from),
+        "stream": outcome.stream,
+        "error": outcome.error,
+        "ts": round(outcome.ts, 6),
+    }
 
 
 class DecisionLog:
@@ -111,22 +178,22 @@ class DecisionLog:
     def __init__(self, path: Path | None, ring_size: int = 1000, flush_interval_s: float = 1.0):
         self.path = path
         self.flush_interval_s = flush_interval_s
-        self._ring: deque[tuple[Decision, RequestOutcome]] = deque(maxlen=ring_size)
-        self._pending: list[tuple[Decision, RequestOutcome]] = []
+        self._ring: deque[LogEntry] = deque(maxlen=ring_size)
+        self._pending: list[LogEntry] = []
         self._file: IO[bytes] | None = None
         self.written = 0
 
     def record(self, decision: Decision, outcome: RequestOutcome) -> None:
         """Keep one finished request (cheap: no serialization here)."""
-        item = (decision, outcome)
-        self._ring.append(item)
+        entry = LogEntry(decision, outcome)
+        self._ring.append(entry)
         if self.path is not None:
-            self._pending.append(item)
+            self._pending.append(entry)
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` records, oldest first."""
         items = list(self._ring)[-limit:] if limit > 0 else []
-        return [render(d, o) for d, o in items]
+        return [render(e) for e in items]
 
     def flush(self) -> int:
         """Write pending records to the file; returns how many."""
@@ -136,7 +203,7 @@ class DecisionLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("ab")
-        self._file.write(b"".join(orjson.dumps(render(d, o)) + b"\n" for d, o in batch))
+        self._file.write(b"".join(orjson.dumps(render(e)) + b"\n" for e in batch))
         self._file.flush()
         self.written += len(batch)
         return len(batch)

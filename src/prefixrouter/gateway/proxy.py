@@ -469,7 +469,7 @@ class Proxy:
                 ttft_s=ttft_s,
                 latency_s=latency_s,
                 attempts=attempts,
-                retried_from=list(retry.tried),
+                retried_from=tuple(retry.tried),
                 stream=built.stream,
                 error=error,
                 ts=time.time(),
