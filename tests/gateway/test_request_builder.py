@@ -164,6 +164,47 @@ def test_prefix_class_inference(
     assert infer_prefix_class(messages, tools, 4000) is expected
 
 
+_CLASS_CASES = [
+    ([_m("user", "hi")], None),
+    ([_m("system", "s"), _m("user", "hi")], None),
+    ([_m("developer", "s"), _m("user", "hi")], None),
+    ([_m("user", "hi")], [{"type": "function"}]),
+    ([_m("system", "s"), _m("user", "d" * 4000)], None),
+    ([_m("system", "d" * 4000), _m("user", "hi")], None),
+    ([_m("user", "[1] a\n[2] b\nQ?")], None),
+    ([_m("user", "[1] a only")], None),
+    ([_m("user", "<document a/><document b/>")], None),
+    ([_m("user", "<document a/> once")], None),
+    ([_m("user", "Source: a\nSource: b")], None),
+    ([_m("user", "Source:Source:")], None),
+    ([_m("user", "Source: once")], None),
+    ([_m("user", "[1] [2]"), _m("user", "plain")], None),
+    ([_m("user", "hi"), _m("assistant", "yo"), _m("user", "more")], None),
+    ([_m("user", "hi"), _m("tool", "{}"), _m("user", "x")], None),
+    ([_m("user", "hi"), _m("assistant", "yo")], None),
+    ([{"role": "user", "content": [{"type": "text", "text": "[1] [2]"}]}], None),
+    ([{"role": "user", "content": None}, _m("system", "s")], None),
+]
+
+
+@pytest.mark.parametrize(("messages", "tools"), _CLASS_CASES)
+def test_built_class_is_the_inferred_class(
+    messages: list[dict[str, Any]], tools: list[Any] | None
+) -> None:
+    # build() renders and classifies in one pass; it must agree with the
+    # standalone inference.
+    body = _chat(*messages, **({"tools": tools} if tools else {}))
+    assert _build(body).routing.prefix_class is infer_prefix_class(messages, tools, 4000)
+
+
+def test_tool_calls_follow_the_message_text() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    msgs = [_m("user", "hi"), {"role": "assistant", "content": "ok", "tool_calls": calls}]
+    text, _ = render_messages(msgs, None)
+    dumped = orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
+    assert text == f"<|user|>\nhi\n<|assistant|>\nok{dumped}\n"
+
+
 def test_prefix_class_header_wins() -> None:
     built = _build(_chat(SYS), header="RAG")
     assert built.routing.prefix_class is PrefixClass.RAG
