@@ -422,16 +422,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.profile:
             # pyinstrument (pip install pyinstrument) samples the gateway and
             # writes a text profile when it exits; figures are then slower.
-            cmd[1:2] = [
-                "-m",
-                "pyinstrument",
-                "--renderer",
-                "text",
-                "--show-all",
-                "-o",
-                args.profile,
-                "-m",
-            ]
+            # The renderer follows the extension: .txt gives the text tree,
+            # .pstats / .pyisession / .html pyinstrument's other formats.
+            render = ["--renderer", "text", "--show-all"] if args.profile.endswith(".txt") else []
+            cmd[1:2] = ["-m", "pyinstrument", *render, "-o", args.profile, "-m"]
         for p in ports:
             cmd += ["--worker", f"http://127.0.0.1:{p}"]
         gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
