@@ -44,9 +44,12 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as _HfTokenizer
+
+if TYPE_CHECKING:
+    from prefixrouter.chat_template import ModelChatTemplate
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 __all__ = [
@@ -403,12 +406,17 @@ class Tokenizer:
             change never reuses stale routing state.
     """
 
-    __slots__ = ("_tok", "eos_token_id", "path", "revision")
+    __slots__ = ("_tok", "eos_token_id", "path", "revision", "template")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, template: ModelChatTemplate | None = None) -> None:
         data = path.read_bytes()
         self.path = path
-        self.revision = hashlib.sha256(data).hexdigest()[:16]
+        self.template = template
+        """The model's own chat template (None: the project's ChatML, :func:`render_chat`)."""
+        digest = hashlib.sha256(data)
+        if template is not None:
+            digest.update(template.source.encode("utf-8"))
+        self.revision = digest.hexdigest()[:16]
         self._tok = _HfTokenizer.from_str(data.decode("utf-8"))
         eos = self._tok.token_to_id(IM_END)
         self.eos_token_id: int = eos if eos is not None else 0
@@ -421,6 +429,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens in the text become their ids)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completions prompt: as vLLM, with the tokenizer's own
+        special tokens added (a BOS for models whose post-processor adds one)."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""
@@ -443,7 +456,11 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text of chat messages (see :func:`render_chat`)."""
+        """The prompt text of chat messages: the model's template, else :func:`render_chat`."""
+        if self.template is not None:
+            return self.template.render(
+                messages, tools, add_generation_prompt=add_generation_prompt
+            )
         return render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
 
     def encode_chat(
@@ -455,7 +472,7 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the rendered chat (template, then :meth:`encode`)."""
         return self.encode(
-            render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+            self.apply_chat_template(messages, tools, add_generation_prompt=add_generation_prompt)
         )
 
 
@@ -483,5 +500,15 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     with _lock:
         tok = _loaded.get(file)
         if tok is None:
-            tok = _loaded[file] = Tokenizer(file)
+            tok = _loaded[file] = Tokenizer(file, _model_template(file.parent))
         return tok
+
+
+def _model_template(folder: Path) -> ModelChatTemplate | None:
+    """The folder's chat template if it is not the project's own ChatML."""
+    from prefixrouter.chat_template import find_chat_template
+
+    template = find_chat_template(folder)
+    if template is None or template.source == CHAT_TEMPLATE_JINJA:
+        return None  # ours: render_chat is the same text, and faster
+    return template
