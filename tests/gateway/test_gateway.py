@@ -179,6 +179,23 @@ def test_refusal_and_unreachable_workers_are_retried_before_the_first_byte() -> 
     run(body)
 
 
+def test_every_worker_failing_is_a_502_naming_each_and_is_logged() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(die_before_first_byte=True) for _ in range(2)]
+        async with gateway_env(engines=engines) as env:
+            r = await env.chat("hi")
+            err = _error(await r.json())
+            assert r.status == 502 and err["code"] == "upstream_unreachable"
+            assert "w0:" in err["message"] and "w1:" in err["message"]
+            (log,) = await _decisions(env)
+            assert log["status"] == 502 and log["attempts"] == 2
+            assert sorted(log["retried_from"]) == ["w0", "w1"]
+            assert "w0:" in log["error"] and "w1:" in log["error"]
+            assert env.state.ledger.load(WorkerId("w0")).in_flight == 0
+
+    run(body)
+
+
 def test_killed_worker_is_retried_and_marked_unhealthy() -> None:
     async def body() -> None:
         async with gateway_env(n=2) as env:

@@ -33,6 +33,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -157,13 +158,12 @@ class Proxy:
         except orjson.JSONDecodeError as exc:
             raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
         headers = request.headers
-        auth, tenant = headers.get("Authorization"), headers.get("X-Tenant")
-        resolve = st.tenancy.resolve
         built = st.builder.build(
             body,
             raw,
             kind,
-            lambda salt: resolve(auth, tenant, salt),
+            # The scope's last argument is the body's cache_salt, which the builder validates.
+            partial(st.tenancy.resolve, headers.get("Authorization"), headers.get("X-Tenant")),
             headers.get("X-Prefix-Class"),
         )
         if not st.registry.serves(built.model):
@@ -178,12 +178,14 @@ class Proxy:
         st = self.st
         rr = built.routing
         rid = rr.request_id
-        retry = _Retry()
+        # Made only when an attempt fails: most requests succeed at once.
+        retry: _Retry | None = None
         decision: Decision | None = None
-        while len(retry.tried) < self.max_attempts:
+        for _ in range(self.max_attempts):
             views = st.registry.views()
-            if retry.tried:
-                views = [v for v in views if v.worker_id not in retry.tried]
+            if retry is not None:
+                tried = retry.tried
+                views = [v for v in views if v.worker_id not in tried]
             now = st.clock()
             try:
                 decision = st.router.route(rr, views, now)
@@ -199,7 +201,7 @@ class Proxy:
             st.ledger.on_routed(
                 rid, worker.id, max(0, est - decision.predicted_cached_tokens), est, rr.max_tokens
             )
-            if not retry.tried:
+            if retry is None:
                 if st.lint is not None:
                     # Observe mode: count what the linter finds, never change the body.
                     cls = decision.prefix_class
@@ -237,6 +239,8 @@ class Proxy:
                 return att.response
             # Failed before the first byte: forget this attempt, try another worker.
             self._abandon(decision, worker, att)
+            if retry is None:
+                retry = _Retry()
             retry.tried.append(worker.id)
             retry.errors.append(f"{worker.id}: {att.error}")
             if not att.unreachable:
@@ -244,7 +248,9 @@ class Proxy:
         return self._no_worker(built, retry, "every attempt failed", decision, t0)
 
     def _payload(self, built: BuiltRequest, worker: Worker) -> bytes:
-        salt = built.scope.cache_salt if worker.config.supports_cache_salt else None
+        salt = built.scope.cache_salt
+        if salt is not None and not worker.config.supports_cache_salt:
+            salt = None
         inject = built.stream and not built.client_wants_usage
         if salt is None and not inject:
             return built.raw
@@ -402,15 +408,15 @@ class Proxy:
         worker: Worker,
         att: Attempt,
         t0: float,
-        retry: _Retry,
+        retry: _Retry | None,
     ) -> None:
         st = self.st
         now = st.clock()
-        rid = built.routing.request_id
-        st.ledger.on_completed(rid)
+        st.ledger.on_completed(built.routing.request_id)
         prompt, cached = usage_figures(att.usage)
+        ok = att.ok
         if not worker.removed:
-            if att.ok and cached is not None:
+            if ok and cached is not None:
                 miss = st.router.on_completed(decision, Outcome(cached, att.ttft_s, True), now)
                 last = st.note_served(worker.id, decision.prefix_key, now)
                 if miss and last is not None:
@@ -418,7 +424,7 @@ class Proxy:
             else:
                 # No report of reuse (or a failure): nothing to confirm or correct.
                 st.router.on_completed(decision, Outcome(0, att.ttft_s, ok=False), now)
-        if att.ok and prompt:
+        if ok and prompt:
             if built.text_chars:
                 st.router.hasher.estimator.observe(built.text_chars, prompt)
             if cached is not None:
@@ -442,7 +448,7 @@ class Proxy:
             now - t0,
             retry,
             att.error,
-            len(retry.tried) + 1,
+            1 if retry is None else len(retry.tried) + 1,
         )
 
     def _log(
@@ -454,7 +460,7 @@ class Proxy:
         prompt: int | None,
         ttft_s: float | None,
         latency_s: float,
-        retry: _Retry,
+        retry: _Retry | None,
         error: str | None,
         attempts: int,
     ) -> None:
@@ -469,7 +475,7 @@ class Proxy:
                 ttft_s=ttft_s,
                 latency_s=latency_s,
                 attempts=attempts,
-                retried_from=tuple(retry.tried),
+                retried_from=() if retry is None else tuple(retry.tried),
                 stream=built.stream,
                 error=error,
                 ts=time.time(),
@@ -479,18 +485,18 @@ class Proxy:
     def _no_worker(
         self,
         built: BuiltRequest,
-        retry: _Retry,
+        retry: _Retry | None,
         why: str,
         decision: Decision | None,
         t0: float,
     ) -> web.StreamResponse:
         """The answer when no (further) worker can take the request."""
         hdrs = {"X-Request-Id": str(built.routing.request_id)}
-        refusal = retry.last_refusal
+        refusal = retry.last_refusal if retry is not None else None
         resp: web.Response
         if refusal is not None and refusal.fallback is not None:
             resp = refusal.fallback  # the upstream's own error keeps its status
-        elif retry.tried:
+        elif retry is not None and retry.tried:
             detail = "; ".join(retry.errors)
             resp = error_response(
                 UpstreamFailed(f"no worker could serve the request ({detail})", headers=hdrs)
@@ -505,7 +511,7 @@ class Proxy:
         tier = decision.tier if decision is not None else "none"
         self.st.metrics.request_done("", tier, resp.status)
         if decision is not None:  # attempts were made: none is lost silently
-            error = "; ".join(retry.errors) or why
+            errors = "; ".join(retry.errors) if retry is not None else ""
             latency = self.st.clock() - t0
             self._log(
                 built,
@@ -516,8 +522,8 @@ class Proxy:
                 None,
                 latency,
                 retry,
-                error,
-                len(retry.tried),
+                errors or why,
+                len(retry.tried) if retry is not None else 0,
             )
         return resp
 
