@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,7 +32,9 @@ OURS = hash_token_blocks(SEED, TOKENS, BS)
 
 
 def frames(topic: str, seq: int, events: list[object]) -> list[bytes]:
-    return [topic.encode(), seq.to_bytes(8, "big"), msgpack.packb([1.0, events, 0])]
+    """A message as vLLM publishes it, stamped now (older stamps are backlog)."""
+    payload = msgpack.packb([time.time(), events, 0])
+    return [topic.encode(), seq.to_bytes(8, "big"), payload]
 
 
 def store(hashes: list[int], parent: int | None, tokens: list[int]) -> list[object]:
@@ -174,3 +177,27 @@ def test_replay_replies_of_both_vllm_layouts_parse() -> None:
     assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
     assert parse_replay_reply([b"", END_SEQ, b""]) is None
     assert parse_replay_reply([b"", b"x"]) is None
+
+
+def test_backlog_from_before_the_subscriber_started_is_speculative() -> None:
+    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", router, lambda: 10.0, wall_clock=lambda: 1000.0)
+    sub.add_worker(W, "t", lambda lora, salt: SEED)
+    # Published at wall time 900, queued by the engine's PUB socket, heard now.
+    stale = [
+        b"t",
+        (7).to_bytes(8, "big"),
+        msgpack.packb([900.0, [store([1, 2], None, TOKENS[:8])], 0]),
+    ]
+    sub.handle(stale)
+    entry = router.index.entry(W, OURS[0])
+    assert entry is not None and entry.source is EntrySource.SPECULATIVE
+    assert sub.feed(W).stats.backlog == 1  # type: ignore[union-attr]
+    fresh = [
+        b"t",
+        (8).to_bytes(8, "big"),
+        msgpack.packb([999.5, [store([3, 4], 2, TOKENS[8:])], 0]),
+    ]
+    sub.handle(fresh)
+    entry = router.index.entry(W, OURS[3])
+    assert entry is not None and entry.source is EntrySource.EVENT

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ import aiohttp
 import pytest
 import yaml
 
+from prefixrouter.bench.texts import record_text
 from prefixrouter.demo.fleet import Fleet, Server, free_port
 from prefixrouter.engines.vllm_fleet import (
     KvEventsOptions,
@@ -34,32 +34,15 @@ from prefixrouter.engines.vllm_fleet import (
     VllmSetup,
     ensure_vllm,
 )
-from prefixrouter.tokenizer import load_tokenizer
 
 BLOCK = 32
 KV_BLOCKS = 640  # 20,480 tokens per engine: two 8k documents fit, three do not
 MAX_MODEL_LEN = (KV_BLOCKS - 1) * BLOCK
-VOCABULARY = (
-    "the contract party shall provide notice within thirty days of any change to "
-    "the terms including payment schedule delivery obligations warranty claims "
-    "liability limits termination rights governing law and dispute resolution "
-    "patient history medication dosage allergy report laboratory result imaging "
-    "follow up visit referral diagnosis treatment plan consent record"
-)
-WORDS = VOCABULARY.split()
 
 
 def document(seed: int, tokens: int) -> str:
     """A deterministic document of about ``tokens`` tokens of the tiny model."""
-    rng = random.Random(seed)
-    tok = load_tokenizer(None)
-    words: list[str] = [f"Document {seed}."]
-    while True:
-        words.extend(rng.choice(WORDS) for _ in range(200))
-        text = " ".join(words)
-        n = len(tok.encode(text))
-        if n >= tokens:
-            return text[: int(len(text) * tokens / n)]
+    return record_text(seed, tokens)
 
 
 def chat(doc: str, question: str, max_tokens: int = 2, **extra: Any) -> dict[str, Any]:

@@ -191,6 +191,12 @@ async def drain_and_reset(engines: Sequence[Server], timeout_s: float = 120.0) -
             async with session.post(e.url + "/reset_prefix_cache") as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"{e.name}: /reset_prefix_cache answered {resp.status}")
+        # vLLM announces a reset (AllBlocksCleared) only with its next step: one
+        # tiny request (shorter than a block, so nothing is cached) makes every
+        # engine publish it now, before a router with KV events is measured.
+        for e in engines:
+            async with session.post(e.url + "/v1/chat/completions", json=PROBE) as resp:
+                await resp.read()
 
 
 def _busy(metrics: str) -> float:

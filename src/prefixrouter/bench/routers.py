@@ -71,11 +71,14 @@ class RouterSpec:
         name: Key on the command line and in the JSON.
         kind: Which program.
         policy: Its routing policy.
+        config: Our gateway's YAML configuration (token mode, KV events ...);
+            the workers still come from the command line.
     """
 
     name: str
     kind: Kind
     policy: str
+    config: Path | None = None
 
     @property
     def ours(self) -> bool:
@@ -168,6 +171,8 @@ def router_command(
             cmd += ["--worker", url]
         if decision_log is not None:
             cmd += ["--decision-log", str(decision_log)]
+        if spec.config is not None:
+            cmd += ["--config", str(spec.config)]
         return cmd
     exe = str(_peer_executable(peers_dir, spec.kind))
     common = [

@@ -312,10 +312,16 @@ class PrefixIndex:
         self._touch_chain(worker, hashes, now, EntrySource.CONFIRMED)
         return miss
 
-    def apply(self, event: KvEvent, now: float) -> None:
-        """Apply an engine KV event (already translated to this index's hashes)."""
+    def apply(self, event: KvEvent, now: float, *, trusted: bool = True) -> None:
+        """Apply an engine KV event (already translated to this index's hashes).
+
+        ``trusted=False`` stores blocks as speculative entries (with a TTL):
+        for events that may be stale, e.g. a backlog published before this
+        router was listening, which a later cache reset may have voided.
+        """
         if isinstance(event, BlockStored):
-            self._touch_chain(event.worker_id, event.block_hashes, now, EntrySource.EVENT)
+            source = EntrySource.EVENT if trusted else EntrySource.SPECULATIVE
+            self._touch_chain(event.worker_id, event.block_hashes, now, source)
         elif isinstance(event, BlockRemoved):
             # The engine may evict blocks that other blocks extend; matches on
             # this worker are then verified block by block (see match).

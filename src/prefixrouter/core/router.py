@@ -246,9 +246,9 @@ class Router:
         self.policy.on_completed(ctx, decision.worker_id, outcome)
         return miss
 
-    def apply(self, event: KvEvent, now: float) -> None:
-        """Apply an engine KV event to the index."""
-        self.index.apply(event, now)
+    def apply(self, event: KvEvent, now: float, *, trusted: bool = True) -> None:
+        """Apply an engine KV event to the index (see :meth:`PrefixIndex.apply`)."""
+        self.index.apply(event, now, trusted=trusted)
 
     def set_worker_capacity(self, worker: WorkerId, blocks: int) -> None:
         """Mirror a worker's engine-reported KV size in the index."""

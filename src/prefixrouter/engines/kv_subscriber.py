@@ -15,6 +15,13 @@ the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
    at 0) the worker's entries and hash map are cleared: a new engine process
    has an empty cache;
 3. translate each event to the router's hashes and apply it to the index.
+   A batch stamped (by the engine's clock) more than ``BACKLOG_S`` before the
+   subscriber started is **backlog**: vLLM's PUB socket queues messages while
+   no subscriber is connected and delivers them when one binds, so a gateway
+   that (re)starts first hears what the engines cached while it was away. A
+   cache reset since then is announced only with the engine's next step
+   (``AllBlocksCleared`` is delayed), so backlog blocks are applied as
+   speculative entries: used, but confirmed or expired like routed ones.
 
 Replay (vLLM's ``replay_endpoint``, a ROUTER socket the engine binds): send
 ``[b"", start_seq]`` from a DEALER socket; the engine answers one
@@ -32,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +66,8 @@ from prefixrouter.engines.kv_events import (
 log = logging.getLogger("prefixrouter.kv_events")
 
 REPLAY_TIMEOUT_S = 2.0
+BACKLOG_S = 2.0
+"""Batches stamped this long before the subscriber started are backlog (clock skew margin)."""
 
 
 @dataclass(slots=True)
@@ -72,6 +82,7 @@ class FeedStats:
     restarts: int = 0
     decode_errors: int = 0
     replayed: int = 0
+    backlog: int = 0
     last_seq: int | None = None
 
     def to_dict(self, translator: EventTranslator) -> dict[str, Any]:
@@ -85,6 +96,7 @@ class FeedStats:
             "restarts": self.restarts,
             "decode_errors": self.decode_errors,
             "replayed_messages": self.replayed,
+            "backlog_messages": self.backlog,
             "last_seq": self.last_seq,
             "mapped_blocks": len(translator),
             "untranslated_blocks": translator.skipped_blocks,
@@ -130,10 +142,19 @@ class KvEventSubscriber:
         clock: The gateway's clock (event application time).
     """
 
-    def __init__(self, endpoint: str, router: Router, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        router: Router,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.endpoint = endpoint
         self.router = router
         self.clock = clock
+        self.wall_clock = wall_clock
+        self.started_wall = wall_clock()
+        """When this subscriber started listening (wall clock, like the batches' ``ts``)."""
         self._feeds: dict[str, WorkerFeed] = {}
         self._by_worker: dict[WorkerId, WorkerFeed] = {}
         self._seq = SequenceTracker()
@@ -241,9 +262,12 @@ class KvEventSubscriber:
                 self._start_replay(feed, expected, seq)
         stats.messages += 1
         stats.last_seq = seq
-        self._apply(feed, batch.events, now)
+        trusted = batch.ts >= self.started_wall - BACKLOG_S
+        if not trusted:
+            stats.backlog += 1
+        self._apply(feed, batch.events, now, trusted)
 
-    def _apply(self, feed: WorkerFeed, events: Any, now: float) -> None:
+    def _apply(self, feed: WorkerFeed, events: Any, now: float, trusted: bool = True) -> None:
         stats = feed.stats
         translate = feed.translator.translate
         apply = self.router.apply
@@ -257,7 +281,7 @@ class KvEventSubscriber:
                 stats.removed += 1
             else:
                 stats.cleared += 1
-            apply(event, now)
+            apply(event, now, trusted=trusted)
 
     # ------------------------------------------------------------- replay
 
@@ -280,6 +304,8 @@ class KvEventSubscriber:
     async def replay(self, feed: WorkerFeed, start: int, stop: int) -> int:
         """Fetch and apply batches ``start .. stop-1`` from the worker's replay socket.
 
+        Replayed blocks are applied as speculative entries (see :meth:`handle`'s
+        backlog rule): they are older than the events heard live since the gap.
         Returns how many batches were applied. Errors and timeouts are logged,
         not raised: a failed replay leaves the entries speculative, which is safe.
         """
@@ -309,7 +335,9 @@ class KvEventSubscriber:
                     continue
                 feed.stats.replayed += 1
                 applied += 1
-                self._apply(feed, batch.events, self.clock())
+                # Older than what was heard live since: a block replayed as
+                # stored may have been removed meanwhile, so it is speculative.
+                self._apply(feed, batch.events, self.clock(), trusted=False)
         except (zmq.ZMQError, OSError) as exc:
             log.warning("replay from %s failed: %s", feed.worker_id, exc)
         finally:
@@ -324,6 +352,7 @@ class KvEventSubscriber:
         Raises:
             zmq.ZMQError: The endpoint cannot be bound (in use, bad address).
         """
+        self.started_wall = self.wall_clock()
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
