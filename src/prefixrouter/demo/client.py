@@ -3,8 +3,10 @@
 Each request is sent at its offset from the start (open loop, so a slow
 router is not hidden by the client slowing down), streamed, and timed: time
 to first token is the first chunk with content, end-to-end the ``[DONE]``
-line. The engine's ``usage`` (from the final chunk, ``include_usage``) gives
-prompt and cached tokens. ``concurrency`` bounds requests in flight so a
+line. The stream is then read to its end, as the OpenAI SDKs do: closing the
+connection right after ``[DONE]`` makes a proxy see a disconnect. The
+engine's ``usage`` (from the final chunk, ``include_usage``) gives prompt and
+cached tokens. ``concurrency`` bounds requests in flight so a
 stalled fleet cannot exhaust the machine; errors are recorded, never raised.
 """
 
@@ -49,13 +51,13 @@ async def _one(
                 return res
             async for raw in resp.content:
                 line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
+                if res.ok or not line.startswith(b"data:"):
+                    continue  # after [DONE], read to the end as SDKs do (no reset)
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     res.e2e_s = time.perf_counter() - start
                     res.ok = True
-                    break
+                    continue
                 chunk = orjson.loads(payload)
                 if res.ttft_s < 0 and any(
                     (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()
