@@ -3,8 +3,8 @@
 Parses the options, reports peers that are not installed (skipped, with the
 command that installs them), runs :func:`prefixrouter.bench.runner.run_bench`
 with rich progress bars on stderr, and prints one table per scenario as it
-ends, then the overhead table. ``--json`` and ``--plot`` are rewritten after
-every scenario.
+ends, then the overhead table. ``--json``, ``--plot`` and ``--markdown`` are
+rewritten after every scenario.
 
 Bad input (unknown scenario, router or profile, a peers dir that is a file)
 prints one line and exits with status 2; a fleet that cannot start exits with 1.
@@ -102,6 +102,9 @@ def bench(
     seed: Annotated[int, typer.Option(min=0, help="Workload seed.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
+    markdown: Annotated[
+        Path | None, typer.Option(help="Write the tables as Markdown here.")
+    ] = None,
     overhead: Annotated[
         bool, typer.Option("--overhead/--no-overhead", help="Also compare router overhead.")
     ] = True,
@@ -152,6 +155,7 @@ def bench(
         scenarios=names, routers=specs, profile=prof, peers_dir=peers, workers=workers,
         rate=rate, requests=requests, load=load, time_scale=time_scale, scale=scale,
         warmup=warmup, seed=seed, log_dir=log_dir, json_out=json_out, plot_out=plot,
+        markdown_out=markdown,
         overhead=OverheadConfig(
             workers=workers, rate=overhead_rate, seconds=overhead_seconds,
             saturation_s=min(3.0, overhead_seconds),
@@ -177,6 +181,6 @@ def bench(
         raise typer.Exit(code=1) from None
     if result.overhead is not None:
         console.print(overhead_table(result.overhead, overhead_rate))
-    for path in (json_out, plot):
+    for path in (json_out, plot, markdown):
         if path is not None:
             console.print(f"wrote {path}")

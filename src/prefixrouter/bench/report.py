@@ -173,3 +173,59 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _md_ms(value: float) -> str:
+    return f"{value / 1e3:.2f} s" if value >= 10_000 else f"{value:,.0f} ms"
+
+
+def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """The results as Markdown tables (one per scenario, then the overhead)."""
+    items = doc if isinstance(doc, list) else [doc]
+    lines: list[str] = []
+    for rep in items:
+        if rep["scenario"] == "overhead":
+            lines += [
+                f"Overhead over a direct call ({rep['workers']} instant engines, "
+                f"{rep['rate_rps']:g} req/s open loop, 8 KB prompts):",
+                "",
+                "| router | added p50 | added p99 | most req/s | router CPU/req | engine CPU/req |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for r in rep["results"]:
+                if "added_p50_ms" not in r:
+                    lines.append(
+                        f"| {r['router']} | {r.get('skipped') or r.get('error')} | | | | |"
+                    )
+                    continue
+                lines.append(
+                    f"| {r['router']} | {r['added_p50_ms']:.2f} ms | {r['added_p99_ms']:.2f} ms | "
+                    f"{r['rps_max']:,.0f} | {r['cpu_ms_per_request']:.3f} ms | "
+                    f"{r['engine_cpu_ms_per_request']:.3f} ms |"
+                )
+            lines.append("")
+            continue
+        lines += [
+            f"`{rep['scenario']}`: {rep['requests']} requests at {rep['rate_rps']:g} req/s on "
+            f"{rep['workers']} engines, load {rep['load']:.2f}, engine time scale "
+            f"{rep['time_scale']:.3g}, KV {rep['kv_blocks'] or 'profile'} blocks per engine.",
+            "",
+            "| router | ok | TTFT mean | p50 | p90 | p99 | e2e p50 | e2e p99 | req/s | cached "
+            "| requests per engine |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in rep["results"]:
+            if "ttft_ms" not in r:
+                why = r.get("skipped") or r.get("error")
+                lines.append(f"| {r['router']} | {why} | | | | | | | | | |")
+                continue
+            t, e = r["ttft_ms"], r["e2e_ms"]
+            name = f"**{r['router']}**" if r["router"] == "prefixrouter" else r["router"]
+            lines.append(
+                f"| {name} | {r['ok']}/{r['requests']} | {_md_ms(t['mean'])} | "
+                f"{_md_ms(t['p50'])} | {_md_ms(t['p90'])} | {_md_ms(t['p99'])} | "
+                f"{_md_ms(e['p50'])} | {_md_ms(e['p99'])} | {r['throughput_rps']:.2f} | "
+                f"{r['cached_token_share']:.1%} | {' '.join(map(str, r['per_worker_requests']))} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -2,10 +2,10 @@
 
 :func:`run_bench` builds each scenario's text workload, runs it on its own
 fleet (:func:`prefixrouter.bench.live.run_scenario`), then measures overhead
-(:func:`prefixrouter.bench.overhead.run_overhead`) unless disabled. The JSON
-and the PNG are rewritten after every scenario, so an interrupted run keeps
-what it measured. Progress goes to a :class:`BenchUI` (the CLI draws rich
-progress bars; tests pass nothing).
+(:func:`prefixrouter.bench.overhead.run_overhead`) unless disabled. The JSON,
+the PNG and the Markdown tables are rewritten after every scenario, so an
+interrupted run keeps what it measured. Progress goes to a :class:`BenchUI`
+(the CLI draws rich progress bars; tests pass nothing).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from prefixrouter.bench.live import LiveConfig, ScenarioRun, run_scenario
 from prefixrouter.bench.overhead import OverheadConfig, run_overhead
-from prefixrouter.bench.report import document, plot, write_json
+from prefixrouter.bench.report import document, markdown, plot, write_json
 from prefixrouter.bench.routers import RouterSpec
 from prefixrouter.bench.workload import build_bench_workload, warmup_requests
 from prefixrouter.demo.client import Result
@@ -58,6 +58,7 @@ class BenchOptions:
     log_dir: Path | None = None
     json_out: Path | None = None
     plot_out: Path | None = None
+    markdown_out: Path | None = None
     overhead: OverheadConfig | None = field(default_factory=OverheadConfig)
 
 
@@ -85,6 +86,9 @@ class BenchResult:
             write_json(opts.json_out, self.document(opts))
         if opts.plot_out is not None:
             plot(self.runs, self.overhead or [], opts.plot_out)
+        if opts.markdown_out is not None:
+            opts.markdown_out.parent.mkdir(parents=True, exist_ok=True)
+            opts.markdown_out.write_text(markdown(self.document(opts)), encoding="utf-8")
 
 
 def _run_loop(coro: Any) -> Any:
