@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         progress.advance(task)
     table = Table(title="real vLLM, 2 CPU engines")
     for col in ("workload", "router", "TTFT mean", "p50", "p99", "cached", "prefill tok"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for r in results:
         if "ttft_ms" not in r:
             table.add_row(r["workload"], r["router"], r.get("skipped") or r.get("error") or "")

@@ -57,6 +57,10 @@ class ChatTokenizer(Protocol):
         """Token ids of ``text``."""
         ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completions prompt (with the tokenizer's special tokens, as vLLM)."""
+        ...
+
     def apply_chat_template(
         self, messages: Sequence[Any], tools: Sequence[Any] | None = None
     ) -> str:
@@ -341,7 +345,7 @@ class RequestBuilder:
         else:
             text, tokens = _prompt(body.get("prompt"))
             if text is not None and self.tokenizer is not None:
-                tokens, text = self.tokenizer.encode(text), None
+                tokens, text = self.tokenizer.encode_prompt(text), None
             size = len(text) if text is not None else len(tokens or ())
             cls = _header_class(prefix_class_header) or (
                 PrefixClass.DOCUMENT if size >= self.routing.document_chars else PrefixClass.UNKNOWN
