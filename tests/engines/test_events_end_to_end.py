@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from tests.admin_client import decisions, workers
 
 from prefixrouter.demo.fleet import Fleet, Server, free_port
 
@@ -113,18 +114,6 @@ async def ask(c: Cluster, body: dict[str, Any], headers: dict[str, str] | None =
         return r.headers["X-Request-Id"]
 
 
-async def records(c: Cluster, ids: list[str]) -> list[dict[str, Any]]:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(100):
-            async with s.get(c.gateway.url + "/admin/decisions?limit=1000") as r:
-                data = await r.json()
-            by_id = {d["request_id"]: d for d in data["decisions"]}
-            if all(i in by_id and by_id[i].get("actual_cached_tokens") is not None for i in ids):
-                return [by_id[i] for i in ids]
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"decisions for {ids} never logged")
-
-
 async def wait_feeds(c: Cluster, cond: Any) -> dict[str, dict[str, Any]]:
     """Poll the feeds' stats until ``cond(stats)`` holds (events travel asynchronously)."""
     for _ in range(100):
@@ -136,9 +125,7 @@ async def wait_feeds(c: Cluster, cond: Any) -> dict[str, dict[str, Any]]:
 
 
 async def feeds(c: Cluster) -> dict[str, dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.get(c.gateway.url + "/admin/workers") as r:
-        data = await r.json()
-    return {w["id"]: w["kv_events"] for w in data["workers"]}
+    return {wid: w["kv_events"] for wid, w in (await workers(c.gateway.url)).items()}
 
 
 def test_events_make_predictions_exact_and_follow_evictions(cluster: Cluster) -> None:
@@ -148,7 +135,7 @@ def test_events_make_predictions_exact_and_follow_evictions(cluster: Cluster) ->
         stats = await wait_feeds(cluster, lambda st: sum(f["stored_events"] for f in st.values()))
         assert all(f["gaps"] == 0 and f["decode_errors"] == 0 for f in stats.values())
         again = [await ask(cluster, chat(doc, f"Question {i}?")) for i in range(3)]
-        recs = await records(cluster, [first, *again])
+        recs = await decisions(cluster.gateway.url, [first, *again])
         assert recs[0]["actual_cached_tokens"] == 0
         for r in recs[1:]:
             assert r["selected_worker"] == recs[0]["selected_worker"]
@@ -167,7 +154,7 @@ def test_events_make_predictions_exact_and_follow_evictions(cluster: Cluster) ->
                     assert r.status == 200
         await wait_feeds(cluster, lambda st: st[worker]["removed_events"] >= 1)
         after = await ask(cluster, chat(doc, "And now?"))
-        (rec,) = await records(cluster, [after])
+        (rec,) = await decisions(cluster.gateway.url, [after])
         assert rec["predicted_cached_tokens"] == rec["actual_cached_tokens"]
 
     asyncio.run(asyncio.wait_for(body(), 60))
@@ -179,7 +166,7 @@ def test_salted_tenants_events_land_in_their_own_namespace(cluster: Cluster) -> 
         a = {"X-Tenant": "acme"}
         ids = [await ask(cluster, chat(doc, f"A{i}?"), a) for i in range(2)]
         other = await ask(cluster, chat(doc, "B?"), {"X-Tenant": "globex"})
-        _first, second, b = await records(cluster, [*ids, other])
+        _first, second, b = await decisions(cluster.gateway.url, [*ids, other])
         # The salt in the events maps back to acme's namespace: exact prediction.
         assert second["actual_cached_tokens"] > 0
         assert second["predicted_cached_tokens"] == second["actual_cached_tokens"]

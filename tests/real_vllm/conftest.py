@@ -34,6 +34,7 @@ from prefixrouter.engines.vllm_fleet import (
     VllmSetup,
     ensure_vllm,
 )
+from tests import admin_client
 
 BLOCK = 32
 KV_BLOCKS = 640  # 20,480 tokens per engine: two 8k documents fit, three do not
@@ -169,21 +170,11 @@ async def post_chat(
 
 async def decisions(gw: Gateway, ids: list[str]) -> list[dict[str, Any]]:
     """The decision records of ``ids`` once their outcomes are in."""
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):
-            async with s.get(gw.url + "/admin/decisions?limit=5000") as r:
-                data = await r.json()
-            by_id = {d["request_id"]: d for d in data["decisions"]}
-            if all(i in by_id and by_id[i].get("actual_cached_tokens") is not None for i in ids):
-                return [by_id[i] for i in ids]
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"no complete decision records for {ids}")
+    return await admin_client.decisions(gw.url, ids)
 
 
 async def workers(gw: Gateway) -> dict[str, dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.get(gw.url + "/admin/workers") as r:
-        data = await r.json()
-    return {w["id"]: w for w in data["workers"]}
+    return await admin_client.workers(gw.url)
 
 
 async def until(check: Any, timeout_s: float = 30.0, what: str = "condition") -> Any:
