@@ -21,14 +21,21 @@ Phases:
    scheduled send time) for ``--seconds`` in all, in ``--rounds`` interleaved
    rounds; ``added_p50_ms`` / ``added_p99_ms``
    are the differences of the latency percentiles; the gateway's CPU time
-   (``/proc/PID/stat`` utime+stime) over the via-gateway phase divided by its
-   requests is ``cpu_ms_per_request``;
+   over the via-gateway rounds divided by their requests (warm-up included)
+   is ``cpu_ms_per_request``. CPU time is read from ``/proc/PID/task/*/schedstat``
+   (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks);
 2. closed loop with ``--connections`` concurrent connections through the
    gateway for ``--seconds``: completed requests per second is ``rps_max``.
 
-``--baseline`` runs the same phases through a bare aiohttp + uvloop proxy
-(read the body, POST it upstream, return the answer) and reports it under
+``--baseline`` also measures a bare aiohttp + uvloop proxy (read the body,
+POST it upstream, return the answer), reported under
 ``"baseline_bare_proxy"``: the floor any Python proxy pays on this machine.
+Both proxies run at once and their open-loop rounds alternate, so a burst of
+other work on a shared machine lands on both sides of the comparison.
+
+``--profile OUT`` runs the gateway under pyinstrument (``pip install
+pyinstrument``; figures are then slower): ``OUT.txt`` gets the text call
+tree, ``OUT.html`` / ``OUT.pyisession`` pyinstrument's other formats.
 
 Usage::
 
@@ -352,9 +359,17 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> Non
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of ``pid`` so far, in seconds."""
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except OSError:  # no schedstat (or a thread ended meanwhile): tick counts
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -367,41 +382,52 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
-def _measure_proxy(
-    port: int, pid: int, direct_port: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Direct and via-proxy open-loop rounds, interleaved, then the closed loop.
+def _measure_proxies(
+    proxies: list[tuple[int, int]], direct_port: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Direct and via-proxy open-loop rounds, interleaved, then each closed loop.
 
-    Interleaving ``--rounds`` short rounds spreads the noise of a shared
-    machine over both sides instead of letting a burst land on one of them.
+    ``proxies`` are ``(port, pid)`` pairs. Interleaving ``--rounds`` short
+    rounds (each proxy's in alternating order) spreads the noise of a shared
+    machine over every side instead of letting a burst land on one of them.
     """
     import uvloop
 
     direct: list[float] = []
-    via: list[float] = []
-    errors = [0, 0]
-    cpu = 0.0
-    via_requests = 0
+    direct_errors = 0
+    via: list[list[float]] = [[] for _ in proxies]
+    errors = [0] * len(proxies)
+    cpu = [0.0] * len(proxies)
+    requests = [0] * len(proxies)
     seconds = args.seconds / args.rounds
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         d = uvloop.run(open_loop(direct_port, args.rate, seconds))
         direct += d["latencies"]
-        errors[0] += d["errors"]
-        cpu0 = _cpu_s(pid)
-        v = uvloop.run(open_loop(port, args.rate, seconds))
-        cpu += _cpu_s(pid) - cpu0
-        via += v["latencies"]
-        errors[1] += v["errors"]
-        via_requests += v["requests"] + WARMUP
-    sat = uvloop.run(closed_loop(port, args.connections, args.seconds))
-    ds, vs = _summary(direct, errors[0]), _summary(via, errors[1])
-    return {
-        "added_p50_ms": round(vs["p50_ms"] - ds["p50_ms"], 3),
-        "added_p99_ms": round(vs["p99_ms"] - ds["p99_ms"], 3),
-        "rps_max": round(sat["rps"], 1),
-        "cpu_ms_per_request": round(1e3 * cpu / via_requests, 4),
-        "detail": {"direct": ds, "via": vs, "saturation": sat},
-    }
+        direct_errors += d["errors"]
+        order = list(range(len(proxies)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            port, pid = proxies[i]
+            cpu0 = _cpu_s(pid)
+            v = uvloop.run(open_loop(port, args.rate, seconds))
+            cpu[i] += _cpu_s(pid) - cpu0
+            via[i] += v["latencies"]
+            errors[i] += v["errors"]
+            requests[i] += v["requests"] + WARMUP
+    ds = _summary(direct, direct_errors)
+    out = []
+    for i, (port, _) in enumerate(proxies):
+        sat = uvloop.run(closed_loop(port, args.connections, args.seconds))
+        vs = _summary(via[i], errors[i])
+        out.append(
+            {
+                "added_p50_ms": round(vs["p50_ms"] - ds["p50_ms"], 3),
+                "added_p99_ms": round(vs["p99_ms"] - ds["p99_ms"], 3),
+                "rps_max": round(sat["rps"], 1),
+                "cpu_ms_per_request": round(1e3 * cpu[i] / requests[i], 4),
+                "detail": {"direct": ds, "via": vs, "saturation": sat},
+            }
+        )
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -420,10 +446,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gw_port = _free_port()
         cmd = [PY, "-m", "prefixrouter.gateway", "--port", str(gw_port)]
         if args.profile:
-            # pyinstrument (pip install pyinstrument) samples the gateway and
-            # writes a text profile when it exits; figures are then slower.
-            # The renderer follows the extension: .txt gives the text tree,
-            # .pstats / .pyisession / .html pyinstrument's other formats.
+            # pyinstrument samples the gateway in-process and writes the
+            # profile when it exits; the format follows the extension.
             render = ["--renderer", "text", "--show-all"] if args.profile.endswith(".txt") else []
             cmd[1:2] = ["-m", "pyinstrument", *render, "-o", args.profile, "-m"]
         for p in ports:
@@ -431,9 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
         _wait(f"http://127.0.0.1:{gw_port}/health", gw)
-
-        report = _measure_proxy(gw_port, gw.pid, ports[0], args)
-        _stop(gw)
+        proxies = [(gw_port, gw.pid)]
         if args.baseline:
             bare_port = _free_port()
             bare = subprocess.Popen(
@@ -442,7 +464,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             procs.append(bare)
             _wait(f"http://127.0.0.1:{bare_port}/health", bare)
-            report["baseline_bare_proxy"] = _measure_proxy(bare_port, bare.pid, ports[0], args)
+            proxies.append((bare_port, bare.pid))
+
+        results = _measure_proxies(proxies, ports[0], args)
+        report = results[0]
+        if args.baseline:
+            report["baseline_bare_proxy"] = results[1]
         return report
     finally:
         for proc in procs:
