@@ -81,6 +81,7 @@ def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_c
         (["--profile", "a100"], "unknown engine profile"),
         (["--scale", "2"], "scale"),
         (["--rate", "0"], "rate"),
+        (["--no-live", "--no-overhead"], "nothing to run"),
     ],
 )
 def test_bad_input_is_one_line_not_a_traceback(args: list[str], message: str) -> None:

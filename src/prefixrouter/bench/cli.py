@@ -108,6 +108,9 @@ def bench(
     overhead: Annotated[
         bool, typer.Option("--overhead/--no-overhead", help="Also compare router overhead.")
     ] = True,
+    live: Annotated[
+        bool, typer.Option("--live/--no-live", help="Run the scenarios (--no-live: overhead only).")
+    ] = True,
     overhead_rate: Annotated[
         float, typer.Option(min=1.0, help="Overhead: offered requests per second.")
     ] = 300.0,
@@ -134,7 +137,9 @@ def bench(
     from prefixrouter.demo.fleet import Fleet
     from prefixrouter.sim.profiles import get_profile
 
-    names = list(dict.fromkeys(scenario or DEFAULT_SCENARIOS))
+    names = list(dict.fromkeys(scenario or DEFAULT_SCENARIOS)) if live else []
+    if not live and not overhead:
+        raise _fail("--no-live with --no-overhead leaves nothing to run")
     known = live_scenarios()
     bad = [n for n in names if n not in known]
     if bad:

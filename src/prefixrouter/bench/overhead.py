@@ -53,7 +53,7 @@ class OverheadConfig:
     workers: int = 4
     rate: float = 300.0
     seconds: float = 4.0
-    rounds: int = 2
+    rounds: int = 4
     connections: int = 32
     saturation_s: float = 3.0
 

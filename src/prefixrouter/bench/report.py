@@ -150,6 +150,7 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
         ax_ttft.set_title("TTFT p50 (light) and p99")
         ax_cache.bar(list(xs), [100 * s["cached_token_share"] for s in summaries], color=colors)
         ax_cache.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax_cache.set_ylim(0, 100)
         ax_cache.set_ylabel("prompt tokens from cache (%)")
         ax_cache.set_title("cached-token share (engine counters)")
     if measured_overhead:
