@@ -33,6 +33,23 @@ POST it upstream, return the answer), reported under
 Both proxies run at once and their open-loop rounds alternate, so a burst of
 other work on a shared machine lands on both sides of the comparison.
 
+``--breakdown`` (implies ``--baseline``) adds a third proxy: the gateway with
+the routing core stubbed out (``Router.route`` answers its first decision
+again, ``on_routed`` / ``on_completed`` do nothing), and reports under
+``"breakdown"`` the CPU per request of the bare proxy, of the gateway's own
+work on top of it (stubbed gateway minus bare proxy: request building,
+bookkeeping, metrics, decision log, pollers, the collector) and of the
+routing core (gateway minus stubbed gateway).
+
+``--hot-loop N`` measures no network at all: the gateway's request handler
+runs in this process N times per repeat against a fake upstream session that
+answers at once, and the best of five repeats gives the microseconds per
+request of the handler (``handler_us``), of the same handler with the
+routing core stubbed out as above (``gateway_own_us``) and their difference
+(``routing_core_us``). It is free of the noise of a shared machine, but
+hot: the caches hold everything, so in a live process the same work costs
+about twice as much.
+
 ``--profile OUT`` runs the gateway under pyinstrument (``pip install
 pyinstrument``; figures are then slower): ``OUT.txt`` gets the text call
 tree, ``OUT.html`` / ``OUT.pyisession`` pyinstrument's other formats.
@@ -40,7 +57,8 @@ tree, ``OUT.html`` / ``OUT.pyisession`` pyinstrument's other formats.
 Usage::
 
     python benchmarks/gateway_overhead.py [--json] [--rate 500] [--seconds 4] [--rounds 4]
-                                          [--baseline] [--profile OUT.txt]
+                                          [--baseline] [--breakdown] [--profile OUT.txt]
+    python benchmarks/gateway_overhead.py --hot-loop 5000
 
 Targets (issue 4): <= 1 ms added p50, <= 5 ms added p99, >= 2,500 rps,
 <= 0.4 ms of gateway CPU per request.
@@ -182,6 +200,121 @@ def serve_bare_proxy(port: int, upstream: str) -> None:
         await asyncio.Event().wait()
 
     uvloop.run(main())
+
+
+def _stub_routing_core() -> Any:
+    """Make ``Router`` answer its first decision again and ignore feedback.
+
+    Returns:
+        A function that puts the real methods back.
+    """
+    from prefixrouter.core.router import Decision, Router
+
+    real = (Router.route, Router.on_routed, Router.on_completed)
+    first: list[Decision] = []
+
+    def route_once(self: Router, request: Any, workers: Any, now: float, blocks: Any = None) -> Any:
+        if not first:
+            first.append(real[0](self, request, workers, now, blocks))
+        return first[0]
+
+    def undo() -> None:
+        Router.route, Router.on_routed, Router.on_completed = real  # type: ignore[method-assign]
+
+    Router.route = route_once  # type: ignore[method-assign]
+    Router.on_routed = lambda self, decision, now: None  # type: ignore[method-assign]
+    Router.on_completed = lambda self, decision, outcome, now: False  # type: ignore[method-assign]
+    return undo
+
+
+def serve_gateway_without_routing(argv: list[str]) -> None:
+    """The gateway with the routing core stubbed out (``--breakdown``)."""
+    from prefixrouter.gateway.cli import main
+
+    _stub_routing_core()
+    main(argv)
+
+
+class _FakeUpstream:
+    """Stands in for the aiohttp session and its response (``--hot-loop``)."""
+
+    status = 200
+    content_type = "application/json"
+
+    def post(self, url: str, **kw: Any) -> _FakeUpstream:
+        return self
+
+    async def __aenter__(self) -> _FakeUpstream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        return RESPONSE
+
+
+class _FakeRequest:
+    """What the handler reads of an aiohttp request (``--hot-loop``)."""
+
+    def __init__(self, raw: bytes) -> None:
+        from multidict import CIMultiDict, CIMultiDictProxy
+
+        self.raw = raw
+        self.content_length = len(raw)
+        self.headers = CIMultiDictProxy(CIMultiDict({"Content-Type": "application/json"}))
+
+    async def read(self) -> bytes:
+        return self.raw
+
+
+def hot_loop(n: int) -> dict[str, float]:
+    """Microseconds per request of the gateway's handler, in process (see the docstring)."""
+    import gc
+
+    from prefixrouter.config import config_from_dict
+    from prefixrouter.gateway.proxy import Proxy
+    from prefixrouter.gateway.state import build_state
+
+    def per_request_us() -> float:
+        cfg = config_from_dict(
+            {"workers": [{"url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)]}
+        )
+        st = build_state(cfg)
+        st.session = _FakeUpstream()  # type: ignore[assignment]
+        proxy = Proxy(st)
+        requests = [_FakeRequest(b) for b in _bodies()]
+
+        def run(count: int, start: int) -> None:
+            for i in range(start, start + count):
+                coro = proxy.chat(requests[i % len(requests)])  # type: ignore[arg-type]
+                try:
+                    coro.send(None)
+                except StopIteration as done:
+                    assert done.value.status == 200
+                else:
+                    raise RuntimeError("the handler waited on something")
+
+        run(3000, 0)  # fill the index, the decision ring and the memos
+        gc.collect()
+        best = float("inf")
+        for r in range(5):
+            t = time.perf_counter()
+            run(n, 3000 + r * n)
+            best = min(best, time.perf_counter() - t)
+        return 1e6 * best / n
+
+    full = per_request_us()
+    undo = _stub_routing_core()
+    try:
+        own = per_request_us()
+    finally:
+        undo()
+    return {
+        "handler_us": round(full, 2),
+        "gateway_own_us": round(own, 2),
+        "routing_core_us": round(full - own, 2),
+    }
 
 
 # ----------------------------------------------------------------- load generator
@@ -444,19 +577,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in ports:
             _wait(f"http://127.0.0.1:{p}/health", up)
         gw_port = _free_port()
+        workers = [a for p in ports for a in ("--worker", f"http://127.0.0.1:{p}")]
         cmd = [PY, "-m", "prefixrouter.gateway", "--port", str(gw_port)]
         if args.profile:
             # pyinstrument samples the gateway in-process and writes the
             # profile when it exits; the format follows the extension.
             render = ["--renderer", "text", "--show-all"] if args.profile.endswith(".txt") else []
             cmd[1:2] = ["-m", "pyinstrument", *render, "-o", args.profile, "-m"]
-        for p in ports:
-            cmd += ["--worker", f"http://127.0.0.1:{p}"]
-        gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        gw = subprocess.Popen(cmd + workers, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
         _wait(f"http://127.0.0.1:{gw_port}/health", gw)
         proxies = [(gw_port, gw.pid)]
-        if args.baseline:
+        if args.baseline or args.breakdown:
             bare_port = _free_port()
             bare = subprocess.Popen(
                 [PY, __file__, "--serve-bare", f"{bare_port},http://127.0.0.1:{ports[0]}"],
@@ -465,11 +597,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(bare)
             _wait(f"http://127.0.0.1:{bare_port}/health", bare)
             proxies.append((bare_port, bare.pid))
+        if args.breakdown:
+            stub_port = _free_port()
+            stub = subprocess.Popen(
+                [PY, __file__, "--serve-stubbed", "--port", str(stub_port), *workers],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(stub)
+            _wait(f"http://127.0.0.1:{stub_port}/health", stub)
+            proxies.append((stub_port, stub.pid))
 
         results = _measure_proxies(proxies, ports[0], args)
         report = results[0]
-        if args.baseline:
+        if len(results) > 1:
             report["baseline_bare_proxy"] = results[1]
+        if args.breakdown:
+            gw_cpu, bare_cpu, stub_cpu = (r["cpu_ms_per_request"] for r in results)
+            report["breakdown"] = {
+                "bare_proxy_ms": bare_cpu,
+                "gateway_own_ms": round(stub_cpu - bare_cpu, 4),
+                "routing_core_ms": round(gw_cpu - stub_cpu, 4),
+            }
         return report
     finally:
         for proc in procs:
@@ -484,9 +633,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="interleaved direct/via rounds")
     ap.add_argument("--connections", type=int, default=32, help="closed-loop connections")
     ap.add_argument("--baseline", action="store_true", help="also measure a bare proxy")
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also measure the gateway without its routing core (implies --baseline)",
+    )
     ap.add_argument("--profile", help="write a pyinstrument profile of the gateway here")
+    ap.add_argument(
+        "--hot-loop", type=int, metavar="N", help="only the in-process handler timing (N/repeat)"
+    )
     ap.add_argument("--serve-upstream", help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", help=argparse.SUPPRESS)
+    if sys.argv[1:2] == ["--serve-stubbed"]:
+        serve_gateway_without_routing(sys.argv[2:])
+        return
     args = ap.parse_args()
     if args.serve_upstream:
         serve_upstream([int(p) for p in args.serve_upstream.split(",")])
@@ -495,6 +655,9 @@ def main() -> None:
         port, upstream = args.serve_bare.split(",", 1)
         serve_bare_proxy(int(port), upstream)
         return
+    if args.hot_loop:
+        print(orjson.dumps(hot_loop(args.hot_loop)).decode())
+        return
     report = run(args)
     if args.json:
         keys = ("added_p50_ms", "added_p99_ms", "rps_max", "cpu_ms_per_request")
@@ -502,6 +665,8 @@ def main() -> None:
         if "baseline_bare_proxy" in report:
             b = report["baseline_bare_proxy"]
             out["baseline_bare_proxy"] = {k: b[k] for k in out}
+        if "breakdown" in report:
+            out["breakdown"] = report["breakdown"]
         print(orjson.dumps(out).decode())
     else:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
