@@ -78,6 +78,8 @@ def _gain(ours: float, best: float) -> str:
 
 
 NOTES = Path(__file__).with_name("results_notes.md")
+LIVE = Path(__file__).with_name("live_results.md")
+"""The live comparison with the real peer routers (``prefixrouter bench``), appended."""
 
 
 def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
@@ -137,6 +139,8 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
                 f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
                 f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
             )
+    if LIVE.exists():
+        lines += ["", LIVE.read_text(encoding="utf-8").strip()]
     return "\n".join(lines) + "\n"
 
 
