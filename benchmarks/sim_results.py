@@ -80,6 +80,8 @@ def _gain(ours: float, best: float) -> str:
 NOTES = Path(__file__).with_name("results_notes.md")
 LIVE = Path(__file__).with_name("live_results.md")
 """The live comparison with the real peer routers (``prefixrouter bench``), appended."""
+VLLM = Path(__file__).with_name("vllm_results.md")
+"""The comparison on real vLLM engines (``benchmarks/vllm_live.py``), appended."""
 
 
 def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
@@ -139,8 +141,9 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
                 f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
                 f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
             )
-    if LIVE.exists():
-        lines += ["", LIVE.read_text(encoding="utf-8").strip()]
+    for appended in (LIVE, VLLM):
+        if appended.exists():
+            lines += ["", appended.read_text(encoding="utf-8").strip()]
     return "\n".join(lines) + "\n"
 
 

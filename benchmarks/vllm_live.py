@@ -133,8 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", default="all")
     p.add_argument("--workloads", default="doc-qa,multi-turn")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown")
+    p.add_argument("--from-json", type=Path, default=None, help="render an earlier --json only")
     args = p.parse_args(argv)
     console = Console(stderr=True)
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text())
+        print_table(results)
+        if args.markdown is not None:
+            args.markdown.write_text(markdown(results, args))
+        return 0
 
     setup = ensure_vllm()
     tmp = Path(tempfile.mkdtemp(prefix="vllm-live-"))
@@ -195,29 +203,69 @@ def main(argv: list[str] | None = None) -> int:
                         run = asyncio.run(run_router(spec, live, w, fleet, servers))
                         results.append({"workload": w.scenario, "repeat": rep, **summarize(run)})
                         progress.advance(task)
-    table = Table(title="real vLLM, 2 CPU engines")
-    for col in ("workload", "router", "TTFT mean", "p50", "p99", "cached", "prefill tok"):
-        table.add_column(col, no_wrap=True)
-    for r in results:
-        if "ttft_ms" not in r:
-            table.add_row(r["workload"], r["router"], r.get("skipped") or r.get("error") or "")
-            continue
-        t = r["ttft_ms"]
-        table.add_row(
-            r["workload"],
-            r["router"],
-            f"{t['mean'] / 1e3:.3f} s",
-            f"{t['p50'] / 1e3:.3f} s",
-            f"{t['p99'] / 1e3:.3f} s",
-            f"{r['cached_token_share']:.1%}",
-            f"{r['prefill_tokens']:,}",
-        )
-    Console().print(table)
+    print_table(results)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(results, args))
     console.print(f"router logs and decision logs: {tmp / 'logs'}")
     return 0
+
+
+COLUMNS = ("workload", "router", "run", "TTFT mean", "p50", "p99", "cached", "prefill tokens")
+
+
+def rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """One row per run: figures, or why the router did not run."""
+    out = []
+    for r in results:
+        head = (r["workload"], r["router"], str(r["repeat"] + 1))
+        if "ttft_ms" not in r:
+            reason = r.get("skipped") or r.get("error") or ""
+            out.append((*head, reason, "", "", "", ""))
+            continue
+        t = r["ttft_ms"]
+        out.append(
+            (
+                *head,
+                f"{t['mean'] / 1e3:.3f} s",
+                f"{t['p50'] / 1e3:.3f} s",
+                f"{t['p99'] / 1e3:.3f} s",
+                f"{r['cached_token_share']:.1%}",
+                f"{r['prefill_tokens']:,}",
+            )
+        )
+    return out
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    table = Table(title="real vLLM, 2 CPU engines")
+    for col in COLUMNS:
+        table.add_column(col, no_wrap=True)
+    for row in rows(results):
+        table.add_row(*row)
+    Console().print(table)
+
+
+def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The tables as a Markdown section (for benchmarks/RESULTS.md)."""
+    lines = [
+        "## Live, on real vLLM engines",
+        "",
+        "`python benchmarks/vllm_live.py "
+        f"--questions {args.questions} --turns {args.turns} --repeats {args.repeats}`: two vLLM "
+        "CPU engines (tiny local model, 20,480-token KV pool each, block size 32, pinned to "
+        "cores 0 and 1), the same traffic through each router in turn, caches reset between "
+        "runs. doc-qa: 4 documents of 8,000 tokens, interleaved questions, one request every "
+        "0.5 s; multi-turn: 8 conversations with 1,500-token system prompts. TTFT measured by "
+        "the client (streaming); cached share from the engines' counters.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
