@@ -20,6 +20,7 @@ from prefixrouter.core import (
     WorkerView,
     create_policy,
 )
+from prefixrouter.core.events import BlockStored
 from prefixrouter.core.policies.prefix_aware import PrefixRouterParams
 from prefixrouter.errors import NoWorkerAvailable
 from tests.core.conftest import NS, request, tokens, workers
@@ -31,6 +32,12 @@ def warm(router: Router, worker: WorkerId, toks: object, now: float = 0.0) -> No
     """Make ``worker`` hold ``toks`` as if a request had been routed there."""
     req = request(f"warm-{worker}-{now}", toks)  # type: ignore[arg-type]
     router.index.on_routed(worker, router.blocks_for(req).hashes, now)
+
+
+def hold(router: Router, worker: WorkerId, toks: object, now: float = 0.0) -> None:
+    """Make ``worker`` hold ``toks`` for sure (the engine said so in a KV event)."""
+    req = request(f"held-{worker}-{now}", toks)  # type: ignore[arg-type]
+    router.apply(BlockStored(worker, router.blocks_for(req).hashes), now)
 
 
 def fill_cache(router: Router, worker: WorkerId, blocks: int = 2_000, now: float = 0.0) -> None:
@@ -158,7 +165,7 @@ def test_long_generations_spread_differently_from_short_answers() -> None:
 def test_hot_prefix_warms_a_second_replica() -> None:
     doc = tokens(1, 8_000)
 
-    def route_under_demand(requests_per_s: float) -> Decision:
+    def route_under_demand(requests_per_s: float, settled: bool = True) -> Decision:
         r = Router()
         warm(r, W0, doc)
         ws = workers(2)
@@ -169,13 +176,19 @@ def test_hot_prefix_warms_a_second_replica() -> None:
             d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
             r.policy.on_routed(d.context, W0)
         now = 300 / requests_per_s
-        warm(r, W0, doc, now)  # keep the speculative entries fresh at any rate
+        if settled:
+            hold(r, W0, doc, now)  # the engine has it (first copy prefilled)
+        else:
+            warm(r, W0, doc, now)  # only routed there: its first prefill may be running
         fill_cache(r, W1, 20_000, now)  # and w1 busy with other prefixes
         return r.route(request("x", doc + tokens(7, 50)), ws, now)
 
     calm, hot = route_under_demand(0.2), route_under_demand(50.0)
     assert calm.worker_id == W0 and "hot prefix" not in calm.reason
     assert hot.worker_id == W1 and "hot prefix" in hot.reason
+    # The same demand while the only copy is still unconfirmed: no second copy yet.
+    early = route_under_demand(50.0, settled=False)
+    assert early.worker_id == W0 and "hot prefix" not in early.reason
 
 
 def test_cold_quota_keeps_slots_for_unique_requests_in_a_hot_stream() -> None:
@@ -317,3 +330,21 @@ def test_params_validation_names_the_field() -> None:
     p = create_policy("prefixrouter", {"long": {"decode_weight": 2}}).params
     assert isinstance(p, PrefixRouterParams) and p.long.decode_weight == 2.0
     assert p.long.warm_margin_rel == PrefixRouterParams().long.warm_margin_rel
+
+
+def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> None:
+    r = Router()
+    ws = workers(2)
+    # w0 already has three requests that have not started; w1 decodes a few
+    # requests that are not ours, so w0 predicts a little faster. A burst of
+    # unique prompts should still not pile onto w0.
+    ws[0] = replace(ws[0], in_flight=3)
+    ws[1] = replace(ws[1], in_flight=0, decoding=4, context_tokens=40_000)
+    near = r.route(request("u1", tokens(900, 2_000)), ws, 1.0)
+    w0, w1 = candidate(near, W0), candidate(near, W1)
+    assert w0.score < w1.score  # type: ignore[attr-defined]
+    assert near.worker_id == W1 and near.tier == "cold" and "fewest in flight" in near.reason
+    # Far outside the margin, the prediction still decides.
+    ws[1] = replace(ws[1], pending_prefill_tokens=200_000)
+    far = r.route(request("u2", tokens(901, 2_000)), ws, 1.0)
+    assert far.worker_id == W0

@@ -30,11 +30,13 @@ Tiers, as in DESIGN.md:
 Rules on top of the score, in order:
 
 * **hot prefix**: the demand of the prefix the best warm worker holds (its
-  request rate times the engine time per request) needs more replicas than
-  hold it, at ``hot_prefix_utilization`` each: the best cold worker is warmed
-  now instead of growing the warm queues. Demand is counted per prefix of 1,
-  2, 4, 8, ... blocks, so a session's history is told apart from the system
-  prompt every session shares; a burst is seen from the last
+  request rate times the engine time per request on a replica that holds it)
+  needs more replicas than hold it, at ``hot_prefix_utilization`` each: the
+  best cold worker is warmed now instead of growing the warm queues. Not while
+  the prefix is held only speculatively (its first copy is still being
+  prefilled): a second copy would only prefill it again meanwhile. Demand is
+  counted per prefix of 1, 2, 4, 8, ... blocks, so a session's history is told
+  apart from the system prompt every session shares; a burst is seen from the last
   ``burst_samples`` arrivals, before the decayed rate has grown.
 * **maximum wait**: warm preference never makes a request wait behind more
   than ``max_warm_wait_s`` of queue (``warm_abandoned``).
@@ -65,7 +67,7 @@ from prefixrouter.core.policy import (
     Selection,
     register,
 )
-from prefixrouter.core.types import WorkerId, WorkerView
+from prefixrouter.core.types import EntrySource, WorkerId, WorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +255,13 @@ class PrefixRouterPolicy(Policy):
         ci = _argmin(scored, other_idx) if other_idx else -1
         other_terms = scored[ci].terms if ci >= 0 else None
         rate, needed = 0.0, 0
-        if other_terms is not None and other_terms.queue_wait_s <= cls.max_warm_wait_s:
+        held_match = ctx.matches.get(best_warm.worker_id)
+        # While the only copies of the prefix are still being prefilled (known
+        # from routing alone, not yet confirmed by the engine), a second copy
+        # would pay the same prefill again while the first finishes: queueing
+        # behind the first copy is the cheaper wait.
+        settled = held_match is not None and held_match.source is not EntrySource.SPECULATIVE
+        if settled and other_terms is not None and other_terms.queue_wait_s <= cls.max_warm_wait_s:
             rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
         if needed > len(exact_idx):
             # Hot prefix: its demand needs more replicas than hold it. Warm the
@@ -342,13 +350,21 @@ class PrefixRouterPolicy(Policy):
             or not ctx.blocks.hashes
             or ctx.blocks.hashes[0] not in self._demand
         ):
-            return Selection(
-                scored[best_i].worker_id,
-                "cold",
-                "no reusable prefix anywhere: lowest predicted TTFT",
-                0,
-                out,
-            )
+            # A prefix never seen: any worker is as good as its prediction, and
+            # predictions of near-identical cold candidates differ by less than
+            # the model's error (per-worker calibration noise). Within the
+            # margin, the fewest requests in flight decides: a burst of unique
+            # requests spreads instead of following one worker's optimistic
+            # calibration.
+            limit = self._margin_limit(scored[best_i], self.params.short, 1.0)
+            near = [i for i in range(len(scored)) if scored[i].score <= limit]
+            pick = min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
+            reason = "no reusable prefix anywhere: lowest predicted TTFT"
+            if pick != best_i:
+                reason = (
+                    f"no reusable prefix anywhere: fewest in flight among {len(near)} within margin"
+                )
+            return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         # A prefix seen before that no cache holds any more (evicted
         # everywhere) goes to its home among the workers within the margin of
         # the best, by rendezvous hashing of its first block: the same worker
@@ -412,7 +428,15 @@ class PrefixRouterPolicy(Policy):
         ref = max(1, min(self.params.reference_batch, worker.max_slots))
         context = ctx.blocks.prompt_tokens + output / 2.0
         per_token = worker.profile.decode_step_time(ref, ref * context) / ref
-        service = warm.terms.prefill_s + output * per_token
+        # The engine time of a request on a replica that holds the prefix: its
+        # uncached suffix only. Not the confidence-weighted expectation of the
+        # score, which charges a share of the whole prompt's prefill to every
+        # request and, for long documents, calls any stream of questions hot.
+        prompt = ctx.blocks.prompt_tokens
+        matched = warm.matched_tokens
+        scale = warm.terms.scale
+        prefill = worker.profile.prefill_time(max(0, prompt - matched), matched) * scale
+        service = prefill + output * per_token
         demand = rate * service
         return rate, math.ceil(demand / self.params.hot_prefix_utilization)
 
