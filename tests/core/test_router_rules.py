@@ -348,3 +348,32 @@ def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> Non
     ws[1] = replace(ws[1], pending_prefill_tokens=200_000)
     far = r.route(request("u2", tokens(901, 2_000)), ws, 1.0)
     assert far.worker_id == W0
+
+
+def test_workers_holding_the_prefix_share_it_by_requests_in_flight() -> None:
+    r = Router()
+    prompt = tokens(1, 3_000)
+    ws = workers(2)
+    for w in (W0, W1):
+        hold(r, w, prompt)
+    # Both hold the system prompt. w0 predicts a little faster (w1 decodes a
+    # few requests that are not ours) but w0 already has three of ours waiting.
+    ws[0] = replace(ws[0], in_flight=3)
+    ws[1] = replace(ws[1], decoding=4, context_tokens=40_000)
+    d = r.route(request("s", prompt + tokens(2, 40)), ws, 1.0)
+    w0, w1 = candidate(d, W0), candidate(d, W1)
+    assert w0.score < w1.score < w0.score * 1.1  # type: ignore[attr-defined]
+    assert d.worker_id == W1 and d.tier == "exact"
+    # Without the tie band the lowest prediction wins.
+    strict = Router(create_policy("prefixrouter", {"tie_band_rel": 0.0}))
+    for w in (W0, W1):
+        hold(strict, w, prompt)
+    assert strict.route(request("s", prompt + tokens(2, 40)), ws, 1.0).worker_id == W0
+
+
+def test_demand_survives_a_clock_that_steps_back() -> None:
+    r = Router()
+    doc = tokens(1, 2_000)
+    for t in (5.0, 1.0e9, 3.0):
+        d = r.route(request(f"c{t}", doc + tokens(2, 10)), workers(2), t)
+        r.on_routed(d, t)

@@ -112,6 +112,8 @@ class PrefixRouterParams:
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
+        tie_band_rel: Scores within this share of the best count as equal; among
+            them the fewest requests in flight wins (calibration noise).
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
         reference_batch: Batch size assumed when estimating per-request decode service.
@@ -142,6 +144,7 @@ class PrefixRouterParams:
     interference_weight: float = 0.0
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
+    tie_band_rel: float = 0.1
     demand_window_s: float = 10.0
     burst_samples: int = 8
     reference_batch: int = 32
@@ -247,7 +250,7 @@ class PrefixRouterPolicy(Policy):
         # The workers holding the deepest prefix: leaving them for anyone else
         # (cold, or holding a shorter prefix) recomputes part of the prompt.
         exact_idx = [i for i in warm_idx if scored[i].matched_tokens >= deepest]
-        bw = _argmin(scored, exact_idx)
+        bw = _spread(scored, candidates, exact_idx, p.tie_band_rel)
         best, best_warm = scored[best_i], scored[bw]
         abandoned = False
         assert best_warm.terms is not None
@@ -351,19 +354,13 @@ class PrefixRouterPolicy(Policy):
             or ctx.blocks.hashes[0] not in self._demand
         ):
             # A prefix never seen: any worker is as good as its prediction, and
-            # predictions of near-identical cold candidates differ by less than
-            # the model's error (per-worker calibration noise). Within the
-            # margin, the fewest requests in flight decides: a burst of unique
-            # requests spreads instead of following one worker's optimistic
-            # calibration.
-            limit = self._margin_limit(scored[best_i], self.params.short, 1.0)
-            near = [i for i in range(len(scored)) if scored[i].score <= limit]
-            pick = min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
+            # predictions of near-identical candidates differ by calibration
+            # noise: within the tie band the fewest requests in flight decides,
+            # so a burst of unique requests spreads (see _spread).
+            pick = _spread(scored, candidates, range(len(scored)), self.params.tie_band_rel)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best_i:
-                reason = (
-                    f"no reusable prefix anywhere: fewest in flight among {len(near)} within margin"
-                )
+                reason = "no reusable prefix anywhere: fewest in flight among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         # A prefix seen before that no cache holds any more (evicted
         # everywhere) goes to its home among the workers within the margin of
@@ -459,7 +456,8 @@ class PrefixRouterPolicy(Policy):
                     demand.pop(next(iter(demand)))  # the oldest tracked prefix
                 recent: deque[float] = deque(maxlen=self.params.burst_samples)
                 d = demand[key] = _Demand(0.0, now, recent)
-            d.rate = d.rate * math.exp(-(now - d.last) / tau) + 1.0 / tau
+            # max(0): a caller's clock that steps back must not overflow exp.
+            d.rate = d.rate * math.exp(-max(0.0, now - d.last) / tau) + 1.0 / tau
             d.last = now
             d.recent.append(now)
             depth <<= 1
@@ -473,7 +471,7 @@ class PrefixRouterPolicy(Policy):
         d = self._demand.get(last_block)
         if d is None:
             return 0.0
-        steady = d.rate * math.exp(-(now - d.last) / self.params.demand_window_s)
+        steady = d.rate * math.exp(-max(0.0, now - d.last) / self.params.demand_window_s)
         recent = d.recent
         if len(recent) == recent.maxlen and now > recent[0]:
             return max(steady, (len(recent) - 1) / (now - recent[0]))
@@ -498,6 +496,29 @@ def _cache_pressure(ctx: RoutingContext, worker: WorkerId) -> float:
 def _rendezvous(block: int, worker: WorkerId) -> int:
     """Highest-random-weight score of (prefix, worker): stable across processes."""
     return int(xxhash.xxh3_64_intdigest(worker.encode("utf-8"), block & 0xFFFF_FFFF_FFFF_FFFF))
+
+
+def _spread(
+    scored: Sequence[CandidateScore],
+    candidates: Sequence[WorkerView],
+    indices: Sequence[int] | range,
+    band: float,
+) -> int:
+    """The best of ``indices``, where scores within ``band`` of the best count as equal.
+
+    Identical engines' predictions differ by their calibration (each learns
+    its own scale from noisy observations, about 20% apart live), and a
+    router that always takes the lowest prediction keeps feeding the worker
+    whose scale happens to be lowest until its queue shows. Among candidates
+    whose scores are within ``band`` (relative) of the best, the one with the
+    fewest requests in flight wins, then the lowest score.
+    """
+    best = _argmin(scored, indices)
+    if band <= 0:
+        return best
+    limit = scored[best].score * (1.0 + band)
+    near = [i for i in indices if scored[i].score <= limit]
+    return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
 
 
 def _argmin(scored: Sequence[CandidateScore], indices: Sequence[int] | range) -> int:
