@@ -437,3 +437,21 @@ def test_lint_observe_mode_counts_findings_and_forwards_the_body_unchanged() -> 
             assert "prefixrouter_lint_findings_total{" not in text
 
     run(body)
+
+
+def test_a_client_that_leaves_after_the_usage_chunk_still_leaves_its_feedback() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(chunk_delay_s=0.2)]
+        async with gateway_env(engines=engines) as env:
+            r = await env.chat(
+                LONG, stream=True, max_tokens=2, stream_options={"include_usage": True}
+            )
+            seen = b""
+            while b'"usage"' not in seen:
+                seen += await r.content.readany()
+            r.close()  # gone before [DONE], as some clients do once they have the usage
+            logs = await _decisions(env, 1)
+            assert logs[0]["status"] == 499
+            assert logs[0]["actual_cached_tokens"] is not None  # fed back all the same
+
+    run(body)

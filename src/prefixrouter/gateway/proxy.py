@@ -215,19 +215,15 @@ class Proxy:
                     decision.prefix_class,
                 )
             try:
+                # What a stream has relayed so far: a client that leaves after
+                # the engine's usage chunk still leaves its feedback behind.
+                progress = Attempt(None, CLIENT_GONE, error="client disconnected")
                 if built.stream:
-                    att = await self._stream(request, built, worker, path)
+                    att = await self._stream(request, built, worker, path, progress)
                 else:
                     att = await self._unary(built, worker, path)
             except asyncio.CancelledError:
-                self._finish(
-                    built,
-                    decision,
-                    worker,
-                    Attempt(None, CLIENT_GONE, error="client disconnected"),
-                    t0,
-                    retry,
-                )
+                self._finish(built, decision, worker, progress, t0, retry)
                 raise
             except Exception as exc:  # a bug must not crash the gateway or leak load
                 att = Attempt(error_response(exc), 500, error=f"{type(exc).__name__}: {exc}")
@@ -307,7 +303,12 @@ class Proxy:
         return Attempt(out, status, error=f"upstream answered {status}")
 
     async def _stream(
-        self, request: web.Request, built: BuiltRequest, worker: Worker, path: str
+        self,
+        request: web.Request,
+        built: BuiltRequest,
+        worker: Worker,
+        path: str,
+        progress: Attempt,
     ) -> Attempt:
         st = self.st
         assert st.session is not None
@@ -346,7 +347,8 @@ class Proxy:
             out.headers["Cache-Control"] = "no-cache"
             await out.prepare(request)
             # ---- bytes are reaching the client from here on: never retry ----
-            done, att = await self._relay(out, resp, first, built, ttft)
+            progress.ttft_s = ttft
+            done, att = await self._relay(out, resp, first, built, ttft, progress)
             return att
         finally:
             if done:
@@ -361,6 +363,7 @@ class Proxy:
         first: bytes,
         built: BuiltRequest,
         ttft: float,
+        progress: Attempt,
     ) -> tuple[bool, Attempt]:
         relay = SseRelay(strip_usage=not built.client_wants_usage)
         chunk = first
@@ -368,6 +371,9 @@ class Proxy:
         try:
             while chunk:
                 data = relay.feed(chunk)
+                if relay.usage is not None and progress.usage is None:
+                    # The usage chunk comes last: the engine has finished.
+                    progress.usage, progress.ok = relay.usage, True
                 if data:
                     await out.write(data)
                 try:
@@ -383,9 +389,11 @@ class Proxy:
                 await out.write(b"data: " + error_body(msg, "upstream_error", "502") + b"\n\n")
             await out.write_eof()
         except ConnectionResetError:
-            return False, Attempt(
+            gone = Attempt(
                 out, CLIENT_GONE, usage=relay.usage, ttft_s=ttft, error="client disconnected"
             )
+            gone.ok = progress.ok  # the engine finished if its usage chunk came
+            return False, gone
         if upstream_error is not None:
             return False, Attempt(out, 502, usage=relay.usage, ttft_s=ttft, error=upstream_error)
         return True, Attempt(out, 200, ok=True, usage=relay.usage, ttft_s=ttft)
