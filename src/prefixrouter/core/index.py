@@ -69,13 +69,13 @@ class IndexEntry:
 
     Attributes:
         source: How we learned it (speculative < confirmed < event).
-        last_seen: When it was last routed, confirmed or reported.
+        stored_at: When it entered the index (recency is the LRU order, not a time).
         expires_at: Speculative entries expire; others have ``inf``.
         confidence: How sure we are the engine still holds it (source-based).
     """
 
     source: EntrySource
-    last_seen: float
+    stored_at: float
     expires_at: float
     confidence: float
 
@@ -412,7 +412,6 @@ class PrefixIndex:
             # change. Tail first, so the chain's head ends up most recently used.
             deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
             for held in cast("list[IndexEntry]", existing):
-                held.last_seen = now
                 if held.source is EntrySource.SPECULATIVE:
                     if speculative:
                         held.expires_at = expires_at  # re-queued lazily by expire()
@@ -425,7 +424,6 @@ class PrefixIndex:
         for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
             if entry is not None:
                 lru.move_to_end(block)
-                entry.last_seen = now
                 if source >= entry.source:
                     if entry.source is EntrySource.SPECULATIVE and not speculative:
                         entry.expires_at = _INF
