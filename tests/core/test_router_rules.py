@@ -20,6 +20,7 @@ from prefixrouter.core import (
     WorkerView,
     create_policy,
 )
+from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.events import BlockStored
 from prefixrouter.core.policies.prefix_aware import PrefixRouterParams
 from prefixrouter.errors import NoWorkerAvailable
@@ -332,18 +333,31 @@ def test_params_validation_names_the_field() -> None:
     assert p.long.warm_margin_rel == PrefixRouterParams().long.warm_margin_rel
 
 
+def calibrate(router: Router, worker: WorkerId, factor: float) -> None:
+    """Teach the cost model that ``worker`` runs ``factor`` times its profile."""
+    for _ in range(300):
+        router.cost.observe(worker, CostTerms(0.0, 1.0, 0.0, 0.0, 0.0), factor)
+
+
 def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> None:
     r = Router()
+    calibrate(r, W0, 0.92)  # identical engines whose calibrations disagree by ~9%
     ws = workers(2)
-    # w0 already has three requests that have not started; w1 decodes a few
-    # requests that are not ours, so w0 predicts a little faster. A burst of
-    # unique prompts should still not pile onto w0.
+    # w0 already has three requests that have not started, but its optimistic
+    # calibration predicts it faster. A burst of unique prompts should still
+    # not pile onto w0.
     ws[0] = replace(ws[0], in_flight=3)
-    ws[1] = replace(ws[1], in_flight=0, decoding=4, context_tokens=40_000)
     near = r.route(request("u1", tokens(900, 2_000)), ws, 1.0)
     w0, w1 = candidate(near, W0), candidate(near, W1)
     assert w0.score < w1.score  # type: ignore[attr-defined]
     assert near.worker_id == W1 and near.tier == "cold" and "fewest in flight" in near.reason
+    # With calibrations that agree, predictions are trusted as they are: w0
+    # queues three requests, w1 decodes some that are not ours, w0 predicts
+    # faster and gets it.
+    ws[1] = replace(ws[1], decoding=4, context_tokens=40_000)
+    agreed = Router().route(request("u2", tokens(901, 2_000)), ws, 1.0)
+    assert candidate(agreed, W0).score < candidate(agreed, W1).score  # type: ignore[attr-defined]
+    assert agreed.worker_id == W0
     # Far outside the margin, the prediction still decides.
     ws[1] = replace(ws[1], pending_prefill_tokens=200_000)
     far = r.route(request("u2", tokens(901, 2_000)), ws, 1.0)
@@ -352,23 +366,32 @@ def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> Non
 
 def test_workers_holding_the_prefix_share_it_by_requests_in_flight() -> None:
     r = Router()
+    calibrate(r, W0, 0.92)
     prompt = tokens(1, 3_000)
     ws = workers(2)
     for w in (W0, W1):
         hold(r, w, prompt)
-    # Both hold the system prompt. w0 predicts a little faster (w1 decodes a
-    # few requests that are not ours) but w0 already has three of ours waiting.
+    # Both hold the system prompt; w0's optimistic calibration predicts it
+    # faster although three of our requests already wait there.
     ws[0] = replace(ws[0], in_flight=3)
-    ws[1] = replace(ws[1], decoding=4, context_tokens=40_000)
     d = r.route(request("s", prompt + tokens(2, 40)), ws, 1.0)
     w0, w1 = candidate(d, W0), candidate(d, W1)
-    assert w0.score < w1.score < w0.score * 1.1  # type: ignore[attr-defined]
+    assert w0.score < w1.score  # type: ignore[attr-defined]
     assert d.worker_id == W1 and d.tier == "exact"
-    # Without the tie band the lowest prediction wins.
+    # With the tie band off the lowest prediction wins.
     strict = Router(create_policy("prefixrouter", {"tie_band_rel": 0.0}))
+    calibrate(strict, W0, 0.92)
     for w in (W0, W1):
         hold(strict, w, prompt)
     assert strict.route(request("s", prompt + tokens(2, 40)), ws, 1.0).worker_id == W0
+
+
+def test_calibration_learns_the_observed_ratio() -> None:
+    r = Router()
+    calibrate(r, W0, 2.0)  # observed TTFTs twice what the profile predicts
+    assert abs(r.cost.scale(W0) - 2.0) < 0.01
+    d = r.route(request("c", tokens(5, 2_000)), workers(1), 1.0)
+    assert candidate(d, W0).terms.scale == r.cost.scale(W0)  # type: ignore[attr-defined]
 
 
 def test_demand_survives_a_clock_that_steps_back() -> None:

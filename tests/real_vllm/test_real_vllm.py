@@ -196,8 +196,13 @@ def test_e_killed_engine_is_dropped_and_comes_back_cold(vllm: VllmCluster) -> No
             return bool((await workers(gw))[victim_id]["healthy"])
 
         await until(healthy, 30, "the restarted engine to be healthy again")
-        # New documents: the restarted engine is empty and idle, so it gets work, cold.
-        out = [await post_chat(gw.url, chat(document(510 + i, 3000), "New?")) for i in range(4)]
+        # A burst of new documents: the restarted engine is empty and idle, so
+        # it takes its share, cold. (One at a time, both engines idle, every
+        # request would go to whichever predicts faster: that is not a
+        # restarted engine being avoided, so the burst is concurrent.)
+        out = await asyncio.gather(
+            *(post_chat(gw.url, chat(document(510 + i, 3000), "New?")) for i in range(4))
+        )
         mine = [r for r in out if r["worker"] == victim_id]
         assert mine, "the restarted engine never got a request"
         (rec,) = await decisions(gw, [mine[0]["id"]])

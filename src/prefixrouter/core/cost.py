@@ -27,9 +27,8 @@ Two further terms are not part of this request's TTFT; policies may weigh them:
 * ``decode_s``: the expected time to generate ``O`` tokens on ``w`` with the
   batch it would join;
 * ``interference_s``: the delay this request's prefill imposes on the
-  requests decoding on ``w`` (every decode waits while the engine prefills):
-  prefill time times the decode batch. Recomputing a long prefix on a busy
-  worker costs everyone there, not only this request;
+  requests decoding on ``w`` (every decode waits while the engine prefills).
+  Not predicted yet: always 0, so ``interference_weight`` has no effect;
 * ``eviction_s``: the prefill time of the cached blocks that storing this
   prompt would evict from ``w``'s full cache (``evicted_tokens``, given by the
   caller from the prefix index). It is the price of copying a prefix: another
@@ -175,7 +174,11 @@ class CostModel:
 
         s = self.scale(w.worker_id)
         eviction = prof.prefill_time(evicted_tokens, 0.0) if evicted_tokens > 0 else 0.0
-        return CostTerms(queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, s)
+        # By keyword: `scale` passed positionally once landed in interference_s,
+        # which left calibration converging to the square root of the error.
+        return CostTerms(
+            queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, scale=s
+        )
 
     def observe(self, worker: WorkerId, predicted: CostTerms, observed_ttft_s: float) -> None:
         """Move the worker's scale toward what one request's TTFT showed.

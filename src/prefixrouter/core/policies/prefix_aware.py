@@ -112,8 +112,9 @@ class PrefixRouterParams:
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
-        tie_band_rel: Scores within this share of the best count as equal; among
-            them the fewest requests in flight wins (calibration noise).
+        tie_band_rel: Cap on the tie band: scores within the candidates'
+            calibration disagreement (at most this share) of the best count as
+            equal, and among them the fewest requests in flight wins.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
         reference_batch: Batch size assumed when estimating per-request decode service.
@@ -504,16 +505,24 @@ def _spread(
     indices: Sequence[int] | range,
     band: float,
 ) -> int:
-    """The best of ``indices``, where scores within ``band`` of the best count as equal.
+    """The best of ``indices``, where scores within a tie band of the best count as equal.
 
     Identical engines' predictions differ by their calibration (each learns
     its own scale from noisy observations, about 20% apart live), and a
     router that always takes the lowest prediction keeps feeding the worker
-    whose scale happens to be lowest until its queue shows. Among candidates
-    whose scores are within ``band`` (relative) of the best, the one with the
-    fewest requests in flight wins, then the lowest score.
+    whose scale happens to be lowest until its queue shows. The tie band is
+    how far the candidates' calibration scales disagree, at most ``band``
+    (relative); among candidates whose scores are within it of the best, the
+    one with the fewest requests in flight wins, then the lowest score.
     """
     best = _argmin(scored, indices)
+    # The band is the calibration disagreement among these candidates, capped:
+    # when every worker's scale agrees (a fleet whose profile is right, or the
+    # simulator) predictions are trusted as they are.
+    scales = [t.scale for i in indices if (t := scored[i].terms) is not None]
+    if len(scales) < 2 or min(scales) <= 0:
+        return best
+    band = min(band, max(scales) / min(scales) - 1.0)
     if band <= 0:
         return best
     limit = scored[best].score * (1.0 + band)
