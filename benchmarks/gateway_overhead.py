@@ -84,9 +84,9 @@ from typing import Any
 
 import orjson
 
+from prefixrouter.bench.overhead import overhead_bodies
+
 PY = sys.executable
-SYSTEM = ("You are the assistant of a law firm. Follow the style guide. " * 100)[:6144]
-VARIANTS = 64
 WARMUP = 50  # sequential requests before each open-loop round (counted in CPU)
 RESPONSE = orjson.dumps(
     {
@@ -118,19 +118,8 @@ METRICS = (
 
 
 def _bodies() -> list[bytes]:
-    out = []
-    for i in range(VARIANTS):
-        user = (f"Question {i}: summarize clause {i} of the contract. " * 60)[:2048]
-        body = {
-            "model": "tiny",
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": user},
-            ],
-            "max_tokens": 16,
-        }
-        out.append(orjson.dumps(body))
-    return out
+    # The same 64 bodies as `prefixrouter bench`'s overhead comparison.
+    return overhead_bodies("tiny")
 
 
 # ----------------------------------------------------------------- servers (subprocesses)
