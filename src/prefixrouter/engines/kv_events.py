@@ -18,7 +18,8 @@ the fields in declaration order:
 Block hashes are integers or bytes (the low 64 bits, or the digest, of the
 engine's SHA-256 chain). Only full blocks are reported; one ``BlockStored`` per
 prefill chunk, whose ``token_ids`` hold ``len(block_hashes) * block_size``
-tokens; a cache hit sends nothing; ``BlockRemoved`` only on eviction.
+tokens, and one per block filled during decode (its tokens include generated
+ones); a prompt cache hit sends nothing; ``BlockRemoved`` only on eviction.
 
 **Translation.** The engine's chain runs over the full 32-byte parent digests,
 which the events do not carry, and it is salted per process; the router cannot

@@ -202,18 +202,18 @@ class KvEventSubscriber:
         """Every feed."""
         return iter(self._feeds.values())
 
-    def engine_restarted(self, worker_id: WorkerId) -> None:
-        """The worker came back after being unreachable: forget its cache and sequence.
+    def forget_engine(self, worker_id: WorkerId) -> None:
+        """The worker stopped answering: forget its sequence and hash map.
 
-        Called by the health checker, because a restarted engine may not have
-        published anything yet (its cache is empty, so there is nothing to say).
+        Called by the health checker (which also clears the worker's index
+        entries): the engine may come back as a new process whose first
+        events start a new sequence, in a cache that is empty.
         """
         feed = self._by_worker.get(worker_id)
         if feed is None:
             return
         self._seq.forget(feed.topic)
         feed.translator.clear()
-        self.router.apply(AllBlocksCleared(worker_id), self.clock())
 
     # ------------------------------------------------------------- messages
 

@@ -400,7 +400,7 @@ class WorkerRegistry:
         w.healthy = False
         self.router.index.clear_worker(w.id)
         if self.events is not None:
-            self.events.engine_restarted(w.id)
+            self.events.forget_engine(w.id)
         self._rebuild()
 
     # ------------------------------------------------------------- polling

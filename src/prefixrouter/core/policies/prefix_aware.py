@@ -368,7 +368,7 @@ class PrefixRouterPolicy(Policy):
         # the best, by rendezvous hashing of its first block: the same worker
         # each time, so prefixes partition across caches instead of scattering
         # over all of them (the scattering is what makes caches thrash under
-        # pressure). A prefix never seen before goes to the best worker.
+        # pressure). A prefix never seen before is handled above (tie band).
         limit = self._margin_limit(scored[best_i], self.params.short, 1.0)
         near = [i for i in range(len(scored)) if scored[i].score <= limit]
         first = ctx.blocks.hashes[0]
