@@ -227,22 +227,19 @@ def serve_gateway_without_routing(argv: list[str]) -> None:
 
 
 class _FakeUpstream:
-    """Stands in for the aiohttp session and its response (``--hot-loop``)."""
+    """Stands in for the upstream client and its response (``--hot-loop``)."""
 
     status = 200
     content_type = "application/json"
 
-    def post(self, url: str, **kw: Any) -> _FakeUpstream:
+    async def post(self, endpoint: Any, path: str, body: bytes) -> _FakeUpstream:
         return self
-
-    async def __aenter__(self) -> _FakeUpstream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
 
     async def read(self) -> bytes:
         return RESPONSE
+
+    def release(self) -> None:
+        return None
 
 
 class _FakeRequest:
@@ -272,7 +269,7 @@ def hot_loop(n: int) -> dict[str, Any]:
             {"workers": [{"url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)]}
         )
         st = build_state(cfg)
-        st.session = _FakeUpstream()  # type: ignore[assignment]
+        st.upstream = _FakeUpstream()  # type: ignore[assignment]
         proxy = Proxy(st)
         requests = [_FakeRequest(b) for b in _bodies()]
 

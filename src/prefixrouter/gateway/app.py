@@ -6,10 +6,11 @@
 * ``GET /v1/models``, ``/health``, ``/metrics`` and the ``/admin/*`` endpoints
   (:mod:`.admin`); any other path answers 404 in OpenAI's shape.
 
-Its cleanup context (aiohttp's lifespan) opens the upstream HTTP session (one
-keep-alive connection pool for every worker), checks every worker once, starts
+Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
+(:mod:`.upstream`, keep-alive connections to every worker) and an aiohttp
+session for the pollers, checks every worker once, starts
 the per-worker health/metrics pollers and the decision-log flusher, and on
-shutdown stops them and closes the session. Run it with handler cancellation
+shutdown stops them and closes both. Run it with handler cancellation
 on (:func:`prefixrouter.gateway.cli.run_gateway` does) so a client that
 disconnects cancels its upstream request.
 """
@@ -28,12 +29,15 @@ from prefixrouter.gateway.admin import Admin
 from prefixrouter.gateway.proxy import Proxy
 from prefixrouter.gateway.request_builder import ChatTokenizer
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
+from prefixrouter.gateway.upstream import UpstreamClient
 
 
 async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
     st.session = aiohttp.ClientSession(connector=connector)
+    proxy_cfg = st.config.proxy
+    st.upstream = UpstreamClient(proxy_cfg.connect_timeout_s, proxy_cfg.request_timeout_s)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
     try:
         if st.events is not None:
@@ -47,6 +51,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
         await st.registry.stop()
+        await st.upstream.close()
+        st.upstream = None
         await st.session.close()
         st.session = None
 

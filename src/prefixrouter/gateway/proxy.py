@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -60,12 +59,14 @@ from prefixrouter.gateway.errors import (
 from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
 from prefixrouter.gateway.sse import SseRelay, usage_figures
 from prefixrouter.gateway.state import GatewayState
+from prefixrouter.gateway.upstream import UpstreamResponse
 from prefixrouter.gateway.workers import Worker
 
 log = logging.getLogger("prefixrouter.gateway")
 
 CLIENT_GONE = 499
-_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+# Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
+_UPSTREAM_ERRORS = (TimeoutError, OSError)
 
 
 @dataclass(slots=True)
@@ -112,9 +113,6 @@ class Proxy:
         self.max_attempts = cfg.proxy.max_attempts
         self.retry_statuses = frozenset(cfg.proxy.retry_statuses)
         self.retry_after = str(cfg.proxy.retry_after_s)
-        self.timeout = aiohttp.ClientTimeout(
-            total=cfg.proxy.request_timeout_s, sock_connect=cfg.proxy.connect_timeout_s
-        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
@@ -261,26 +259,19 @@ class Proxy:
             }
         return orjson.dumps(body)
 
-    def _headers(self, worker: Worker) -> dict[str, str]:
-        if worker.headers:
-            return {"Content-Type": JSON, **worker.headers}
-        return {"Content-Type": JSON}
-
     async def _unary(self, built: BuiltRequest, worker: Worker, path: str) -> Attempt:
-        st = self.st
-        assert st.session is not None
+        upstream = self.st.upstream
+        assert upstream is not None
         try:
-            async with st.session.post(
-                worker.url + path,
-                data=self._payload(built, worker),
-                headers=self._headers(worker),
-                timeout=self.timeout,
-            ) as resp:
+            resp = await upstream.post(worker.endpoint, path, self._payload(built, worker))
+            try:
                 body = await resp.read()
-                status = resp.status
-                ctype = resp.content_type or JSON
+            finally:
+                resp.release()
         except _UPSTREAM_ERRORS as exc:
             return Attempt(None, 502, error=_describe(exc), unreachable=True)
+        status = resp.status
+        ctype = resp.content_type or JSON
         hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
         if status == 200:
             usage = None
@@ -311,15 +302,11 @@ class Proxy:
         progress: Attempt,
     ) -> Attempt:
         st = self.st
-        assert st.session is not None
+        upstream = st.upstream
+        assert upstream is not None
         t_send = st.clock()
         try:
-            resp = await st.session.post(
-                worker.url + path,
-                data=self._payload(built, worker),
-                headers=self._headers(worker),
-                timeout=self.timeout,
-            )
+            resp = await upstream.post(worker.endpoint, path, self._payload(built, worker))
         except _UPSTREAM_ERRORS as exc:
             return Attempt(None, 502, error=_describe(exc), unreachable=True)
         hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
@@ -333,7 +320,7 @@ class Proxy:
                 done = True
                 return self._upstream_error(resp.status, body, hdrs)
             try:
-                first = await resp.content.readany()
+                first = await resp.readany()
             except _UPSTREAM_ERRORS as exc:
                 return Attempt(None, 502, error=_describe(exc), unreachable=True)
             if not first:
@@ -359,7 +346,7 @@ class Proxy:
     async def _relay(
         self,
         out: web.StreamResponse,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         first: bytes,
         built: BuiltRequest,
         ttft: float,
@@ -377,7 +364,7 @@ class Proxy:
                 if data:
                     await out.write(data)
                 try:
-                    chunk = await resp.content.readany()
+                    chunk = await resp.readany()
                 except _UPSTREAM_ERRORS as exc:
                     upstream_error = _describe(exc)
                     break

@@ -29,6 +29,7 @@ from prefixrouter.gateway.decision_log import DecisionLog
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
+from prefixrouter.gateway.upstream import UpstreamClient
 from prefixrouter.gateway.workers import Worker, WorkerRegistry
 from prefixrouter.prompt.lint import LintObserver
 
@@ -50,6 +51,7 @@ class GatewayState:
     lint: LintObserver | None = None
     events: KvEventSubscriber | None = None
     session: aiohttp.ClientSession | None = None
+    upstream: UpstreamClient | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
     requests_seen: int = 0
 

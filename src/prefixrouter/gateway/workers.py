@@ -51,6 +51,7 @@ from prefixrouter.core.types import WorkerId, WorkerView
 from prefixrouter.engines.kv_events import NamespaceSeed
 from prefixrouter.engines.kv_subscriber import KvEventSubscriber, WorkerFeed
 from prefixrouter.gateway.metrics import WorkerGauges
+from prefixrouter.gateway.upstream import Endpoint
 
 log = logging.getLogger("prefixrouter.gateway")
 
@@ -122,6 +123,7 @@ class Worker:
     config: WorkerConfig
     view: WorkerView
     headers: dict[str, str]
+    endpoint: Endpoint
     healthy: bool = True
     draining: bool = False
     removed: bool = False
@@ -271,6 +273,7 @@ class WorkerRegistry:
             config=wc,
             view=view,
             headers=headers,
+            endpoint=Endpoint.from_url(wc.url, headers),
             models=frozenset(wc.models),
             adapters=frozenset(wc.adapters),
             discovered=bool(wc.models),
