@@ -64,6 +64,23 @@ def test_namespace_seed_is_stable_across_processes() -> None:
     assert int(out.stdout) == SEED
 
 
+def test_namespace_key_and_seed_are_derived_from_the_fields() -> None:
+    from dataclasses import replace
+
+    ns = CacheNamespace("m", tenant="t")
+    assert ns.key == "m||||t"
+    assert ns.seed == 5522790739424383187  # engines and routers must agree on it
+    other = replace(ns, tenant="u")
+    assert other.key == "m||||u" and other.seed == CacheNamespace("m", tenant="u").seed
+    assert ns == CacheNamespace("m", tenant="t") and ns != other
+    assert "seed" not in repr(ns)
+
+
+def test_hashes_are_plain_ints() -> None:
+    hashes = hash_text_blocks(SEED, "x" * 1000, 256) + hash_token_blocks(SEED, range(64), 16)
+    assert hashes and all(type(h) is int for h in hashes)
+
+
 def test_text_mode_chunks_and_unicode() -> None:
     text = "abcd" * 100  # 400 chars
     assert len(hash_text_blocks(SEED, text, 128)) == 3

@@ -281,3 +281,44 @@ def test_a_miss_on_a_full_cache_is_put_down_to_eviction() -> None:
     idx.on_completed(B, doc, 16.0, 160, 32, 1.0)
     assert idx.trust(B, 1.0) == 0.5 and idx.unexplained_misses == 1
     assert idx.match(doc, 1.0)[B].blocks == 2  # past the actual reuse: dropped
+
+
+def test_free_blocks_is_capacity_minus_entries() -> None:
+    idx = PrefixIndex(IndexParams(default_capacity_blocks=50))
+    assert idx.free_blocks(A) == 50  # unknown worker: the default capacity, nothing held
+    idx.on_routed(A, chain(1, 8), 0.0)
+    idx.set_capacity(B, 20)
+    idx.on_routed(B, chain(2, 5), 0.0)
+    for w in (A, B):
+        assert idx.free_blocks(w) == idx.capacity(w) - idx.blocks_of(w)
+    assert idx.free_blocks(A) == 42 and idx.free_blocks(B) == 15
+
+
+def test_rerouting_a_held_chain_refreshes_only_speculative_entries() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=10.0))
+    doc = chain(1, 6)
+    idx.on_routed(A, doc[:3], 0.0)
+    idx.on_completed(A, doc[:3], 16.0, 0, 48, 0.0)  # the head is confirmed
+    idx.on_routed(A, doc, 1.0)  # the tail is speculative
+    idx.on_routed(A, doc, 5.0)  # every block held: the fast path
+    for h in doc[:3]:
+        e = idx.entry(A, h)
+        assert e is not None and e.source is EntrySource.CONFIRMED and e.expires_at == math.inf
+    for h in doc[3:]:
+        e = idx.entry(A, h)
+        assert e is not None and e.source is EntrySource.SPECULATIVE and e.expires_at == 15.0
+    # and a confirmation of the whole chain upgrades the speculative tail only
+    idx.on_completed(A, doc, 16.0, 0, 96, 5.0)
+    assert all(
+        (e := idx.entry(A, h)) is not None and e.source is EntrySource.CONFIRMED for h in doc
+    )
+
+
+def test_full_trust_stays_exactly_one() -> None:
+    idx = PrefixIndex(IndexParams(miss_decay=0.5, hit_recovery=0.5))
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 160, 0, 0.0)  # a miss: 0.5
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 0, 160, 0.0)  # a hit: back to 1.0
+    assert idx.trust(A, 0.0) == 1.0 and idx.trust(A, 1e6) == 1.0

@@ -273,6 +273,10 @@ def test_decision_record_names_everything() -> None:
     assert rec["request_id"] == "q1" and rec["selected_worker"] == "w0"
     assert rec["namespace"] == NS.key and rec["tier"] == "exact" and rec["reason"]
     assert rec["predicted_cached_tokens"] == 2_992 and len(rec["prefix_key"]) == 16
+    assert rec["prefix_class"] == "document" and rec["policy"] == "prefixrouter"
+    assert rec["prompt_tokens"] == 3_000 and rec["time"] == 1.0
+    assert rec["filtered"] == {} and rec["warm_abandoned"] is False
+    assert d.context.request.request_id == "q1" and d.context.now == 1.0
     cands = {c["worker"]: c for c in rec["candidate_workers"]}
     assert set(cands) == {"w0", "w1"}
     for key in ("queue_wait_ms", "prefill_ms", "decode_impact_ms", "memory_risk_ms"):

@@ -118,27 +118,32 @@ class CostModel:
             output_tokens: ``O``.
             evicted_tokens: Cached tokens that storing the prompt would evict.
         """
+        # Called for every candidate of every request. On the common path,
+        # two-argument min/max are written out (`b if b > a else a` is exactly
+        # max(a, b)) and the worker's fields are read once: a builtin call or
+        # an attribute read costs more here than the arithmetic.
         prof = w.profile
-        chunk = max(1, prof.chunk_tokens)
+        in_flight, decoding, max_slots = w.in_flight, w.decoding, w.max_slots
         # The batch this request's prefill steps share: the running decodes and
         # every request queued ahead of it, which decode by the time it does.
-        batch = min(max(w.decoding, w.in_flight), w.max_slots)
+        batch = in_flight if in_flight > decoding else decoding
+        batch = max_slots if max_slots < batch else batch
         batch_context = w.context_tokens + w.queued_prompt_tokens
         decode_step = prof.decode_step_time(batch, batch_context)
         pending = w.pending_prefill_tokens
 
         queue = prof.prefill_time(pending, 0.0) if pending > 0 else 0.0
-        if w.in_flight > 0:
+        if in_flight > 0:
             # A new request waits, on average, for half of the step in flight.
             queue += 0.5 * decode_step
-        excess = w.in_flight - w.max_slots + 1
+        excess = in_flight - max_slots + 1
         if excess > 0:
             # Slots free up as running requests finish: `running` sequences with
             # `mean_left` tokens left each, one token per decode step. Before any
             # of them decodes, this request's own output length stands in.
-            running = min(w.in_flight, w.max_slots)
-            if w.decoding > 0:
-                mean_left = w.decode_tokens_remaining / w.decoding
+            running = min(in_flight, max_slots)
+            if decoding > 0:
+                mean_left = w.decode_tokens_remaining / decoding
             else:
                 mean_left = float(output_tokens)
             step = prof.decode_step_time(running, w.context_tokens)
@@ -152,27 +157,34 @@ class CostModel:
             prefill = confidence * warm + (1.0 - confidence) * prof.prefill_time(prompt_tokens, 0.0)
 
         expected_new = new_tokens + (1.0 - confidence) * cached_tokens
-        steps = math.ceil((pending + expected_new) / chunk) if expected_new > 0 else 1
+        if expected_new > 0:
+            chunk = prof.chunk_tokens
+            chunk = chunk if chunk > 1 else 1
+            steps = math.ceil((pending + expected_new) / chunk)
+        else:
+            steps = 1
         impact = steps * decode_step
 
         risk = 0.0
-        block = max(1, w.block_size)
+        block = w.block_size
+        block = block if block > 1 else 1
         # Engines admit first come, first served and a request that does not
         # fit blocks the queue behind it, so what counts is the memory of all
         # the work queued ahead plus this request's (each queued request is
         # assumed to reserve as much output as this one).
-        queued = max(0, w.in_flight - w.decoding)
+        queued = in_flight - decoding
+        queued = queued if queued > 0 else 0
         needed = math.ceil((pending + expected_new + (queued + 1) * output_tokens) / block)
         free = w.kv_capacity_blocks - w.kv_used_blocks
-        if needed > free and w.decoding > 0:
+        if needed > free and decoding > 0:
             shortfall = min(1.0, (needed - free) / max(1, w.kv_used_blocks))
-            drain = (w.decode_tokens_remaining / w.decoding) * decode_step
+            drain = (w.decode_tokens_remaining / decoding) * decode_step
             risk = shortfall * drain
 
         own_step = prof.decode_step_time(batch + 1, batch_context + prompt_tokens)
         decode = output_tokens * own_step
 
-        s = self.scale(w.worker_id)
+        s = self._scale.get(w.worker_id, 1.0)  # self.scale(), without the call
         eviction = prof.prefill_time(evicted_tokens, 0.0) if evicted_tokens > 0 else 0.0
         # By keyword: `scale` passed positionally once landed in interference_s,
         # which left calibration converging to the square root of the error.
@@ -189,10 +201,11 @@ class CostModel:
             observed_ttft_s: The measured time to first token.
         """
         p = self.params
-        if observed_ttft_s < p.min_observed_s or predicted.ttft_s <= 0:
+        predicted_ttft = predicted.ttft_s
+        if observed_ttft_s < p.min_observed_s or predicted_ttft <= 0:
             return
         scale = self.scale(worker)
-        unscaled = predicted.ttft_s / predicted.scale
+        unscaled = predicted_ttft / predicted.scale
         ratio = min(p.max_scale, max(1.0 / p.max_scale, observed_ttft_s / unscaled))
         scale += p.calibration_alpha * (ratio - scale)
         self._scale[worker] = min(p.max_scale, max(1.0 / p.max_scale, scale))

@@ -52,7 +52,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import cast
@@ -61,6 +61,8 @@ from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
 
 _INF = float("inf")
+_exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+"""Runs an iterator for its side effects, at C speed and without a new deque per call."""
 
 
 @dataclass(slots=True, eq=False)
@@ -126,7 +128,12 @@ class IndexParams:
     eviction_explains_fill: float = 0.75
 
 
-_SOURCE_CONFIDENCE = {EntrySource.CONFIRMED: 1.0, EntrySource.EVENT: 1.0}
+# The members as module constants: reading ``EntrySource.X`` goes through the
+# enum metaclass (about 40 ns, several times per block on the hot paths).
+_SPECULATIVE = EntrySource.SPECULATIVE
+_CONFIRMED = EntrySource.CONFIRMED
+_EVENT = EntrySource.EVENT
+_SOURCE_CONFIDENCE = {_CONFIRMED: 1.0, _EVENT: 1.0}
 
 
 class PrefixIndex:
@@ -164,13 +171,21 @@ class PrefixIndex:
         """The worker's capacity in blocks (engine-reported or the default)."""
         return self._capacity.get(worker, self.params.default_capacity_blocks)
 
+    def free_blocks(self, worker: WorkerId) -> int:
+        """``capacity(worker) - blocks_of(worker)``: blocks it takes before evicting."""
+        lru = self._lru.get(worker)
+        held = len(lru) if lru is not None else 0
+        return self._capacity.get(worker, self.params.default_capacity_blocks) - held
+
     def trust(self, worker: WorkerId, now: float) -> float:
         """Confidence in the worker's entries at ``now`` (1 = fully trusted)."""
         state = self._trust.get(worker)
         if state is None:
             return 1.0
         value, since = state
-        if now <= since:
+        if now <= since or value == 1.0:
+            # Fully trusted stays fully trusted (the relaxation below would
+            # give exactly 1.0 too): skip the exp.
             return value
         return 1.0 - (1.0 - value) * math.exp(-(now - since) / self.params.trust_recovery_s)
 
@@ -203,7 +218,8 @@ class PrefixIndex:
         Returns:
             worker -> :class:`WorkerMatch`.
         """
-        self.expire(now)
+        if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
+            self.expire(now)
         if not hashes:
             return {}
         first = self._holders.get(hashes[0])
@@ -211,14 +227,18 @@ class PrefixIndex:
             return {}
         result: dict[WorkerId, WorkerMatch] = {}
         n = len(hashes)
+        last = n - 1
+        lrus, holey, trust = self._lru, self._holey, self.trust
         for worker in first:
-            lru = self._lru[worker]
+            lru = lrus[worker]
             # Exponential then binary search for the first block not held:
             # exact because a worker's entries are prefix-closed (see class doc).
             held = 1  # blocks [0, held) are held
             step = 1
             while held < n:
-                probe = min(n - 1, held + step - 1)
+                probe = held + step - 1
+                if probe > last:  # min(), without the builtin call
+                    probe = last
                 if hashes[probe] in lru:
                     held = probe + 1
                     step <<= 1
@@ -232,12 +252,12 @@ class PrefixIndex:
                         hi = mid
                 held = lo
                 break
-            if worker in self._holey and not all(map(lru.__contains__, hashes[:held])):
+            if worker in holey and not all(map(lru.__contains__, hashes[:held])):
                 # An engine event removed blocks from the middle of a chain:
                 # closure may not hold for this worker, so walk the run.
                 held = next(i for i, h in enumerate(hashes) if h not in lru)
             deepest = lru[hashes[held - 1]]
-            conf = deepest.confidence * self.trust(worker, now)
+            conf = deepest.confidence * trust(worker, now)
             result[worker] = WorkerMatch(held, conf, deepest.source)
         return result
 
@@ -258,8 +278,9 @@ class PrefixIndex:
         Existing entries are refreshed (confirmed and event entries keep their
         source); new ones are speculative with a TTL.
         """
-        self.expire(now)
-        self._touch_chain(worker, hashes, now, EntrySource.SPECULATIVE)
+        if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
+            self.expire(now)
+        self._touch_chain(worker, hashes, now, _SPECULATIVE)
 
     def on_completed(
         self,
@@ -285,8 +306,12 @@ class PrefixIndex:
             True if this was a miss.
         """
         p = self.params
-        actual_blocks = min(len(hashes), int(actual_cached_tokens // block_tokens))
-        predicted_blocks = min(len(hashes), int(predicted_cached_tokens // block_tokens))
+        # Both capped at the prompt's blocks (min() written out: this runs per request).
+        n = len(hashes)
+        actual_blocks = int(actual_cached_tokens // block_tokens)
+        actual_blocks = n if n < actual_blocks else actual_blocks
+        predicted_blocks = int(predicted_cached_tokens // block_tokens)
+        predicted_blocks = n if n < predicted_blocks else predicted_blocks
         miss = predicted_blocks - actual_blocks > p.miss_tolerance_blocks
         trust = self.trust(worker, now)
         if miss:
@@ -297,7 +322,7 @@ class PrefixIndex:
                 self.unexplained_misses += 1
                 self._trust[worker] = (max(p.min_trust, trust * p.miss_decay), now)
                 if actual_blocks:
-                    self._touch_chain(worker, hashes[:actual_blocks], now, EntrySource.CONFIRMED)
+                    self._touch_chain(worker, hashes[:actual_blocks], now, _CONFIRMED)
                 self._remove(worker, hashes[actual_blocks:])
                 return True
         elif predicted_blocks or actual_blocks:
@@ -305,11 +330,11 @@ class PrefixIndex:
         if hashes:
             lru = self._lru.get(worker)
             deepest = lru.get(hashes[-1]) if lru is not None else None
-            if deepest is not None and deepest.source is not EntrySource.SPECULATIVE:
+            if deepest is not None and deepest.source is not _SPECULATIVE:
                 # Already confirmed as a whole (chains are confirmed from the
                 # head, and on_routed refreshed their recency moments ago).
                 return miss
-        self._touch_chain(worker, hashes, now, EntrySource.CONFIRMED)
+        self._touch_chain(worker, hashes, now, _CONFIRMED)
         return miss
 
     def apply(self, event: KvEvent, now: float, *, trusted: bool = True) -> None:
@@ -320,7 +345,7 @@ class PrefixIndex:
         router was listening, which a later cache reset may have voided.
         """
         if isinstance(event, BlockStored):
-            source = EntrySource.EVENT if trusted else EntrySource.SPECULATIVE
+            source = _EVENT if trusted else _SPECULATIVE
             self._touch_chain(event.worker_id, event.block_hashes, now, source)
         elif isinstance(event, BlockRemoved):
             # The engine may evict blocks that other blocks extend; matches on
@@ -346,8 +371,8 @@ class PrefixIndex:
         expires_at = now + p.speculative_ttl_s
         demoted = 0
         for block, entry in lru.items():
-            if entry.source is EntrySource.EVENT:
-                entry.source = EntrySource.SPECULATIVE
+            if entry.source is _EVENT:
+                entry.source = _SPECULATIVE
                 entry.confidence = p.speculative_confidence
                 entry.expires_at = expires_at
                 heapq.heappush(self._expiry, (expires_at, next(self._ticket), worker, block, entry))
@@ -380,7 +405,7 @@ class PrefixIndex:
             # The entry may have been confirmed or removed since: then skip it.
             if lru is None or lru.get(block) is not entry:
                 continue
-            if entry.source is not EntrySource.SPECULATIVE:
+            if entry.source is not _SPECULATIVE:
                 continue
             if entry.expires_at > now:
                 # Refreshed since it was queued: queue it again at its new time.
@@ -400,36 +425,47 @@ class PrefixIndex:
         lru = self._lru.get(worker)
         if lru is None:
             lru = self._lru[worker] = OrderedDict()
-        holders = self._holders
-        capacity = self.capacity(worker)
         p = self.params
-        speculative = source is EntrySource.SPECULATIVE
+        speculative = source is _SPECULATIVE
         expires_at = now + p.speculative_ttl_s if speculative else _INF
         confidence = p.speculative_confidence if speculative else _SOURCE_CONFIDENCE[source]
         existing = list(map(lru.get, hashes))
-        if None not in existing:
+        # An IndexEntry is always truthy, so all() is `None not in existing`
+        # without a rich comparison per entry.
+        if all(existing):
             # Fast path (a hot prefix routed again): only recency and metadata
             # change. Tail first, so the chain's head ends up most recently used.
-            deque(map(lru.move_to_end, reversed(hashes)), maxlen=0)
-            for held in cast("list[IndexEntry]", existing):
-                if held.source is EntrySource.SPECULATIVE:
-                    if speculative:
-                        held.expires_at = expires_at  # re-queued lazily by expire()
-                    else:
-                        held.source, held.expires_at, held.confidence = source, _INF, confidence
-                elif source > held.source:
+            _exhaust(map(lru.move_to_end, reversed(hashes)))
+            held_entries = cast("list[IndexEntry]", existing)
+            if speculative:
+                # Nothing is weaker than speculative: only the TTL of the
+                # speculative entries moves (re-queued lazily by expire()).
+                for held in held_entries:
+                    if held.source is _SPECULATIVE:
+                        held.expires_at = expires_at
+                return
+            for held in held_entries:
+                held_source = held.source
+                if held_source is source:
+                    continue  # already as strong: the usual case, decided first
+                if held_source is _SPECULATIVE:
+                    held.source, held.expires_at, held.confidence = source, _INF, confidence
+                elif source > held_source:
                     held.source, held.confidence = source, confidence
             return
         # Tail first, so the chain's head ends up most recently used.
+        holders, capacity = self._holders, self.capacity(worker)
+        move_to_end, expiry, ticket = lru.move_to_end, self._expiry, self._ticket
+        added = 0
         for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
             if entry is not None:
-                lru.move_to_end(block)
+                move_to_end(block)
                 if source >= entry.source:
-                    if entry.source is EntrySource.SPECULATIVE and not speculative:
+                    if entry.source is _SPECULATIVE and not speculative:
                         entry.expires_at = _INF
                     entry.source = source
                     entry.confidence = max(entry.confidence, confidence)
-                if speculative and entry.source is EntrySource.SPECULATIVE:
+                if speculative and entry.source is _SPECULATIVE:
                     entry.expires_at = expires_at  # re-queued lazily by expire()
                 continue
             entry = IndexEntry(source, now, expires_at, confidence)
@@ -439,9 +475,10 @@ class PrefixIndex:
                 holders[block] = {worker: entry}
             else:
                 slot[worker] = entry
-            self._entries += 1
+            added += 1
             if speculative:
-                heapq.heappush(self._expiry, (expires_at, next(self._ticket), worker, block, entry))
+                heapq.heappush(expiry, (expires_at, next(ticket), worker, block, entry))
+        self._entries += added
         # Evict after the chain is in: the chain is the most recent part of the
         # LRU, so other chains go first (and a chain longer than the capacity
         # loses its tail first).

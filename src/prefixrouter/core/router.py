@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from prefixrouter.core.cost import CostModel, CostParams
@@ -40,6 +41,8 @@ from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
 from prefixrouter.errors import NoWorkerAvailable
 
 DEFAULT_PREFIX_KEY_TOKENS = 1024
+
+_worker_id = attrgetter("worker_id")
 
 
 @dataclass(slots=True)
@@ -125,20 +128,21 @@ def filter_workers(
     allowed: list[WorkerView] = []
     removed: dict[WorkerId, str] = {}
     tenant = request.namespace.tenant
+    model, adapter, pool = request.model, request.adapter, request.pool
     for w in workers:
         if not w.healthy:
             removed[w.worker_id] = "health"
-        elif request.model and w.models and request.model not in w.models:
+        elif model and w.models and model not in w.models:
             removed[w.worker_id] = "model"
-        elif request.adapter and request.adapter not in w.adapters:
+        elif adapter and adapter not in w.adapters:
             removed[w.worker_id] = "adapter"
         elif w.tenants is not None and tenant not in w.tenants:
             removed[w.worker_id] = "tenant"
-        elif request.pool is not None and w.pool != request.pool:
+        elif pool is not None and w.pool != pool:
             removed[w.worker_id] = "pool"
         else:
             allowed.append(w)
-    allowed.sort(key=lambda w: w.worker_id)
+    allowed.sort(key=_worker_id)
     return allowed, removed
 
 
@@ -203,22 +207,24 @@ class Router:
         key = self._prefix_key(request, blocks)
         ctx = RoutingContext(request, blocks, matches, now, key, self.cost, self.index)
         sel = self.policy.select(ctx, allowed)
+        # Positional, in field order (each value is named after its field):
+        # matching 15 keyword names costs more than the rest of this call.
         return Decision(
-            request_id=request.request_id,
-            namespace=request.namespace.key,
-            prefix_key=ctx.prefix_key,
-            prefix_class=str(request.prefix_class),
-            policy=self.policy.name,
-            worker_id=sel.worker_id,
-            tier=sel.tier,
-            reason=sel.reason,
-            predicted_cached_tokens=sel.predicted_cached_tokens,
-            prompt_tokens=blocks.prompt_tokens,
-            candidates=sel.candidates,
-            filtered=removed,
-            warm_abandoned=sel.warm_abandoned,
-            now=now,
-            context=ctx,
+            request.request_id,
+            request.namespace.key,
+            ctx.prefix_key,
+            str(request.prefix_class),
+            self.policy.name,
+            sel.worker_id,
+            sel.tier,
+            sel.reason,
+            sel.predicted_cached_tokens,
+            blocks.prompt_tokens,
+            sel.candidates,
+            removed,  # filtered
+            sel.warm_abandoned,
+            now,
+            ctx,  # context
         )
 
     def on_routed(self, decision: Decision, now: float) -> None:
@@ -283,5 +289,9 @@ class Router:
         hashes = blocks.hashes
         if not hashes:
             return f"{request.namespace.seed:016x}"
-        depth = max(1, int(self.prefix_key_tokens // blocks.block_tokens))
-        return f"{hashes[min(depth, len(hashes)) - 1]:016x}"
+        # The block at depth max(1, prefix_key_tokens / block) or the last one,
+        # with the min/max written out (this runs on every request).
+        depth = int(self.prefix_key_tokens // blocks.block_tokens)
+        depth = depth if depth > 1 else 1
+        n = len(hashes)
+        return f"{hashes[(n if n < depth else depth) - 1]:016x}"

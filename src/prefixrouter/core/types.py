@@ -56,11 +56,15 @@ class CacheNamespace:
     adapter_id: str = ""
     template_version: str = ""
     tenant: str = ""
+    key: str = field(init=False, repr=False, compare=False)
+    """A readable, stable identifier of the namespace."""
+    seed: int = field(init=False, repr=False, compare=False)
+    """The hash of the namespace: ``h[-1]`` of every block-hash chain in it."""
 
-    @property
-    def key(self) -> str:
-        """A readable, stable identifier of the namespace."""
-        return "|".join(
+    def __post_init__(self) -> None:
+        # Derived once: drivers share one namespace object among many requests
+        # and the router reads both on every request.
+        key = "|".join(
             (
                 self.model_revision,
                 self.tokenizer_revision,
@@ -69,11 +73,8 @@ class CacheNamespace:
                 self.tenant,
             )
         )
-
-    @property
-    def seed(self) -> int:
-        """The hash of the namespace: ``h[-1]`` of every block-hash chain in it."""
-        return int(xxhash.xxh3_64_intdigest(self.key.encode("utf-8")))
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "seed", int(xxhash.xxh3_64_intdigest(key.encode("utf-8"))))
 
 
 @dataclass(slots=True)

@@ -69,6 +69,8 @@ from prefixrouter.core.policy import (
 )
 from prefixrouter.core.types import EntrySource, WorkerId, WorkerView
 
+_SPECULATIVE = EntrySource.SPECULATIVE  # a module constant: enum class attributes are slow
+
 
 @dataclass(frozen=True, slots=True)
 class OutputClassParams:
@@ -195,33 +197,46 @@ class PrefixRouterPolicy(Policy):
         bt = blocks.block_tokens
         reusable_cap = int((prompt - 1) // bt * bt) if prompt else 0
 
+        # The loop runs once per candidate on every request: what it reads of
+        # the params, the context and the index is bound to locals first.
         scored: list[CandidateScore] = []
         warm_flags: list[bool] = []
+        warm_any: list[int] = []
+        matches = ctx.matches
         index = ctx.index
+        predict = ctx.cost.predict
+        min_match, min_conf = p.min_match_tokens, p.min_confidence
+        decode_weight, eviction_weight = cls.decode_weight, p.eviction_weight
         n_blocks = len(blocks.hashes)
-        for w in candidates:
-            m = ctx.matches.get(w.worker_id)
-            matched = min(blocks.tokens_for(m.blocks), reusable_cap) if m is not None else 0
-            conf = m.confidence if m is not None else 0.0
-            warm = matched >= p.min_match_tokens and conf >= p.min_confidence
+        for i, w in enumerate(candidates):
+            wid = w.worker_id
+            m = matches.get(wid)
+            if m is None:
+                held, matched, conf = 0, 0, 0.0
+            else:
+                held, conf = m.blocks, m.confidence
+                matched = int(held * bt)  # blocks.tokens_for(held), capped:
+                if reusable_cap < matched:
+                    matched = reusable_cap
+            warm = matched >= min_match and conf >= min_conf
             # Storing the blocks w lacks evicts as many cached ones once its cache is full.
-            held = m.blocks if m is not None else 0
-            room = index.capacity(w.worker_id) - index.blocks_of(w.worker_id)
-            evicted = blocks.tokens_for(max(0, n_blocks - held - room))
-            terms = ctx.cost.predict(
-                w, prompt, matched if warm else 0, conf if warm else 0.0, output, evicted
-            )
+            lacking = n_blocks - held - index.free_blocks(wid)
+            evicted = int(lacking * bt) if lacking > 0 else 0  # blocks.tokens_for(lacking)
+            if warm:
+                terms = predict(w, prompt, matched, conf, output, evicted)
+                warm_any.append(i)
+            else:
+                terms = predict(w, prompt, 0, 0.0, output, evicted)
             score = (
                 terms.ttft_s
-                + cls.decode_weight * (terms.decode_s + terms.interference_s)
-                + p.eviction_weight * terms.eviction_s
+                + decode_weight * (terms.decode_s + terms.interference_s)
+                + eviction_weight * terms.eviction_s
             )
-            scored.append(CandidateScore(w.worker_id, matched, conf, terms, score))
+            scored.append(CandidateScore(wid, matched, conf, terms, score))
             warm_flags.append(warm)
 
         candidates_out = tuple(scored)
         everyone = range(len(scored))
-        warm_any = [i for i, f in enumerate(warm_flags) if f]
         # Cold quota: a request that follows a cached prefix may not take a
         # worker's last `cold_reserved_share` of slots while a worker with room
         # for it exists, so a continuous hot stream leaves room for cold requests.
@@ -231,7 +246,8 @@ class PrefixRouterPolicy(Policy):
             with_room = [
                 i for i, w in enumerate(candidates) if w.in_flight < limit_share * w.max_slots
             ]
-            if with_room:
+            # (When every candidate has room, `everyone` stands for them all.)
+            if with_room and len(with_room) < len(scored):
                 eligible = with_room
         best_i = _argmin(scored, eligible)
         warm_idx = [i for i in warm_any if i in eligible] if eligible is not everyone else warm_any
@@ -247,7 +263,7 @@ class PrefixRouterPolicy(Policy):
                 return Selection(c.worker_id, "cold", reason, 0, candidates_out)
             return self._select_cold(ctx, candidates, scored, best_i, candidates_out)
 
-        deepest = max(scored[i].matched_tokens for i in warm_idx)
+        deepest = max([scored[i].matched_tokens for i in warm_idx])
         # The workers holding the deepest prefix: leaving them for anyone else
         # (cold, or holding a shorter prefix) recomputes part of the prompt.
         exact_idx = [i for i in warm_idx if scored[i].matched_tokens >= deepest]
@@ -264,7 +280,7 @@ class PrefixRouterPolicy(Policy):
         # from routing alone, not yet confirmed by the engine), a second copy
         # would pay the same prefill again while the first finishes: queueing
         # behind the first copy is the cheaper wait.
-        settled = held_match is not None and held_match.source is not EntrySource.SPECULATIVE
+        settled = held_match is not None and held_match.source is not _SPECULATIVE
         if settled and other_terms is not None and other_terms.queue_wait_s <= cls.max_warm_wait_s:
             rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
         if needed > len(exact_idx):
@@ -413,30 +429,32 @@ class PrefixRouterPolicy(Policy):
         prefix's rate times that; it needs ``ceil(demand / hot_prefix_utilization)``
         replicas.
         """
-        hashes = ctx.blocks.hashes
-        depth = int(warm.matched_tokens // ctx.blocks.block_tokens)
+        blocks = ctx.blocks
+        matched = warm.matched_tokens
+        depth = int(matched // blocks.block_tokens)
         if depth <= 0 or warm.terms is None:
             return 0.0, 0
         # The demand of the prefix this request would reuse, at the deepest
         # tracked depth it covers (a session's history, not the system prompt
         # every session shares).
-        rate = self.prefix_rate(hashes[(1 << (depth.bit_length() - 1)) - 1], ctx.now)
+        rate = self.prefix_rate(blocks.hashes[(1 << (depth.bit_length() - 1)) - 1], ctx.now)
         if rate <= 0.0:
             return rate, 0
-        ref = max(1, min(self.params.reference_batch, worker.max_slots))
-        context = ctx.blocks.prompt_tokens + output / 2.0
-        per_token = worker.profile.decode_step_time(ref, ref * context) / ref
+        p = self.params
+        profile = worker.profile
+        prompt = blocks.prompt_tokens
+        ref = max(1, min(p.reference_batch, worker.max_slots))
+        context = prompt + output / 2.0
+        per_token = profile.decode_step_time(ref, ref * context) / ref
         # The engine time of a request on a replica that holds the prefix: its
         # uncached suffix only. Not the confidence-weighted expectation of the
         # score, which charges a share of the whole prompt's prefill to every
         # request and, for long documents, calls any stream of questions hot.
-        prompt = ctx.blocks.prompt_tokens
-        matched = warm.matched_tokens
         scale = warm.terms.scale
-        prefill = worker.profile.prefill_time(max(0, prompt - matched), matched) * scale
+        prefill = profile.prefill_time(max(0, prompt - matched), matched) * scale
         service = prefill + output * per_token
         demand = rate * service
-        return rate, math.ceil(demand / self.params.hot_prefix_utilization)
+        return rate, math.ceil(demand / p.hot_prefix_utilization)
 
     # ------------------------------------------------------------------ hooks
 
@@ -444,21 +462,25 @@ class PrefixRouterPolicy(Policy):
         # Count the request toward each of its prefixes of 1, 2, 4, 8, ...
         # blocks: a demand tree of log2(blocks) counters per request, so the
         # demand of whatever prefix a later request matches can be read back.
-        tau = self.params.demand_window_s
+        p = self.params
+        tau = p.demand_window_s
         now = ctx.now
         demand = self._demand
         hashes = ctx.blocks.hashes
+        n = len(hashes)
         depth = 1
-        while depth <= len(hashes):
+        while depth <= n:
             key = hashes[depth - 1]
             d = demand.get(key)
             if d is None:
-                if len(demand) >= self.params.max_tracked_prefixes:
+                if len(demand) >= p.max_tracked_prefixes:
                     demand.pop(next(iter(demand)))  # the oldest tracked prefix
-                recent: deque[float] = deque(maxlen=self.params.burst_samples)
+                recent: deque[float] = deque(maxlen=p.burst_samples)
                 d = demand[key] = _Demand(0.0, now, recent)
-            # max(0): a caller's clock that steps back must not overflow exp.
-            d.rate = d.rate * math.exp(-max(0.0, now - d.last) / tau) + 1.0 / tau
+            # max(0, elapsed): a caller's clock that steps back must not overflow exp.
+            elapsed = now - d.last
+            elapsed = elapsed if elapsed > 0.0 else 0.0
+            d.rate = d.rate * math.exp(-elapsed / tau) + 1.0 / tau
             d.last = now
             d.recent.append(now)
             depth <<= 1
@@ -519,10 +541,20 @@ def _spread(
     # The band is the calibration disagreement among these candidates, capped:
     # when every worker's scale agrees (a fleet whose profile is right, or the
     # simulator) predictions are trusted as they are.
-    scales = [t.scale for i in indices if (t := scored[i].terms) is not None]
-    if len(scales) < 2 or min(scales) <= 0:
+    # (The lowest and highest scale in one pass: this runs on every request.)
+    lowest, highest, scales = math.inf, -math.inf, 0
+    for i in indices:
+        t = scored[i].terms
+        if t is not None:
+            scales += 1
+            s = t.scale
+            if s < lowest:
+                lowest = s
+            if s > highest:
+                highest = s
+    if scales < 2 or lowest <= 0:
         return best
-    band = min(band, max(scales) / min(scales) - 1.0)
+    band = min(band, highest / lowest - 1.0)
     if band <= 0:
         return best
     limit = scored[best].score * (1.0 + band)
