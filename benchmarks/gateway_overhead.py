@@ -29,7 +29,9 @@ Phases:
 
 ``--baseline`` also measures a bare aiohttp + uvloop proxy (read the body,
 POST it upstream, return the answer), reported under
-``"baseline_bare_proxy"``: the floor any Python proxy pays on this machine.
+``"baseline_bare_proxy"``: what the issue's reference proxy (aiohttp's
+server and client) pays on this machine. The gateway's own upstream client is
+cheaper than aiohttp's (``benchmarks/upstream_client.py``).
 Both proxies run at once and their open-loop rounds alternate, so a burst of
 other work on a shared machine lands on both sides of the comparison.
 
@@ -38,8 +40,10 @@ the routing core stubbed out (``Router.route`` answers its first decision
 again, ``on_routed`` / ``on_completed`` do nothing), and reports under
 ``"breakdown"`` the CPU per request of the bare proxy, of the gateway's own
 work on top of it (stubbed gateway minus bare proxy: request building,
-bookkeeping, metrics, decision log, pollers, the collector) and of the
-routing core (gateway minus stubbed gateway).
+bookkeeping, metrics, decision log, pollers, the collector, net of the
+gateway's upstream client, which costs less than the bare proxy's aiohttp
+client, so this figure can be negative) and of the routing core (gateway minus
+stubbed gateway).
 
 ``--hot-loop N`` measures no network at all: the gateway's request handler
 runs in this process N times per repeat against a fake upstream session that

@@ -4,6 +4,7 @@ Modules (each small, each with its reason in its docstring):
 
 * :mod:`.app`: the application factory and lifespan (pollers, flusher, session);
 * :mod:`.proxy`: forwarding, retries before the first byte, streaming, feedback;
+* :mod:`.upstream`: the proxy's lean HTTP/1.1 keep-alive client (httptools);
 * :mod:`.request_builder`: request body -> routing request (prompt, namespace, prefix class);
 * :mod:`.tenancy`: tenants from API keys or ``X-Tenant``, cache sharing, ``cache_salt``;
 * :mod:`.workers`: registry, health with backoff, ``/metrics`` polls, drain and remove;
