@@ -9,10 +9,12 @@ garbage, silence and interim responses exactly as they come off a socket.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+import trustme
 
 from prefixrouter.gateway.upstream import Endpoint, UpstreamClient, UpstreamError
 
@@ -373,3 +375,27 @@ def test_endpoint_rejects_what_it_cannot_reach() -> None:
     assert (ep.scheme, ep.host, ep.port, ep.base_path) == ("https", "engine.example", 8443, "/base")
     assert ep.request_head("/v1/x", 7).startswith(b"POST /base/v1/x HTTP/1.1\r\n")
     assert b"Content-Length: 7\r\n\r\n" in ep.request_head("/v1/x", 7)
+
+
+async def test_https_worker_is_verified_against_the_trusted_cas() -> None:
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_ctx)
+    server = Server(answer_each)
+    srv = await asyncio.start_server(server._serve, "127.0.0.1", 0, ssl=server_ctx)
+    port = srv.sockets[0].getsockname()[1]
+    ep = Endpoint.from_url(f"https://localhost:{port}")
+    try:
+        trusting = ssl.create_default_context()
+        ca.configure_trust(trusting)
+        client = UpstreamClient(2, 5, ssl_context=trusting)
+        resp = await client.post(ep, "/v1/x", b'{"tls": 1}')
+        assert resp.status == 200 and await resp.read() == b'{"tls": 1}'
+        resp.release()
+        await client.close()
+        stranger = UpstreamClient(2, 5)  # the system's CAs do not know this one
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await stranger.post(ep, "/v1/x", b"{}")
+        await stranger.close()
+    finally:
+        srv.close()

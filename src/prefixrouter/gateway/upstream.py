@@ -378,6 +378,8 @@ class UpstreamClient:
         total_timeout_s: Time allowed from sending a request to the end of its body.
         keepalive_s: An idle connection older than this is closed, not reused.
         high_water_bytes: Body bytes buffered per connection before reading pauses.
+        ssl_context: TLS settings for ``https`` workers (default: the system's
+            trusted CAs, with ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` honoured).
     """
 
     def __init__(
@@ -386,6 +388,7 @@ class UpstreamClient:
         total_timeout_s: float,
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
@@ -393,7 +396,7 @@ class UpstreamClient:
         self.high_water_bytes = high_water_bytes
         self._idle: dict[Endpoint, list[_Connection]] = {}
         self._open: set[_Connection] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self.connections_opened = 0
 
     async def post(self, endpoint: Endpoint, path: str, body: bytes) -> UpstreamResponse:
