@@ -21,7 +21,7 @@ Shape of the YAML file (all keys optional)::
     health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
     metrics_poll:  {interval_s, timeout_s}
     proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
-                    drain_timeout_s, retry_after_s}
+                    idle_connection_s, drain_timeout_s, retry_after_s}
     decision_log:  {path, ring_size, flush_interval_s}
     metrics:       {warm_fraction, lint_observe}
     kv_events:     {endpoint, max_blocks_per_worker}
@@ -240,6 +240,10 @@ class ProxyConfig(_Model):
         retry_statuses: Upstream statuses that count as a refusal (retry elsewhere).
         connect_timeout_s: TCP connect timeout per attempt.
         request_timeout_s: Total time allowed for one upstream request.
+        idle_connection_s: A keep-alive connection to a worker idle longer than
+            this is closed, not reused. Keep it below the engines' own
+            keep-alive timeout (uvicorn, behind vLLM and SGLang: 5 s), or a
+            request may go out on a connection the engine is closing.
         drain_timeout_s: Default wait for a removed worker's requests to finish.
         retry_after_s: ``Retry-After`` of a 503 when no worker is available.
     """
@@ -248,6 +252,7 @@ class ProxyConfig(_Model):
     retry_statuses: list[int] = Field(default_factory=lambda: [429, 502, 503, 504])
     connect_timeout_s: PosFloat = 3.0
     request_timeout_s: PosFloat = 600.0
+    idle_connection_s: PosFloat = 4.0
     drain_timeout_s: Annotated[float, Field(ge=0)] = 60.0
     retry_after_s: PosInt = 1
 

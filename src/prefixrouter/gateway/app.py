@@ -37,7 +37,11 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
     st.session = aiohttp.ClientSession(connector=connector)
     proxy_cfg = st.config.proxy
-    st.upstream = UpstreamClient(proxy_cfg.connect_timeout_s, proxy_cfg.request_timeout_s)
+    st.upstream = UpstreamClient(
+        proxy_cfg.connect_timeout_s,
+        proxy_cfg.request_timeout_s,
+        keepalive_s=proxy_cfg.idle_connection_s,
+    )
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
     try:
         if st.events is not None:
