@@ -361,6 +361,10 @@ def test_metrics_poll_feeds_views_and_prometheus_names() -> None:
             assert 'prefixrouter_ttft_seconds_count{hit="warm"} 2.0' in text
             assert 'prefixrouter_ttft_seconds_count{hit="cold"} 1.0' in text
             assert 'kind="cached",model="tiny",pool="default",prefix_class="system"' in text
+            # Three requests one after another: one kept-alive connection, idle now.
+            assert 'prefixrouter_upstream_connections_opened_total{worker="w0"} 1.0' in text
+            assert 'prefixrouter_upstream_connections{state="idle",worker="w0"} 1.0' in text
+            assert 'prefixrouter_upstream_connections{state="busy",worker="w0"} 0.0' in text
             r = await env.client.get("/admin/process")
             stats = await r.json()
             assert stats["requests"] == 3 and stats["cpu_user_s"] > 0

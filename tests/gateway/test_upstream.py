@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trustme
 
-from prefixrouter.gateway.upstream import Endpoint, UpstreamClient, UpstreamError
+from prefixrouter.gateway.upstream import Endpoint, PoolStats, UpstreamClient, UpstreamError
 
 Reader = asyncio.StreamReader
 Writer = asyncio.StreamWriter
@@ -94,10 +94,12 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given()
         ep = endpoint(server, "/engine", {"Authorization": "Bearer k"})
         for i in range(5):
             resp = await client.post(ep, "/v1/completions", b'{"n": %d}' % i)
+            assert client.pool_stats(ep) == PoolStats(opened=1, idle=0, busy=1)
             assert resp.status == 200
             assert resp.content_type == "application/json"
             assert await resp.read() == b'{"n": %d}' % i
             resp.release()
+        assert client.pool_stats(ep) == PoolStats(opened=1, idle=1, busy=0)
         await client.close()
     assert server.connections == 1 and client.connections_opened == 1
     line, headers, _ = server.requests[0]

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from prefixrouter.config import GatewayConfig
 from prefixrouter.gateway.admin import Admin
+from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
 from prefixrouter.gateway.proxy import Proxy
 from prefixrouter.gateway.request_builder import ChatTokenizer
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
@@ -37,11 +38,21 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
     st.session = aiohttp.ClientSession(connector=connector)
     proxy_cfg = st.config.proxy
-    st.upstream = UpstreamClient(
+    upstream = st.upstream = UpstreamClient(
         proxy_cfg.connect_timeout_s,
         proxy_cfg.request_timeout_s,
         keepalive_s=proxy_cfg.idle_connection_s,
     )
+
+    def connections() -> list[UpstreamGauges]:
+        out = []
+        for w in st.registry.workers.values():
+            pool = upstream.pool_stats(w.endpoint)
+            out.append(UpstreamGauges(w.id, pool.opened, pool.idle, pool.busy))
+        return out
+
+    collector = UpstreamCollector(connections)
+    st.metrics.registry.register(collector)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
     try:
         if st.events is not None:
@@ -55,7 +66,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
         await st.registry.stop()
-        await st.upstream.close()
+        st.metrics.registry.unregister(collector)
+        await upstream.close()
         st.upstream = None
         await st.session.close()
         st.session = None

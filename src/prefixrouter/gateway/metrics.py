@@ -26,7 +26,10 @@ Per request (updated once, when the request ends):
 
 Read at scrape time from the live state: per-worker gauges
 ``prefixrouter_worker_healthy``, ``_in_flight``, ``_kv_usage`` and
-``_engine_waiting``.
+``_engine_waiting``; and, from the proxy's upstream client,
+``prefixrouter_upstream_connections_opened_total{worker}`` (steady under
+steady traffic when keep-alive works) and
+``prefixrouter_upstream_connections{worker,state="idle"|"busy"}``.
 
 The per-request series are kept in plain dicts (:class:`_Counter`,
 :class:`_Histogram`: one dict lookup and an add, no lock, which is safe in a
@@ -169,6 +172,41 @@ class _Collector(Collector):
         yield flight
         yield kv
         yield waiting
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamGauges:
+    """One worker's upstream connections, for the scrape-time collector."""
+
+    worker: str
+    opened: int
+    idle: int
+    busy: int
+
+
+class UpstreamCollector(Collector):
+    """The proxy's connections per worker, read when ``/metrics`` is scraped."""
+
+    def __init__(self, workers: Callable[[], Iterable[UpstreamGauges]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        opened = CounterMetricFamily(
+            "prefixrouter_upstream_connections_opened",
+            "Connections the proxy opened to the worker (keep-alive reuses them).",
+            labels=["worker"],
+        )
+        now = GaugeMetricFamily(
+            "prefixrouter_upstream_connections",
+            "The proxy's connections to the worker, idle in the pool or carrying a request.",
+            labels=["worker", "state"],
+        )
+        for w in self._workers():
+            opened.add_metric([w.worker], float(w.opened))
+            now.add_metric([w.worker, "idle"], float(w.idle))
+            now.add_metric([w.worker, "busy"], float(w.busy))
+        yield opened
+        yield now
 
 
 class GatewayMetrics:

@@ -69,6 +69,21 @@ class UpstreamError(ConnectionError):
 
 
 @dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One endpoint's connections.
+
+    Attributes:
+        opened: Connections opened since the client started.
+        idle: Pooled connections waiting for a request.
+        busy: Connections carrying a request now.
+    """
+
+    opened: int
+    idle: int
+    busy: int
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """Where and how to reach one worker.
 
@@ -397,6 +412,7 @@ class UpstreamClient:
         self._idle: dict[Endpoint, list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._ssl = ssl_context
+        self._opened: dict[Endpoint, int] = {}
         self.connections_opened = 0
 
     async def post(self, endpoint: Endpoint, path: str, body: bytes) -> UpstreamResponse:
@@ -417,6 +433,19 @@ class UpstreamClient:
     def idle_connections(self, endpoint: Endpoint) -> int:
         """Idle pooled connections to ``endpoint`` (for tests and inspection)."""
         return len(self._idle.get(endpoint, ()))
+
+    def pool_stats(self, endpoint: Endpoint) -> PoolStats:
+        """Connections to ``endpoint``: opened so far, idle and busy now.
+
+        For the scrape-time metrics: a count of opened connections that keeps
+        growing under steady traffic means keep-alive is not working (the
+        engine closes connections, or ``keepalive_s`` is longer than the
+        engine's keep-alive). It walks the open connections, so it is not
+        meant for the request path.
+        """
+        idle = self.idle_connections(endpoint)
+        open_ = sum(1 for c in self._open if c.endpoint == endpoint)
+        return PoolStats(self._opened.get(endpoint, 0), idle, max(0, open_ - idle))
 
     async def close(self) -> None:
         """Close every connection, idle or in use."""
@@ -453,6 +482,7 @@ class UpstreamClient:
             )
         self._open.add(conn)
         self.connections_opened += 1
+        self._opened[endpoint] = self._opened.get(endpoint, 0) + 1
         return conn
 
     def _put_back(self, conn: _Connection) -> None:
