@@ -101,12 +101,29 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given()
             resp.release()
         assert client.pool_stats(ep) == PoolStats(opened=1, idle=1, busy=0)
         await client.close()
-    assert server.connections == 1 and client.connections_opened == 1
+    assert server.connections == 1
     line, headers, _ = server.requests[0]
     assert line == b"POST /engine/v1/completions HTTP/1.1"
     assert headers["host"] == f"127.0.0.1:{server.port}"
     assert headers["authorization"] == "Bearer k"
     assert headers["content-type"] == "application/json"
+
+
+async def test_a_response_ends_once() -> None:
+    async with serve(answer_each) as server:
+        client = UpstreamClient(2, 5)
+        ep = endpoint(server)
+        first = await client.post(ep, "/x", b"1")
+        await first.read()
+        first.release()
+        first.release()  # a second release must not pool the connection twice
+        assert client.idle_connections(ep) == 1
+        second = await client.post(ep, "/x", b"2")  # reuses that connection
+        first.close()  # late: must not close the connection `second` is using
+        assert await second.read() == b"2"
+        second.release()
+        assert client.pool_stats(ep) == PoolStats(opened=1, idle=1, busy=0)
+        await client.close()
 
 
 async def test_chunked_stream_arrives_chunk_by_chunk_before_the_end() -> None:

@@ -143,6 +143,7 @@ class UpstreamResponse:
     status: int
     headers: dict[str, str]
     _conn: _Connection = field(repr=False)
+    _ended: bool = field(default=False, repr=False)
 
     @property
     def content_type(self) -> str:
@@ -173,11 +174,18 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Done with the response: reuse the connection if it is clean, else close it."""
-        self._conn.finish(reusable=True)
+        self._end(reusable=True)
 
     def close(self) -> None:
         """Abandon the response and close its connection (the worker aborts the request)."""
-        self._conn.finish(reusable=False)
+        self._end(reusable=False)
+
+    def _end(self, reusable: bool) -> None:
+        # Once only: after a release the connection may already carry another
+        # request, which a second release (or a late close) must not touch.
+        if not self._ended:
+            self._ended = True
+            self._conn.finish(reusable)
 
 
 class _Connection(asyncio.Protocol):
@@ -228,9 +236,6 @@ class _Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._abort(UpstreamError(f"invalid HTTP response from the worker: {exc}"))
 
-    def eof_received(self) -> bool:
-        return False  # close the transport; connection_lost finishes the response
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.client._forget(self)
@@ -244,12 +249,6 @@ class _Connection(asyncio.Protocol):
         else:
             why = "closed the connection before the response was complete"
         self._fail(UpstreamError(f"the worker {why}" + (f": {exc}" if exc else "")))
-
-    def pause_writing(self) -> None:  # the request body is small: nothing to throttle
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # ----------------------------------------------------------- httptools
 
@@ -413,7 +412,6 @@ class UpstreamClient:
         self._open: set[_Connection] = set()
         self._ssl = ssl_context
         self._opened: dict[Endpoint, int] = {}
-        self.connections_opened = 0
 
     async def post(self, endpoint: Endpoint, path: str, body: bytes) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``path`` on ``endpoint``; returns once the headers are in.
@@ -481,7 +479,6 @@ class UpstreamClient:
                 lambda: conn, endpoint.host, endpoint.port, ssl=ssl_context
             )
         self._open.add(conn)
-        self.connections_opened += 1
         self._opened[endpoint] = self._opened.get(endpoint, 0) + 1
         return conn
 
