@@ -8,7 +8,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
+from prefixrouter.config import WorkerConfig
 from prefixrouter.core.types import WorkerId
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import Env, gateway_env, run
@@ -305,6 +307,61 @@ def test_admin_add_drain_remove() -> None:
                 assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
             finally:
                 await extra.close()
+
+    run(body)
+
+
+def test_admin_add_with_a_taken_kv_events_topic_is_409_and_changes_nothing() -> None:
+    """A topic is one worker's: a second claim is refused whole, never half-registered."""
+
+    async def body() -> None:
+        from prefixrouter.demo.fleet import free_port
+
+        events = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        async with gateway_env(n=1, overrides={"kv_events": events}) as env:
+            c, reg = env.client, env.state.registry
+            url = str(env.servers[0].make_url(""))
+
+            async def add(**worker: str) -> Any:
+                return await c.post("/admin/workers", json={"url": url, **worker})
+
+            r = await add(id="a", kv_events_topic="x")
+            assert r.status == 201
+            # The id "x" is free, but its default topic (the id) is a's.
+            r = await add(id="x")
+            assert r.status == 409
+            err = _error(await r.json())
+            assert err["code"] == "conflict" and err["param"] == "kv_events_topic"
+            assert "'x'" in err["message"] and "'a'" in err["message"]
+            # An explicit topic that is another worker's default.
+            r = await add(id="b", kv_events_topic="w0")
+            assert r.status == 409 and "'w0'" in _error(await r.json())["message"]
+            r = await c.get("/admin/workers")
+            assert [w["id"] for w in (await r.json())["workers"]] == ["w0", "a"]
+            assert set(reg.workers) == {"w0", "a"}
+            assert [v.worker_id for v in reg.views()] == ["w0", "a"]
+            assert reg.events is not None
+            assert {f.topic: f.worker_id for f in reg.events.feeds()} == {"w0": "w0", "x": "a"}
+            # A removed worker's feed keeps its topic until its poller has stopped.
+            reg.events.add_worker(WorkerId("gone"), "g", lambda lora, salt: None)
+            r = await add(id="c", kv_events_topic="g")
+            assert r.status == 409 and "'gone'" in _error(await r.json())["message"]
+            # Whatever the subscriber refuses, the registry is left as it was.
+            reg.topic_owner = lambda topic: None  # type: ignore[method-assign]
+            with pytest.raises(KeyError):
+                reg._add(WorkerConfig(url=url, id="c", kv_events_topic="g"))
+            del reg.topic_owner
+            assert set(reg.workers) == {"w0", "a"}
+            assert [v.worker_id for v in reg.views()] == ["w0", "a"]
+            reg.events.remove_worker(WorkerId("gone"))
+            # Nothing of the refused worker is left: it can be added with a free topic.
+            r = await add(id="x", kv_events_topic="y")
+            assert r.status == 201
+            assert {f.topic: f.worker_id for f in reg.events.feeds()} == {
+                "w0": "w0",
+                "x": "a",
+                "y": "x",
+            }
 
     run(body)
 

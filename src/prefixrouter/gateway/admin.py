@@ -4,8 +4,9 @@
   in-flight requests, last engine figures, the view the router reads).
 * ``POST /admin/workers``: add a worker; the body is a worker entry of the
   configuration (``{"url": ..., "id": ..., "kind": ...}``), validated the same
-  way (400 naming the field, 409 for an existing id). Answers after the first
-  health check, with the worker's state.
+  way (400 naming the field, 409 for an existing id or a ``kv_events_topic``
+  another worker has). Answers after the first health check, with the
+  worker's state.
 * ``DELETE /admin/workers/{id}?timeout=S``: drain (no new requests), wait for
   its in-flight requests up to ``S`` seconds (default ``proxy.drain_timeout_s``),
   then remove.
@@ -113,6 +114,12 @@ class Admin:
                 raise BadRequest(f"{field}: {msg}", param=field) from None
             if WorkerId(wc.id) in self.st.registry.workers:
                 raise Conflict(f"worker {wc.id!r} exists", param="id")
+            topic = wc.kv_events_topic
+            if topic is not None and (owner := self.st.registry.topic_owner(topic)) is not None:
+                raise Conflict(
+                    f"kv_events_topic {topic!r} is used by worker {owner!r}",
+                    param="kv_events_topic",
+                )
             w = await self.st.registry.add(wc)
         except GatewayError as exc:
             return error_response(exc)

@@ -244,9 +244,11 @@ class WorkerRegistry:
     def _listen(self, w: Worker) -> None:
         if self.events is None or self._seed_for is None:
             return
+        topic = w.config.kv_events_topic
+        assert topic is not None  # WorkerConfig fills in the worker id
         w.feed = self.events.add_worker(
             w.id,
-            w.config.kv_events_topic or w.id,
+            topic,
             self._seed_for(w),
             w.config.kv_replay_endpoint,
             self.config.kv_events.max_blocks_per_worker,
@@ -254,9 +256,28 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------- membership
 
+    def topic_owner(self, topic: str) -> WorkerId | None:
+        """The worker whose KV events come on ``topic``, if any.
+
+        Topics are unique, as in the configuration, whether or not KV events
+        are on. A removed worker's feed holds its topic until its poller has
+        stopped, so the subscriber's feeds are asked too.
+        """
+        for w in self.workers.values():
+            if w.config.kv_events_topic == topic:
+                return w.id
+        if self.events is not None:
+            for feed in self.events.feeds():
+                if feed.topic == topic:
+                    return feed.worker_id
+        return None
+
     def _add(self, wc: WorkerConfig) -> Worker:
         if WorkerId(wc.id) in self.workers:
             raise KeyError(wc.id)
+        topic = wc.kv_events_topic
+        if topic is not None and (owner := self.topic_owner(topic)) is not None:
+            raise KeyError(f"kv_events_topic {topic!r} is used by worker {owner!r}")
         view = WorkerView(
             worker_id=WorkerId(wc.id),
             pool=wc.pool,
@@ -279,8 +300,8 @@ class WorkerRegistry:
             discovered=bool(wc.models),
             backoff_s=self.config.health.backoff_initial_s,
         )
+        self._listen(w)  # before joining: a refused topic leaves the registry unchanged
         self.workers[w.id] = w
-        self._listen(w)
         self._mirror_capacity(w)
         self._rebuild()
         return w
@@ -289,7 +310,8 @@ class WorkerRegistry:
         """Add a worker, check it once and start its poller.
 
         Raises:
-            KeyError: A worker with that id exists.
+            KeyError: A worker with that id exists, or its ``kv_events_topic``
+                is another worker's (the registry is then unchanged).
         """
         w = self._add(wc)
         await self.check(w)
