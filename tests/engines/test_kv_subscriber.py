@@ -29,6 +29,8 @@ SEED = 555
 W = WorkerId("w0")
 TOKENS = list(range(100, 116))  # four blocks
 OURS = hash_token_blocks(SEED, TOKENS, BS)
+OTHER = list(range(300, 316))  # four other blocks
+OTHERS = hash_token_blocks(SEED, OTHER, BS)
 
 
 def frames(topic: str, seq: int, events: list[object]) -> list[bytes]:
@@ -108,6 +110,27 @@ async def test_gap_demotes_entries_and_restart_clears_them() -> None:
         await pub.send_multipart(frames("kv@w0", 0, []))  # a new engine process
         await wait_for(lambda: held(router) == 0)
         assert sub.feed(W).stats.restarts == 1  # type: ignore[union-attr]
+
+
+def test_restart_whose_first_messages_were_lost_clears_the_worker() -> None:
+    # ZMQ's slow joiner: a restarted engine's publisher reconnects and its
+    # first messages (seq 0) are gone; the feed resumes at a lower number.
+    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", router, lambda: 10.0)
+    sub.add_worker(W, "t", lambda lora, salt: SEED)
+    sub.handle(frames("t", 0, [store([1, 2, 3, 4], None, TOKENS)]))
+    for seq in range(1, 50):
+        sub.handle(frames("t", seq, []))
+    assert held(router) == 4
+    sub.handle(frames("t", 1, [store([11, 12], None, OTHER[:8])]))
+    sub.handle(frames("t", 2, [store([13, 14], 12, OTHER[8:])]))
+    stats = sub.feed(W).stats  # type: ignore[union-attr]
+    assert (stats.restarts, stats.gaps, stats.last_seq) == (1, 0, 2)
+    assert held(router) == 0 and router.index.blocks_of(W) == 4
+    assert sub.feed(W).translator.own_hash(1) is None  # type: ignore[union-attr]
+    for block in OTHERS:
+        entry = router.index.entry(W, block)
+        assert entry is not None and entry.source is EntrySource.EVENT
 
 
 async def test_garbage_is_counted_not_fatal() -> None:

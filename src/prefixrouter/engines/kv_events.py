@@ -44,8 +44,8 @@ per attention kind; group 0 covers full attention).
 messages (a gap): the worker's event-fed index entries are no longer exact and
 fall back to speculative, and the replay socket is asked for the missed range
 when one is configured. A number lower than expected means the publisher
-restarted (its sequence starts again at 0): the engine's cache is new and
-empty.
+restarted (its sequence starts again at 0, though the first messages of the
+new process may be lost while it connects): the engine's cache is new.
 """
 
 from __future__ import annotations
@@ -227,12 +227,17 @@ class SeqStatus(Enum):
     OK = "ok"
     FIRST = "first"  # the first message heard from this publisher
     GAP = "gap"  # messages were lost
-    RESTART = "restart"  # the publisher started again from 0
-    STALE = "stale"  # already seen (a replayed duplicate)
+    RESTART = "restart"  # the publisher started again (from 0)
 
 
 class SequenceTracker:
-    """Expected next sequence number per topic."""
+    """Expected next sequence number per topic, for the live feed only.
+
+    A live feed never repeats a number (replies to a replay request come on
+    another socket and are not checked here), so any number lower than
+    expected is a new publisher: usually 0, but a restarted engine's first
+    messages can be lost while its publisher reconnects (ZMQ's slow joiner).
+    """
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
@@ -242,21 +247,14 @@ class SequenceTracker:
         return self._next.get(topic)
 
     def check(self, topic: str, seq: int) -> SeqStatus:
-        """Classify ``seq`` and advance the expectation past it (unless stale)."""
+        """Classify ``seq`` and advance the expectation past it."""
         expected = self._next.get(topic)
+        self._next[topic] = seq + 1
         if expected is None:
-            self._next[topic] = seq + 1
             return SeqStatus.FIRST if seq == 0 else SeqStatus.GAP
         if seq == expected:
-            self._next[topic] = seq + 1
             return SeqStatus.OK
-        if seq > expected:
-            self._next[topic] = seq + 1
-            return SeqStatus.GAP
-        if seq == 0:
-            self._next[topic] = 1
-            return SeqStatus.RESTART
-        return SeqStatus.STALE
+        return SeqStatus.GAP if seq > expected else SeqStatus.RESTART
 
     def forget(self, topic: str) -> None:
         """Forget a topic (its worker was removed)."""

@@ -11,9 +11,10 @@ the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
 2. check the sequence number: after a **gap** the worker's event-fed index
    entries are demoted to speculative (a ``BlockRemoved`` may be lost) and, if
    the worker has a replay endpoint, the missed range is fetched from it in
-   the background and applied; after a **restart** (the sequence starts again
-   at 0) the worker's entries and hash map are cleared: a new engine process
-   has an empty cache;
+   the background and applied; after a **restart** (the sequence goes back:
+   a new engine process starts again at 0, and its first messages may be lost
+   while its publisher connects) the worker's entries and hash map are
+   cleared: a new engine process has an empty cache;
 3. translate each event to the router's hashes and apply it to the index.
    A batch stamped (by the engine's clock) more than ``BACKLOG_S`` before the
    subscriber started is **backlog**: vLLM's PUB socket queues messages while
@@ -242,8 +243,6 @@ class KvEventSubscriber:
         now = self.clock()
         expected = self._seq.expected(topic)
         status = self._seq.check(topic, seq)
-        if status is SeqStatus.STALE:
-            return
         if status is SeqStatus.RESTART:
             stats.restarts += 1
             feed.translator.clear()
