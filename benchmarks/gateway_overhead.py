@@ -2,15 +2,17 @@
 
 Setup, all on loopback:
 
-* **upstream**: one separate process (aiohttp + uvloop) listening on three
-  ports, i.e. three "engines" that answer every completion at once with a fixed
-  vLLM-shaped body (usage with ``prompt_tokens_details.cached_tokens``), plus
-  ``/health``, ``/v1/models`` and vLLM ``/metrics``;
+* **upstream**: :mod:`prefixrouter.bench.instant` in one separate process
+  listening on three ports, i.e. three "engines" that answer every completion
+  at once with a fixed vLLM-shaped body (usage with
+  ``prompt_tokens_details.cached_tokens``), plus ``/health``, ``/v1/models``
+  and vLLM ``/metrics``;
 * **gateway**: ``python -m prefixrouter.gateway`` in its own process, routing
   in text mode with the ``prefixrouter`` policy over the three engines, no
   decision-log file (the admin ring only);
-* **load**: this process, a minimal HTTP/1.1 keep-alive client on raw asyncio
-  protocols (uvloop), so the generator costs little of the shared CPUs.
+* **load**: this process, :mod:`prefixrouter.bench.loadgen` (a minimal
+  HTTP/1.1 keep-alive client on raw asyncio protocols, uvloop), so the
+  generator costs little of the shared CPUs.
   Requests are 8 KB chat bodies: a shared 6 KB system prompt plus a 2 KB
   user message, one of 64 variants.
 
@@ -23,7 +25,8 @@ Phases:
    are the differences of the latency percentiles; the gateway's CPU time
    over the via-gateway rounds divided by their requests (warm-up included)
    is ``cpu_ms_per_request``. CPU time is read from ``/proc/PID/task/*/schedstat``
-   (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks);
+   (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks) by
+   :func:`prefixrouter.bench.overhead.process_cpu_s`;
 2. closed loop with ``--connections`` concurrent connections through the
    gateway for ``--seconds``: completed requests per second is ``rps_max``.
 
@@ -75,22 +78,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections import deque
 from typing import Any
 
 import orjson
 
-from prefixrouter.bench.overhead import overhead_bodies
+from prefixrouter.bench.loadgen import Latencies, build_requests, closed_loop, open_loop
+from prefixrouter.bench.overhead import overhead_bodies, process_cpu_s
+from prefixrouter.demo.fleet import free_port
 
 PY = sys.executable
+PATH = "/v1/chat/completions"
 WARMUP = 50  # sequential requests before each open-loop round (counted in CPU)
 RESPONSE = orjson.dumps(
     {
@@ -113,12 +115,6 @@ RESPONSE = orjson.dumps(
         },
     }
 )
-METRICS = (
-    'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
-    'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0\n'
-    'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0\n'
-    'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100000"} 1.0\n'
-)
 
 
 def _bodies() -> list[bytes]:
@@ -127,41 +123,6 @@ def _bodies() -> list[bytes]:
 
 
 # ----------------------------------------------------------------- servers (subprocesses)
-
-
-def serve_upstream(ports: list[int]) -> None:
-    """The instant engines: one process, one app, several ports."""
-    import uvloop
-    from aiohttp import web
-
-    async def completion(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=RESPONSE, content_type="application/json")
-
-    async def models(request: web.Request) -> web.Response:
-        data = {"object": "list", "data": [{"id": "tiny", "object": "model", "parent": None}]}
-        return web.Response(body=orjson.dumps(data), content_type="application/json")
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=METRICS)
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", completion)
-        app.router.add_post("/v1/completions", completion)
-        app.router.add_get("/v1/models", models)
-        app.router.add_get("/health", health)
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        for p in ports:
-            await web.TCPSite(runner, "127.0.0.1", p, backlog=2048).start()
-        await asyncio.Event().wait()
-
-    uvloop.run(main())
 
 
 def serve_bare_proxy(port: int, upstream: str) -> None:
@@ -352,165 +313,7 @@ def hot_loop(n: int) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------- load generator
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection; one request at a time."""
-
-    def __init__(self) -> None:
-        self.transport: Any = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future[int] | None = None
-        self.need = -1
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.need < 0:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = bytes(self.buf[:end]).lower()
-            m = re.search(rb"content-length: *(\d+)", head)
-            self.need = end + 4 + (int(m.group(1)) if m else 0)
-            self.status = int(head[9:12])
-        if len(self.buf) >= self.need and self.waiter is not None:
-            del self.buf[: self.need]
-            self.need = -1
-            w, self.waiter = self.waiter, None
-            if not w.done():
-                w.set_result(self.status)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("closed"))
-
-    async def request(self, raw: bytes) -> int:
-        assert self.transport is not None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(raw)
-        return await self.waiter
-
-
-def _requests(port: int) -> list[bytes]:
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        "Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
-    )
-    return [head.format(port=port, n=len(b)).encode() + b for b in _bodies()]
-
-
-class _Pool:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.idle: deque[_Conn] = deque()
-
-    async def get(self) -> _Conn:
-        if self.idle:
-            return self.idle.popleft()
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Conn, "127.0.0.1", self.port)
-        return conn
-
-    def put(self, conn: _Conn) -> None:
-        self.idle.append(conn)
-
-
-async def open_loop(port: int, rate: float, seconds: float) -> dict[str, Any]:
-    """Fixed offered rate; latency from the scheduled send time.
-
-    Times come from ``time.perf_counter`` (uvloop's ``loop.time`` has a
-    resolution of one millisecond).
-    """
-    clock = time.perf_counter
-    reqs = _requests(port)
-    pool = _Pool(port)
-    loop = asyncio.get_running_loop()
-    lat: list[float] = []
-    errors = 0
-    n = int(rate * seconds)
-    tasks: list[asyncio.Task[None]] = []
-
-    async def one(i: int, at: float) -> None:
-        nonlocal errors
-        conn = await pool.get()
-        try:
-            status = await conn.request(reqs[i % len(reqs)])
-        except ConnectionError:
-            errors += 1
-            return
-        lat.append(clock() - at)
-        if status != 200:
-            errors += 1
-        pool.put(conn)
-
-    # warm up connections and caches
-    for i in range(WARMUP):
-        await one(i, clock())
-    lat.clear()
-    start = clock() + 0.05
-    for i in range(n):
-        at = start + i / rate
-        delay = at - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(loop.create_task(one(i, at)))
-    await asyncio.gather(*tasks)
-    return {"requests": len(lat), "errors": errors, "latencies": lat}
-
-
-def _summary(lat: list[float], errors: int) -> dict[str, Any]:
-    lat = sorted(lat)
-    return {
-        "requests": len(lat),
-        "errors": errors,
-        "p50_ms": round(1e3 * lat[len(lat) // 2], 4),
-        "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 4),
-        "mean_ms": round(1e3 * statistics.fmean(lat), 4),
-    }
-
-
-async def closed_loop(port: int, connections: int, seconds: float) -> dict[str, Any]:
-    """``connections`` clients sending back to back; completed requests per second."""
-    reqs = _requests(port)
-    loop = asyncio.get_running_loop()
-    clock = time.perf_counter
-    done = 0
-    errors = 0
-    stop_at = 0.0
-
-    async def client(k: int) -> None:
-        nonlocal done, errors
-        _, conn = await loop.create_connection(_Conn, "127.0.0.1", port)
-        i = k
-        while clock() < stop_at:
-            status = await conn.request(reqs[i % len(reqs)])
-            i += connections
-            if status == 200:
-                done += 1
-            else:
-                errors += 1
-
-    stop_at = clock() + 0.5  # warm-up
-    await asyncio.gather(*(client(k) for k in range(connections)))
-    done = errors = 0
-    t0 = clock()
-    stop_at = t0 + seconds
-    await asyncio.gather(*(client(k) for k in range(connections)))
-    elapsed = clock() - t0
-    return {"rps": done / elapsed, "requests": done, "errors": errors}
-
-
 # ----------------------------------------------------------------- orchestration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
@@ -524,20 +327,6 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> Non
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(url)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU time of every thread of ``pid`` so far, in seconds."""
-    try:
-        total = 0
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        return total / 1e9
-    except OSError:  # no schedstat (or a thread ended meanwhile): tick counts
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -561,31 +350,31 @@ def _measure_proxies(
     """
     import uvloop
 
-    direct: list[float] = []
-    direct_errors = 0
-    via: list[list[float]] = [[] for _ in proxies]
-    errors = [0] * len(proxies)
+    direct = Latencies()
+    via = [Latencies() for _ in proxies]
     cpu = [0.0] * len(proxies)
     requests = [0] * len(proxies)
     seconds = args.seconds / args.rounds
+    bodies = _bodies()
     for r in range(args.rounds):
-        d = uvloop.run(open_loop(direct_port, args.rate, seconds))
-        direct += d["latencies"]
-        direct_errors += d["errors"]
+        reqs = build_requests(direct_port, PATH, bodies)
+        direct.extend(uvloop.run(open_loop(direct_port, reqs, args.rate, seconds, WARMUP)))
         order = list(range(len(proxies)))
         for i in order if r % 2 == 0 else order[::-1]:
             port, pid = proxies[i]
-            cpu0 = _cpu_s(pid)
-            v = uvloop.run(open_loop(port, args.rate, seconds))
-            cpu[i] += _cpu_s(pid) - cpu0
-            via[i] += v["latencies"]
-            errors[i] += v["errors"]
-            requests[i] += v["requests"] + WARMUP
-    ds = _summary(direct, direct_errors)
+            cpu0 = process_cpu_s(pid)
+            v = uvloop.run(
+                open_loop(port, build_requests(port, PATH, bodies), args.rate, seconds, WARMUP)
+            )
+            cpu[i] += process_cpu_s(pid) - cpu0
+            via[i].extend(v)
+            requests[i] += len(v.values) + v.errors + WARMUP
+    ds = direct.summary()
     out = []
     for i, (port, _) in enumerate(proxies):
-        sat = uvloop.run(closed_loop(port, args.connections, args.seconds))
-        vs = _summary(via[i], errors[i])
+        reqs = build_requests(port, PATH, bodies)
+        sat = uvloop.run(closed_loop(port, reqs, args.connections, args.seconds))
+        vs = via[i].summary()
         out.append(
             {
                 "added_p50_ms": round(vs["p50_ms"] - ds["p50_ms"], 3),
@@ -601,17 +390,18 @@ def _measure_proxies(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """All phases; returns the report."""
 
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         up = subprocess.Popen(
-            [PY, __file__, "--serve-upstream", ",".join(map(str, ports))],
+            [PY, "-m", "prefixrouter.bench.instant", "--ports", ",".join(map(str, ports))],
             stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         procs.append(up)
         for p in ports:
             _wait(f"http://127.0.0.1:{p}/health", up)
-        gw_port = _free_port()
+        gw_port = free_port()
         workers = [a for p in ports for a in ("--worker", f"http://127.0.0.1:{p}")]
         cmd = [PY, "-m", "prefixrouter.gateway", "--port", str(gw_port)]
         if args.profile:
@@ -624,7 +414,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _wait(f"http://127.0.0.1:{gw_port}/health", gw)
         proxies = [(gw_port, gw.pid)]
         if args.baseline or args.breakdown:
-            bare_port = _free_port()
+            bare_port = free_port()
             bare = subprocess.Popen(
                 [PY, __file__, "--serve-bare", f"{bare_port},http://127.0.0.1:{ports[0]}"],
                 stdout=subprocess.DEVNULL,
@@ -633,7 +423,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait(f"http://127.0.0.1:{bare_port}/health", bare)
             proxies.append((bare_port, bare.pid))
         if args.breakdown:
-            stub_port = _free_port()
+            stub_port = free_port()
             stub = subprocess.Popen(
                 [PY, __file__, "--serve-stubbed", "--port", str(stub_port), *workers],
                 stdout=subprocess.DEVNULL,
@@ -677,15 +467,11 @@ def main() -> None:
     ap.add_argument(
         "--hot-loop", type=int, metavar="N", help="only the in-process handler timing (N/repeat)"
     )
-    ap.add_argument("--serve-upstream", help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", help=argparse.SUPPRESS)
     if sys.argv[1:2] == ["--serve-stubbed"]:
         serve_gateway_without_routing(sys.argv[2:])
         return
     args = ap.parse_args()
-    if args.serve_upstream:
-        serve_upstream([int(p) for p in args.serve_upstream.split(",")])
-        return
     if args.serve_bare:
         port, upstream = args.serve_bare.split(",", 1)
         serve_bare_proxy(int(port), upstream)

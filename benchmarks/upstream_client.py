@@ -1,7 +1,7 @@
 """CPU per request of the proxy's upstream client against aiohttp's, side by side.
 
-One upstream process (``gateway_overhead.py --serve-upstream``: an aiohttp +
-uvloop server answering every completion at once with a vLLM-shaped body) and,
+One upstream process (:mod:`prefixrouter.bench.instant`: an aiohttp + uvloop
+server answering every completion at once with a vLLM-shaped body) and,
 in this process on uvloop, sequential POSTs of the 8 KB overhead body over one
 keep-alive connection, in alternating rounds:
 
@@ -26,21 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import uvloop
 
+from prefixrouter.bench.overhead import overhead_bodies
+from prefixrouter.demo.fleet import Fleet, Server, free_port
 from prefixrouter.gateway.upstream import Endpoint, UpstreamClient
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import gateway_overhead as overhead  # noqa: E402  (a sibling script, not a package)
 
 PATH = "/v1/chat/completions"
 
@@ -67,7 +63,7 @@ class _RawConnection(asyncio.Protocol):
 
 
 async def measure(port: int, requests: int, rounds: int) -> dict[str, Any]:
-    body = overhead._bodies()[0]
+    body = overhead_bodies()[0]
     url = f"http://127.0.0.1:{port}{PATH}"
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     client = UpstreamClient(connect_timeout_s=3.0, total_timeout_s=600.0)
@@ -116,22 +112,24 @@ async def measure(port: int, requests: int, rounds: int) -> dict[str, Any]:
     }
 
 
+async def _healthy_then_measure(
+    fleet: Fleet, upstream: Server, args: argparse.Namespace
+) -> dict[str, Any]:
+    await fleet.wait_healthy([upstream])
+    return await measure(upstream.port, args.requests, args.rounds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=3000, help="requests per round and client")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
     args = ap.parse_args()
-    port = overhead._free_port()
-    up = subprocess.Popen(
-        [sys.executable, str(HERE / "gateway_overhead.py"), "--serve-upstream", str(port)],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        overhead._wait(f"http://127.0.0.1:{port}/health", up)
-        result = uvloop.run(measure(port, args.requests, args.rounds))
-    finally:
-        overhead._stop(up)
+    port = free_port()
+    with Fleet() as fleet:
+        cmd = [sys.executable, "-m", "prefixrouter.bench.instant", "--ports", str(port)]
+        upstream = fleet.start_command("instant engine", cmd, port)
+        result = uvloop.run(_healthy_then_measure(fleet, upstream, args))
     if not args.json:
         us = result["cpu_us_per_request"]
         print("client CPU per request (µs), median of rounds:")

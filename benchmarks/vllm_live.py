@@ -49,7 +49,7 @@ from rich.table import Table
 from prefixrouter.bench.live import LiveConfig, RouterRun, run_router
 from prefixrouter.bench.routers import ROUTERS, RouterSpec, default_peers_dir
 from prefixrouter.bench.texts import record_text
-from prefixrouter.bench.workload import BenchWorkload
+from prefixrouter.bench.workload import BenchWorkload, request_body
 from prefixrouter.demo.fleet import Fleet, free_port
 from prefixrouter.demo.workload import DemoRequest
 from prefixrouter.engines.vllm_fleet import KvEventsOptions, VllmFleet, VllmOptions, ensure_vllm
@@ -60,14 +60,7 @@ ANSWER = "Here is what the record says about that, in short, with the relevant c
 
 
 def body(messages: list[dict[str, str]]) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": messages,
-        "max_tokens": 8,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    return request_body(messages, 8, "tiny")
 
 
 def doc_qa(questions: int, gap_s: float) -> BenchWorkload:
@@ -113,7 +106,6 @@ def _workload(name: str, what: str, reqs: list[DemoRequest], gap_s: float) -> Be
         load=0.0,
         time_scale=1.0,
         kv_blocks=KV_BLOCKS,
-        prompt_tokens=0,
     )
 
 
@@ -134,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="doc-qa,multi-turn")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown")
-    p.add_argument("--from-json", type=Path, default=None, help="render an earlier --json only")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="render an earlier --json only (give that run's --questions, --turns, --repeats and "
+        "--gap: the Markdown text names them)",
+    )
     args = p.parse_args(argv)
     console = Console(stderr=True)
     if args.from_json is not None:
@@ -254,12 +252,13 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "## Live, on real vLLM engines",
         "",
         "`python benchmarks/vllm_live.py "
-        f"--questions {args.questions} --turns {args.turns} --repeats {args.repeats}`: two vLLM "
+        f"--questions {args.questions} --turns {args.turns} --repeats {args.repeats} "
+        f"--gap {args.gap:g}`: two vLLM "
         "CPU engines (tiny local model, 20,480-token KV pool each, block size 32, pinned to "
         "cores 0 and 1), the same traffic through each router in turn, caches reset between "
         "runs. doc-qa: 4 documents of 8,000 tokens, interleaved questions, one request every "
-        "0.5 s; multi-turn: 8 conversations with 1,500-token system prompts. TTFT measured by "
-        "the client (streaming); cached share from the engines' counters.",
+        f"{args.gap:g} s; multi-turn: 8 conversations with 1,500-token system prompts. "
+        "TTFT measured by the client (streaming); cached share from the engines' counters.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

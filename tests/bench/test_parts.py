@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, parse_counters
 from prefixrouter.bench.instant import create_app
-from prefixrouter.bench.live import distribution
+from prefixrouter.bench.live import drain_and_reset
 from prefixrouter.bench.loadgen import _Conn
 from prefixrouter.bench.routers import (
     PEERS_ENV,
@@ -87,10 +89,23 @@ def test_counters_and_share() -> None:
     assert cached_share([]) == 0.0
 
 
-def test_distribution_nearest_rank() -> None:
-    d = distribution([float(i) for i in range(1, 101)])
-    assert d == {"mean": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
-    assert distribution([])["p99"] == 0.0
+async def test_drain_fails_loudly_when_an_engine_stays_busy() -> None:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text='vllm:num_requests_running{engine="0"} 1.0\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    busy = SimpleNamespace(name="engine-0", url=f"http://127.0.0.1:{port}")
+    try:
+        with pytest.raises(RuntimeError, match="engine-0 still had 1 requests"):
+            await drain_and_reset([busy], timeout_s=0.3)  # type: ignore[list-item]
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize(

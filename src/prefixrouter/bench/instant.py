@@ -173,7 +173,6 @@ async def serve(ports: list[int], model: str, model_path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--ports", required=True, help="comma-separated ports")
-    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--model-path", default="")
     args = ap.parse_args(argv)

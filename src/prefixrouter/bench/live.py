@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,8 @@ from prefixrouter.bench.workload import BenchWorkload
 from prefixrouter.demo.client import Result, replay
 from prefixrouter.demo.fleet import Fleet, Server, free_port
 from prefixrouter.demo.workload import DemoRequest
+from prefixrouter.gateway.workers import parse_engine_metrics
+from prefixrouter.sim.report import percentiles
 
 PROBE = {
     "model": "tiny",
@@ -106,8 +107,8 @@ class RouterRun:
             "ok": len(ok),
             "errors": len(errors),
             "first_error": (errors[0].error or f"HTTP {errors[0].status}") if errors else None,
-            "ttft_ms": distribution(ttft),
-            "e2e_ms": distribution(e2e),
+            "ttft_ms": percentiles(ttft),
+            "e2e_ms": percentiles(e2e),
             "throughput_rps": len(ok) / self.elapsed_s if self.elapsed_s > 0 else 0.0,
             "cached_token_share": cached_share(self.engines),
             "per_worker_requests": [round(c.requests) for c in self.engines],
@@ -145,22 +146,6 @@ class ScenarioRun:
         }
 
 
-def distribution(values: Sequence[float]) -> dict[str, float]:
-    """Mean and nearest-rank p50/p90/p99 of sorted ``values`` (zeros when empty)."""
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-
-    def rank(q: float) -> float:
-        return values[max(0, math.ceil(q * len(values)) - 1)]
-
-    return {
-        "mean": sum(values) / len(values),
-        "p50": rank(0.5),
-        "p90": rank(0.9),
-        "p99": rank(0.99),
-    }
-
-
 async def wait_routable(url: str, timeout_s: float = 60.0) -> None:
     """Until one small chat request passes through ``url`` with 200."""
     deadline = time.monotonic() + timeout_s
@@ -177,15 +162,27 @@ async def wait_routable(url: str, timeout_s: float = 60.0) -> None:
 
 
 async def drain_and_reset(engines: Sequence[Server], timeout_s: float = 120.0) -> None:
-    """Wait until no engine runs or queues anything, then empty their prefix caches."""
+    """Wait until no engine runs or queues anything, then empty their prefix caches.
+
+    Raises:
+        RuntimeError: An engine still had work after ``timeout_s`` (the next
+            router would be measured on busy engines), or answered an error.
+    """
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for e in engines:
-            while time.monotonic() < deadline:
+            while True:
                 async with session.get(e.url + "/metrics") as resp:
-                    text = await resp.text()
-                if _busy(text) == 0:
+                    if resp.status != 200:
+                        raise RuntimeError(f"{e.name}: /metrics answered {resp.status}")
+                    stats = parse_engine_metrics(await resp.text(), "vllm")
+                busy = stats.running + stats.waiting
+                if busy == 0:
                     break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{e.name} still had {busy:.0f} requests after {timeout_s:.0f} s"
+                    )
                 await asyncio.sleep(0.2)
         for e in engines:
             async with session.post(e.url + "/reset_prefix_cache") as resp:
@@ -197,14 +194,6 @@ async def drain_and_reset(engines: Sequence[Server], timeout_s: float = 120.0) -
         for e in engines:
             async with session.post(e.url + "/v1/chat/completions", json=PROBE) as resp:
                 await resp.read()
-
-
-def _busy(metrics: str) -> float:
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def engine_args(cfg: LiveConfig, workload: BenchWorkload, index: int) -> list[str]:

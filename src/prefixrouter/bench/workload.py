@@ -67,7 +67,6 @@ class BenchWorkload:
         load: Offered load as a fraction of the fleet's capacity.
         time_scale: Engine time compression that gives that load.
         kv_blocks: KV blocks per engine (None: the profile's).
-        prompt_tokens: Prompt tokens of the scaled scenario (token ids, before text).
     """
 
     scenario: str
@@ -78,7 +77,6 @@ class BenchWorkload:
     load: float
     time_scale: float
     kv_blocks: int | None
-    prompt_tokens: int
 
 
 def scale_lengths(workload: Workload, scale: float) -> Workload:
@@ -225,7 +223,6 @@ def build_bench_workload(
         load=load,
         time_scale=time_scale,
         kv_blocks=scaled.default_kv_blocks,
-        prompt_tokens=scaled.prompt_token_total(),
     )
 
 

@@ -68,11 +68,9 @@ class Fleet:
             name, [sys.executable, "-m", module, "--port", str(port), *args], port
         )
 
-    def start_command(
-        self, name: str, cmd: Sequence[str], port: int, env: dict[str, str] | None = None
-    ) -> Server:
+    def start_command(self, name: str, cmd: Sequence[str], port: int) -> Server:
         """Start any server command that listens on ``port``; return it (not yet healthy)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # Output goes to a file, not a pipe: a chatty server can never block on it.
         log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(
