@@ -142,20 +142,24 @@ async def test_garbage_is_counted_not_fatal() -> None:
         assert sub.feed(W).stats.decode_errors == 2  # type: ignore[union-attr]
 
 
-async def test_gap_is_filled_from_the_replay_socket() -> None:
+@asynccontextmanager
+async def replay_feed(
+    buffered: dict[int, list[object]], requests: list[int]
+) -> AsyncIterator[tuple[KvEventSubscriber, Router]]:
+    """A started subscriber whose worker's replay socket serves ``buffered`` (seq -> events).
+
+    The engine's replay socket, as vLLM 0.32 runs it: ROUTER, [id, b"", start]
+    in (recorded in ``requests``), one [id, b"", topic, seq, payload] per
+    buffered batch from ``start`` on out, then [id, b"", b"", END_SEQ, b""].
+    """
     router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", router, lambda: 10.0)
     replay_ep = f"tcp://127.0.0.1:{free_port()}"
     sub.add_worker(W, "kv@w0", lambda lora, salt: SEED, replay_endpoint=replay_ep)
     ctx = zmq.asyncio.Context()
-    # The engine's replay socket, as vLLM 0.32 runs it: ROUTER, [id, b"", start]
-    # in, one [id, b"", topic, seq, payload] per buffered batch out, then
-    # [id, b"", b"", END_SEQ, b""].
     replay = ctx.socket(zmq.ROUTER)
     replay.setsockopt(zmq.LINGER, 0)
     replay.bind(replay_ep)
-    buffered = {1: [store([3, 4], 2, TOKENS[8:])]}
-    requests: list[int] = []
 
     async def serve_replay() -> None:
         ident, _, start = await replay.recv_multipart()
@@ -170,16 +174,47 @@ async def test_gap_is_filled_from_the_replay_socket() -> None:
     server = asyncio.get_running_loop().create_task(serve_replay())
     await sub.start()
     try:
-        sub.handle(frames("kv@w0", 0, [store([1, 2], None, TOKENS[:8])]))
-        sub.handle(frames("kv@w0", 2, []))  # seq 1 was lost: replay from 1
-        await wait_for(lambda: held(router) == 4)
-        assert requests == [1]
-        assert sub.feed(W).stats.replayed == 1  # type: ignore[union-attr]
+        yield sub, router
     finally:
         server.cancel()
         replay.close()
         ctx.term()
         await sub.stop()
+
+
+async def test_gap_is_filled_from_the_replay_socket() -> None:
+    requests: list[int] = []
+    async with replay_feed({1: [store([3, 4], 2, TOKENS[8:])]}, requests) as (sub, router):
+        sub.handle(frames("kv@w0", 0, [store([1, 2], None, TOKENS[:8])]))
+        sub.handle(frames("kv@w0", 2, []))  # seq 1 was lost: replay from 1
+        await wait_for(lambda: held(router) == 4)
+        assert requests == [1]
+        assert sub.feed(W).stats.replayed == 1  # type: ignore[union-attr]
+
+
+async def test_replayed_clears_and_removals_do_not_undo_newer_live_events() -> None:
+    # Lost live, heard only through the replay: a cache reset, an eviction and
+    # a stored block, all older than seq 2 (which stored the chain again).
+    lost = [["AllBlocksCleared"], ["BlockRemoved", [2], None], store([21], None, OTHER[:4])]
+    requests: list[int] = []
+    async with replay_feed({1: lost}, requests) as (sub, router):
+        sub.handle(frames("kv@w0", 0, [store([1, 2], None, TOKENS[:8])]))
+        sub.handle(frames("kv@w0", 2, [store([1, 2, 3, 4], None, TOKENS)]))
+        stats = sub.feed(W).stats  # type: ignore[union-attr]
+        await wait_for(lambda: stats.replayed == 1)
+        assert requests == [1]
+        assert held(router) == 4
+        for block in OURS:
+            entry = router.index.entry(W, block)
+            assert entry is not None and entry.source is EntrySource.EVENT
+        assert sub.feed(W).translator.own_hash(2) == OURS[1]  # type: ignore[union-attr]
+        # The replayed stored block still counts, as a speculative entry.
+        entry = router.index.entry(W, OTHERS[0])
+        assert entry is not None and entry.source is EntrySource.SPECULATIVE
+        assert (stats.cleared, stats.removed, stats.stored) == (0, 0, 3)
+        # The next live event extends the chain: the hash map was kept.
+        sub.handle(frames("kv@w0", 3, [store([5], 4, OTHER[:4])]))
+        assert router.index.entry(W, hash_token_blocks(OURS[3], OTHER[:4], BS)[0]) is not None
 
 
 async def test_topics_are_exclusive_and_removal_stops_a_feed() -> None:
@@ -200,6 +235,7 @@ def test_replay_replies_of_both_vllm_layouts_parse() -> None:
     assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
     assert parse_replay_reply([b"", END_SEQ, b""]) is None
     assert parse_replay_reply([b"", b"x"]) is None
+    assert parse_replay_reply([b"", b"topic", b"short", b"p"]) is None
 
 
 def test_backlog_from_before_the_subscriber_started_is_speculative() -> None:

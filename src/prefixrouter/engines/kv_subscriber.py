@@ -28,7 +28,9 @@ Replay (vLLM's ``replay_endpoint``, a ROUTER socket the engine binds): send
 ``[b"", start_seq]`` from a DEALER socket; the engine answers one
 ``[b"", topic, seq, payload]`` message per buffered batch from ``start_seq`` on
 (vLLM 0.32; earlier releases send ``[b"", seq, payload]``), then an end marker
-whose sequence frame is ``END_SEQ`` (-1).
+whose sequence frame is ``END_SEQ`` (-1). Replayed batches are older than the
+live events heard since the gap but arrive after them: their stored blocks
+enter as speculative entries, their clears and removals are skipped.
 
 Stats per worker (messages, events by type, gaps, restarts, decode errors,
 untranslatable blocks, replays) are exported as Prometheus counters by
@@ -55,6 +57,7 @@ from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
 from prefixrouter.engines.kv_events import (
     END_SEQ,
+    EngineBlockStored,
     EventTranslator,
     KvEventDecodeError,
     NamespaceSeed,
@@ -129,9 +132,12 @@ def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
         seq_frame, payload = frames
     else:
         return None
-    if seq_frame == END_SEQ or len(seq_frame) != 8:
+    if seq_frame == END_SEQ:
         return None
-    return int.from_bytes(seq_frame, "big"), payload
+    try:
+        return decode_seq(seq_frame), payload
+    except KvEventDecodeError:
+        return None
 
 
 class KvEventSubscriber:
@@ -304,7 +310,8 @@ class KvEventSubscriber:
         """Fetch and apply batches ``start .. stop-1`` from the worker's replay socket.
 
         Replayed blocks are applied as speculative entries (see :meth:`handle`'s
-        backlog rule): they are older than the events heard live since the gap.
+        backlog rule) and replayed clears and removals are skipped: they are
+        older than the events heard live since the gap, yet applied after them.
         Returns how many batches were applied. Errors and timeouts are logged,
         not raised: a failed replay leaves the entries speculative, which is safe.
         """
@@ -334,9 +341,15 @@ class KvEventSubscriber:
                     continue
                 feed.stats.replayed += 1
                 applied += 1
-                # Older than what was heard live since: a block replayed as
-                # stored may have been removed meanwhile, so it is speculative.
-                self._apply(feed, batch.events, self.clock(), trusted=False)
+                # Older than what was heard live since the gap, and applied
+                # after it: a block replayed as stored may have been removed
+                # meanwhile, so it is speculative; a replayed clear or removal
+                # would undo newer live state (wipe the blocks and hash map
+                # the live feed rebuilt since a reset, drop blocks stored
+                # again since an eviction), so they are skipped. What they
+                # removed was demoted at the gap and expires unless confirmed.
+                stored = [e for e in batch.events if isinstance(e, EngineBlockStored)]
+                self._apply(feed, stored, self.clock(), trusted=False)
         except (zmq.ZMQError, OSError) as exc:
             log.warning("replay from %s failed: %s", feed.worker_id, exc)
         finally:
