@@ -12,11 +12,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from prefixrouter.core.events import AllBlocksCleared
 from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import EntrySource, WorkerId
 from prefixrouter.demo.fleet import free_port
+from prefixrouter.engine_server.kv_publisher import KvEventPublisher
 from prefixrouter.engines.kv_events import END_SEQ
 from prefixrouter.engines.kv_subscriber import (
     KvEventCollector,
@@ -76,6 +78,13 @@ async def wait_for(cond, timeout: float = 3.0) -> None:  # type: ignore[no-untyp
     raise AssertionError("condition not reached")
 
 
+def exported(sub: KvEventSubscriber) -> str:
+    """The collector's samples, one ``name{labels} value`` a line."""
+    return "\n".join(
+        f"{s.name}{s.labels} {s.value}" for f in KvEventCollector(sub).collect() for s in f.samples
+    )
+
+
 def held(router: Router) -> int:
     m = router.index.match(OURS, 10.0).get(W)
     return m.blocks if m is not None else 0
@@ -91,12 +100,9 @@ async def test_events_over_zmq_reach_the_index() -> None:
         await wait_for(lambda: held(router) == 3)
         stats = sub.feed(W).stats  # type: ignore[union-attr]
         assert (stats.stored, stats.removed, stats.gaps) == (2, 1, 0)
-        text = "\n".join(
-            f"{s.name}{s.labels} {s.value}"
-            for f in KvEventCollector(sub).collect()
-            for s in f.samples
-        )
+        text = exported(sub)
         assert "prefixrouter_kv_events_total{'worker': 'w0', 'type': 'BlockStored'} 2" in text
+        assert "prefixrouter_kv_event_messages_total{'worker': 'w0'} 3" in text
 
 
 async def test_gap_demotes_entries_and_restart_clears_them() -> None:
@@ -190,6 +196,7 @@ async def test_gap_is_filled_from_the_replay_socket() -> None:
         await wait_for(lambda: held(router) == 4)
         assert requests == [1]
         assert sub.feed(W).stats.replayed == 1  # type: ignore[union-attr]
+        assert "prefixrouter_kv_event_replayed_batches_total{'worker': 'w0'} 1" in exported(sub)
 
 
 async def test_replayed_clears_and_removals_do_not_undo_newer_live_events() -> None:
@@ -226,6 +233,18 @@ async def test_topics_are_exclusive_and_removal_stops_a_feed() -> None:
     sub.remove_worker(W)
     sub.handle(frames("t", 0, [store([1, 2, 3, 4], None, TOKENS)]))
     assert sub.unknown_topics == 1 and held(router) == 0
+    assert "prefixrouter_kv_event_unknown_topics_total{} 1" in exported(sub)
+
+
+def test_untranslatable_blocks_are_counted_and_exported() -> None:
+    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", router, lambda: 10.0)
+    sub.add_worker(W, "t", lambda lora, salt: SEED if salt is None else None)
+    sub.handle(frames("t", 0, [store([3, 4], 2, TOKENS[8:])]))  # parent never heard
+    salted = ["BlockStored", [5], None, TOKENS[:4], BS, None, None, None, [["x"]]]
+    sub.handle(frames("t", 1, [salted]))  # a salt whose namespace is unknown
+    assert held(router) == 0
+    assert "prefixrouter_kv_event_untranslated_blocks_total{'worker': 'w0'} 3" in exported(sub)
 
 
 def test_replay_replies_of_both_vllm_layouts_parse() -> None:
@@ -260,3 +279,15 @@ def test_backlog_from_before_the_subscriber_started_is_speculative() -> None:
     sub.handle(fresh)
     entry = router.index.entry(W, OURS[3])
     assert entry is not None and entry.source is EntrySource.EVENT
+
+
+def test_simulated_engines_publisher_drops_silently_when_nobody_listens() -> None:
+    # Nothing is bound at the endpoint: past the send queue (100,000 messages)
+    # the PUB socket drops messages; publishing never fails an engine step.
+    pub = KvEventPublisher(f"tcp://127.0.0.1:{free_port()}", "t", BS, 16)
+    try:
+        for _ in range(100_010):
+            pub.publish([AllBlocksCleared(W)])
+        assert pub.seq == 100_010
+    finally:
+        pub.close()

@@ -21,9 +21,10 @@ the token ids. The token ids of a block are remembered from the request that
 brought it (bounded: the oldest unremembered blocks go first) until the
 engine evicts it.
 
-A send that would block (no subscriber connected and the queue full) drops
-the message; the sequence number still advances, so the router sees a gap,
-as it would with vLLM.
+A message that cannot be queued (no subscriber connected and the queue full)
+is dropped, silently, by the PUB socket (a PUB send never blocks nor fails);
+the sequence number still advances, so the router sees a gap, as it would
+with vLLM.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ class KvEventPublisher:
         self.max_blocks = max_blocks
         self.clock = clock
         self.seq = 0
-        self.dropped = 0
         self._blocks: OrderedDict[BlockHash, tuple[tuple[int, ...], str | None]] = OrderedDict()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
@@ -100,10 +100,7 @@ class KvEventPublisher:
         payload = msgpack.packb([self.clock(), encoded, 0])
         seq = self.seq.to_bytes(8, "big")
         self.seq += 1
-        try:
-            self._sock.send_multipart([self.topic, seq, payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.dropped += 1
+        self._sock.send_multipart([self.topic, seq, payload], flags=zmq.NOBLOCK)
 
     def _encode(self, event: KvEvent) -> dict[str, Any] | None:
         if isinstance(event, BlockStored):

@@ -32,9 +32,11 @@ whose sequence frame is ``END_SEQ`` (-1). Replayed batches are older than the
 live events heard since the gap but arrive after them: their stored blocks
 enter as speculative entries, their clears and removals are skipped.
 
-Stats per worker (messages, events by type, gaps, restarts, decode errors,
-untranslatable blocks, replays) are exported as Prometheus counters by
-:class:`KvEventCollector` and listed in ``/admin/workers``.
+:class:`KvEventCollector` exports as Prometheus counters, per worker, the
+messages heard live, the events applied by type, gaps, restarts, decode
+errors, untranslatable blocks and replayed batches, and the messages on no
+worker's topic (``prefixrouter_kv_event_unknown_topics_total``).
+``/admin/workers`` lists each worker's counters (:meth:`FeedStats.to_dict`).
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class KvEventSubscriber:
         self._by_worker: dict[WorkerId, WorkerFeed] = {}
         self._seq = SequenceTracker()
         self.unknown_topics = 0
+        """Messages on no worker's topic (or not three frames)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -407,6 +410,37 @@ class KvEventSubscriber:
             self._ctx = None
 
 
+_FEED_COUNTERS: tuple[tuple[str, str, Callable[[WorkerFeed], int]], ...] = (
+    ("messages", "KV-event messages heard live on a worker's topic", lambda f: f.stats.messages),
+    (
+        "gaps",
+        "Gaps in a worker's KV-event sequence (entries demoted to speculative)",
+        lambda f: f.stats.gaps,
+    ),
+    (
+        "restarts",
+        "Engine restarts seen on the KV-event feed (cache cleared)",
+        lambda f: f.stats.restarts,
+    ),
+    (
+        "decode_errors",
+        "KV-event messages that could not be decoded",
+        lambda f: f.stats.decode_errors,
+    ),
+    (
+        "untranslated_blocks",
+        "Stored blocks left out of the index (parent or namespace unknown)",
+        lambda f: f.translator.skipped_blocks,
+    ),
+    (
+        "replayed_batches",
+        "KV-event batches fetched from a worker's replay socket after a gap",
+        lambda f: f.stats.replayed,
+    ),
+)
+"""Per-worker counters: ``prefixrouter_kv_event_<name>_total{worker}``."""
+
+
 class KvEventCollector(Collector):
     """Prometheus counters of the event feeds (read at scrape time)."""
 
@@ -414,36 +448,28 @@ class KvEventCollector(Collector):
         self.subscriber = subscriber
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        """``prefixrouter_kv_events_total{worker,type}`` and the feed's trouble counters."""
+        """``prefixrouter_kv_events_total{worker,type}`` and the feeds' other counters."""
         events = CounterMetricFamily(
             "prefixrouter_kv_events",
             "KV events applied to the index, by worker and type",
             labels=["worker", "type"],
         )
-        gaps = CounterMetricFamily(
-            "prefixrouter_kv_event_gaps",
-            "Gaps in a worker's KV-event sequence (entries demoted to speculative)",
-            labels=["worker"],
-        )
-        restarts = CounterMetricFamily(
-            "prefixrouter_kv_event_restarts",
-            "Engine restarts seen on the KV-event feed (cache cleared)",
-            labels=["worker"],
-        )
-        errors = CounterMetricFamily(
-            "prefixrouter_kv_event_decode_errors",
-            "KV-event messages that could not be decoded",
-            labels=["worker"],
-        )
+        counters = [
+            (CounterMetricFamily(f"prefixrouter_kv_event_{name}", doc, labels=["worker"]), read)
+            for name, doc, read in _FEED_COUNTERS
+        ]
         for feed in self.subscriber.feeds():
             w, s = feed.worker_id, feed.stats
             events.add_metric([w, "BlockStored"], s.stored)
             events.add_metric([w, "BlockRemoved"], s.removed)
             events.add_metric([w, "AllBlocksCleared"], s.cleared)
-            gaps.add_metric([w], s.gaps)
-            restarts.add_metric([w], s.restarts)
-            errors.add_metric([w], s.decode_errors)
+            for family, read in counters:
+                family.add_metric([w], read(feed))
         yield events
-        yield gaps
-        yield restarts
-        yield errors
+        for family, _ in counters:
+            yield family
+        yield CounterMetricFamily(
+            "prefixrouter_kv_event_unknown_topics",
+            "KV-event messages on no worker's topic (or not three frames)",
+            value=self.subscriber.unknown_topics,
+        )
