@@ -50,6 +50,7 @@ new process may be lost while it connects): the engine's cache is new.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -303,7 +304,8 @@ class EventTranslator:
         self.worker_id = worker_id
         self.namespace_seed = namespace_seed
         self.max_blocks = max_blocks
-        self._ours: dict[EngineHash, BlockHash] = {}
+        # Insertion order is age: past max_blocks the oldest mapping goes first.
+        self._ours: OrderedDict[EngineHash, BlockHash] = OrderedDict()
         # Own hash -> own parent hash (None for a chain's first block): lets a
         # chunk's event name its whole chain, so the index keeps prefix closure.
         self._parent: dict[BlockHash, BlockHash | None] = {}
@@ -360,7 +362,7 @@ class EventTranslator:
             parents[own] = up
             up = own
         while len(table) > self.max_blocks:
-            parents.pop(table.pop(next(iter(table))), None)
+            parents.pop(table.popitem(last=False)[1], None)
         return BlockStored(self.worker_id, (*self._ancestors(parent), *new), None)
 
     def _ancestors(self, block: BlockHash | None) -> list[BlockHash]:
