@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,6 @@ class Gateway:
     """A gateway subprocess and what it runs in front of."""
 
     server: Server
-    config: dict[str, Any]
 
     @property
     def url(self) -> str:
@@ -79,7 +78,6 @@ class VllmCluster:
     procs: Fleet
     tmp: Path
     gateway: Gateway | None = None
-    extra: list[Gateway] = field(default_factory=list)
 
     def worker_id(self, index: int) -> str:
         return f"vllm{index}"
@@ -115,7 +113,7 @@ class VllmCluster:
             "gateway-" + name, "prefixrouter.gateway", ["--config", str(path)]
         )
         asyncio.run(self.procs.wait_healthy([server], timeout_s=60))
-        return Gateway(server, config)
+        return Gateway(server)
 
     def stop_gateway(self, gw: Gateway) -> None:
         self.procs.stop(gw.server)

@@ -25,8 +25,8 @@ into a few calls:
 * ``python -m prefixrouter.engines.vllm_fleet --engines 2`` starts a fleet,
   prints the URLs and keeps it running until Ctrl-C.
 
-Standard library, aiohttp and the project's tokenizer only: it runs in the
-project's environment and talks to vLLM over HTTP.
+Standard library and the project's own modules (its tokenizer and process
+fleet) only: it runs in the project's environment and talks to vLLM over HTTP.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-import aiohttp
-
 from prefixrouter.demo.fleet import HOST, Fleet, Server, free_port
 from prefixrouter.tokenizer import hf_tokenizer_dir
 
@@ -63,7 +61,6 @@ __all__ = [
     "VllmFleet",
     "VllmOptions",
     "VllmSetup",
-    "areset_prefix_cache",
     "engine_command",
     "ensure_vllm",
     "repo_root",
@@ -262,7 +259,6 @@ class VllmEngine:
     topic: str | None
     replay_endpoint: str | None
     log_path: Path
-    started_at: float
 
     @property
     def port(self) -> int:
@@ -442,7 +438,7 @@ class VllmFleet:
         )
         server = Server(f"vllm-{index}", port, proc, log)
         self._procs.servers.append(server)
-        engine = VllmEngine(index, core, server, argv, topic, replay, log_path, time.monotonic())
+        engine = VllmEngine(index, core, server, argv, topic, replay, log_path)
         self.engines.append(engine)
         return engine
 
@@ -558,13 +554,6 @@ def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> None:
         status = int(err.code)
     if status != 200:
         raise RuntimeError(f"POST {url}/reset_prefix_cache answered {status}")
-
-
-async def areset_prefix_cache(session: aiohttp.ClientSession, url: str) -> None:
-    """:func:`reset_prefix_cache` on an aiohttp session."""
-    async with session.post(url.rstrip("/") + "/reset_prefix_cache") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"POST {url}/reset_prefix_cache answered {resp.status}")
 
 
 # --------------------------------------------------------------------- CLI
