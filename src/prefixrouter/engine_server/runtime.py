@@ -39,7 +39,14 @@ from typing import Protocol
 
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.types import BlockHash
-from prefixrouter.sim.engine import Completed, EngineModel, EngineRequest, FirstToken, KvEventOut
+from prefixrouter.sim.engine import (
+    Completed,
+    EngineModel,
+    EngineOutput,
+    EngineRequest,
+    FirstToken,
+    KvEventOut,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -189,9 +196,7 @@ class EngineRuntime:
         """Drop the engine's prefix cache (vLLM's ``/reset_prefix_cache``)."""
         now = self.sim_now()
         self._advance(now)
-        outs = self.engine.reset_cache(now)
-        if self.on_kv_events is not None and outs:
-            self.on_kv_events([o.event for o in outs if isinstance(o, KvEventOut)])
+        self._emit(self.engine.reset_cache(now))
         self._arm()
 
     def stop(self) -> None:
@@ -235,7 +240,6 @@ class EngineRuntime:
         wall = self._clock()
         handles = self._handles
         observer = self.observer
-        events: list[KvEvent] = []
         for out in outputs:
             if isinstance(out, FirstToken):
                 handle = handles.get(out.request_id)
@@ -250,7 +254,12 @@ class EngineRuntime:
                     observer.completed(out, handle, wall)
                 if handle is not None and not handle.done.done():
                     handle.done.set_result(out)
-            elif isinstance(out, KvEventOut):
-                events.append(out.event)
-        if events and self.on_kv_events is not None:
+        self._emit(outputs)
+
+    def _emit(self, outputs: Sequence[EngineOutput]) -> None:
+        """Hand the outputs' KV events, if any, to :attr:`on_kv_events` as one batch."""
+        if self.on_kv_events is None:
+            return
+        events = [out.event for out in outputs if isinstance(out, KvEventOut)]
+        if events:
             self.on_kv_events(events)
