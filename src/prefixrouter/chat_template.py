@@ -20,6 +20,19 @@ the same:
   ``add_generation_prompt`` and the special tokens of the config
   (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``), strings or
   ``{"content": ...}`` objects.
+* **The messages as vLLM hands them over** (:func:`vllm_messages`), copies,
+  other fields kept:
+
+  - ``content``: vLLM looks at the template (``--chat-template-content-format
+    auto``, :func:`content_format`). A template that loops over a message's
+    content gets a list of ``{"type": "text", "text": ...}`` parts (a string
+    is one part, null none); any other gets a string, the text parts joined
+    with a newline (null: ``""``). A tool message's text parts are joined
+    either way. Text only, as :func:`~prefixrouter.tokenizer.render_chat`:
+    other part types are refused.
+  - an assistant's ``tool_calls``: each ``function.arguments`` is an object
+    (OpenAI's JSON text parsed, keys in their order; ``{}`` for anything that
+    is not a JSON object); an empty list is dropped.
 
 A template that raises (``raise_exception``) or fails to render gives
 :class:`ChatTemplateError`, a ``ValueError`` the gateway answers with 400.
@@ -28,18 +41,27 @@ A template that raises (``raise_exception``) or fails to render gives
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+from jinja2 import nodes
 
-from prefixrouter.tokenizer import ChatTemplateError
+from prefixrouter.tokenizer import (
+    ChatTemplateError,
+    _content_text,
+    _content_texts,
+    _tool_call_arguments,
+    _tool_call_function,
+)
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+ContentFormat = Literal["string", "openai"]
 
 
 def _raise_exception(message: str) -> None:
@@ -79,12 +101,143 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
+def _is_name(node: nodes.Node, name: str) -> bool:
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _refers(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """``node`` reads ``name`` (``name[key]`` or ``name.key`` given a key), through
+    filters, tests and slices (vLLM's ``_is_var_or_elems_access``)."""
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _refers(node.node, name, key)
+    if isinstance(node, nodes.Test):
+        return _refers(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _refers(node.node, name, key)
+    if key is None:
+        return _is_name(node, name)
+    if isinstance(node, nodes.Getitem):
+        arg = node.arg
+        return _is_name(node.node, name) and isinstance(arg, nodes.Const) and arg.value == key
+    if isinstance(node, nodes.Getattr):
+        return _is_name(node.node, name) and node.attr == key
+    return False
+
+
+def _message_names(ast: nodes.Template) -> set[str]:
+    """The loop variables that hold one message: ``for m in messages`` (or in a
+    variable set from it, ``set loop_messages = messages[1:]``)."""
+    lists, todo = {"messages"}, ["messages"]
+    while todo:
+        name = todo.pop()
+        for assign in ast.find_all(nodes.Assign):
+            target = assign.target
+            if not isinstance(target, nodes.Name) or target.name in lists:
+                continue
+            if _refers(assign.node, name):
+                lists.add(target.name)
+                todo.append(target.name)
+    return {
+        loop.target.name
+        for loop in ast.find_all(nodes.For)
+        if isinstance(loop.target, nodes.Name) and any(_refers(loop.iter, n) for n in lists)
+    }
+
+
+def _content_loops(ast: nodes.Template, messages: set[str]) -> Iterator[nodes.For]:
+    """Loops over a message's content: ``for part in message['content']``, over a
+    macro parameter that is given a message's content, or over ``content``
+    outside macros (vLLM's ``_iter_nodes_assign_content_item``)."""
+
+    def is_content(node: nodes.Node) -> bool:
+        return any(_refers(node, m, "content") for m in messages)
+
+    params_of: dict[int, set[str]] = {}
+    in_macros: set[int] = set()
+    for macro in ast.find_all(nodes.Macro):
+        names = [a.name for a in macro.args]
+        params: set[str] = set()
+        for call in ast.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                params.update(n for n, a in zip(names, call.args, strict=False) if is_content(a))
+                params.update(k.key for k in call.kwargs if k.key in names and is_content(k.value))
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if params:
+                params_of[id(loop)] = params
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        named = isinstance(it, nodes.Name) and (
+            it.name in params_of.get(id(loop), ())
+            or (id(loop) not in in_macros and it.name == "content")
+        )
+        if named or is_content(it):
+            yield loop
+
+
+def content_format(source: str) -> ContentFormat:
+    """How vLLM passes message content to this template (its ``auto`` detection).
+
+    ``"openai"`` (a list of text parts) when the template loops over a
+    message's content, else ``"string"``; ``"string"`` too for a template that
+    does not parse.
+    """
+    try:
+        ast = _environment().parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    return "openai" if next(_content_loops(ast, _message_names(ast)), None) else "string"
+
+
+def vllm_messages(
+    messages: Sequence[Mapping[str, Any]], fmt: ContentFormat = "string"
+) -> list[dict[str, Any]]:
+    """Copies of chat messages as vLLM hands them to a template (module docstring).
+
+    Raises:
+        ChatTemplateError: A malformed message, content part or tool call (names the field).
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError("messages: must be a list of message objects")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise ChatTemplateError(f"{where}: must be an object")
+        m = dict(msg)
+        role, content = m.get("role"), m.get("content")
+        if fmt == "openai" and role != "tool":
+            texts = _content_texts(content, f"{where}.content")
+            m["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            m["content"] = _content_text(content, f"{where}.content")
+        calls = m.get("tool_calls")
+        if role == "assistant" and isinstance(calls, list):
+            if not calls:
+                del m["tool_calls"]
+            else:
+                m["tool_calls"] = [
+                    _vllm_tool_call(call, f"{where}.tool_calls[{j}]")
+                    for j, call in enumerate(calls)
+                ]
+        out.append(m)
+    return out
+
+
+def _vllm_tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = _tool_call_function(call, where)
+    return {**call, "function": {**fn, "arguments": _tool_call_arguments(fn)}}
+
+
 class ModelChatTemplate:
     """A compiled chat template and the special tokens it may use.
 
     Args:
         source: The Jinja source.
         special_tokens: ``bos_token`` etc. (missing ones render as empty).
+
+    Attributes:
+        content_format: How message content reaches it (:func:`content_format`).
     """
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
@@ -94,6 +247,7 @@ class ModelChatTemplate:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+        self.content_format = content_format(source)
 
     def render(
         self,
@@ -102,14 +256,15 @@ class ModelChatTemplate:
         *,
         add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text.
+        """The prompt text of the messages as vLLM hands them over (:func:`vllm_messages`).
 
         Raises:
-            ChatTemplateError: The template rejected the messages.
+            ChatTemplateError: A malformed message, or the template rejected the messages.
         """
+        prepared = vllm_messages(messages, self.content_format)
         try:
             return self._template.render(
-                messages=[dict(m) for m in messages],
+                messages=prepared,
                 tools=[dict(t) for t in tools] if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 **{k: self.special_tokens.get(k, "") for k in SPECIAL_TOKEN_KEYS},

@@ -135,10 +135,19 @@ def _json(value: Any) -> str:
 
 
 def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
+    """A message's text as vLLM gives it to a template that takes strings."""
     if isinstance(content, str):
         return content
+    # vLLM joins the text parts of one message with a newline for string templates.
+    return "\n".join(_content_texts(content, where))
+
+
+def _content_texts(content: Any, where: str) -> list[str]:
+    """The text parts of a message's content (null: none; a string: one)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
     if not isinstance(content, list):
         raise ChatTemplateError(f"{where}: must be a string, a list of content parts or null")
     texts: list[str] = []
@@ -157,27 +166,37 @@ def _content_text(content: Any, where: str) -> str:
         if not isinstance(text, str):
             raise ChatTemplateError(f"{where}[{i}].text: must be a string")
         texts.append(text)
-    # vLLM joins the text parts of one message with a newline for string templates.
-    return "\n".join(texts)
+    return texts
 
 
-def _tool_call_text(call: Any, where: str) -> str:
+def _tool_call_function(call: Any, where: str) -> Mapping[str, Any]:
+    """A tool call's ``function`` (checked: an object with a string ``name``)."""
     if not isinstance(call, Mapping):
         raise ChatTemplateError(f"{where}: a tool call must be an object")
     fn = call.get("function")
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
         raise ChatTemplateError(f"{where}.function.name: must be a string")
-    # As vLLM does before rendering: OpenAI's JSON text is parsed to an object
-    # (keys in their order), and anything that is not an object becomes {}.
+    return fn
+
+
+def _tool_call_arguments(fn: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A tool call's ``arguments`` as vLLM hands them to the template.
+
+    OpenAI's JSON text is parsed to an object (keys in their order); anything
+    that is not an object (empty, malformed, a list, a number) becomes ``{}``.
+    """
     args = fn.get("arguments")
     if isinstance(args, str) and args:
         try:
             args = json.loads(args)
         except ValueError:
             args = {}
-    if not isinstance(args, Mapping):
-        args = {}
-    args_text = json.dumps(args, ensure_ascii=False)
+    return args if isinstance(args, Mapping) else {}
+
+
+def _tool_call_text(call: Any, where: str) -> str:
+    fn = _tool_call_function(call, where)
+    args_text = json.dumps(_tool_call_arguments(fn), ensure_ascii=False)
     return f'<tool_call>\n{{"name": {_json(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
 
 
