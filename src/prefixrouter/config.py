@@ -40,6 +40,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prefixrouter.engines.kv_events import ZMQ_SCHEMES
 from prefixrouter.errors import ConfigError, PrefixRouterError
 
 EngineKind = Literal["vllm", "sglang", "llamacpp", "openai"]
@@ -299,7 +300,7 @@ class KvEventsConfig(_Model):
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+        if value is not None and not value.startswith(ZMQ_SCHEMES):
             raise ValueError("must be a ZMQ address: tcp://HOST:PORT or ipc://PATH")
         return value
 

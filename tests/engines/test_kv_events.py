@@ -1,13 +1,16 @@
-"""KV-event decoding and translation to the router's hashes."""
+"""KV-event decoding, translation to the router's hashes, and the ZMQ addresses configs accept."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
+from pydantic import ValidationError
 
+from prefixrouter.config import KvEventsConfig
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixrouter.core.hashing import hash_token_blocks
 from prefixrouter.core.types import WorkerId
+from prefixrouter.engine_server.config import EngineServerConfig
 from prefixrouter.engines.kv_events import (
     EngineAllBlocksCleared,
     EngineBlockRemoved,
@@ -21,6 +24,7 @@ from prefixrouter.engines.kv_events import (
     decode_seq,
     salt_of,
 )
+from prefixrouter.errors import ConfigError
 
 W = WorkerId("w0")
 BS = 4
@@ -168,3 +172,17 @@ def test_sequence_tracker_classifies_gaps_and_restarts() -> None:
     assert seq.check("u", 9) is SeqStatus.GAP
     seq.forget("u")
     assert seq.expected("u") is None
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "ipc:///tmp/kv", "inproc://kv"])
+def test_gateway_and_engine_configs_take_zmq_addresses(endpoint: str) -> None:
+    assert KvEventsConfig(endpoint=endpoint).endpoint == endpoint
+    assert EngineServerConfig(kv_events_endpoint=endpoint).kv_events_endpoint == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:5557", "127.0.0.1:5557", ""])
+def test_gateway_and_engine_configs_refuse_other_addresses(endpoint: str) -> None:
+    with pytest.raises(ValidationError, match="must be a ZMQ address"):
+        KvEventsConfig(endpoint=endpoint)
+    with pytest.raises(ConfigError, match="must be a ZMQ address"):
+        EngineServerConfig(kv_events_endpoint=endpoint)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from prefixrouter.engines.kv_events import ZMQ_SCHEMES
 from prefixrouter.errors import ConfigError
 from prefixrouter.sim.profiles import EngineProfile, get_profile
 
@@ -64,7 +65,7 @@ class EngineServerConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")
         ep = self.kv_events_endpoint
-        if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        if ep is not None and not ep.startswith(ZMQ_SCHEMES):
             raise ConfigError(f"kv_events_endpoint: must be a ZMQ address, got {ep!r}")
         if self.default_max_tokens < 1:
             raise ConfigError(

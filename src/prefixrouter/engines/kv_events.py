@@ -65,6 +65,8 @@ from prefixrouter.core.types import BlockHash, WorkerId
 EngineHash = int | bytes
 """An engine's block id, as the event carries it (compared, never interpreted)."""
 
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+"""The address schemes of a ZMQ endpoint (the publisher's, the subscriber's, a replay's)."""
 GPU_MEDIA = frozenset({None, "GPU", "gpu", "cuda", "CUDA"})
 STORED_FIELDS = (
     "block_hashes",
