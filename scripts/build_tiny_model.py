@@ -41,8 +41,8 @@ def main() -> None:
 
     tok_json = out / "tokenizer.json"
     if tok_json.is_file():
-        vocab = json.loads(tok_json.read_text(encoding="utf-8"))["model"]["vocab"]
-        added = json.loads(tok_json.read_text(encoding="utf-8")).get("added_tokens", [])
+        tok = json.loads(tok_json.read_text(encoding="utf-8"))
+        vocab, added = tok["model"]["vocab"], tok.get("added_tokens", [])
         size = max([*vocab.values(), *(t["id"] for t in added)]) + 1
         if size != VOCAB:
             raise SystemExit(f"{tok_json}: vocabulary of {size} entries, the model expects {VOCAB}")

@@ -20,7 +20,6 @@ from prefixrouter.engines.kv_events import (
     EngineBlockRemoved,
     EngineBlockStored,
     EventTranslator,
-    SequenceTracker,
     decode_batch,
     decode_seq,
 )
@@ -57,13 +56,11 @@ def test_every_captured_message_decodes() -> None:
 
 def test_captured_chains_translate_to_our_hashes_of_the_same_tokens() -> None:
     translators: dict[str, EventTranslator] = {}
-    seq = SequenceTracker()
     stored: list[tuple[EngineBlockStored, BlockStored]] = []
     removed = 0
     cleared = 0
     for _, frames in messages():
         topic = frames[0].decode()
-        seq.check(topic, decode_seq(frames[1]))
         tr = translators.setdefault(topic, EventTranslator(WorkerId(topic), seeds))
         for raw in decode_batch(frames[2]).events:
             event = tr.translate(raw)
@@ -86,16 +83,11 @@ def test_captured_chains_translate_to_our_hashes_of_the_same_tokens() -> None:
     full = chat_raw.token_ids + dec_raw.token_ids
     assert tuple(dec.block_hashes) == hash_token_blocks(BASE, full, 32)
     # The salted chat lands in the salt's namespace.
-    salted = next(ev for raw, ev in stored if raw.extra_keys and raw.extra_keys[0])
-    assert salted.block_hashes[0] == hash_token_blocks(SALTED, salted_tokens(stored), 32)[0]
+    salted_raw, salted = next((r, ev) for r, ev in stored if r.extra_keys and r.extra_keys[0])
+    assert salted.block_hashes[0] == hash_token_blocks(SALTED, salted_raw.token_ids, 32)[0]
     # The small engine's evictions name blocks whose BlockStored came before the
     # capture started, so the map cannot place them: nothing wrong is removed.
     assert removed == 0
-
-
-def salted_tokens(stored: list[tuple[EngineBlockStored, BlockStored]]) -> tuple[int, ...]:
-    raw = next(r for r, _ in stored if r.extra_keys and r.extra_keys[0])
-    return raw.token_ids
 
 
 def test_captured_feed_through_the_subscriber() -> None:
