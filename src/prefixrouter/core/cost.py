@@ -26,9 +26,6 @@ Two further terms are not part of this request's TTFT; policies may weigh them:
 
 * ``decode_s``: the expected time to generate ``O`` tokens on ``w`` with the
   batch it would join;
-* ``interference_s``: the delay this request's prefill imposes on the
-  requests decoding on ``w`` (every decode waits while the engine prefills).
-  Not predicted yet: always 0, so ``interference_weight`` has no effect;
 * ``eviction_s``: the prefill time of the cached blocks that storing this
   prompt would evict from ``w``'s full cache (``evicted_tokens``, given by the
   caller from the prefix index). It is the price of copying a prefix: another
@@ -64,7 +61,6 @@ class CostTerms:
     memory_risk_s: float
     decode_s: float
     eviction_s: float = 0.0
-    interference_s: float = 0.0
     scale: float = 1.0
 
     @property
@@ -186,7 +182,7 @@ class CostModel:
 
         s = self._scale.get(w.worker_id, 1.0)  # self.scale(), without the call
         eviction = prof.prefill_time(evicted_tokens, 0.0) if evicted_tokens > 0 else 0.0
-        # By keyword: `scale` passed positionally once landed in interference_s,
+        # By keyword: `scale` passed positionally once landed in a term slot,
         # which left calibration converging to the square root of the error.
         return CostTerms(
             queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, scale=s

@@ -104,7 +104,6 @@ class CandidateScore:
                 memory_risk_ms=round(t.memory_risk_s * 1e3, 3),
                 decode_ms=round(t.decode_s * 1e3, 3),
                 eviction_ms=round(t.eviction_s * 1e3, 3),
-                interference_ms=round(t.interference_s * 1e3, 3),
             )
         return out
 

@@ -80,8 +80,7 @@ class OutputClassParams:
         warm_margin_rel: Keep a warm worker while its score <= best * (1 + this) + abs.
         warm_margin_abs_s: The absolute part of that margin, seconds.
         max_warm_wait_s: Never keep warm preference past this queue wait.
-        decode_weight: Weight of predicted decode time (own, and the delay
-            imposed on the running decodes) when ranking workers.
+        decode_weight: Weight of the predicted decode time when ranking workers.
         switch_decode_weight: The same weight when a warm worker is compared
             with a cold one (leaving warm copies the prefix: a lasting cost
             against a transient difference in decode batches).
@@ -109,8 +108,6 @@ class PrefixRouterParams:
             (the chance that the evicted blocks are asked for again).
         min_margin_share: Share of the warm margin kept even when the other
             worker's cache has room (a copy still costs memory and a prefill).
-        interference_weight: Weight, when leaving the deepest prefix is weighed,
-            of the delay the recomputation imposes on the worker's running decodes.
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
@@ -144,7 +141,6 @@ class PrefixRouterParams:
     cold_reserved_share: float = 0.2
     eviction_weight: float = 0.5
     min_margin_share: float = 0.5
-    interference_weight: float = 0.0
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
     tie_band_rel: float = 0.1
@@ -228,9 +224,7 @@ class PrefixRouterPolicy(Policy):
             else:
                 terms = predict(w, prompt, 0, 0.0, output, evicted)
             score = (
-                terms.ttft_s
-                + decode_weight * (terms.decode_s + terms.interference_s)
-                + eviction_weight * terms.eviction_s
+                terms.ttft_s + decode_weight * terms.decode_s + eviction_weight * terms.eviction_s
             )
             scored.append(CandidateScore(wid, matched, conf, terms, score))
             warm_flags.append(warm)
@@ -404,7 +398,6 @@ class PrefixRouterPolicy(Policy):
         return (
             t.ttft_s
             + cls.switch_decode_weight * t.decode_s
-            + max(cls.switch_decode_weight, self.params.interference_weight) * t.interference_s
             + self.params.eviction_weight * t.eviction_s
         )
 
