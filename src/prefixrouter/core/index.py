@@ -71,13 +71,11 @@ class IndexEntry:
 
     Attributes:
         source: How we learned it (speculative < confirmed < event).
-        stored_at: When it entered the index (recency is the LRU order, not a time).
         expires_at: Speculative entries expire; others have ``inf``.
         confidence: How sure we are the engine still holds it (source-based).
     """
 
     source: EntrySource
-    stored_at: float
     expires_at: float
     confidence: float
 
@@ -468,7 +466,7 @@ class PrefixIndex:
                 if speculative and entry.source is _SPECULATIVE:
                     entry.expires_at = expires_at  # re-queued lazily by expire()
                 continue
-            entry = IndexEntry(source, now, expires_at, confidence)
+            entry = IndexEntry(source, expires_at, confidence)
             lru[block] = entry
             slot = holders.get(block)
             if slot is None:
