@@ -1,4 +1,4 @@
-"""Table-driven tests for each decision rule of DESIGN.md, on the default profile."""
+"""Table-driven tests for each rule of the ``prefixrouter`` policy, on the default profile."""
 
 from __future__ import annotations
 

@@ -19,20 +19,43 @@ memory risk) and two costs beyond this request's first token. The score is::
 A candidate is *warm* when the index says it holds at least
 ``min_match_tokens`` of the prompt with confidence at least ``min_confidence``
 (an affinity whose trust decayed after unexplained misses is scored as cold).
-Tiers, as in DESIGN.md:
 
-1. ``exact``: a warm worker holding the deepest prefix any worker holds;
+**Tie band**: identical engines' predictions differ by their calibration
+scales, so scores within the candidates' calibration disagreement
+(``highest / lowest scale - 1``, at most ``tie_band_rel``) of the best count
+as equal, and among those the fewest requests in flight wins (then the lowest
+score). With one candidate, or scales that agree, the lowest score wins. It
+picks among the workers holding the deepest prefix, and among all workers for
+a prefix never seen.
+
+Tiers (the one recorded is the chosen worker's):
+
+1. ``exact``: a warm worker holding the deepest prefix any warm worker holds;
 2. ``partial``: a warm worker holding less;
-3. ``cold``: the best worker when no warm one is acceptable;
-4. ``cold_pool``: a configured pool that takes cold requests, so replicas that
-   hold expensive hot prefixes keep serving them.
+3. ``cold``: a worker with no usable prefix;
+4. ``cold_pool``: a worker of the configured ``cold_pool`` (below).
+
+Which worker:
+
+* **some worker is warm**: the best of those holding the deepest prefix
+  (within the tie band, the fewest in flight), unless a rule below leaves
+  it: then the lowest score (margin, maximum wait) or, for a hot prefix, the
+  best other worker; either may hold part of the prefix (``partial``) or
+  none (``cold``). Under the cold quota every choice is among the workers
+  with room.
+* **none is warm**: the best worker of the ``cold_pool``, when one is
+  configured and that worker's score is within the margin of the best (so
+  replicas that hold expensive hot prefixes keep serving them). Else a prefix
+  never seen (or ``home_by_hash`` off) goes to the lowest score within the
+  tie band, and a prefix seen before that no cache holds any more to its
+  rendezvous-hash home among the workers within the margin of the best.
 
 Rules on top of the score, in order:
 
 * **hot prefix**: the demand of the prefix the best warm worker holds (its
   request rate times the engine time per request on a replica that holds it)
   needs more replicas than hold it, at ``hot_prefix_utilization`` each: the
-  best cold worker is warmed now instead of growing the warm queues. Not while
+  best other worker is warmed now instead of growing the warm queues. Not while
   the prefix is held only speculatively (its first copy is still being
   prefilled): a second copy would only prefill it again meanwhile. Demand is
   counted per prefix of 1, 2, 4, 8, ... blocks, so a session's history is told
