@@ -219,8 +219,7 @@ class PrefixRouterPolicy(Policy):
         # The loop runs once per candidate on every request: what it reads of
         # the params, the context and the index is bound to locals first.
         scored: list[CandidateScore] = []
-        warm_flags: list[bool] = []
-        warm_any: list[int] = []
+        warm_any: list[int] = []  # the warm candidates' indices, in order
         matches = ctx.matches
         index = ctx.index
         predict = ctx.cost.predict
@@ -250,7 +249,6 @@ class PrefixRouterPolicy(Policy):
                 terms.ttft_s + decode_weight * terms.decode_s + eviction_weight * terms.eviction_s
             )
             scored.append(CandidateScore(wid, matched, conf, terms, score))
-            warm_flags.append(warm)
 
         candidates_out = tuple(scored)
         everyone = range(len(scored))
@@ -284,7 +282,7 @@ class PrefixRouterPolicy(Policy):
         # The workers holding the deepest prefix: leaving them for anyone else
         # (cold, or holding a shorter prefix) recomputes part of the prompt.
         exact_idx = [i for i in warm_idx if scored[i].matched_tokens >= deepest]
-        bw = _spread(scored, candidates, exact_idx, p.tie_band_rel)
+        bw = _spread(scored, candidates, exact_idx, p.tie_band_rel, _argmin(scored, exact_idx))
         best, best_warm = scored[best_i], scored[bw]
         abandoned = False
         assert best_warm.terms is not None
@@ -351,7 +349,7 @@ class PrefixRouterPolicy(Policy):
                     f"beyond margin of {best.worker_id} {cold_switch * 1e3:.0f} ms"
                 )
         c = scored[chosen]
-        if warm_flags[chosen]:
+        if chosen in warm_any:
             tier = "exact" if c.matched_tokens >= deepest else "partial"
             cached = c.matched_tokens
             reason = f"{reason}; {cached} of {prompt} tokens cached"
@@ -391,7 +389,8 @@ class PrefixRouterPolicy(Policy):
             # predictions of near-identical candidates differ by calibration
             # noise: within the tie band the fewest requests in flight decides,
             # so a burst of unique requests spreads (see _spread).
-            pick = _spread(scored, candidates, range(len(scored)), self.params.tie_band_rel)
+            everyone = range(len(scored))  # none is warm, so best_i is the best of all
+            pick = _spread(scored, candidates, everyone, self.params.tie_band_rel, best_i)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best_i:
                 reason = "no reusable prefix anywhere: fewest in flight among near-equal"
@@ -542,8 +541,12 @@ def _spread(
     candidates: Sequence[WorkerView],
     indices: Sequence[int] | range,
     band: float,
+    best: int,
 ) -> int:
     """The best of ``indices``, where scores within a tie band of the best count as equal.
+
+    ``best`` is the index of the lowest score among ``indices`` (:func:`_argmin`;
+    the cold path knows it already).
 
     Identical engines' predictions differ by their calibration (each learns
     its own scale from noisy observations, about 20% apart live), and a
@@ -553,7 +556,6 @@ def _spread(
     (relative); among candidates whose scores are within it of the best, the
     one with the fewest requests in flight wins, then the lowest score.
     """
-    best = _argmin(scored, indices)
     # The band is the calibration disagreement among these candidates, capped:
     # when every worker's scale agrees (a fleet whose profile is right, or the
     # simulator) predictions are trusted as they are.
