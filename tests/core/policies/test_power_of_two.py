@@ -4,13 +4,12 @@ from dataclasses import replace
 
 from prefixrouter.core import Router, create_policy
 from prefixrouter.core.policies.common import request_rng
-from tests.core.conftest import request, tokens, workers
+from tests.core.conftest import request, tokens, with_loads, workers
 
 
 def test_less_loaded_of_the_two_sampled_deterministic_per_request_id() -> None:
-    ws = workers(3)
     loads = [0, 5, 10]
-    ws = [replace(w, in_flight=n) for w, n in zip(ws, loads, strict=True)]
+    ws = with_loads(*loads)
     r = Router("power_of_two")
     seen = set()
     for k in range(30):

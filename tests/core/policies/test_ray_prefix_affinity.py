@@ -1,23 +1,17 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
-from prefixrouter.core import Router, WorkerId, WorkerView, create_policy
+from prefixrouter.core import Router, WorkerId, create_policy
 from prefixrouter.core.policies.common import request_rng
 from prefixrouter.core.policies.ray_prefix_affinity import RayPrefixAffinity
-from tests.core.conftest import request, send, tokens, workers
+from tests.core.conftest import request, send, tokens, with_loads
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 DOC = tokens(1, 1_000)
 
 
-def queued(*loads: int) -> list[WorkerView]:
-    return [replace(w, in_flight=n) for w, n in zip(workers(len(loads)), loads, strict=True)]
-
-
 def test_low_match_rate_goes_to_smallest_trees_then_shortest_queue() -> None:
     r = Router("ray_prefix_affinity")
-    ws = queued(0, 3, 1)
+    ws = with_loads(0, 3, 1)
     send(r, request("a", DOC), ws, W0, 0.0)
     d = r.route(request("q", DOC[:64] + tokens(3, 936)), ws, 1.0)  # 64 of 1,000: rate 0.064
     assert (d.worker_id, d.tier) == (W2, "cache_miss")  # w1 and w2 have empty trees
@@ -25,7 +19,7 @@ def test_low_match_rate_goes_to_smallest_trees_then_shortest_queue() -> None:
 
 def test_match_goes_to_deepest_node_then_shortest_queue() -> None:
     r = Router("ray_prefix_affinity")
-    ws = queued(4, 2, 0)
+    ws = with_loads(4, 2, 0)
     send(r, request("a", DOC), ws, W0, 0.0)
     send(r, request("b", DOC), ws, W1, 0.0)
     d = r.route(request("q", DOC[:200] + tokens(3, 800)), ws, 1.0)  # rate 0.19 >= 0.1
@@ -38,7 +32,7 @@ def test_finite_imbalance_threshold_uses_power_of_two_and_trees_are_capped() -> 
         "ray_prefix_affinity", {"imbalanced_threshold": 5, "max_tree_chars": 640}
     )
     r = Router(policy)
-    ws = queued(10, 0, 2)
+    ws = with_loads(10, 0, 2)
     send(r, request("a", DOC), ws, W0, 0.0)
     assert isinstance(policy, RayPrefixAffinity) and policy.tree.size(W0) == 10  # 640 / 64
     d = r.route(request("q", DOC), ws, 1.0)
