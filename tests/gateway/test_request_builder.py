@@ -187,14 +187,27 @@ _CLASS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("mode", ["text", "token"])
 @pytest.mark.parametrize(("messages", "tools"), _CLASS_CASES)
 def test_built_class_is_the_inferred_class(
-    messages: list[dict[str, Any]], tools: list[Any] | None
+    messages: list[dict[str, Any]], tools: list[Any] | None, mode: str
 ) -> None:
-    # build() renders and classifies in one pass; it must agree with the
-    # standalone inference.
+    # build() classifies in its rendering pass (which builds no text in token
+    # mode); it must agree with the standalone inference.
+    from prefixrouter.tokenizer import load_tokenizer
+
+    tok = load_tokenizer() if mode == "token" else None
+    b = _builder({"routing": {"mode": mode}}, tokenizer=tok)
     body = _chat(*messages, **({"tools": tools} if tools else {}))
-    assert _build(body).routing.prefix_class is infer_prefix_class(messages, tools, 4000)
+    rr = _build(body, builder=b).routing
+    assert rr.prefix_class is infer_prefix_class(messages, tools, 4000)
+    assert (rr.text is None) is (mode == "token")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    first_user = None
+    if users:
+        c = users[0]
+        first_user = c if isinstance(c, str) else "\n".join(p["text"] for p in c or [])
+    assert rr.first_user_text == first_user
 
 
 def test_tool_calls_follow_the_message_text() -> None:

@@ -130,18 +130,19 @@ def render_messages(messages: list[Any], tools: list[Any] | None) -> tuple[str, 
 
 
 def _render_chat(
-    messages: list[Any], tools: list[Any] | None, document_chars: int
+    messages: list[Any], tools: list[Any] | None, document_chars: int, with_text: bool = True
 ) -> tuple[str, str | None, PrefixClass]:
     """Validate and render chat messages and infer their prefix class, in one pass.
 
     The same text as :func:`render_messages` and the same class as
     :func:`infer_prefix_class` (for validated messages): the gateway needs
-    both for every chat request, and one walk over the messages is cheaper
-    than two.
+    both for every chat request in text mode, and one walk over the messages
+    is cheaper than two. Without ``with_text`` (token mode, where the chat
+    template renders the prompt) the text is not built and ``""`` returned.
     """
     parts: list[str] = []
     add = parts.append
-    if tools:
+    if tools and with_text:
         add("<|tools|>\n" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
     first_user: str | None = None
     # What infer_prefix_class looks at.
@@ -179,6 +180,8 @@ def _render_chat(
                 session = True
         elif role in _SYSTEM_ROLES:
             has_system = True
+        if not with_text:
+            continue
         name = msg.get("name")
         # Pieces joined once at the end: no intermediate copy of long contents.
         add(f"<|{role}|>\n" if not isinstance(name, str) else f"<|{role}:{name}|>\n")
@@ -201,7 +204,11 @@ def _render_chat(
 def infer_prefix_class(
     messages: list[Any], tools: list[Any] | None, document_chars: int
 ) -> PrefixClass:
-    """The prefix class of a chat request from its structure (see the module docstring)."""
+    """The prefix class of a chat request from its structure (see the module docstring).
+
+    The gateway classifies in its rendering pass (:func:`_render_chat`); this
+    states the rules on their own, and the tests hold the two to agree.
+    """
     longest = 0
     last_user = ""
     has_system = bool(tools)
@@ -337,8 +344,11 @@ class RequestBuilder:
             tools = body.get("tools")
             if tools is not None and not isinstance(tools, list):
                 raise _bad("tools", "must be a list of tool objects")
-            text, first_user, inferred = _render_chat(messages, tools, self.routing.document_chars)
-            if self.tokenizer is not None:
+            with_text = self.tokenizer is None
+            text, first_user, inferred = _render_chat(
+                messages, tools, self.routing.document_chars, with_text
+            )
+            if not with_text:
                 tokens = self._chat_tokens(messages, tools)
                 text = None
             cls = _header_class(prefix_class_header) or inferred
