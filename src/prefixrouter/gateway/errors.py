@@ -13,7 +13,7 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   │                                                         | invalid_field  (param = field)
     │   ├── Unauthorized             401  authentication_error   invalid_api_key
     │   ├── NotFound                 404  invalid_request_error  model_not_found | not_found
-    │   ├── Conflict                 409  invalid_request_error  conflict  (admin: worker id exists)
+    │   ├── Conflict                 409  invalid_request_error  conflict  (id or topic taken)
     │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
     │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
     │   └── UpstreamFailed           502  upstream_error         upstream_unreachable
@@ -109,7 +109,7 @@ class NotFound(GatewayError):
 
 
 class Conflict(GatewayError):
-    """409: the object exists (adding a worker whose id is taken)."""
+    """409: the object exists (adding a worker whose id or KV-event topic is taken)."""
 
     status = 409
     type = "invalid_request_error"
