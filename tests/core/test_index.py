@@ -114,6 +114,27 @@ def test_hit_within_tolerance_is_not_a_miss_and_restores_trust() -> None:
     assert idx.trust(A, 1.0) == pytest.approx(0.75)
 
 
+def test_a_miss_after_a_cache_clear_is_explained_by_the_clear() -> None:
+    """An engine publishes a clear on its next step, after the requests that
+    arrived meanwhile were routed: their misses are the clear's, not a sign
+    that the router hashes other tokens than the engine sees."""
+    idx = PrefixIndex(IndexParams(miss_decay=0.5))
+    doc = chain(1, 10)
+    idx.apply(BlockStored(A, doc), 0.0)
+    # Routed at t=1 against the stored blocks; the clear arrives at t=1.5,
+    # then the engine stores the chain again while it prefills it.
+    idx.on_routed(A, doc, 1.0)
+    idx.apply(AllBlocksCleared(A), 1.5)
+    idx.apply(BlockStored(A, doc), 1.6)
+    assert idx.on_completed(A, doc, 16.0, 160, 0, 2.0, routed_at=1.0) is False
+    assert idx.trust(A, 2.0) == 1.0 and idx.unexplained_misses == 0
+    assert idx.match(doc, 2.0)[A].blocks == 10  # what the engine just prefilled is kept
+    # A request routed after the clear that misses is a miss as before.
+    idx.on_routed(A, doc, 3.0)
+    assert idx.on_completed(A, doc, 16.0, 160, 48, 4.0, routed_at=3.0) is True
+    assert idx.trust(A, 4.0) == pytest.approx(0.5)
+
+
 def test_events_are_exact_and_clear() -> None:
     idx = PrefixIndex()
     doc = chain(1, 5)

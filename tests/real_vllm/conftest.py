@@ -33,6 +33,7 @@ from prefixrouter.engines.vllm_fleet import (
     VllmOptions,
     VllmSetup,
     ensure_vllm,
+    reset_prefix_cache,
 )
 from tests import admin_client
 
@@ -117,6 +118,35 @@ class VllmCluster:
 
     def stop_gateway(self, gw: Gateway) -> None:
         self.procs.stop(gw.server)
+
+    def reset_caches(self) -> None:
+        """Empty every engine's prefix cache and wait until the main gateway knows.
+
+        vLLM queues ``AllBlocksCleared`` at the reset and publishes it with the
+        outputs of its next step, so until a request runs, the gateway still
+        believes what the engine held before. A one-block request straight to
+        each engine makes that step; then the gateway's count of applied clears
+        must grow for every engine. Without this, a test that measures right
+        after a reset routes its first requests on blocks that no longer exist.
+        """
+        gw = self.gateway
+        assert gw is not None
+
+        async def settle() -> None:
+            before = {w: s["kv_events"]["cleared_events"] for w, s in (await workers(gw)).items()}
+            for e in self.engines.engines:
+                reset_prefix_cache(e.url)
+            await asyncio.gather(
+                *(post_chat(e.url, chat("", "Reset?", max_tokens=1)) for e in self.engines.engines)
+            )
+
+            async def applied() -> bool:
+                now = {w: s["kv_events"]["cleared_events"] for w, s in (await workers(gw)).items()}
+                return all(now[w] > n for w, n in before.items())
+
+            await until(applied, 30, "the engines' AllBlocksCleared at the gateway")
+
+        asyncio.run(settle())
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,6 @@ from prefixrouter.core.router import Router
 from prefixrouter.core.types import CacheNamespace, WorkerId
 from prefixrouter.demo.fleet import free_port
 from prefixrouter.engines.kv_subscriber import KvEventSubscriber
-from prefixrouter.engines.vllm_fleet import reset_prefix_cache
 from tests.real_vllm.conftest import (
     BLOCK,
     KV_BLOCKS,
@@ -97,18 +96,36 @@ async def doc_qa(url: str, seeds: list[int], questions: int, gap_s: float) -> li
     Four 8,000-token documents on two engines whose pools hold 20,480 tokens
     each: two documents per engine fit, all four on one do not. The order is
     shuffled per round (seeded) so that round robin does not pin documents to
-    engines by accident.
+    engines by accident. Each result also names its document (``doc``).
     """
     docs = {s: document(s, 8000) for s in seeds}
     tasks = []
+    asked = []
     for q in range(questions):
         order = list(seeds)
         random.Random(q).shuffle(order)
         for s in order:
             body = chat(docs[s], f"Question {q} about document {s}?")
             tasks.append(asyncio.create_task(post_chat(url, body)))
+            asked.append(s)
             await asyncio.sleep(gap_s)
-    return list(await asyncio.gather(*tasks))
+    return [{**r, "doc": s} for r, s in zip(await asyncio.gather(*tasks), asked, strict=True)]
+
+
+def print_placement(name: str, out: list[dict], records: list[dict] | None) -> None:
+    """Per request, in arrival order: document, engine, cached tokens, and the decision.
+
+    What a failing run needs to be read: where each document went, round by
+    round, and (for our gateway) the tier, prediction and reason of each decision.
+    """
+    print(f"--- {name}: placement in arrival order")
+    for i, r in enumerate(out):
+        cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        line = f"{i:2d} doc {r['doc']} -> {r['worker']} ttft {r['ttft_s']:.2f} s cached {cached}"
+        if records is not None:
+            d = records[i]
+            line += f" | {d['tier']} predicted {d['predicted_cached_tokens']}: {d['reason'][:110]}"
+        print(line)
 
 
 def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
@@ -119,10 +136,13 @@ def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
     results = {}
     try:
         for name, url in (("round_robin", rr.url), ("prefixrouter", gw.url)):
-            for e in vllm.engines.engines:
-                reset_prefix_cache(e.url)
+            vllm.reset_caches()
             t0 = time.monotonic()
             out = asyncio.run(doc_qa(url, seeds, questions=8, gap_s=0.5))
+            records = None
+            if name == "prefixrouter":
+                records = asyncio.run(decisions(gw, [r["id"] for r in out]))
+            print_placement(name, out, records)
             ttfts = [r["ttft_s"] for r in out]
             usage = [r["usage"] for r in out]
             cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)

@@ -148,6 +148,9 @@ class PrefixIndex:
         self._ticket = count()
         self._entries = 0
         self._holey: set[WorkerId] = set()  # workers whose entries may not be prefix-closed
+        # worker -> when an engine event last cleared its cache: a request
+        # routed before that was predicted against blocks that are gone.
+        self._cleared_at: dict[WorkerId, float] = {}
         self.evicted_entries = 0
         self.eviction_misses = 0
         """Misses on a full cache: the engine evicted what we thought it held."""
@@ -288,6 +291,7 @@ class PrefixIndex:
         predicted_cached_tokens: int,
         actual_cached_tokens: int,
         now: float,
+        routed_at: float = _INF,
     ) -> bool:
         """Fold in the engine's report of how many prompt tokens it reused.
 
@@ -300,6 +304,13 @@ class PrefixIndex:
         mismatch). Then the worker's trust drops and the entries of this chain
         past the actual match are removed, since they would miss again.
 
+        A miss on a worker whose cache an engine event cleared at or after
+        ``routed_at`` (the decision time) is explained by the clear: the
+        prediction was made against blocks that are gone. Engines publish a
+        clear on their next step, after the requests that arrive meanwhile
+        were routed, so it is not counted, trust is kept, and the chain, which
+        the engine has just prefilled again, is confirmed like any other.
+
         Returns:
             True if this was a miss.
         """
@@ -311,6 +322,9 @@ class PrefixIndex:
         predicted_blocks = int(predicted_cached_tokens // block_tokens)
         predicted_blocks = n if n < predicted_blocks else predicted_blocks
         miss = predicted_blocks - actual_blocks > p.miss_tolerance_blocks
+        if miss and self._cleared_at.get(worker, -_INF) >= routed_at:
+            miss = False  # explained by a cache clear after the decision (see above)
+            predicted_blocks = actual_blocks
         trust = self.trust(worker, now)
         if miss:
             full = self.blocks_of(worker) >= p.eviction_explains_fill * self.capacity(worker)
@@ -352,6 +366,7 @@ class PrefixIndex:
             self._remove(event.worker_id, event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             self.clear_worker(event.worker_id)
+            self._cleared_at[event.worker_id] = now
 
     def demote_events(self, worker: WorkerId, now: float) -> int:
         """The worker's event feed lost messages: its event entries become speculative.
@@ -392,6 +407,7 @@ class PrefixIndex:
         self.clear_worker(worker)
         self._capacity.pop(worker, None)
         self._trust.pop(worker, None)
+        self._cleared_at.pop(worker, None)
 
     def expire(self, now: float) -> int:
         """Remove speculative entries whose TTL has passed; returns how many."""

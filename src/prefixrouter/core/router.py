@@ -245,6 +245,7 @@ class Router:
                 decision.predicted_cached_tokens,
                 outcome.actual_cached_tokens,
                 now,
+                decision.now,
             )
             chosen = decision.chosen
             if outcome.ttft_s is not None and chosen is not None and chosen.terms is not None:
