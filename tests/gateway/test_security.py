@@ -18,7 +18,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from prefixrouter.config import config_from_dict
+from prefixrouter.config import config_from_dict, load_config
 from prefixrouter.core.types import WorkerId
 from prefixrouter.demo.fleet import Fleet, Server
 from prefixrouter.errors import ConfigError
@@ -141,6 +141,21 @@ def test_serve_takes_the_admin_key_from_the_option_or_the_environment(tmp_path: 
 
 
 # -- 2. the tenant comes from the key --------------------------------------------------------
+
+
+def test_the_removed_tenant_header_setting_is_an_error_that_names_its_successor(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("api_keys: {k: acme}\ntenant_header: true\n")
+    with pytest.raises(
+        ConfigError, match=r"old\.yaml:2: tenant_header: removed.*trust_tenant_header"
+    ):
+        load_config(path)
+    path.write_text("tenant_header: false\n")  # what the new default means anyway
+    cfg = load_config(path)
+    assert cfg.trust_tenant_header is False
+    assert config_from_dict({"trust_tenant_header": True}).trust_tenant_header
 
 
 def test_a_header_cannot_claim_a_tenant_or_its_cache() -> None:
