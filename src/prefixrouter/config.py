@@ -17,7 +17,7 @@ Shape of the YAML file (all keys optional)::
     tenants:       {NAME: {share_cache, cache_salt}}
     default_tenant: {share_cache, cache_salt}
     api_keys:      {KEY: TENANT}
-    require_api_key, tenant_header, salt_secret
+    require_api_key, trust_tenant_header, salt_secret
     health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
     metrics_poll:  {interval_s, timeout_s}
     proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
@@ -139,13 +139,25 @@ class ServerConfig(_Model):
         host: Listen address.
         port: Listen port.
         max_body_bytes: Larger request bodies get 413.
-        admin_api_key: If set, ``/admin/*`` needs ``Authorization: Bearer`` with it.
+        admin_api_key: The key every ``/admin/*`` call needs (``Authorization:
+            Bearer KEY``, compared in constant time). None = the admin API is
+            off: each ``/admin/*`` call gets 403 naming this setting (never an
+            anonymous admin). ``prefixrouter serve --admin-api-key`` or the
+            ``PREFIXROUTER_ADMIN_API_KEY`` environment variable also set it.
     """
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     max_body_bytes: PosInt = 8 * 1024 * 1024
     admin_api_key: str | None = None
+
+    @field_validator("admin_api_key")
+    @classmethod
+    def _check_admin_key(cls, value: str | None) -> str | None:
+        # An empty key would be "set" yet match an empty bearer token.
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (omit it to turn the admin API off)")
+        return value
 
 
 class PolicyConfig(_Model):
@@ -306,7 +318,25 @@ class KvEventsConfig(_Model):
 
 
 class GatewayConfig(_Model):
-    """The whole gateway configuration; every field has a default."""
+    """The whole gateway configuration; every field has a default.
+
+    Tenancy (see :mod:`prefixrouter.gateway.tenancy`):
+
+    Attributes:
+        api_keys: Client API key -> tenant. Once any key is configured, an
+            unknown key is a 401.
+        require_api_key: A request without a known key is a 401.
+        trust_tenant_header: Take the tenant of a request without a key from
+            its ``X-Tenant`` header. Only for a gateway behind an
+            authenticating proxy that sets (and strips clients') ``X-Tenant``:
+            otherwise any client can claim any tenant. Even then the header
+            never selects a tenant that has API keys or ``share_cache: false``
+            (403).
+        tenant_header: Removed (it trusted ``X-Tenant`` by default). ``false``
+            is accepted and means nothing; ``true`` is an error that names
+            ``trust_tenant_header``.
+        salt_secret: Secret of the derived ``cache_salt`` values.
+    """
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     workers: list[WorkerConfig] = Field(default_factory=list)
@@ -316,7 +346,8 @@ class GatewayConfig(_Model):
     default_tenant: TenantRule = Field(default_factory=TenantRule)
     api_keys: dict[str, str] = Field(default_factory=dict)
     require_api_key: bool = False
-    tenant_header: bool = True
+    trust_tenant_header: bool = False
+    tenant_header: bool | None = None
     salt_secret: str = ""
     health: HealthConfig = Field(default_factory=HealthConfig)
     metrics_poll: MetricsPollConfig = Field(default_factory=MetricsPollConfig)
@@ -324,6 +355,17 @@ class GatewayConfig(_Model):
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _removed_tenant_header(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError(
+                "removed: X-Tenant is no longer trusted by default; set "
+                "trust_tenant_header: true only behind an authenticating proxy that sets "
+                "X-Tenant (tenants with API keys or share_cache: false still need their key)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _unique_worker_ids(self) -> GatewayConfig:

@@ -14,6 +14,8 @@ OpenAI-style JSON errors; nothing below them prints.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class PrefixRouterError(Exception):
     """Base class of every error prefixrouter raises on purpose."""
@@ -28,7 +30,15 @@ class RoutingError(PrefixRouterError):
 
 
 class NoWorkerAvailable(RoutingError):
-    """No worker survived the filters (health, model, adapter, tenant, pool)."""
+    """No worker survived the filters (health, model, adapter, tenant, pool).
+
+    Attributes:
+        filtered: Worker id -> the filter that removed it (empty: no workers).
+    """
+
+    def __init__(self, message: str, filtered: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.filtered: dict[str, str] = dict(filtered)
 
 
 class UnknownNameError(PrefixRouterError, KeyError):

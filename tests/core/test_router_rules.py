@@ -239,11 +239,7 @@ def test_cold_pool_takes_cold_requests_and_warm_ones_stay_warm() -> None:
         (WorkerView(W0, healthy=False), {}, "health"),
         (WorkerView(W0, models=frozenset({"other"})), {"model": "m"}, "model"),
         (WorkerView(W0), {"adapter": "lora-x"}, "adapter"),
-        (
-            WorkerView(W0, tenants=frozenset({"acme"})),
-            {"ns": CacheNamespace("m", tenant="b")},
-            "tenant",
-        ),
+        (WorkerView(W0, tenants=frozenset({"acme"})), {"tenant": "b"}, "tenant"),
         (WorkerView(W0, pool="batch"), {"pool": "online"}, "pool"),
     ],
 )
@@ -262,6 +258,24 @@ def test_filters_run_before_scoring(worker: WorkerView, req_kw: dict, filter_nam
     assert d.worker_id == W1 and d.filtered == {W0: filter_name}
     with pytest.raises(NoWorkerAvailable, match=filter_name):
         r.route(request("q", doc, **req_kw), [worker], 1.0)
+
+
+@pytest.mark.parametrize(
+    "ns",
+    [NS, CacheNamespace("m", tenant="tenant:alice")],  # alice shares her cache / keeps it apart
+    ids=["sharing", "isolated"],
+)
+def test_a_workers_tenants_list_admits_the_tenant_by_name(ns: CacheNamespace) -> None:
+    # Issue 12: the filter compared the namespace's tenant field ("" or
+    # "tenant:alice") with the plain names, so a dedicated worker never matched.
+    r = Router()
+    ws = [WorkerView(W0, tenants=frozenset({"alice"})), WorkerView(W1, tenants=frozenset({"bob"}))]
+    for i in range(4):
+        d = r.route(request(f"a{i}", tokens(i, 500), ns=ns, tenant="alice"), ws, 1.0)
+        assert d.worker_id == W0 and d.filtered == {W1: "tenant"}
+    with pytest.raises(NoWorkerAvailable) as err:
+        r.route(request("anon", tokens(9, 500), ns=ns), ws, 1.0)
+    assert err.value.filtered == {W0: "tenant", W1: "tenant"}
 
 
 def test_decision_record_names_everything() -> None:

@@ -38,3 +38,34 @@ def test_demo_runs_both_routers_and_writes_a_plot(tmp_path: Path, tokenizer_cach
     for row in rows.values():
         assert "24/24" in row  # every request answered through each router
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(60)
+def test_the_served_gateway_opens_its_admin_api_to_the_generated_key_only() -> None:
+    import asyncio
+
+    import aiohttp
+
+    from prefixrouter.demo.fleet import Fleet
+    from prefixrouter.demo.run import serve_forever
+
+    async def status(url: str, auth: str | None) -> int:
+        headers = {"Authorization": auth} if auth else None
+        async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+            return r.status
+
+    with Fleet() as fleet:
+        engine = fleet.start("engine", "prefixrouter.engine_server", ["--time-scale", "50"])
+        asyncio.run(fleet.wait_healthy([engine]))
+
+        async def body() -> None:
+            gateway = await serve_forever(fleet, [engine], "demo-key-1")
+            url = gateway.url + "/admin/workers"
+            assert await status(url, None) == 401
+            assert await status(url, "Bearer nope") == 401
+            assert await status(url, "Bearer demo-key-1") == 200
+            fleet.stop(gateway)
+            gateway = await serve_forever(fleet, [engine])  # no key: the admin API is off
+            assert await status(gateway.url + "/admin/workers", "Bearer demo-key-1") == 403
+
+        asyncio.run(asyncio.wait_for(body(), 40))

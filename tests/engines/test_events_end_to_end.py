@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from tests.admin_client import decisions, workers
+from tests.admin_client import ADMIN_CONFIG, decisions, workers
 
 from prefixrouter.demo.fleet import Fleet, Server, free_port
 
@@ -81,6 +81,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "metrics_poll": {"interval_s": 0.2},
             # Tenants never share cache: vLLM-style workers get a cache_salt per tenant.
             "default_tenant": {"share_cache": False},
+            "api_keys": {"k-acme": "acme", "k-globex": "globex"},
+            "server": dict(ADMIN_CONFIG),
         }
         path = tmp / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -163,9 +165,9 @@ def test_events_make_predictions_exact_and_follow_evictions(cluster: Cluster) ->
 def test_salted_tenants_events_land_in_their_own_namespace(cluster: Cluster) -> None:
     async def body() -> None:
         doc = document(42)
-        a = {"X-Tenant": "acme"}
+        a = {"Authorization": "Bearer k-acme"}
         ids = [await ask(cluster, chat(doc, f"A{i}?"), a) for i in range(2)]
-        other = await ask(cluster, chat(doc, "B?"), {"X-Tenant": "globex"})
+        other = await ask(cluster, chat(doc, "B?"), {"Authorization": "Bearer k-globex"})
         _first, second, b = await decisions(cluster.gateway.url, [*ids, other])
         # The salt in the events maps back to acme's namespace: exact prediction.
         assert second["actual_cached_tokens"] > 0

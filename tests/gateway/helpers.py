@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prefixrouter.config import GatewayConfig, config_from_dict
 from prefixrouter.gateway.app import create_app
 from prefixrouter.gateway.state import STATE, GatewayState
+from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
 from tests.gateway.fakes import FakeEngine, make_app
 
 T = TypeVar("T")
@@ -47,18 +48,32 @@ class Env:
         body.update(kw)
         return await self.client.post("/v1/chat/completions", json=body, headers=headers)
 
+    async def admin(self, method: str, path: str, **kw: Any) -> Any:
+        """An admin API call with the admin key."""
+        return await self.client.request(method, path, headers=ADMIN_HEADERS, **kw)
+
 
 @asynccontextmanager
 async def gateway_env(
-    n: int = 3, overrides: dict[str, Any] | None = None, engines: list[FakeEngine] | None = None
+    n: int = 3,
+    overrides: dict[str, Any] | None = None,
+    engines: list[FakeEngine] | None = None,
+    worker_options: list[dict[str, Any]] | None = None,
 ) -> AsyncIterator[Env]:
-    """``n`` fake engines and a gateway in front of them."""
+    """``n`` fake engines and a gateway in front of them (admin key: ``ADMIN_CONFIG``).
+
+    ``worker_options``: more settings of each worker's entry, in order.
+    """
     engines = engines or [FakeEngine() for _ in range(n)]
     servers = [TestServer(make_app(e)) for e in engines]
     for s in servers:
         await s.start_server()
+    options = worker_options or [{}] * len(servers)
     data: dict[str, Any] = {
-        "workers": [{"url": str(s.make_url("")), "id": f"w{i}"} for i, s in enumerate(servers)],
+        "server": dict(ADMIN_CONFIG),
+        "workers": [
+            {"url": str(s.make_url("")), "id": f"w{i}", **options[i]} for i, s in enumerate(servers)
+        ],
         "metrics_poll": {"interval_s": 0.2},
         "health": {"backoff_initial_s": 0.1, "backoff_max_s": 0.5, "timeout_s": 1.0},
         "decision_log": {"flush_interval_s": 0.1},

@@ -26,7 +26,7 @@ def _error(data: Any) -> dict[str, Any]:
 
 
 async def _decisions(env: Env, n: int = 100) -> list[dict[str, Any]]:
-    r = await env.client.get(f"/admin/decisions?limit={n}")
+    r = await env.admin("GET", f"/admin/decisions?limit={n}")
     return list((await r.json())["decisions"])
 
 
@@ -280,13 +280,17 @@ def test_admin_add_drain_remove() -> None:
             await extra.start_server()
             try:
                 c = env.client
-                r = await c.post("/admin/workers", json={"url": str(extra.make_url("")), "id": "x"})
+                r = await env.admin(
+                    "POST", "/admin/workers", json={"url": str(extra.make_url("")), "id": "x"}
+                )
                 assert r.status == 201 and (await r.json())["healthy"]
-                r = await c.post("/admin/workers", json={"url": str(extra.make_url("")), "id": "x"})
+                r = await env.admin(
+                    "POST", "/admin/workers", json={"url": str(extra.make_url("")), "id": "x"}
+                )
                 assert r.status == 409
-                r = await c.post("/admin/workers", json={"url": "nope"})
+                r = await env.admin("POST", "/admin/workers", json={"url": "nope"})
                 assert r.status == 400 and _error(await r.json())["param"] == "url"
-                r = await c.get("/admin/workers")
+                r = await env.admin("GET", "/admin/workers")
                 assert [w["id"] for w in (await r.json())["workers"]] == ["w0", "x"]
                 env.state.registry.workers[WorkerId("x")].draining = True
                 env.state.registry._rebuild()
@@ -294,14 +298,16 @@ def test_admin_add_drain_remove() -> None:
                 await asyncio.sleep(0.1)
                 env.state.registry.workers[WorkerId("x")].draining = False
                 env.state.registry._rebuild()
-                r = await c.delete("/admin/workers/w0")  # drains the in-flight request first
+                r = await env.admin(
+                    "DELETE", "/admin/workers/w0"
+                )  # drains the in-flight request first
                 result = await r.json()
                 assert r.status == 200 and result["drained"] and result["waited_s"] > 0.05
                 assert (await slow).status == 200
                 r = await env.chat(LONG)
                 assert r.headers["X-Prefixrouter-Worker"] == "x"
                 assert WorkerId("w0") not in env.state.router.index._lru
-                r = await c.delete("/admin/workers/w0")
+                r = await env.admin("DELETE", "/admin/workers/w0")
                 assert r.status == 404
                 r = await c.get("/v1/models")
                 assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
@@ -319,11 +325,11 @@ def test_admin_add_with_a_taken_kv_events_topic_is_409_and_changes_nothing() -> 
 
         events = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
         async with gateway_env(n=1, overrides={"kv_events": events}) as env:
-            c, reg = env.client, env.state.registry
+            reg = env.state.registry
             url = str(env.servers[0].make_url(""))
 
             async def add(**worker: str) -> Any:
-                return await c.post("/admin/workers", json={"url": url, **worker})
+                return await env.admin("POST", "/admin/workers", json={"url": url, **worker})
 
             r = await add(id="a", kv_events_topic="x")
             assert r.status == 201
@@ -336,7 +342,7 @@ def test_admin_add_with_a_taken_kv_events_topic_is_409_and_changes_nothing() -> 
             # An explicit topic that is another worker's default.
             r = await add(id="b", kv_events_topic="w0")
             assert r.status == 409 and "'w0'" in _error(await r.json())["message"]
-            r = await c.get("/admin/workers")
+            r = await env.admin("GET", "/admin/workers")
             assert [w["id"] for w in (await r.json())["workers"]] == ["w0", "a"]
             assert set(reg.workers) == {"w0", "a"}
             assert [v.worker_id for v in reg.views()] == ["w0", "a"]
@@ -370,14 +376,14 @@ def test_tenant_isolation_and_cache_salt() -> None:
     async def body() -> None:
         overrides = {
             "tenants": {"acme": {"share_cache": False}, "globex": {"share_cache": False}},
-            "api_keys": {"k-acme": "acme"},
+            "api_keys": {"k-acme": "acme", "k-globex": "globex", "k-a": "a", "k-b": "b"},
         }
         async with gateway_env(overrides=overrides) as env:
             acme = {"Authorization": "Bearer k-acme"}
             r = await env.chat(LONG, headers=acme)
             r = await env.chat(LONG, headers=acme)
             assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-            r = await env.chat(LONG, headers={"X-Tenant": "globex"})
+            r = await env.chat(LONG, headers={"Authorization": "Bearer k-globex"})
             data = await r.json()
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             logs = await _decisions(env)
@@ -386,8 +392,8 @@ def test_tenant_isolation_and_cache_salt() -> None:
             salts = {req.get("cache_salt") for e in env.engines for req in e.requests}
             assert len(salts) == 2 and None not in salts
             # sharing tenants share the warm route and send no salt
-            r1 = await env.chat(LONG + "shared", headers={"X-Tenant": "a"})
-            r2 = await env.chat(LONG + "shared", headers={"X-Tenant": "b"})
+            r1 = await env.chat(LONG + "shared", headers={"Authorization": "Bearer k-a"})
+            r2 = await env.chat(LONG + "shared", headers={"Authorization": "Bearer k-b"})
             assert r1.headers["X-Prefixrouter-Worker"] == r2.headers["X-Prefixrouter-Worker"]
             assert (await _decisions(env, 1))[0]["decision"]["tier"] == "exact"
 
@@ -422,7 +428,7 @@ def test_metrics_poll_feeds_views_and_prometheus_names() -> None:
             assert 'prefixrouter_upstream_connections_opened_total{worker="w0"} 1.0' in text
             assert 'prefixrouter_upstream_connections{state="idle",worker="w0"} 1.0' in text
             assert 'prefixrouter_upstream_connections{state="busy",worker="w0"} 0.0' in text
-            r = await env.client.get("/admin/process")
+            r = await env.admin("GET", "/admin/process")
             stats = await r.json()
             assert stats["requests"] == 3 and stats["cpu_user_s"] > 0
 

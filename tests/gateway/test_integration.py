@@ -28,6 +28,8 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
+from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
+
 PY = sys.executable
 DOC = " ".join(
     f"Section {i}: the committee reviewed item {i * 7} and approved it." for i in range(90)
@@ -97,9 +99,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             orjson.dumps(  # JSON is YAML
                 {
                     "workers": [{"url": u, "id": f"e{i}"} for i, u in enumerate(engines)],
-                    "server": {"max_body_bytes": 65536},
+                    "server": {"max_body_bytes": 65536, **ADMIN_CONFIG},
                     "tenants": {"acme": {"share_cache": False}, "globex": {"share_cache": False}},
-                    "api_keys": {"k-acme": "acme"},
+                    "api_keys": {"k-acme": "acme", "k-globex": "globex"},
                     "metrics_poll": {"interval_s": 0.5},
                     "health": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
                     "decision_log": {"path": str(log), "flush_interval_s": 0.1},
@@ -281,8 +283,8 @@ def test_tenant_isolation(cluster: Cluster) -> None:
         async with aiohttp.ClientSession() as s:
             a1 = await _post(s, url, req, {"Authorization": "Bearer k-acme"})
             a2 = await _post(s, url, req, {"Authorization": "Bearer k-acme"})
-            g1 = await _post(s, url, req, {"X-Tenant": "globex"})
-            g2 = await _post(s, url, req, {"X-Tenant": "globex"})
+            g1 = await _post(s, url, req, {"Authorization": "Bearer k-globex"})
+            g2 = await _post(s, url, req, {"Authorization": "Bearer k-globex"})
         cached = [
             orjson.loads(b)["usage"]["prompt_tokens_details"]["cached_tokens"]
             for _, _, b in (a1, a2, g1, g2)
@@ -308,7 +310,9 @@ def test_drain_and_remove(cluster: Cluster) -> None:
             victim = h["X-Prefixrouter-Worker"]
             slow = asyncio.ensure_future(_post(s, url, _chat(DOC + " drain", max_tokens=200)))
             await asyncio.sleep(0.15)
-            async with s.delete(f"{cluster.gateway}/admin/workers/{victim}?timeout=20") as r:
+            async with s.delete(
+                f"{cluster.gateway}/admin/workers/{victim}?timeout=20", headers=ADMIN_HEADERS
+            ) as r:
                 result = await r.json()
             assert r.status == 200 and result["drained"] and result["in_flight_left"] == 0
             st, h, _ = await slow
@@ -316,12 +320,14 @@ def test_drain_and_remove(cluster: Cluster) -> None:
             for _ in range(3):
                 st, h, _ = await _post(s, url, _chat(DOC + " drain"))
                 assert st == 200 and h["X-Prefixrouter-Worker"] != victim
-            async with s.get(cluster.gateway + "/admin/workers") as r:
+            async with s.get(cluster.gateway + "/admin/workers", headers=ADMIN_HEADERS) as r:
                 ids = [w["id"] for w in (await r.json())["workers"]]
             assert victim not in ids and len(ids) == 2
             url_of = cluster.engines[int(victim[1])]
             async with s.post(
-                cluster.gateway + "/admin/workers", json={"url": url_of, "id": victim}
+                cluster.gateway + "/admin/workers",
+                json={"url": url_of, "id": victim},
+                headers=ADMIN_HEADERS,
             ) as r:
                 assert r.status == 201
 

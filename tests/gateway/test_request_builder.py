@@ -238,12 +238,18 @@ def test_token_mode_uses_the_chat_template_and_tokenizer() -> None:
 
 
 def test_tenancy_scope_is_used() -> None:
-    cfg = config_from_dict({"tenants": {"acme": {"share_cache": False}}})
+    cfg = config_from_dict(
+        {"tenants": {"acme": {"share_cache": False}}, "api_keys": {"k": "acme", "k2": "globex"}}
+    )
     ten = Tenancy(cfg)
     b = RequestBuilder(cfg, frozenset)
     body = _chat(SYS)
-    built = b.build(body, b"", CHAT, lambda s: ten.resolve(None, "acme", s), None)
+    built = b.build(body, b"", CHAT, lambda s: ten.resolve("Bearer k", None, s), None)
     assert built.scope.tenant == "acme" and built.routing.namespace.tenant == "tenant:acme"
+    # The tenant the workers' lists admit, also for tenants that share (empty namespace field).
+    assert built.routing.tenant == "acme"
+    shared = b.build(body, b"", CHAT, lambda s: ten.resolve("Bearer k2", None, s), None)
+    assert shared.routing.tenant == "globex" and shared.routing.namespace.tenant == ""
 
 
 _json = st.recursive(

@@ -1,11 +1,11 @@
-"""Tenants from API keys or X-Tenant; cache sharing rules and cache_salt."""
+"""Tenants from API keys (X-Tenant only when trusted); cache sharing rules and cache_salt."""
 
 from __future__ import annotations
 
 import pytest
 
 from prefixrouter.config import config_from_dict
-from prefixrouter.gateway.errors import Unauthorized
+from prefixrouter.gateway.errors import Forbidden, Unauthorized
 from prefixrouter.gateway.tenancy import Tenancy
 
 
@@ -21,13 +21,52 @@ def _tenancy(**data: object) -> Tenancy:
     return Tenancy(config_from_dict(base))
 
 
-def test_key_wins_over_header() -> None:
+def test_the_tenant_comes_from_the_key_and_the_header_is_not_trusted_by_default() -> None:
     t = _tenancy()
     assert t.resolve("Bearer k-acme", "globex", None).tenant == "acme"
     assert t.resolve("bearer k-globex", None, None).tenant == "globex"
-    assert t.resolve("Bearer unknown", "globex", None).tenant == "globex"
+    assert t.resolve("BEARER k-globex", None, None).tenant == "globex"
     assert t.resolve(None, None, None).tenant == ""
-    assert _tenancy(tenant_header=False).resolve(None, "globex", None).tenant == ""
+    # Issue 12: a client without a key claimed alice's tenant (and cache) with the header.
+    for header in ("acme", "globex", "vip", "newco"):
+        scope = t.resolve(None, header, None)
+        assert (scope.tenant, scope.namespace, scope.cache_salt) == ("", "", None)
+
+
+def test_an_unknown_key_is_refused_whenever_keys_are_configured() -> None:
+    t = _tenancy()
+    for auth in ("Bearer unknown", "bearer k-acmex", "Bearer  k-acme2"):
+        with pytest.raises(Unauthorized, match="incorrect API key"):
+            t.resolve(auth, "acme", None)
+    # No keys configured: a client's key (OpenAI SDKs always send one) identifies nobody.
+    keyless = Tenancy(config_from_dict({}))
+    assert keyless.resolve("Bearer sk-anything", None, None).tenant == ""
+
+
+def test_a_trusted_header_never_selects_a_tenant_with_keys_or_its_own_cache() -> None:
+    t = _tenancy(trust_tenant_header=True, tenants={"solo": {"share_cache": False}})
+    assert t.resolve(None, " team-b ", None).tenant == "team-b"  # shares: allowed
+    assert t.resolve("Bearer k-acme", "team-b", None).tenant == "acme"  # the key wins
+    for claimed in ("acme", "globex", "solo"):  # has keys / has keys / keeps its cache apart
+        with pytest.raises(Forbidden, match=f"tenant '{claimed}'.*API key") as err:
+            t.resolve(None, claimed, None)
+        assert err.value.status == 403 and err.value.param == "X-Tenant"
+    isolated_default = _tenancy(trust_tenant_header=True, default_tenant={"share_cache": False})
+    with pytest.raises(Forbidden):
+        isolated_default.resolve(None, "newco", None)
+
+
+def test_the_clients_salt_enters_the_namespace_only_as_a_digest() -> None:
+    t = _tenancy(salt_secret="s3cret")
+    shared = t.resolve(None, None, "my-private-salt")
+    isolated = t.resolve("Bearer k-acme", None, "my-private-salt")
+    for ns in (shared.namespace, isolated.namespace):
+        assert "my-private-salt" not in ns
+    assert shared.namespace.startswith("salt:") and isolated.namespace.startswith("tenant:acme#")
+    assert t.resolve(None, None, "other").namespace != shared.namespace
+    # KV events carry a passed-through salt: they find the requests' namespace.
+    assert t.namespace_of_salt("my-private-salt") == shared.namespace
+    assert t.namespace_of_salt(isolated.cache_salt) == isolated.namespace
 
 
 def test_required_key() -> None:
@@ -44,7 +83,7 @@ def test_sharing_tenants_share_a_namespace_and_keep_the_clients_salt() -> None:
     anon = t.resolve(None, None, None)
     assert g.namespace == anon.namespace == "" and g.cache_salt is None
     salted = t.resolve(None, None, "mine")
-    assert salted.namespace == "salt:mine" and salted.cache_salt is None
+    assert salted.namespace.startswith("salt:") and salted.cache_salt is None
 
 
 def test_isolated_tenants_get_their_own_namespace_and_a_salt() -> None:
@@ -53,17 +92,19 @@ def test_isolated_tenants_get_their_own_namespace_and_a_salt() -> None:
     assert a.namespace == "tenant:acme" and a.cache_salt and len(a.cache_salt) == 32
     # The client cannot pick the salt: its own is folded in, not used as is.
     a2 = t.resolve("Bearer k-acme", None, "x")
-    assert a2.cache_salt not in (None, "x", a.cache_salt) and a2.namespace == "tenant:acme#x"
+    assert a2.cache_salt not in (None, "x", a.cache_salt)
+    assert a2.namespace.startswith("tenant:acme#") and a2.namespace != a.namespace
     # The salt depends on the secret.
     assert _tenancy(salt_secret="other").resolve("Bearer k-acme", None, None).cache_salt != (
         a.cache_salt
     )
-    assert t.resolve(None, "vip", None).cache_salt == "S"
+    vip = _tenancy(api_keys={"k-vip": "vip"})
+    assert vip.resolve("Bearer k-vip", None, None).cache_salt == "S"
 
 
 def test_default_rule_applies_to_unlisted_tenants() -> None:
-    t = _tenancy(default_tenant={"share_cache": False})
-    x = t.resolve(None, "newco", None)
+    t = _tenancy(default_tenant={"share_cache": False}, api_keys={"k-newco": "newco"})
+    x = t.resolve("Bearer k-newco", None, None)
     assert x.namespace == "tenant:newco" and x.cache_salt
 
 
@@ -71,11 +112,14 @@ def test_salts_vllm_would_refuse_are_replaced_by_a_derived_one() -> None:
     from prefixrouter.gateway.tenancy import vllm_accepts_salt
 
     cfg = config_from_dict(
-        {"tenants": {"acme": {"share_cache": False, "cache_salt": "team/acme@corp"}}}
+        {
+            "tenants": {"acme": {"share_cache": False, "cache_salt": "team/acme@corp"}},
+            "api_keys": {"k": "acme"},
+        }
     )
     t = Tenancy(cfg)
-    plain = t.resolve(None, "acme", None).cache_salt
-    with_client = t.resolve(None, "acme", "x" * 200).cache_salt
+    plain = t.resolve("Bearer k", None, None).cache_salt
+    with_client = t.resolve("Bearer k", None, "x" * 200).cache_salt
     assert plain is not None and vllm_accepts_salt(plain)
     assert with_client is not None and vllm_accepts_salt(with_client)
     assert plain != with_client  # the client's salt still separates caches

@@ -37,6 +37,9 @@ from prefixrouter.engines.vllm_fleet import (
 )
 from tests import admin_client
 
+TENANT_KEYS = {"k-acme": "acme", "k-globex": "globex"}
+"""Client keys of the isolated tenants (the key, never a header, names the tenant)."""
+
 BLOCK = 32
 KV_BLOCKS = 640  # 20,480 tokens per engine: two 8k documents fit, three do not
 MAX_MODEL_LEN = (KV_BLOCKS - 1) * BLOCK
@@ -100,6 +103,8 @@ class VllmCluster:
             "policy": {"name": policy},
             "routing": {"mode": "token", "tokenizer": str(self.setup.model)},
             "tenants": {"acme": {"share_cache": False}, "globex": {"share_cache": False}},
+            "api_keys": TENANT_KEYS,
+            "server": dict(admin_client.ADMIN_CONFIG),
             "salt_secret": "test-secret",
             "metrics_poll": {"interval_s": 0.5},
             "health": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0, "timeout_s": 2.0},

@@ -169,10 +169,12 @@ def test_d_salted_tenants_share_nothing(vllm: VllmCluster) -> None:
     async def body() -> None:
         doc = document(401, 3000)
         acme = [
-            (await post_chat(gw.url, chat(doc, f"A{i}?"), {"X-Tenant": "acme"}))["id"]
+            (await post_chat(gw.url, chat(doc, f"A{i}?"), {"Authorization": "Bearer k-acme"}))["id"]
             for i in range(2)
         ]
-        globex = (await post_chat(gw.url, chat(doc, "G?"), {"X-Tenant": "globex"}))["id"]
+        globex = (await post_chat(gw.url, chat(doc, "G?"), {"Authorization": "Bearer k-globex"}))[
+            "id"
+        ]
         a0, a1, g = await decisions(gw, [*acme, globex])
         print(
             f"acme {a1['predicted_cached_tokens']}/{a1['actual_cached_tokens']}, "

@@ -122,12 +122,16 @@ def filter_workers(
 ) -> tuple[list[WorkerView], dict[WorkerId, str]]:
     """Split workers into those allowed to serve ``request`` and why others are not.
 
+    A worker's ``tenants`` list admits requests by the tenant that asks
+    (``request.tenant``), never by the namespace: tenants that share their
+    cache all have the same, empty, namespace tenant field.
+
     Returns:
         (allowed workers sorted by id, worker -> name of the filter that removed it)
     """
     allowed: list[WorkerView] = []
     removed: dict[WorkerId, str] = {}
-    tenant = request.namespace.tenant
+    tenant = request.tenant
     model, adapter, pool = request.model, request.adapter, request.pool
     for w in workers:
         if not w.healthy:
@@ -200,7 +204,9 @@ class Router:
         allowed, removed = filter_workers(request, workers)
         if not allowed:
             why = ", ".join(f"{w}: {f}" for w, f in sorted(removed.items())) or "no workers"
-            raise NoWorkerAvailable(f"no worker can serve request {request.request_id} ({why})")
+            raise NoWorkerAvailable(
+                f"no worker can serve request {request.request_id} ({why})", removed.items()
+            )
         if blocks is None:
             blocks = self.blocks_for(request)
         matches = self.index.match(blocks.hashes, now)

@@ -99,6 +99,9 @@ class RoutingRequest:
         pool: Restrict to workers of this pool, if set.
         first_user_text: Text of the first user message (KubeAI keys on it).
         first_user_offset: Token offset of the first user message, in token mode.
+        tenant: The tenant asking ("" = anonymous): the workers' ``tenants``
+            lists admit it. Not the namespace's tenant field, which is empty
+            for every tenant that shares its cache.
     """
 
     request_id: RequestId
@@ -113,6 +116,7 @@ class RoutingRequest:
     pool: str | None = None
     first_user_text: str | None = None
     first_user_offset: int = 0
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.text is None:

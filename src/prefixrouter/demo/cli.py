@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -86,12 +87,21 @@ def demo(
             engines = [s for s in fleet.servers if s.name.startswith("engine")]
 
             async def keep_serving() -> None:
-                gateway = await serve_forever(fleet, engines)
+                # A fresh key per run: the admin API adds and removes workers,
+                # so it is never open without one.
+                admin_key = secrets.token_urlsafe(24)
+                gateway = await serve_forever(fleet, engines, admin_key)
                 console.print(f"prefixrouter gateway on {gateway.url} (Ctrl-C stops everything)")
                 body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
                 console.print(
                     f"curl -s {gateway.url}/v1/chat/completions "
                     f"-H 'Content-Type: application/json' -d '{body}'",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                console.print(f"admin API key (this run only): {admin_key}", highlight=False)
+                console.print(
+                    f"curl -s {gateway.url}/admin/workers -H 'Authorization: Bearer {admin_key}'",
                     highlight=False,
                     soft_wrap=True,
                 )

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO
@@ -61,16 +61,29 @@ class Fleet:
 
     servers: list[Server] = field(default_factory=list)
 
-    def start(self, name: str, module: str, args: Sequence[str], port: int | None = None) -> Server:
+    def start(
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Server:
         """Start ``python -m module --port P args...`` and return it (not yet healthy)."""
         port = port or free_port()
         return self.start_command(
-            name, [sys.executable, "-m", module, "--port", str(port), *args], port
+            name, [sys.executable, "-m", module, "--port", str(port), *args], port, env
         )
 
-    def start_command(self, name: str, cmd: Sequence[str], port: int) -> Server:
-        """Start any server command that listens on ``port``; return it (not yet healthy)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def start_command(
+        self, name: str, cmd: Sequence[str], port: int, env: Mapping[str, str] | None = None
+    ) -> Server:
+        """Start any server command that listens on ``port``; return it (not yet healthy).
+
+        ``env`` adds environment variables (secrets go there: a command line
+        is visible to every local user).
+        """
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # Output goes to a file, not a pipe: a chatty server can never block on it.
         log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(

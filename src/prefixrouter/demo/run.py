@@ -11,7 +11,8 @@ Steps:
    offsets with a bounded streaming client, stop the gateway;
 3. print TTFT p50/p99, cached-token share and prefill tokens side by side and
    write a PNG; with ``--serve``, keep a prefixrouter gateway running and
-   print its URL and a curl example until Ctrl-C.
+   print its URL, a curl example and its admin API key (generated for this
+   run: the admin API is never open without one) until Ctrl-C.
 
 Everything runs on 127.0.0.1 and stops by itself; every server is stopped by
 PID when the demo ends, whatever happened.
@@ -32,6 +33,7 @@ import aiohttp
 from prefixrouter.demo.client import Result, replay
 from prefixrouter.demo.fleet import Fleet, Server
 from prefixrouter.demo.workload import DemoRequest, build_workload
+from prefixrouter.gateway.cli import ADMIN_KEY_ENV
 
 ROUTERS = ("round_robin", "prefixrouter")
 
@@ -137,9 +139,18 @@ async def run_demo(
     return runs
 
 
-async def serve_forever(fleet: Fleet, engines: Sequence[Server]) -> Server:
-    """Start a prefixrouter gateway in front of ``engines`` and return it (healthy)."""
-    gateway = fleet.start("gateway", "prefixrouter.gateway", _gateway_args(engines, "prefixrouter"))
+async def serve_forever(
+    fleet: Fleet, engines: Sequence[Server], admin_api_key: str | None = None
+) -> Server:
+    """Start a prefixrouter gateway in front of ``engines`` and return it (healthy).
+
+    ``admin_api_key`` opens its ``/admin/*`` endpoints to that key (passed in
+    the environment, not on the command line); without it they are off.
+    """
+    env = {ADMIN_KEY_ENV: admin_api_key} if admin_api_key else None
+    gateway = fleet.start(
+        "gateway", "prefixrouter.gateway", _gateway_args(engines, "prefixrouter"), env=env
+    )
     await fleet.wait_healthy([gateway])
     return gateway
 

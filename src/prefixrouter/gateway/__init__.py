@@ -6,7 +6,8 @@ Modules (each small, each with its reason in its docstring):
 * :mod:`.proxy`: forwarding, retries before the first byte, streaming, feedback;
 * :mod:`.upstream`: the proxy's lean HTTP/1.1 keep-alive client (httptools);
 * :mod:`.request_builder`: request body -> routing request (prompt, namespace, prefix class);
-* :mod:`.tenancy`: tenants from API keys or ``X-Tenant``, cache sharing, ``cache_salt``;
+* :mod:`.tenancy`: tenants from API keys (``X-Tenant`` only when trusted),
+  cache sharing, ``cache_salt``;
 * :mod:`.workers`: registry, health with backoff, ``/metrics`` polls, drain and remove;
 * :mod:`.sse`: streaming relay that reads and (if asked) strips the usage chunk;
 * :mod:`.decision_log`: JSON-lines decision log and the admin ring;

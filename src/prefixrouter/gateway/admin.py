@@ -14,7 +14,16 @@
 * ``GET /admin/process``: the gateway's pid, CPU seconds and request count, so a
   benchmark can measure CPU per request without reading ``/proc``.
 
-When ``server.admin_api_key`` is set, admin endpoints need it as a bearer token.
+Access: every ``/admin/*`` endpoint, reads included, needs
+``server.admin_api_key`` as a bearer token (``Authorization: Bearer KEY``,
+``Bearer`` in any case, the key compared in constant time); a missing or
+wrong key is a 401. With no key configured the admin API is off: every call
+is a 403 naming the setting. Reads are guarded too because they are not
+harmless: the decision log names tenants, request ids and prefix keys, and
+the worker list the fleet's addresses. Tenant keys (``api_keys``) never open
+the admin API. ``/v1/models``, ``/health`` and ``/metrics`` stay open (a
+load balancer's health check and a Prometheus scraper carry no key; they
+expose no tenant or prompt data).
 """
 
 from __future__ import annotations
@@ -32,12 +41,19 @@ from prefixrouter.gateway.errors import (
     JSON,
     BadRequest,
     Conflict,
+    Forbidden,
     GatewayError,
     NotFound,
     Unauthorized,
     error_response,
 )
 from prefixrouter.gateway.state import GatewayState
+from prefixrouter.gateway.tenancy import bearer_token
+
+ADMIN_DISABLED = (
+    "the admin API is off: set server.admin_api_key (prefixrouter serve --admin-api-key "
+    "or PREFIXROUTER_ADMIN_API_KEY) and send it as 'Authorization: Bearer KEY'"
+)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -50,14 +66,24 @@ class Admin:
     def __init__(self, state: GatewayState) -> None:
         self.st = state
         key = state.config.server.admin_api_key
-        self._admin_auth = f"Bearer {key}" if key else None
+        self._admin_key = key.encode() if key else None
 
     def _check(self, request: web.Request) -> None:
-        if self._admin_auth is None:
-            return
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), self._admin_auth.encode()):
-            raise Unauthorized("admin endpoints need the admin API key")
+        """Let the call through only with the admin key (see the module docstring).
+
+        Raises:
+            Forbidden: No admin key is configured.
+            Unauthorized: The key is missing or wrong.
+        """
+        if self._admin_key is None:
+            raise Forbidden(ADMIN_DISABLED, code="admin_api_disabled")
+        given = bearer_token(request.headers.get("Authorization"))
+        # compare_digest: the time taken says nothing about how much of the key matched.
+        if given is None or not hmac.compare_digest(given.encode(), self._admin_key):
+            raise Unauthorized(
+                "admin endpoints need the admin API key as 'Authorization: Bearer KEY'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the union of the workers' models and adapters."""

@@ -5,9 +5,11 @@ Configuration comes from a YAML file (``--config``, see
 differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 ``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
 file, ``--policy`` the routing policy (its parameters then come from the file
-only if the names match). Port 0 picks a free port; the first line printed on
-stdout is ``prefixrouter gateway listening on http://HOST:PORT``, so scripts can
-read the port.
+only if the names match), ``--admin-api-key`` (or the environment variable
+``PREFIXROUTER_ADMIN_API_KEY``; prefer it, a command line is visible to every
+local user) the key of ``/admin/*``, which are off without one. Port 0 picks
+a free port; the first line printed on stdout is ``prefixrouter gateway
+listening on http://HOST:PORT``, so scripts can read the port.
 
 Errors the user can fix (a bad file, a bad worker URL) print one line on
 stderr and exit with status 2.
@@ -30,6 +32,7 @@ from prefixrouter.errors import PrefixRouterError
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_POLICY = "prefixrouter"
+ADMIN_KEY_ENV = "PREFIXROUTER_ADMIN_API_KEY"
 
 
 def build_config(
@@ -39,6 +42,7 @@ def build_config(
     host: str,
     decision_log: Path | None,
     policy: str,
+    admin_api_key: str | None = None,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
 
@@ -57,6 +61,8 @@ def build_config(
         data["decision_log"]["path"] = decision_log
     if policy != data["policy"]["name"] and (policy != DEFAULT_POLICY or config is None):
         data["policy"] = {"name": policy, "params": {}}
+    if admin_api_key:
+        data["server"]["admin_api_key"] = admin_api_key
     source = str(config) if config is not None else "command line"
     return config_from_dict(data, source)
 
@@ -128,15 +134,25 @@ def serve(
     policy: Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")] = (
         DEFAULT_POLICY
     ),
+    admin_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar=ADMIN_KEY_ENV,
+            show_envvar=True,
+            help="Key of the /admin/* endpoints (Authorization: Bearer KEY); "
+            "without one they answer 403. Overrides server.admin_api_key.",
+        ),
+    ] = None,
 ) -> None:
     """Run the OpenAI-compatible gateway in front of the workers."""
     try:
-        cfg = build_config(config, worker, port, host, decision_log, policy)
+        cfg = build_config(config, worker, port, host, decision_log, policy, admin_api_key)
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
     if not cfg.workers:
-        typer.echo("warning: no workers yet; add them with POST /admin/workers", err=True)
+        hint = "" if cfg.server.admin_api_key else f" (after setting {ADMIN_KEY_ENV})"
+        typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)
     _run(cfg)
 
 

@@ -15,7 +15,11 @@ for the chosen worker (an engine does not report a request's queue time);
 ``ttft_ms`` is measured to the first upstream byte of a stream (null when not
 streamed); ``latency_ms`` from arrival to the end of the response; ``ts`` is
 the wall-clock end time (Unix seconds), ``time`` the decision time on the
-gateway's monotonic clock.
+gateway's monotonic clock. ``namespace`` is the cache namespace key: a
+client's own ``cache_salt`` appears in it only as a keyed digest (see
+:mod:`prefixrouter.gateway.tenancy`), so the log never holds the salt, and
+``tenant`` is the tenant the API key named. The records are read through
+``/admin/decisions``, which needs the admin key.
 
 The hot path only appends a small :class:`LogEntry` to a bounded deque (and to
 a pending list when a file is configured); turning it into JSON happens when

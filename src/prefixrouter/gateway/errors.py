@@ -12,6 +12,9 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   ├── BadRequest               400  invalid_request_error  invalid_json | missing_field
     │   │                                                         | invalid_field  (param = field)
     │   ├── Unauthorized             401  authentication_error   invalid_api_key
+    │   ├── Forbidden                403  permission_error       admin_api_disabled
+    │   │                                                         | tenant_header_refused
+    │   │                                                         | tenant_not_served
     │   ├── NotFound                 404  invalid_request_error  model_not_found | not_found
     │   ├── Conflict                 409  invalid_request_error  conflict  (id or topic taken)
     │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
@@ -98,6 +101,14 @@ class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    """403: not allowed whoever asks (an admin API with no key configured, a refused tenant)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
 
 
 class NotFound(GatewayError):

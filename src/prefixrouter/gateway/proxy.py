@@ -47,6 +47,7 @@ from prefixrouter.gateway.decision_log import RequestOutcome
 from prefixrouter.gateway.errors import (
     JSON,
     BadRequest,
+    Forbidden,
     GatewayError,
     NotFound,
     PayloadTooLarge,
@@ -188,7 +189,7 @@ class Proxy:
             try:
                 decision = st.router.route(rr, views, now)
             except NoWorkerAvailable as exc:
-                return self._no_worker(built, retry, str(exc), decision, t0)
+                return self._no_worker(built, retry, exc, decision, t0)
             except Exception as exc:  # a routing bug answers 500, never crashes the gateway
                 log.exception("routing failed for %s", rid)
                 st.metrics.request_done("", "none", 500)
@@ -481,13 +482,22 @@ class Proxy:
         self,
         built: BuiltRequest,
         retry: _Retry | None,
-        why: str,
+        no_worker: str | NoWorkerAvailable,
         decision: Decision | None,
         t0: float,
     ) -> web.StreamResponse:
-        """The answer when no (further) worker can take the request."""
+        """The answer when no (further) worker can take the request.
+
+        When the tenant filter removed workers the message says so: "no
+        healthy worker" would send an operator looking at the wrong thing.
+        A 403 when it removed every worker (no worker is configured for the
+        tenant: retrying cannot help), else a 503 (the tenant's own workers
+        are down or busy).
+        """
+        why = str(no_worker)
         hdrs = {"X-Request-Id": str(built.routing.request_id)}
         refusal = retry.last_refusal if retry is not None else None
+        filtered = no_worker.filtered if isinstance(no_worker, NoWorkerAvailable) else {}
         resp: web.Response
         if refusal is not None and refusal.fallback is not None:
             resp = refusal.fallback  # the upstream's own error keeps its status
@@ -496,6 +506,17 @@ class Proxy:
             resp = error_response(
                 UpstreamFailed(f"no worker could serve the request ({detail})", headers=hdrs)
             )
+        elif "tenant" in filtered.values():
+            tenant = built.routing.tenant
+            who = f"tenant {tenant!r}" if tenant else "requests without a tenant"
+            reasons = ", ".join(f"{w}: {f}" for w, f in sorted(filtered.items()))
+            msg = f"no worker serves {who} for model {built.model!r} ({reasons})"
+            if all(f == "tenant" for f in filtered.values()):
+                resp = error_response(Forbidden(msg, code="tenant_not_served", headers=hdrs))
+            else:
+                resp = error_response(
+                    ServiceUnavailable(msg, headers={"Retry-After": self.retry_after, **hdrs})
+                )
         else:
             resp = error_response(
                 ServiceUnavailable(

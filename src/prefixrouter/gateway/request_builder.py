@@ -377,6 +377,7 @@ class RequestBuilder:
             model="" if adapter == model else model,
             adapter=adapter,
             first_user_text=first_user,
+            tenant=scope.tenant,
         )
         return BuiltRequest(
             routing=routing,

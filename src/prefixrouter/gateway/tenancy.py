@@ -1,9 +1,17 @@
 """Who is asking, and may their requests share KV cache with others'?
 
-The tenant comes from the API key (``Authorization: Bearer KEY`` looked up in
-``api_keys``) and, only when the key maps to no tenant and ``tenant_header``
-is on, from an ``X-Tenant`` header. A key-derived tenant always wins, so a
-client cannot claim another tenant's cache with a header.
+The tenant comes from the API key: ``Authorization: Bearer KEY`` (any case of
+``Bearer``) looked up in ``api_keys``.
+
+* Once any key is configured (or ``require_api_key`` is on), an unknown key
+  is a 401: a typo or a guess never falls back to another identity.
+* A request without a key is anonymous (tenant ``""``), or a 401 with
+  ``require_api_key``.
+* The ``X-Tenant`` header counts only with ``trust_tenant_header`` (a gateway
+  behind an authenticating proxy that sets it), only for requests without a
+  key, and never for a tenant that has API keys or does not share its cache:
+  naming one is a 403. Without that rule any client could claim such a tenant
+  and read its cache (a warm route, and a timing probe of its prompts).
 
 Each tenant has a sharing rule (``tenants.NAME.share_cache``, else
 ``default_tenant``):
@@ -18,8 +26,12 @@ Each tenant has a sharing rule (``tenants.NAME.share_cache``, else
   or the rule's explicit salt. Overriding matters: a client that could choose
   the salt could pick another tenant's and probe its cache by timing.
 
+A client's salt enters the namespace as a digest (``HMAC(salt_secret, salt)``,
+32 hex digits), never as itself: the namespace key is written to the decision
+log, and a salt is a secret of the client's.
+
 Resolved scopes are memoized per (key, header tenant, client salt), so the hot
-path pays one dict lookup.
+path pays one dict lookup. Refusals are not memoized.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import hmac
 from dataclasses import dataclass
 
 from prefixrouter.config import GatewayConfig
-from prefixrouter.gateway.errors import Unauthorized
+from prefixrouter.gateway.errors import Forbidden, Unauthorized
 
 _MEMO_MAX = 10_000
 
@@ -57,12 +69,22 @@ def vllm_accepts_salt(salt: str) -> bool:
     return 0 < len(salt) <= 128 and not _VLLM_SALT_FORBIDDEN.intersection(salt)
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header (``Bearer`` in any case), else None."""
+    if authorization and authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip() or None
+    return None
+
+
 class Tenancy:
     """Resolves tenants and their cache scope from the configuration."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._secret = config.salt_secret.encode("utf-8")
+        # Tenants the header may never select: a key proves them, or they keep
+        # their cache apart (checked again per request for unlisted tenants).
+        self._keyed = frozenset(config.api_keys.values())
         self._memo: dict[tuple[str | None, str | None, str | None], TenantScope] = {}
         # Salt sent to engines -> the namespace's tenant field, so KV events
         # (which carry the salt) land in the namespace the requests hash in.
@@ -79,7 +101,10 @@ class Tenancy:
             client_salt: The body's ``cache_salt``, if a string.
 
         Raises:
-            Unauthorized: ``require_api_key`` is set and the key is missing or unknown.
+            Unauthorized: An unknown key while keys are configured, or no key
+                with ``require_api_key``.
+            Forbidden: A trusted ``X-Tenant`` names a tenant that has keys or
+                does not share its cache.
         """
         memo_key = (authorization, tenant_header, client_salt)
         scope = self._memo.get(memo_key)
@@ -98,32 +123,55 @@ class Tenancy:
         """The namespace tenant field of requests an engine saw with ``salt``.
 
         A salt this gateway set maps back to its tenant; any other salt is a
-        client's own, passed through, whose namespace is ``salt:<salt>``.
+        client's own, passed through, whose namespace is ``salt:<digest>``.
         """
         if not salt:
             return ""
-        return self._salt_namespaces.get(salt, f"salt:{salt}")
+        ns = self._salt_namespaces.get(salt)
+        return ns if ns is not None else "salt:" + self._digest(salt)
+
+    def _digest(self, client_salt: str) -> str:
+        """What of a client's salt enters the namespace (and so the decision log)."""
+        mac = hmac.new(self._secret, b"client-salt\0" + client_salt.encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
+
+    def _header_tenant(self, tenant_header: str | None) -> str:
+        """The tenant a trusted ``X-Tenant`` names ("" without one).
+
+        Raises:
+            Forbidden: It names a tenant that has keys or does not share its cache.
+        """
+        tenant = tenant_header.strip() if tenant_header else ""
+        if tenant and (tenant in self._keyed or not self.config.tenant_rule(tenant).share_cache):
+            raise Forbidden(
+                f"tenant {tenant!r} cannot be selected with X-Tenant; use its API key",
+                code="tenant_header_refused",
+                param="X-Tenant",
+            )
+        return tenant
 
     def _resolve(
         self, authorization: str | None, tenant_header: str | None, client_salt: str | None
     ) -> TenantScope:
         cfg = self.config
-        key = None
-        if authorization and authorization[:7].lower() == "bearer ":
-            key = authorization[7:].strip()
-        tenant = cfg.api_keys.get(key) if key else None
-        if tenant is None:
-            if cfg.require_api_key:
-                raise Unauthorized(
-                    "missing API key" if not key else "incorrect API key provided",
-                    code="invalid_api_key",
-                )
-            tenant = tenant_header.strip() if (cfg.tenant_header and tenant_header) else ""
+        key = bearer_token(authorization)
+        if key:
+            found = cfg.api_keys.get(key)
+            if found is None and (cfg.api_keys or cfg.require_api_key):
+                raise Unauthorized("incorrect API key provided", code="invalid_api_key")
+            # No keys configured: a client's key (OpenAI SDKs always send one)
+            # identifies nobody, and the request is anonymous.
+            tenant = found or ""
+        elif cfg.require_api_key:
+            raise Unauthorized("missing API key", code="invalid_api_key")
+        else:
+            tenant = self._header_tenant(tenant_header) if cfg.trust_tenant_header else ""
         rule = cfg.tenant_rule(tenant)
+        salt_ns = self._digest(client_salt) if client_salt else ""
         if rule.share_cache:
-            namespace = f"salt:{client_salt}" if client_salt else ""
+            namespace = f"salt:{salt_ns}" if client_salt else ""
             return TenantScope(tenant, namespace, None)
-        namespace = f"tenant:{tenant}" + (f"#{client_salt}" if client_salt else "")
+        namespace = f"tenant:{tenant}" + (f"#{salt_ns}" if client_salt else "")
         salt = rule.cache_salt
         if salt is not None and client_salt:
             salt = f"{salt}:{client_salt}"
