@@ -9,11 +9,15 @@ and the server papers over what the server does. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Any
 
+import orjson
 import pytest
 
 from prefixrouter.config import LimitsConfig
 from prefixrouter.gateway import server as server_mod
+from prefixrouter.gateway.proxy import OFF_LOOP_BODY_BYTES
 from prefixrouter.gateway.server import connection_cap
 from tests.gateway.served import BOUND_S, HOST, closed_after, gateway, get, status_and_json
 
@@ -133,3 +137,33 @@ def test_the_cap_fits_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(res, "getrlimit", lambda _: (1024, 1 << 20))
     assert connection_cap(limits) == 8192
     assert calls[-1] == (2 * 8192 + 256, 1 << 20)
+
+
+async def test_large_bodies_are_built_off_the_event_loop() -> None:
+    async with gateway({}) as (port, state):
+        threads: list[str] = []
+        build = state.builder.build
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return build(*args, **kwargs)
+
+        state.builder.build = spy  # type: ignore[method-assign]
+        small = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        large = {"model": "tiny", "prompt": list(range(OFF_LOOP_BODY_BYTES // 5)), "max_tokens": 2}
+        statuses = []
+        for body in (small, large, b"[" * OFF_LOOP_BODY_BYTES):
+            raw = body if isinstance(body, bytes) else orjson.dumps(body)
+            assert (len(raw) >= OFF_LOOP_BODY_BYTES) == (body is not small)
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+                + raw
+            )
+            async with asyncio.timeout(BOUND_S):
+                statuses.append((await reader.read()).split()[1])
+            writer.close()
+        assert statuses == [b"200", b"200", b"400"]  # a large bad body is still a 400
+        assert threads[0] == threading.current_thread().name
+        assert threads[1].startswith("prefixrouter-parse")

@@ -129,4 +129,9 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_get("/admin/process", admin.process)
     r.add_route("*", "/{tail:.*}", _unrouted(admin))
     app.cleanup_ctx.append(_lifespan)
+
+    async def close_proxy(_: web.Application) -> None:
+        proxy.close()
+
+    app.on_cleanup.append(close_proxy)
     return app
