@@ -179,7 +179,8 @@ class LimitsConfig(_Model):
             startup raises its soft limit toward the hard one to fit it.
         fd_reserve: File descriptors kept out of the client connections' share
             for everything else: pollers, the KV-event socket, the decision
-            log, the listening socket, the tokenizer files.
+            log, the listening socket, the tokenizer files, and the refusals
+            past the cap (32 at most at once, each closed within a second).
         max_request_line_bytes: Longer request lines get 414.
         max_header_bytes: A header (name and value) longer than this gets 431.
         max_headers: More headers than this get 431.

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
+import uvloop
 from aiohttp.test_utils import TestServer
 
 from prefixrouter.config import config_from_dict
@@ -21,6 +22,21 @@ HOST = "127.0.0.1"
 # Generous bounds on what must happen within a fraction of a second: a
 # loaded machine may be slow, but never this slow.
 BOUND_S = 8.0
+# ``prefixrouter serve`` runs on uvloop, the other async tests on asyncio's
+# loop: the server's own protocols are checked on both.
+LOOPS = ("asyncio", "uvloop")
+
+
+def run_on(loop: str, main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main()`` on a fresh event loop of kind ``loop`` (30 s bound, as conftest's)."""
+
+    async def bounded() -> None:
+        await asyncio.wait_for(main(), timeout=30)
+
+    if loop == "uvloop":
+        uvloop.run(bounded())
+    else:
+        asyncio.run(bounded())
 
 
 @asynccontextmanager

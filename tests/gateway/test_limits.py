@@ -19,7 +19,16 @@ from prefixrouter.config import LimitsConfig
 from prefixrouter.gateway import server as server_mod
 from prefixrouter.gateway.proxy import OFF_LOOP_BODY_BYTES
 from prefixrouter.gateway.server import connection_cap
-from tests.gateway.served import BOUND_S, HOST, closed_after, gateway, get, status_and_json
+from tests.gateway.served import (
+    BOUND_S,
+    HOST,
+    LOOPS,
+    closed_after,
+    gateway,
+    get,
+    run_on,
+    status_and_json,
+)
 
 
 async def _trickle(writer: asyncio.StreamWriter, data: bytes, every_s: float) -> None:
@@ -30,7 +39,12 @@ async def _trickle(writer: asyncio.StreamWriter, data: bytes, every_s: float) ->
         writer.write(data[i : i + 1])
 
 
-async def test_slowloris_headers_are_cut_after_the_header_timeout() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_slowloris_headers_are_cut_after_the_header_timeout(loop: str) -> None:
+    run_on(loop, _slowloris_headers_are_cut_after_the_header_timeout)
+
+
+async def _slowloris_headers_are_cut_after_the_header_timeout() -> None:
     async with gateway({"header_timeout_s": 0.5, "keepalive_timeout_s": 30}) as (port, _):
         reader, writer = await asyncio.open_connection(HOST, port)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -53,7 +67,12 @@ async def test_an_idle_fresh_connection_is_cut_after_the_header_timeout() -> Non
         assert 0.4 <= took < BOUND_S
 
 
-async def test_a_body_trickled_a_byte_at_a_time_is_cut_with_408() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_trickled_a_byte_at_a_time_is_cut_with_408(loop: str) -> None:
+    run_on(loop, _a_body_trickled_a_byte_at_a_time_is_cut_with_408)
+
+
+async def _a_body_trickled_a_byte_at_a_time_is_cut_with_408() -> None:
     limits = {"body_idle_timeout_s": 5, "body_timeout_s": 0.6}
     async with gateway(limits) as (port, state):
         reader, writer = await asyncio.open_connection(HOST, port)
@@ -104,7 +123,12 @@ async def test_an_idle_keepalive_connection_is_closed() -> None:
         assert took < BOUND_S
 
 
-async def test_connections_past_the_cap_get_503_and_health_answers_once_they_close() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_connections_past_the_cap_get_503_and_health_answers_once_they_close(loop: str) -> None:
+    run_on(loop, _connections_past_the_cap_get_503_and_health_answers_once_they_close)
+
+
+async def _connections_past_the_cap_get_503_and_health_answers_once_they_close() -> None:
     limits = {"max_connections": 4, "fd_reserve": 0, "header_timeout_s": 30}
     async with gateway(limits) as (port, _):
         async with asyncio.timeout(BOUND_S):

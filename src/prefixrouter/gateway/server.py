@@ -14,9 +14,9 @@ module runs the same application with the bounds of ``limits``
 * **body timeouts**: the body must make progress every
   ``body_idle_timeout_s`` and be complete ``body_timeout_s`` after the
   headers. A handler reading it gets :class:`~.errors.RequestTimeout` (408
-  in OpenAI's shape) and the connection closes after the answer; time spent
-  with reading paused by the gateway itself (the handler is behind) does not
-  count against the client.
+  in OpenAI's shape) and the connection closes after the answer; while the
+  gateway itself has paused reading (its handler is behind), the body counts
+  as making progress.
 * **keep-alive timeout**: aiohttp's own ``keepalive_timeout``, which closes a
   connection idle between requests (or holding a partial next request:
   pipelined heads are bounded by it, not by the header timeout).
@@ -44,7 +44,7 @@ import os
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import (
@@ -361,12 +361,11 @@ class _Refused(asyncio.Protocol):
 
     def __init__(self, server: GatewayServer) -> None:
         self._server = server
-        self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport (uvloop's is one without subclassing asyncio.Transport).
+        transport = cast(asyncio.Transport, transport)
         transport.write(_RAW_503)
         if transport.can_write_eof():
             transport.write_eof()
@@ -389,7 +388,9 @@ class GatewayServer(Server):
 
     Connections are counted when their protocol is made (the accept loop may
     take many connections before any is set up, so counting later would let
-    a burst past the cap) and uncounted when they are lost.
+    a burst past the cap) and uncounted when they are lost. (A protocol whose
+    transport then fails to be made is never lost, and stays counted: event
+    loops do that only on errors rarer than the cap is wide.)
     """
 
     def __init__(self, *args: Any, limits: LimitsConfig, cap: int, **kwargs: Any) -> None:
@@ -423,7 +424,7 @@ class _Dropped(asyncio.Protocol):
     """A connection closed unanswered (refusals themselves are at their bound)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()  # type: ignore[attr-defined]
+        cast(asyncio.Transport, transport).abort()
 
 
 class GatewayRunner(web.AppRunner):
