@@ -7,6 +7,9 @@ text-mode hashing and no workers (add them with ``--worker`` or the admin API).
 Shape of the YAML file (all keys optional)::
 
     server:        {host, port, max_body_bytes, admin_api_key}
+    limits:        {header_timeout_s, body_idle_timeout_s, body_timeout_s, keepalive_timeout_s,
+                    max_connections, fd_reserve, max_request_line_bytes, max_header_bytes,
+                    max_headers}
     workers:       [{url, id, kind, pool, models, adapters, tenants, api_key,
                      block_size, kv_capacity_blocks, max_slots, health_path, metrics_path,
                      kv_events_topic, kv_replay_endpoint}]
@@ -158,6 +161,52 @@ class ServerConfig(_Model):
         if value is not None and not value.strip():
             raise ValueError("must not be empty (omit it to turn the admin API off)")
         return value
+
+
+class LimitsConfig(_Model):
+    """What one client connection may cost the gateway (:mod:`prefixrouter.gateway.server`).
+
+    A request's line and headers, then its body, must arrive in bounded time,
+    an idle connection is closed, and connections past the cap are answered
+    503 and closed, so slow or idle clients cannot hold the file descriptors
+    the upstream connections and the pollers need.
+
+    Attributes:
+        header_timeout_s: A request's line and headers must all have arrived
+            within this many seconds of its first byte (of the connection's
+            opening, for its first request); else 408 and the connection closes.
+        body_idle_timeout_s: A request body that makes no progress for this
+            long is cut (408, connection closed).
+        body_timeout_s: The whole body must arrive within this long of the end
+            of the headers (stops a body trickled a byte at a time, which an
+            idle timeout alone never cuts): 60 s lets 8 MiB through at 140 kB/s.
+        keepalive_timeout_s: A keep-alive connection idle this long between
+            requests is closed. Above the idle timeouts of common clients and
+            load balancers (httpx 5 s, aiohttp 15 s, AWS ALB 60 s), so it is
+            they who close first, never us under a request in flight.
+        max_connections: Client connections served at once; past it a new one
+            gets 503 and is closed. The gateway lowers it to what its
+            file-descriptor limit allows (each client connection may need an
+            upstream one too: ``(RLIMIT_NOFILE - fd_reserve) / 2``), and at
+            startup raises its soft limit toward the hard one to fit it.
+        fd_reserve: File descriptors kept out of the client connections' share
+            for everything else: pollers, the KV-event socket, the decision
+            log, the listening socket, the tokenizer files, and the refusals
+            past the cap (32 at most at once, each closed within a second).
+        max_request_line_bytes: Longer request lines get 414.
+        max_header_bytes: A header (name and value) longer than this gets 431.
+        max_headers: More headers than this get 431.
+    """
+
+    header_timeout_s: PosFloat = 30.0
+    body_idle_timeout_s: PosFloat = 15.0
+    body_timeout_s: PosFloat = 60.0
+    keepalive_timeout_s: PosFloat = 75.0
+    max_connections: PosInt = 8192
+    fd_reserve: Annotated[int, Field(ge=0)] = 256
+    max_request_line_bytes: PosInt = 8190
+    max_header_bytes: PosInt = 8190
+    max_headers: PosInt = 128
 
 
 class PolicyConfig(_Model):
@@ -355,6 +404,7 @@ class GatewayConfig(_Model):
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @field_validator("tenant_header")
     @classmethod

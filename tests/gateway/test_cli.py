@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -30,6 +31,23 @@ def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
     assert f"{bad}:2: workers.0.url" in result.output
     result = CliRunner().invoke(_app(), ["--policy", "nope"])
     assert result.exit_code == 2 and "unknown policy 'nope'" in result.output
+
+
+def test_port_in_use_is_one_line_naming_the_address_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefixrouter.gateway", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
 def test_module_entry_point_serves_and_stops_on_sigterm() -> None:

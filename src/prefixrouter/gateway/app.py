@@ -4,7 +4,8 @@
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`.proxy`);
 * ``GET /v1/models``, ``/health``, ``/metrics`` and the ``/admin/*`` endpoints
-  (:mod:`.admin`); any other path answers 404 in OpenAI's shape.
+  (:mod:`.admin`); any other path answers 404 in OpenAI's shape, and a known
+  path asked with another method 405 with ``Allow`` (:func:`_unrouted`).
 
 Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
 (:mod:`.upstream`, keep-alive connections to every worker) and an aiohttp
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from prefixrouter.config import GatewayConfig
 from prefixrouter.gateway.admin import Admin
+from prefixrouter.gateway.errors import MethodNotAllowed, error_response
 from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
 from prefixrouter.gateway.proxy import Proxy
 from prefixrouter.gateway.request_builder import ChatTokenizer
@@ -73,6 +75,32 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         st.session = None
 
 
+def _unrouted(admin: Admin) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The catch-all route's handler: 405 with ``Allow`` for a known path, else 404.
+
+    Runs only for requests no route took, so the walk over the routes costs
+    the served requests nothing.
+    """
+
+    async def handler(request: web.Request) -> web.Response:
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource.raw_match("/{tail:.*}"):
+                continue
+            _, methods = await resource.resolve(request)
+            allowed |= methods
+        if allowed:
+            allow = ", ".join(sorted(allowed))
+            exc = MethodNotAllowed(
+                f"method {request.method} is not allowed on {request.path}; allowed: {allow}",
+                headers={"Allow": allow},
+            )
+            return error_response(exc)
+        return await admin.not_found(request)
+
+    return handler
+
+
 def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -> web.Application:
     """Build the gateway application.
 
@@ -99,6 +127,11 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_delete("/admin/workers/{id}", admin.remove_worker)
     r.add_get("/admin/decisions", admin.decisions)
     r.add_get("/admin/process", admin.process)
-    r.add_route("*", "/{tail:.*}", admin.not_found)
+    r.add_route("*", "/{tail:.*}", _unrouted(admin))
     app.cleanup_ctx.append(_lifespan)
+
+    async def close_proxy(_: web.Application) -> None:
+        proxy.close()
+
+    app.on_cleanup.append(close_proxy)
     return app

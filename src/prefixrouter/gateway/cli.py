@@ -11,8 +11,8 @@ local user) the key of ``/admin/*``, which are off without one. Port 0 picks
 a free port; the first line printed on stdout is ``prefixrouter gateway
 listening on http://HOST:PORT``, so scripts can read the port.
 
-Errors the user can fix (a bad file, a bad worker URL) print one line on
-stderr and exit with status 2.
+Errors the user can fix (a bad file, a bad worker URL, a port in use) print
+one line on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -68,33 +68,28 @@ def build_config(
 
 
 async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
-    """Serve until SIGINT or SIGTERM.
+    """Serve until SIGINT or SIGTERM (with ``limits``: :mod:`prefixrouter.gateway.server`).
 
     Args:
         config: The configuration.
         announce: Print the listening line on stdout.
-    """
-    from aiohttp import web
 
+    Raises:
+        ListenError: The address cannot be bound (in use, say).
+    """
     from prefixrouter.gateway.app import create_app
+    from prefixrouter.gateway.server import start_server
 
     app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(
-        runner, config.server.host, config.server.port, backlog=2048, reuse_address=True
-    )
-    await site.start()
+    srv = config.server
+    listening = await start_server(app, srv.host, srv.port, config.limits)
+    runner = listening.runner
     # Everything allocated so far (modules, config, the app) lives as long as
     # the process: keep it out of the cyclic collector's full scans.
     gc.collect()
     gc.freeze()
-    port = config.server.port
-    sockets = getattr(site._server, "sockets", None)
-    if sockets:
-        port = sockets[0].getsockname()[1]
     if announce:
-        print(f"prefixrouter gateway listening on http://{config.server.host}:{port}", flush=True)
+        print(f"prefixrouter gateway listening on http://{srv.host}:{listening.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -153,7 +148,11 @@ def serve(
     if not cfg.workers:
         hint = "" if cfg.server.admin_api_key else f" (after setting {ADMIN_KEY_ENV})"
         typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)
-    _run(cfg)
+    try:
+        _run(cfg)
+    except PrefixRouterError as exc:  # ListenError: "cannot listen on HOST:PORT: why"
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
 
 
 def main(argv: list[str] | None = None) -> None:

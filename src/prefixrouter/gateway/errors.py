@@ -16,6 +16,8 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   │                                                         | tenant_header_refused
     │   │                                                         | tenant_not_served
     │   ├── NotFound                 404  invalid_request_error  model_not_found | not_found
+    │   ├── MethodNotAllowed         405  invalid_request_error  method_not_allowed  (+ Allow)
+    │   ├── RequestTimeout           408  invalid_request_error  request_timeout  (slow body)
     │   ├── Conflict                 409  invalid_request_error  conflict  (id or topic taken)
     │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
     │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
@@ -25,6 +27,12 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     ├── ConfigError                  400  invalid_request_error  invalid_config  (admin API input)
     └── UnknownNameError             404  invalid_request_error  not_found
     anything else                    500  internal_error         internal_error  (never a traceback)
+
+Requests the HTTP parser rejects (a malformed request, a request line or
+header over its limit, too many headers) and connections past the cap are
+answered in the same shape by :mod:`prefixrouter.gateway.server` (400, 414,
+431, 503 ``too_many_connections``); a path that exists under another method
+gets 405 with ``Allow`` (``method_not_allowed``).
 
 Upstream failures: an upstream that cannot be reached, refuses
 (``proxy.retry_statuses``) or breaks before its first byte makes the request
@@ -65,9 +73,11 @@ class GatewayError(PrefixRouterError):
         code: OpenAI error ``code``.
         param: The offending request field, if any.
         headers: Extra response headers (``Retry-After``).
+        close: Close the connection after the answer (the request was not read whole).
     """
 
     status = 500
+    close = False
     type = "internal_error"
     code = "internal_error"
 
@@ -127,6 +137,23 @@ class Conflict(GatewayError):
     code = "conflict"
 
 
+class MethodNotAllowed(GatewayError):
+    """405: the path exists under other methods; carries ``Allow``."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class RequestTimeout(GatewayError):
+    """408: the request did not arrive in time (``limits.body_*timeout_s``)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    close = True
+
+
 class PayloadTooLarge(GatewayError):
     """413: the body is larger than ``server.max_body_bytes``."""
 
@@ -162,7 +189,10 @@ def error_response(exc: BaseException, retry_after_s: int = 1) -> web.Response:
     """The response for any exception, following the mapping in the module docstring."""
     if isinstance(exc, GatewayError):
         body = error_body(exc.message, exc.type, exc.code, exc.param)
-        return web.Response(status=exc.status, body=body, content_type=JSON, headers=exc.headers)
+        resp = web.Response(status=exc.status, body=body, content_type=JSON, headers=exc.headers)
+        if exc.close:
+            resp.force_close()
+        return resp
     if isinstance(exc, NoWorkerAvailable):
         err = ServiceUnavailable(str(exc), headers={"Retry-After": str(retry_after_s)})
         return error_response(err)

@@ -2,9 +2,12 @@
 
 Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 
-1. read the body (413 past ``server.max_body_bytes``), parse it once (400 on
-   invalid JSON), build the routing request (400 naming a bad field; 401 on a
-   bad key where keys are required) and check the model (404);
+1. read the body (413 past ``server.max_body_bytes``; 408 when it comes too
+   slowly, :mod:`.server`), parse it once (400 on invalid JSON), build the
+   routing request (400 naming a bad field; 401 on a bad key where keys are
+   required) and check the model (404). Bodies of ``OFF_LOOP_BODY_BYTES`` and
+   more are parsed and built on a worker thread, so a large one does not
+   stall the event loop;
 2. ``Router.route`` over the prebuilt worker views with fresh in-flight
    figures (503 + ``Retry-After`` when no worker can serve); ``on_routed`` and
    the in-flight ledger record the speculative placement;
@@ -32,12 +35,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from prefixrouter.core.policy import Outcome
 from prefixrouter.core.router import Decision
@@ -60,12 +67,21 @@ from prefixrouter.gateway.errors import (
 from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
 from prefixrouter.gateway.sse import SseRelay, usage_figures
 from prefixrouter.gateway.state import GatewayState
+from prefixrouter.gateway.tenancy import TenantScope
 from prefixrouter.gateway.upstream import UpstreamResponse
 from prefixrouter.gateway.workers import Worker
 
 log = logging.getLogger("prefixrouter.gateway")
 
 CLIENT_GONE = 499
+# Bodies from this size up are parsed and built (orjson, validation, token
+# ids) on one worker thread, not on the event loop: a 7.8 MB body of token
+# ids takes about 0.2 s of CPU, which on the loop stalls every other request
+# and /health with it. One thread, not several: orjson holds the GIL for a
+# whole parse, so each concurrent parse is one more holder the loop thread
+# must wait behind. Below this size the hand-off (about 50 us) would cost more
+# than the parse it moves.
+OFF_LOOP_BODY_BYTES = 256 * 1024
 # Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
 _UPSTREAM_ERRORS = (TimeoutError, OSError)
 
@@ -114,6 +130,7 @@ class Proxy:
         self.max_attempts = cfg.proxy.max_attempts
         self.retry_statuses = frozenset(cfg.proxy.retry_statuses)
         self.retry_after = str(cfg.proxy.retry_after_s)
+        self._pool: ThreadPoolExecutor | None = None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
@@ -152,24 +169,54 @@ class Proxy:
             raise PayloadTooLarge(
                 f"request body exceeds the limit of {self.max_body} bytes"
             ) from None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+        except (HttpProcessingError, RequestPayloadError) as exc:  # bad chunking, short body
+            raise BadRequest(
+                f"malformed request body ({type(exc).__name__})", code="invalid_body"
+            ) from None
         headers = request.headers
-        built = st.builder.build(
-            body,
+        parse = partial(
+            self._parse,
             raw,
             kind,
             # The scope's last argument is the body's cache_salt, which the builder validates.
             partial(st.tenancy.resolve, headers.get("Authorization"), headers.get("X-Tenant")),
             headers.get("X-Prefix-Class"),
         )
+        if len(raw) < OFF_LOOP_BODY_BYTES:
+            built = parse()
+        else:
+            built = await asyncio.get_running_loop().run_in_executor(self._parse_pool(), parse)
         if not st.registry.serves(built.model):
             raise NotFound(
                 f"The model `{built.model}` does not exist.", code="model_not_found", param="model"
             )
         return built
+
+    def _parse(
+        self,
+        raw: bytes,
+        kind: str,
+        scope_of: Callable[[str | None], TenantScope],
+        prefix_class: str | None,
+    ) -> BuiltRequest:
+        """Parse and validate a body: CPU only, safe on the parse thread (reads shared state)."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+        return self.st.builder.build(body, raw, kind, scope_of, prefix_class)
+
+    def _parse_pool(self) -> ThreadPoolExecutor:
+        """The parse thread (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefixrouter-parse")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the parse thread (the application's cleanup)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     async def _forward(
         self, request: web.Request, built: BuiltRequest, path: str, t0: float

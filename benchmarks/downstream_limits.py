@@ -1,0 +1,352 @@
+"""Downstream limits of a running gateway: timeouts, the connection cap, large bodies.
+
+Starts, on loopback, one instant engine (:mod:`prefixrouter.bench.instant`)
+and ``python -m prefixrouter.gateway`` in front of it (with its file-descriptor
+limit, soft and hard, set to ``--gateway-fds`` so the flood phase stays cheap), then measures:
+
+1. **timeouts** (all at once, each capped at ``--cap-s``): how long the
+   gateway keeps a connection that sends its headers one byte per 1.5 s
+   (slowloris), one that sends a 1,000-byte body one byte per second, one
+   that sends nothing, and one idle after a keep-alive request;
+2. **flood**: opens idle connections 50 at a time up to ``--flood`` and after
+   each step asks ``GET /health`` on a fresh connection (2 s timeout); prints
+   the count at which /health first stopped answering 200 and what it got
+   instead, what /health says (the gateway's view of its engine, which its
+   pollers must reach) on a connection opened before the flood, and whether
+   /health answers again once the flood closes;
+3. **large bodies**: ``--clients`` concurrent clients each POST a
+   ``--body-mb`` MB ``/v1/completions`` body of token ids, back to back, for
+   ``--seconds``, while a prober asks ``/health`` every 20 ms on a keep-alive
+   connection; prints the prober's p50/p99/max (and the same without load).
+   Twice: for a model no worker serves (the body is read, parsed and built,
+   then answered 404: the request-building path alone) and for the served
+   model (routed and forwarded: the routing core's work on a prompt of a
+   million tokens included).
+
+Before/after: run it once with each tree on ``PYTHONPATH`` (the gateway is a
+subprocess of ``sys.executable`` and inherits the environment)::
+
+    PYTHONPATH=OLD/src python benchmarks/downstream_limits.py
+    PYTHONPATH=NEW/src python benchmarks/downstream_limits.py
+
+``--skip timeouts`` (or flood, bodies) leaves a phase out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+
+HOST = "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _limit_fds(n: int) -> Callable[[], None]:
+    def apply() -> None:  # hard limit too: the gateway may not raise its soft one past it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return apply
+
+
+def _raise_own_fds() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+async def _request(
+    port: int, method: str, path: str, body: bytes = b"", timeout: float = 2.0
+) -> int | str:
+    """One request on a fresh connection: the status, or why there was none."""
+    try:
+        async with asyncio.timeout(timeout):
+            r, w = await asyncio.open_connection(HOST, port)
+            try:
+                head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                if body:
+                    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                w.write(head.encode() + b"\r\n" + body)
+                line = await r.readline()
+                await r.read()
+            finally:
+                w.close()
+    except TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return type(exc).__name__
+    parts = line.split()
+    return int(parts[1]) if len(parts) > 1 else "closed"
+
+
+async def _survives(port: int, first: bytes, then: bytes, every_s: float, cap_s: float) -> float:
+    """Seconds until the gateway closes a connection sending ``first``, then ``then`` bytewise."""
+    r, w = await asyncio.open_connection(HOST, port)
+    t0 = time.monotonic()
+    w.write(first)
+
+    async def trickle() -> None:
+        for i in range(len(then)):
+            await asyncio.sleep(every_s)
+            w.write(then[i : i + 1])
+            await w.drain()
+
+    feeder = asyncio.create_task(trickle()) if then else None
+    try:
+        async with asyncio.timeout(cap_s):
+            while True:
+                try:
+                    data = await r.read(65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+    except TimeoutError:
+        pass
+    finally:
+        if feeder is not None:
+            feeder.cancel()
+        w.close()
+    return time.monotonic() - t0
+
+
+async def phase_timeouts(port: int, cap_s: float) -> None:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    slow_body_head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
+    keepalive = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    names = [
+        "slowloris headers (1 B / 1.5 s)",
+        "slow body (1 B/s)",
+        "idle socket",
+        "idle keep-alive",
+    ]
+    results = await asyncio.gather(
+        _survives(port, head, b"X-Slow: " + b"a" * 1000, 1.5, cap_s),
+        _survives(port, slow_body_head, b"1" * 1000, 1.0, cap_s),
+        _survives(port, b"", b"", 0, cap_s),
+        _survives(port, keepalive, b"", 0, cap_s),
+    )
+    for name, s in zip(names, results, strict=True):
+        shown = f">= {cap_s:.0f} s (cap)" if s >= cap_s - 0.05 else f"{s:.1f} s"
+        print(f"  {name:34s} connection closed after {shown}")
+
+
+async def _health_on(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> str:
+    """GET /health on a connection opened before the flood: the gateway's view of the engine."""
+    try:
+        async with asyncio.timeout(3):
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status = (await r.readline()).split()
+            length = 0
+            while (line := await r.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = orjson.loads(await r.readexactly(length))
+    except (TimeoutError, OSError, IndexError, ValueError) as exc:
+        return f"no answer ({type(exc).__name__})"
+    return f"{status[1].decode()}, healthy_workers={body.get('healthy_workers')}"
+
+
+async def phase_flood(port: int, flood: int) -> None:
+    # The operator's connection, opened before the flood: it asks /health
+    # (the gateway's view of its engine) while the flood holds every other slot.
+    monitor = await asyncio.open_connection(HOST, port)
+    held: list[asyncio.StreamWriter] = []
+    failed_at: int | None = None
+    failure: int | str | None = None
+    try:
+        while len(held) < flood:
+            for _ in range(50):
+                try:
+                    _, w = await asyncio.wait_for(asyncio.open_connection(HOST, port), 2)
+                except (TimeoutError, OSError):
+                    break
+                held.append(w)
+            await asyncio.sleep(0.2)
+            status = await _request(port, "GET", "/health")
+            if status != 200 and failed_at is None:
+                failed_at, failure = len(held), status
+                break
+        print(f"  held {len(held)} idle connections")
+        if failed_at is None:
+            print(f"  /health answered 200 up to {len(held)} connections")
+        else:
+            print(
+                f"  /health on a new connection first failed at {failed_at} connections: {failure}"
+            )
+        await asyncio.sleep(3.0)  # several poll rounds under the flood
+        print(f"  /health on the earlier connection, under the flood: {await _health_on(*monitor)}")
+    finally:
+        for w in held:
+            w.close()
+        monitor[1].close()
+    t0 = time.monotonic()
+    status: int | str = "never"
+    while time.monotonic() - t0 < 20:
+        status = await _request(port, "GET", "/health")
+        if status == 200:
+            break
+        await asyncio.sleep(0.2)
+    print(f"  after closing them: /health {status} within {time.monotonic() - t0:.1f} s")
+
+
+async def _post_loop(port: int, body: bytes, stop: float, done: list[int]) -> None:
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    while time.monotonic() < stop:
+        try:
+            r, w = await asyncio.open_connection(HOST, port)
+            w.write(head)
+            w.write(body)
+            await w.drain()
+            await r.readline()
+            w.close()
+            done[0] += 1
+        except OSError:
+            await asyncio.sleep(0.05)
+
+
+async def _probe(port: int, stop: float) -> list[float]:
+    r, w = await asyncio.open_connection(HOST, port)
+    out: list[float] = []
+    req = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    while time.monotonic() < stop:
+        t = time.perf_counter()
+        w.write(req)
+        length = 0
+        while True:  # status line and headers
+            line = await r.readline()
+            if not line:
+                raise ConnectionError("gateway closed the probe")
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+            if line == b"\r\n":
+                break
+        await r.readexactly(length)
+        out.append(time.perf_counter() - t)
+        await asyncio.sleep(0.02)
+    w.close()
+    return out
+
+
+def _pcts(xs: list[float]) -> str:
+    xs = sorted(xs)
+
+    def rank(q: float) -> float:  # nearest rank: a sample, never an extrapolation
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+
+    p50, p99, top = rank(0.5), rank(0.99), xs[-1] * 1e3
+    return f"p50 {p50:.1f} ms  p99 {p99:.1f} ms  max {top:.1f} ms (n={len(xs)})"
+
+
+async def phase_bodies(port: int, clients: int, body_mb: float, seconds: float) -> None:
+    n = int(body_mb * 1e6 / 6.45)  # "123456," is about 6.45 bytes per id on average
+    rng = random.Random(1)
+    prompt = [rng.randrange(200_000) for _ in range(n)]
+    idle = await _probe(port, time.monotonic() + 2.0)
+    print(f"  /health without load: {_pcts(idle)}")
+    # "unserved": a model no worker serves, answered 404 once the body is
+    # parsed and built (the request-building path alone); "tiny": routed and
+    # forwarded too (the routing core's work on the prompt included).
+    for model, what in (("unserved", "parse + build only (404)"), ("tiny", "full path")):
+        body = orjson.dumps({"model": model, "prompt": prompt, "max_tokens": 1})
+        stop = time.monotonic() + seconds
+        done = [0]
+        posts = [asyncio.create_task(_post_loop(port, body, stop, done)) for _ in range(clients)]
+        lat = await _probe(port, stop)
+        await asyncio.gather(*posts)
+        print(
+            f"  /health, {clients} x {len(body) / 1e6:.1f} MB bodies, {what}: {_pcts(lat)};"
+            f" {done[0]} bodies answered"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--cap-s", type=float, default=100.0)
+    ap.add_argument("--gateway-fds", type=int, default=1024)
+    ap.add_argument("--flood", type=int, default=0, help="default: gateway fds + 200")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--body-mb", type=float, default=7.8)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--skip", action="append", default=[])
+    ap.add_argument("--config", default="", help="extra gateway YAML (JSON) merged on top")
+    args = ap.parse_args()
+    _raise_own_fds()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    eport = _free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "prefixrouter.bench.instant", "--ports", str(eport)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    gw = None
+    try:
+        assert engine.stderr is not None
+        engine.stderr.readline()
+        cfg: dict[str, object] = {
+            "workers": [{"url": f"http://{HOST}:{eport}", "id": "e0"}],
+            "metrics_poll": {"interval_s": 0.5},
+            "health": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+        }
+        if args.config:
+            cfg.update(orjson.loads(Path(args.config).read_bytes()))
+        with tempfile.NamedTemporaryFile("wb", suffix=".yaml", delete=False) as f:
+            f.write(orjson.dumps(cfg))
+        gw = subprocess.Popen(
+            [sys.executable, "-m", "prefixrouter.gateway", "--config", f.name, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_limit_fds(args.gateway_fds),
+        )
+        assert gw.stdout is not None
+        line = gw.stdout.readline().decode()
+        match = re.search(r"listening on http://[^:]+:(\d+)", line)
+        assert match, line
+        port = int(match.group(1))
+        time.sleep(1.0)
+        where = env.get("PYTHONPATH")
+        print(f"gateway pid {gw.pid}, fd limit {args.gateway_fds}, PYTHONPATH={where}")
+        if "timeouts" not in args.skip:
+            print("timeouts:")
+            asyncio.run(phase_timeouts(port, args.cap_s))
+        if "flood" not in args.skip:
+            print("flood:")
+            asyncio.run(phase_flood(port, args.flood or args.gateway_fds + 200))
+        if "bodies" not in args.skip:
+            print("large bodies:")
+            asyncio.run(phase_bodies(port, args.clients, args.body_mb, args.seconds))
+    finally:
+        for p in (gw, engine):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Client limits of a real gateway on loopback: timeouts, the connection cap, large bodies.
+
+The gateway runs in the test's event loop as ``prefixrouter serve`` runs it
+(:func:`prefixrouter.gateway.server.start_server`), with timeouts of a
+fraction of a second; the clients are raw sockets, so nothing between them
+and the server papers over what the server does. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import orjson
+import pytest
+
+from prefixrouter.config import LimitsConfig
+from prefixrouter.gateway import server as server_mod
+from prefixrouter.gateway.proxy import OFF_LOOP_BODY_BYTES
+from prefixrouter.gateway.server import connection_cap
+from tests.gateway.served import (
+    BOUND_S,
+    HOST,
+    LOOPS,
+    closed_after,
+    gateway,
+    get,
+    run_on,
+    status_and_json,
+)
+
+
+async def _trickle(writer: asyncio.StreamWriter, data: bytes, every_s: float) -> None:
+    for i in range(len(data)):
+        await asyncio.sleep(every_s)
+        if writer.is_closing():
+            return
+        writer.write(data[i : i + 1])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_slowloris_headers_are_cut_after_the_header_timeout(loop: str) -> None:
+    run_on(loop, _slowloris_headers_are_cut_after_the_header_timeout)
+
+
+async def _slowloris_headers_are_cut_after_the_header_timeout() -> None:
+    async with gateway({"header_timeout_s": 0.5, "keepalive_timeout_s": 30}) as (port, _):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        feeder = asyncio.create_task(_trickle(writer, b"X-Slow: " + b"a" * 500, 0.05))
+        try:
+            took, data = await closed_after(reader)
+        finally:
+            feeder.cancel()
+            writer.close()
+        assert 0.4 <= took < BOUND_S
+        status, body, _ = status_and_json(data)
+        assert status == 408 and body["error"]["code"] == "request_timeout"
+
+
+async def test_an_idle_fresh_connection_is_cut_after_the_header_timeout() -> None:
+    async with gateway({"header_timeout_s": 0.5, "keepalive_timeout_s": 30}) as (port, _):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        took, _ = await closed_after(reader)
+        writer.close()
+        assert 0.4 <= took < BOUND_S
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_trickled_a_byte_at_a_time_is_cut_with_408(loop: str) -> None:
+    run_on(loop, _a_body_trickled_a_byte_at_a_time_is_cut_with_408)
+
+
+async def _a_body_trickled_a_byte_at_a_time_is_cut_with_408() -> None:
+    limits = {"body_idle_timeout_s": 5, "body_timeout_s": 0.6}
+    async with gateway(limits) as (port, state):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n"
+        )
+        # Never idle for 5 s, but the whole body is far from there after 0.6 s.
+        feeder = asyncio.create_task(_trickle(writer, b"1" * 1000, 0.05))
+        try:
+            took, data = await closed_after(reader)
+        finally:
+            feeder.cancel()
+            writer.close()
+        assert 0.5 <= took < BOUND_S
+        status, body, head = status_and_json(data)
+        assert status == 408 and body["error"]["code"] == "request_timeout"
+        assert b"Connection: close" in head
+        assert state.requests_seen == 1
+
+
+async def test_a_stalled_body_is_cut_after_the_body_idle_timeout() -> None:
+    async with gateway({"body_idle_timeout_s": 0.4, "body_timeout_s": 60}) as (port, _):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny", '
+        )
+        took, data = await closed_after(reader)
+        writer.close()
+        assert 0.3 <= took < BOUND_S
+        assert status_and_json(data)[0] == 408
+
+
+async def test_an_idle_keepalive_connection_is_closed() -> None:
+    async with gateway({"keepalive_timeout_s": 0.5, "header_timeout_s": 30}) as (port, _):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(BOUND_S):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        # Two more requests on the same connection: active keep-alive is not cut.
+        for _ in range(2):
+            await asyncio.sleep(0.2)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        took, data = await closed_after(reader)
+        writer.close()
+        assert data.count(b"HTTP/1.1 200") == 2  # the rest of the first answer, then two
+        assert took < BOUND_S
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_connections_past_the_cap_get_503_and_health_answers_once_they_close(loop: str) -> None:
+    run_on(loop, _connections_past_the_cap_get_503_and_health_answers_once_they_close)
+
+
+async def _connections_past_the_cap_get_503_and_health_answers_once_they_close() -> None:
+    limits = {"max_connections": 4, "fd_reserve": 0, "header_timeout_s": 30}
+    async with gateway(limits) as (port, _):
+        async with asyncio.timeout(BOUND_S):
+            while b"200 OK" not in await get(port):  # the first health check has run
+                await asyncio.sleep(0.05)
+        held = [await asyncio.open_connection(HOST, port) for _ in range(4)]
+        await asyncio.sleep(0.1)
+        status, body, _ = status_and_json(await get(port))
+        assert status == 503 and body["error"]["code"] == "too_many_connections"
+        for _, writer in held:
+            writer.close()
+        async with asyncio.timeout(BOUND_S):
+            while True:
+                response = await get(port)
+                if response.startswith(b"HTTP/1.1 200"):
+                    break
+                assert response.startswith(b"HTTP/1.1 503")
+                await asyncio.sleep(0.05)
+
+
+def test_the_cap_fits_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = LimitsConfig(max_connections=8192, fd_reserve=256)
+    res = server_mod.resource
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(res, "setrlimit", lambda _, value: calls.append(value))
+    # Hard limit 1024: no raise possible; each connection may need an upstream one too.
+    monkeypatch.setattr(res, "getrlimit", lambda _: (1024, 1024))
+    assert connection_cap(limits) == (1024 - 256) // 2
+    # Room under the hard limit: the soft one is raised to fit the configured cap.
+    monkeypatch.setattr(res, "getrlimit", lambda _: (1024, 1 << 20))
+    assert connection_cap(limits) == 8192
+    assert calls[-1] == (2 * 8192 + 256, 1 << 20)
+
+
+async def test_large_bodies_are_built_off_the_event_loop() -> None:
+    async with gateway({}) as (port, state):
+        threads: list[str] = []
+        build = state.builder.build
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return build(*args, **kwargs)
+
+        state.builder.build = spy  # type: ignore[method-assign]
+        small = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        large = {"model": "tiny", "prompt": list(range(OFF_LOOP_BODY_BYTES // 5)), "max_tokens": 2}
+        statuses = []
+        for body in (small, large, b"[" * OFF_LOOP_BODY_BYTES):
+            raw = body if isinstance(body, bytes) else orjson.dumps(body)
+            assert (len(raw) >= OFF_LOOP_BODY_BYTES) == (body is not small)
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+                + raw
+            )
+            async with asyncio.timeout(BOUND_S):
+                statuses.append((await reader.read()).split()[1])
+            writer.close()
+        assert statuses == [b"200", b"200", b"400"]  # a large bad body is still a 400
+        assert threads[0] == threading.current_thread().name
+        assert threads[1].startswith("prefixrouter-parse")
