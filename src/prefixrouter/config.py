@@ -275,7 +275,11 @@ class ProxyConfig(_Model):
             without a prediction has no first-byte timeout.
         stall_timeout_s: Longest silence of a stream after its first byte; then
             the client gets an SSE ``error`` event and the engine request is
-            aborted (None: no stall timeout).
+            aborted (None: no stall timeout). An engine sends a token per
+            step (tens of ms; a few hundred under a heavy chunked prefill), so
+            5 s is far past any healthy gap; raise it where engines preempt
+            requests under KV pressure (a preempted stream waits to be
+            re-admitted).
     """
 
     max_attempts: PosInt = 3
@@ -287,7 +291,7 @@ class ProxyConfig(_Model):
     retry_after_s: PosInt = 1
     first_byte_timeout_floor_s: PosFloat | None = 2.0
     first_byte_timeout_factor: Annotated[float, Field(ge=1.0)] = 3.0
-    stall_timeout_s: PosFloat | None = 10.0
+    stall_timeout_s: PosFloat | None = 5.0
 
 
 class DecisionLogConfig(_Model):
