@@ -46,6 +46,7 @@ import aiohttp
 import orjson
 
 PY = sys.executable
+ADMIN = {"Authorization": "Bearer engine-faults-admin"}  # the decision log is admin-only
 
 
 def free_port() -> int:
@@ -156,7 +157,7 @@ class Load:
 async def decisions(gateway: str) -> dict[str, dict[str, Any]]:
     async with (
         aiohttp.ClientSession() as s,
-        s.get(gateway + "/admin/decisions?limit=100000") as r,
+        s.get(gateway + "/admin/decisions?limit=100000", headers=ADMIN) as r,
     ):
         data = await r.json()
     return {d["request_id"]: d for d in data["decisions"]}
@@ -169,9 +170,7 @@ def first_worker(rec: dict[str, Any] | None, res: Result) -> str:
     return str(tried[0]) if tried else str(rec.get("selected_worker") or res.worker)
 
 
-async def freeze(
-    gateway: str, victim: subprocess.Popen[bytes], freeze_s: float
-) -> dict[str, Any]:
+async def freeze(gateway: str, victim: subprocess.Popen[bytes], freeze_s: float) -> dict[str, Any]:
     load = Load(gateway)
     task = asyncio.create_task(load.run())
     await asyncio.sleep(2.0)  # warm: every engine serving
@@ -255,7 +254,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             wait_healthy(u, procs[f"e{i}"])
         cfg = tmp / "gateway.yaml"
         workers = [{"url": u, "id": f"e{i}"} for i, u in enumerate(urls)]
-        cfg.write_bytes(orjson.dumps({"workers": workers, "decision_log": {"ring_size": 100000}}))
+        cfg.write_bytes(
+            orjson.dumps(
+                {
+                    "workers": workers,
+                    "server": {"admin_api_key": ADMIN["Authorization"].split()[1]},
+                    "decision_log": {"ring_size": 100000},
+                }
+            )
+        )
         gw = subprocess.Popen(
             [PY, "-m", "prefixrouter.gateway", "--config", str(cfg), "--port", "0"],
             stdout=subprocess.PIPE,

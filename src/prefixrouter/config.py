@@ -272,7 +272,8 @@ class ProxyConfig(_Model):
             predicted wait (a stream: the predicted TTFT; a non-streamed
             request, whose answer comes whole: TTFT plus the decode of
             ``max_tokens``), never below the floor. A non-streamed request
-            without a prediction has no first-byte timeout.
+            without a prediction or without ``max_tokens`` has no first-byte
+            timeout.
         stall_timeout_s: Longest silence of a stream after its first byte; then
             the client gets an SSE ``error`` event and the engine request is
             aborted (None: no stall timeout). An engine sends a token per

@@ -16,13 +16,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
+from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
 from tests.gateway.test_integration import PY, _free_port, _stop, _wait_http
 
 DOC = " ".join(f"Clause {i}: the parties agree to term {i * 11}." for i in range(80))
@@ -55,7 +55,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             _wait_http(u + "/health", procs[f"e{i}"])
         cfg = tmp / "gateway.yaml"
         workers = [{"url": u, "id": f"e{i}"} for i, u in enumerate(urls)]
-        cfg.write_bytes(orjson.dumps({"workers": workers}))  # every timeout at its default
+        # Every timeout and health setting at its default.
+        cfg.write_bytes(orjson.dumps({"workers": workers, "server": ADMIN_CONFIG}))
         gw = subprocess.Popen(
             [PY, "-m", "prefixrouter.gateway", "--config", str(cfg), "--port", "0"],
             stdout=subprocess.PIPE,
@@ -90,14 +91,14 @@ async def _post(s: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, str
 
 
 async def _workers(s: aiohttp.ClientSession, url: str) -> dict[str, dict[str, Any]]:
-    async with s.get(url + "/admin/workers") as r:
+    async with s.get(url + "/admin/workers", headers=ADMIN_HEADERS) as r:
         data = await r.json()
     return {w["id"]: w for w in data["workers"]}
 
 
 async def _decision(s: aiohttp.ClientSession, url: str, rid: str) -> dict[str, Any]:
     for _ in range(50):
-        async with s.get(url + "/admin/decisions?limit=1000") as r:
+        async with s.get(url + "/admin/decisions?limit=1000", headers=ADMIN_HEADERS) as r:
             recs = [d for d in (await r.json())["decisions"] if d["request_id"] == rid]
         if recs:
             return dict(recs[0])

@@ -35,7 +35,7 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -
 
 
 async def _decisions(env: Env) -> list[dict[str, Any]]:
-    r = await env.client.get("/admin/decisions?limit=100")
+    r = await env.admin("GET", "/admin/decisions?limit=100")
     return list((await r.json())["decisions"])
 
 
@@ -159,5 +159,21 @@ def test_prefix_cache_counters_going_back_count_as_a_restart() -> None:
             assert index.blocks_of(w.id) > 0
             engine.queries = engine.hits = 0  # a new engine process counts from 0
             await _until(lambda: index.blocks_of(w.id) == 0, "the restart to clear the index")
+
+    run(body)
+
+
+def test_a_unary_request_without_max_tokens_has_no_first_byte_timeout() -> None:
+    """Its answer comes whole at the end of an unbounded generation: nothing to predict."""
+
+    async def body() -> None:
+        engines = [FakeEngine(delay_s=1.2)]  # longer than the 0.5 s floor
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            r = await env.chat(LONG, max_tokens=None)
+            assert r.status == 200
+            await r.read()
+            (log,) = await _decisions(env)
+            assert log["attempts"] == 1 and log["status"] == 200
+            assert not _worker(env, "w0").suspect
 
     run(body)

@@ -26,8 +26,9 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    ``proxy.first_byte_timeout_floor_s``. For a stream the wait is the
    predicted TTFT. A non-streamed answer arrives whole at the end, so its wait
    is the TTFT plus the predicted decode of ``max_tokens``; without a
-   prediction (a policy without the cost model) it has no first-byte timeout,
-   since a floor meant for TTFTs would cut long generations. After the first
+   prediction (a policy without the cost model) or without a ``max_tokens``
+   (the engine may generate up to the context length) it has no first-byte
+   timeout, since a floor meant for TTFTs would cut long generations. After the first
    byte, a stream silent for ``proxy.stall_timeout_s`` ends with an SSE
    ``error`` event (code ``504``), the upstream request is closed (the engine
    aborts it) and the worker is marked suspect;
@@ -237,7 +238,7 @@ class Proxy:
                 # What a stream has relayed so far: a client that leaves after
                 # the engine's usage chunk still leaves its feedback behind.
                 progress = Attempt(None, CLIENT_GONE, error="client disconnected")
-                first_byte_s = self._first_byte_timeout(decision, built.stream)
+                first_byte_s = self._first_byte_timeout(decision, built)
                 if built.stream:
                     att = await self._stream(request, built, worker, path, progress, first_byte_s)
                 else:
@@ -263,13 +264,17 @@ class Proxy:
                 retry.last_refusal = att
         return self._no_worker(built, retry, "every attempt failed", decision, t0)
 
-    def _first_byte_timeout(self, decision: Decision, stream: bool) -> float | None:
+    def _first_byte_timeout(self, decision: Decision, built: BuiltRequest) -> float | None:
         """How long this attempt may wait for its first body byte (None: no limit).
 
         See the module docstring: a multiple of the predicted wait, with a floor.
         """
         floor = self.first_byte_floor
         if floor is None:
+            return None
+        stream = built.stream
+        if not stream and not _output_bounded(built.body):
+            # The engine generates up to the context length: no prediction holds.
             return None
         chosen = decision.chosen
         terms = chosen.terms if chosen is not None else None
@@ -595,6 +600,11 @@ class Proxy:
                 len(retry.tried) if retry is not None else 0,
             )
         return resp
+
+
+def _output_bounded(body: dict[str, Any]) -> bool:
+    """Whether the client bounded the output (``max_tokens`` or ``max_completion_tokens``)."""
+    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
 
 
 def _failed(exc: BaseException) -> Attempt:

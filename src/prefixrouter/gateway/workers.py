@@ -456,7 +456,6 @@ class WorkerRegistry:
         if w.healthy:
             log.warning("worker %s unreachable (%s): out of routing", w.id, error)
             self._went_down(w)
-            w.wake.set()  # re-checked on the backoff from now, not after a full poll interval
 
     def mark_suspect(self, w: Worker, error: str) -> None:
         """``w`` went silent on a request: out of routing until a check passes, checked now.
