@@ -10,7 +10,8 @@ health settings, and drives a steady stream of streaming chat requests
    ``SIGCONT``. Figures: the latency of the requests whose first attempt went
    to e0 after it froze (the decision log's ``retried_from`` names the
    abandoned worker), and what became of the streams that were running on e0
-   when it froze (finished, or ended with an SSE error event);
+   when it froze (finished, or ended with an SSE error event), and the
+   blocks the index holds for e0 before the freeze and at its end;
 2. **restarts** engine e1: ``SIGKILL``, ``--down-s`` seconds down, then a new
    process on the same port. Figures: seconds from the new engine answering
    ``/health`` (probed here every 50 ms) until the gateway routes it a request.
@@ -163,6 +164,15 @@ async def decisions(gateway: str) -> dict[str, dict[str, Any]]:
     return {d["request_id"]: d for d in data["decisions"]}
 
 
+async def index_blocks(gateway: str, worker: str) -> int:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(gateway + "/admin/workers", headers=ADMIN) as r,
+    ):
+        data = await r.json()
+    return int(next(w["index_blocks"] for w in data["workers"] if w["id"] == worker) or 0)
+
+
 def first_worker(rec: dict[str, Any] | None, res: Result) -> str:
     if rec is None:
         return res.worker
@@ -174,10 +184,13 @@ async def freeze(gateway: str, victim: subprocess.Popen[bytes], freeze_s: float)
     load = Load(gateway)
     task = asyncio.create_task(load.run())
     await asyncio.sleep(2.0)  # warm: every engine serving
+    blocks_before = await index_blocks(gateway, "e0")
     t_stop = time.monotonic()
     os.kill(victim.pid, signal.SIGSTOP)
     try:
-        await asyncio.sleep(freeze_s)
+        await asyncio.sleep(freeze_s - 0.5)
+        blocks_frozen = await index_blocks(gateway, "e0")  # marked down by now
+        await asyncio.sleep(0.5)
     finally:
         os.kill(victim.pid, signal.SIGCONT)
     t_cont = time.monotonic()
@@ -197,6 +210,8 @@ async def freeze(gateway: str, victim: subprocess.Popen[bytes], freeze_s: float)
     lat = sorted(r.end - r.start for r in routed)
     return {
         "freeze_s": freeze_s,
+        "index_blocks_before": blocks_before,
+        "index_blocks_frozen": blocks_frozen,
         "requests": len(load.results),
         "routed_to_frozen": len(routed),
         "routed_latency_median_s": round(statistics.median(lat), 2) if lat else None,
@@ -305,6 +320,10 @@ def main() -> None:
         f"  streams running on e0 when it froze: {f['running_at_freeze']}, "
         f"{f['running_ended_with_error_event']} ended with an SSE error event, "
         f"held up to {f['running_held_past_freeze_start_max_s']} s after the freeze"
+    )
+    print(
+        f"  e0's index: {f['index_blocks_before']} blocks before the freeze, "
+        f"{f['index_blocks_frozen']} at its end (marked down)"
     )
     print(f"SIGKILL e1, {r['down_s']:g} s down, restarted on its port:")
     print(f"  first request routed to it {r['traffic_after_ready_s']} s after it answered /health")
