@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from prefixrouter.core.types import EntrySource, WorkerId
+from prefixrouter.engines.kv_events import EventTranslator
+from prefixrouter.engines.kv_subscriber import WorkerFeed
 from prefixrouter.gateway.workers import Worker
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import Env, gateway_env, run
@@ -175,5 +177,29 @@ def test_a_unary_request_without_max_tokens_has_no_first_byte_timeout() -> None:
             (log,) = await _decisions(env)
             assert log["attempts"] == 1 and log["status"] == 200
             assert not _worker(env, "w0").suspect
+
+    run(body)
+
+
+def test_a_restart_the_kv_events_reported_first_keeps_what_they_stored_since() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(start_time=1000.0)]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            w = _worker(env, "w0")
+            feed = WorkerFeed(w.id, "kv@w0", EventTranslator(w.id, lambda _a, _s: 1))
+            w.feed = feed
+            await _warm(env)
+            await _until(lambda: w.engine.start_time == 1000.0, "a scrape")
+            # The new process's first events arrive before the next scrape: the
+            # feed saw the sequence reset and cleared the worker itself; these
+            # entries are the new process's own.
+            feed.stats.restarts += 1
+            held = env.state.router.index.blocks_of(w.id)
+            engines[0].start_time = 2000.0
+            await _until(lambda: w.restarts == 1, "the scrape to see the new process")
+            assert env.state.router.index.blocks_of(w.id) == held
+            engines[0].start_time = 3000.0  # another restart, the feed silent this time
+            await _until(lambda: w.restarts == 2, "the scrape to see the new process")
+            assert env.state.router.index.blocks_of(w.id) == 0
 
     run(body)

@@ -166,6 +166,8 @@ class Worker:
     draining: bool = False
     removed: bool = False
     restarts: int = 0
+    feed_restarts: int = 0
+    """The KV-event feed's restart count at the last metrics scrape."""
     failures: int = 0
     backoff_s: float = 0.0
     last_error: str | None = None
@@ -483,8 +485,16 @@ class WorkerRegistry:
         self._rebuild()
 
     def _restarted(self, w: Worker) -> None:
-        """The engine is a new process with an empty cache: forget its entries and feed state."""
+        """The engine is a new process with an empty cache: forget its entries and feed state.
+
+        Unless its KV-event feed saw the restart first (a sequence reset since
+        the last scrape): the feed cleared the entries then, and what the new
+        process published since is right, so it is kept.
+        """
         w.restarts += 1
+        if w.feed is not None and w.feed.stats.restarts > w.feed_restarts:
+            log.warning("worker %s restarted (its KV events said so first)", w.id)
+            return
         log.warning("worker %s restarted: its index entries are cleared", w.id)
         self.router.worker_restarted(w.id)
         if self.events is not None:
@@ -617,6 +627,8 @@ class WorkerRegistry:
         stats.scraped_at = self.clock()
         if stats.restarted_since(w.engine):
             self._restarted(w)
+        if w.feed is not None:
+            w.feed_restarts = w.feed.stats.restarts
         w.engine = stats
         self._apply_stats(w, stats)
 
