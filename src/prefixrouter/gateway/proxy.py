@@ -28,10 +28,10 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    is the TTFT plus the predicted decode of ``max_tokens``; without a
    prediction (a policy without the cost model) or without a ``max_tokens``
    (the engine may generate up to the context length) it has no first-byte
-   timeout, since a floor meant for TTFTs would cut long generations. After the first
-   byte, a stream silent for ``proxy.stall_timeout_s`` ends with an SSE
-   ``error`` event (code ``504``), the upstream request is closed (the engine
-   aborts it) and the worker is marked suspect;
+   timeout, since a floor meant for TTFTs would cut long generations. After
+   the first byte, a stream silent for ``proxy.stall_timeout_s`` ends with an
+   SSE ``error`` event (code ``504``), the upstream request is closed (the
+   engine aborts it) and the worker is marked suspect;
 4. at the end, feed back what the engine reported: ``usage.prompt_tokens``
    teaches the text-mode token estimator, ``prompt_tokens_details.cached_tokens``
    and the time to first byte go to ``Router.on_completed`` (confirming or

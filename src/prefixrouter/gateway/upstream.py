@@ -240,6 +240,7 @@ class _Connection(asyncio.Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         # The first-byte / stall watchdog (see the module docstring).
         self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0
         self._first_byte_s: float | None = None
         self._sent_at = 0.0
         self._last_data = 0.0
@@ -341,7 +342,8 @@ class _Connection(asyncio.Protocol):
         self._first_byte_s = first_byte_s
         if first_byte_s is not None and first_byte_s < timeout_s:
             self._sent_at = loop.time()
-            self._watch = loop.call_at(self._sent_at + first_byte_s, self._watchdog)
+            self._watch_at = self._sent_at + first_byte_s
+            self._watch = loop.call_at(self._watch_at, self._watchdog)
         self.transport.writelines((head, body))
         try:
             status = await self._head
@@ -411,13 +413,19 @@ class _Connection(asyncio.Protocol):
         """The first body byte: the first-byte watch ends, the stall watch starts."""
         self._got_body = True
         stall_s = self.client.stall_timeout_s
-        if self._watch is None and stall_s is None:
+        if stall_s is None:
+            self._unwatch()
             return
         loop = asyncio.get_running_loop()
-        self._last_data = loop.time()
+        now = self._last_data = loop.time()
+        if self._watch is not None and self._watch_at <= now + stall_s:
+            # The first-byte timer fires before the stall deadline: it finds the
+            # body and re-arms for that deadline. A body that ends before then
+            # (a whole answer) costs no second timer.
+            return
         self._unwatch()
-        if stall_s is not None:
-            self._watch = loop.call_at(self._last_data + stall_s, self._watchdog)
+        self._watch_at = now + stall_s
+        self._watch = loop.call_at(self._watch_at, self._watchdog)
 
     def _watchdog(self) -> None:
         """The first-byte or stall deadline may have passed: re-arm or give up."""
@@ -440,6 +448,7 @@ class _Connection(asyncio.Protocol):
             due = self._sent_at + first_byte_s
             error = FirstByteTimeout(f"the worker sent no first byte within {first_byte_s:g} s")
         if now < due:
+            self._watch_at = due
             self._watch = loop.call_at(due, self._watchdog)
             return
         self._abort(error)
