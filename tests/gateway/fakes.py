@@ -13,7 +13,8 @@ Tokens are 4 characters; the prefix cache holds block hashes (one per 16
 tokens) keyed by ``cache_salt``, without eviction. Knobs make it refuse
 (``status``), hang (``delay_s``), close before the first byte
 (``die_before_first_byte``) or after a few chunks (``die_after_chunks``),
-or go silent after a few chunks (``hang_after_chunks``). ``start_time`` is
+or go silent after a few chunks (``hang_after_chunks``), or answer ``/health``
+late (``health_delay_s``). ``start_time`` is
 exported as ``process_start_time_seconds`` (change it to fake a restart).
 """
 
@@ -45,6 +46,7 @@ class FakeEngine:
     die_after_chunks: int | None = None
     hang_after_chunks: int | None = None
     start_time: float | None = None
+    health_delay_s: float = 0.0
     healthy: bool = True
     num_gpu_blocks: int = 4096
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -231,6 +233,8 @@ def make_app(engine: FakeEngine) -> web.Application:
         )
 
     async def health(request: web.Request) -> web.Response:
+        if engine.health_delay_s:
+            await asyncio.sleep(engine.health_delay_s)
         return web.Response(status=200 if engine.healthy else 503)
 
     async def metrics(request: web.Request) -> web.Response:

@@ -203,3 +203,19 @@ def test_a_restart_the_kv_events_reported_first_keeps_what_they_stored_since() -
             assert env.state.router.index.blocks_of(w.id) == 0
 
     run(body)
+
+
+def test_a_check_sent_before_the_worker_went_silent_does_not_clear_it() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(health_delay_s=0.3), FakeEngine()]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            reg, w = env.state.registry, _worker(env, "w0")
+            early = asyncio.create_task(reg.check(w))  # in flight: answered in 0.3 s
+            await asyncio.sleep(0.1)
+            reg.mark_suspect(w, "sent no first byte")
+            assert await early  # it passed...
+            assert w.suspect and not w.view.healthy  # ...but it predates the silence
+            await _until(lambda: not w.suspect, "the check the mark asked for")
+            assert w.healthy and w.view.healthy
+
+    run(body)

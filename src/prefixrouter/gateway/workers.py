@@ -163,6 +163,7 @@ class Worker:
     endpoint: Endpoint
     healthy: bool = True
     suspect: bool = False
+    suspect_since: float = 0.0
     draining: bool = False
     removed: bool = False
     restarts: int = 0
@@ -466,7 +467,7 @@ class WorkerRegistry:
         """
         if w.removed or w.suspect or not w.healthy:
             return
-        w.suspect = True
+        w.suspect, w.suspect_since = True, self.clock()
         w.last_error = error
         log.warning("worker %s suspect (%s): out of routing until a check passes", w.id, error)
         self._rebuild()
@@ -550,6 +551,7 @@ class WorkerRegistry:
         session = self._session
         if session is None or w.removed:
             return w.healthy
+        started = self.clock()
         ok, error = await self._get_ok(session, w, w.config.health_path or "/health")
         if not ok:
             w.failures += 1
@@ -565,7 +567,9 @@ class WorkerRegistry:
             await self._discover(session, w)
         if w.config.metrics_path:
             await self._scrape(session, w)
-        if not w.healthy or w.suspect:
+        # A check sent before the worker went silent does not clear it: the
+        # check the mark asked for (next) decides.
+        if not w.healthy or (w.suspect and w.suspect_since <= started):
             w.healthy, w.suspect = True, False
             log.info("worker %s healthy again", w.id)
             self._rebuild()
