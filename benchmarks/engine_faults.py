@@ -302,7 +302,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--freeze-s", type=float, default=10.0)
-    ap.add_argument("--down-s", type=float, default=8.0)
+    ap.add_argument("--down-s", type=float, default=20.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = asyncio.run(asyncio.wait_for(main_async(args), 240))
