@@ -24,7 +24,8 @@ Shape of the YAML file (all keys optional)::
     health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
     metrics_poll:  {interval_s, timeout_s}
     proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
-                    idle_connection_s, drain_timeout_s, retry_after_s}
+                    idle_connection_s, drain_timeout_s, retry_after_s,
+                    first_byte_timeout_floor_s, first_byte_timeout_factor, stall_timeout_s}
     decision_log:  {path, ring_size, flush_interval_s}
     metrics:       {warm_fraction, lint_observe}
     kv_events:     {endpoint, max_blocks_per_worker}
@@ -274,14 +275,19 @@ class HealthConfig(_Model):
     Attributes:
         timeout_s: Timeout of one check.
         backoff_initial_s: First re-check delay after a failure.
-        backoff_max_s: Upper bound of the delay.
+        backoff_max_s: Upper bound of the delay. It bounds how long a restarted
+            engine waits for traffic after it answers again (at most this plus
+            one check), so keep it short: a failed check costs one refused
+            connect, or ``timeout_s`` for a frozen engine.
         backoff_factor: Delay multiplier per consecutive failure.
         unhealthy_after: Consecutive failed checks before a worker leaves routing.
+            Leaving routing keeps the worker's index entries (demoted to
+            speculative); only a detected engine restart clears them.
     """
 
     timeout_s: PosFloat = 2.0
     backoff_initial_s: PosFloat = 0.5
-    backoff_max_s: PosFloat = 30.0
+    backoff_max_s: PosFloat = 2.0
     backoff_factor: Annotated[float, Field(ge=1.0)] = 2.0
     unhealthy_after: PosInt = 1
 
@@ -308,6 +314,22 @@ class ProxyConfig(_Model):
             request may go out on a connection the engine is closing.
         drain_timeout_s: Default wait for a removed worker's requests to finish.
         retry_after_s: ``Retry-After`` of a 503 when no worker is available.
+        first_byte_timeout_floor_s: Least time an attempt waits for the
+            worker's first body byte before it is abandoned, retried on another
+            worker and its worker marked suspect (None: no first-byte timeout).
+        first_byte_timeout_factor: The first-byte timeout is this many times the
+            predicted wait (a stream: the predicted TTFT; a non-streamed
+            request, whose answer comes whole: TTFT plus the decode of
+            ``max_tokens``), never below the floor. A non-streamed request
+            without a prediction or without ``max_tokens`` has no first-byte
+            timeout.
+        stall_timeout_s: Longest silence of a stream after its first byte; then
+            the client gets an SSE ``error`` event and the engine request is
+            aborted (None: no stall timeout). An engine sends a token per
+            step (tens of ms; a few hundred under a heavy chunked prefill), so
+            5 s is far past any healthy gap; raise it where engines preempt
+            requests under KV pressure (a preempted stream waits to be
+            re-admitted).
     """
 
     max_attempts: PosInt = 3
@@ -317,6 +339,9 @@ class ProxyConfig(_Model):
     idle_connection_s: PosFloat = 4.0
     drain_timeout_s: Annotated[float, Field(ge=0)] = 60.0
     retry_after_s: PosInt = 1
+    first_byte_timeout_floor_s: PosFloat | None = 2.0
+    first_byte_timeout_factor: Annotated[float, Field(ge=1.0)] = 3.0
+    stall_timeout_s: PosFloat | None = 5.0
 
 
 class DecisionLogConfig(_Model):

@@ -12,7 +12,10 @@ the last token always recomputed), ``/v1/models``, ``/health``, ``/metrics``
 Tokens are 4 characters; the prefix cache holds block hashes (one per 16
 tokens) keyed by ``cache_salt``, without eviction. Knobs make it refuse
 (``status``), hang (``delay_s``), close before the first byte
-(``die_before_first_byte``) or after a few chunks (``die_after_chunks``).
+(``die_before_first_byte``) or after a few chunks (``die_after_chunks``),
+or go silent after a few chunks (``hang_after_chunks``), or answer ``/health``
+late (``health_delay_s``). ``start_time`` is
+exported as ``process_start_time_seconds`` (change it to fake a restart).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class FakeEngine:
     chunk_delay_s: float = 0.0
     die_before_first_byte: bool = False
     die_after_chunks: int | None = None
+    hang_after_chunks: int | None = None
+    start_time: float | None = None
+    health_delay_s: float = 0.0
     healthy: bool = True
     num_gpu_blocks: int = 4096
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -181,6 +187,8 @@ def make_app(engine: FakeEngine) -> web.Application:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
+                if engine.hang_after_chunks is not None and i >= engine.hang_after_chunks:
+                    await asyncio.sleep(3600)  # silent, connection open, until cancelled
                 await resp.write(c)
                 if engine.chunk_delay_s:
                     await asyncio.sleep(engine.chunk_delay_s)
@@ -225,6 +233,8 @@ def make_app(engine: FakeEngine) -> web.Application:
         )
 
     async def health(request: web.Request) -> web.Response:
+        if engine.health_delay_s:
+            await asyncio.sleep(engine.health_delay_s)
         return web.Response(status=200 if engine.healthy else 503)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -253,6 +263,12 @@ def make_app(engine: FakeEngine) -> web.Application:
             f'num_cpu_blocks="None",num_gpu_blocks="{engine.num_gpu_blocks}",'
             'prefix_caching_hash_algo="sha256"} 1.0\n'
         )
+        if engine.start_time is not None:
+            text += (
+                "# HELP process_start_time_seconds Start time of the process.\n"
+                "# TYPE process_start_time_seconds gauge\n"
+                f"process_start_time_seconds {engine.start_time}\n"
+            )
         return web.Response(text=text, content_type="text/plain")
 
     app = web.Application()

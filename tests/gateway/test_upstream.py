@@ -16,7 +16,14 @@ from contextlib import asynccontextmanager
 import pytest
 import trustme
 
-from prefixrouter.gateway.upstream import Endpoint, PoolStats, UpstreamClient, UpstreamError
+from prefixrouter.gateway.upstream import (
+    Endpoint,
+    FirstByteTimeout,
+    PoolStats,
+    StallTimeout,
+    UpstreamClient,
+    UpstreamError,
+)
 
 Reader = asyncio.StreamReader
 Writer = asyncio.StreamWriter
@@ -381,6 +388,107 @@ async def test_large_body_survives_reading_pauses() -> None:
         assert bytes(received) == payload
         # At most the mark plus one socket read (uvloop reads up to 256 KiB at once).
         assert 0 < most <= 16 * 1024 + 256 * 1024
+        resp.release()
+        await client.close()
+
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def sse_chunk(event: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+async def test_no_answer_within_the_first_byte_timeout_closes_the_connection() -> None:
+    async def frozen(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        await reader.read()  # accepted, never answered (a SIGSTOPped engine)
+
+    async with serve(frozen) as server:
+        client = UpstreamClient(2, 60)
+        with pytest.raises(FirstByteTimeout, match=r"first byte within 0\.2 s"):
+            await client.post(endpoint(server), "/x", b"{}", first_byte_timeout_s=0.2)
+        await asyncio.wait_for(server.disconnected.wait(), 2)  # the engine sees the abort
+        await client.close()
+
+
+async def test_stream_headers_without_a_first_event_hit_the_first_byte_timeout() -> None:
+    async def headers_only(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(STREAM_HEAD)  # vLLM sends a stream's headers at once
+        await writer.drain()
+        await reader.read()
+
+    async with serve(headers_only) as server:
+        client = UpstreamClient(2, 60)
+        resp = await client.post(endpoint(server), "/x", b"{}", first_byte_timeout_s=0.2)
+        assert resp.status == 200
+        with pytest.raises(FirstByteTimeout):
+            await resp.readany()
+        resp.close()
+        await asyncio.wait_for(server.disconnected.wait(), 2)
+        await client.close()
+
+
+async def test_a_stream_silent_after_its_first_event_hits_the_stall_timeout() -> None:
+    async def stall(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(STREAM_HEAD + sse_chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    async with serve(stall) as server:
+        client = UpstreamClient(2, 60, stall_timeout_s=0.2)
+        resp = await client.post(endpoint(server), "/x", b"{}", first_byte_timeout_s=5)
+        assert await resp.readany() == b"data: 1\n\n"
+        with pytest.raises(StallTimeout, match=r"nothing for 0\.2 s"):
+            await resp.readany()
+        resp.close()
+        await asyncio.wait_for(server.disconnected.wait(), 2)
+        await client.close()
+
+
+async def test_a_steady_stream_longer_than_both_timeouts_is_not_cut() -> None:
+    async def steady(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(STREAM_HEAD)
+        for i in range(8):
+            writer.write(sse_chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await server.read_request(reader)
+
+    async with serve(steady) as server:
+        client = UpstreamClient(2, 60, stall_timeout_s=0.3)
+        resp = await client.post(endpoint(server), "/x", b"{}", first_byte_timeout_s=0.3)
+        body = await resp.read()  # 0.8 s in all, no gap near 0.3 s
+        assert body.count(b"data: ") == 8
+        resp.release()
+        assert client.idle_connections(endpoint(server)) == 1  # clean: reusable
+        await client.close()
+
+
+async def test_a_slow_reader_is_not_a_stall() -> None:
+    payload = bytes(range(256)) * 16384  # 4 MiB: reading pauses at the mark below
+
+    async def big(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(ok(payload))
+        await writer.drain()
+        await server.read_request(reader)
+
+    async with serve(big) as server:
+        client = UpstreamClient(2, 60, high_water_bytes=16 * 1024, stall_timeout_s=0.2)
+        resp = await client.post(endpoint(server), "/x", b"{}")
+        received = bytearray(await resp.readany())
+        await asyncio.sleep(0.6)  # the reader is busy: the worker is not silent
+        while chunk := await resp.readany():
+            received += chunk
+        assert bytes(received) == payload
         resp.release()
         await client.close()
 

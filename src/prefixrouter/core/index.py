@@ -392,6 +392,39 @@ class PrefixIndex:
                 demoted += 1
         return demoted
 
+    def demote_worker(self, worker: WorkerId, now: float) -> int:
+        """The worker stopped answering for a while: all its entries become speculative.
+
+        An outage alone says nothing about the engine's cache: an engine that
+        was frozen, overloaded or cut off still holds it, and one that
+        restarted holds nothing. Until a restart is known (the caller then
+        clears the worker), every entry is kept at speculative confidence with
+        a TTL from ``now``, like :meth:`demote_events`: if the engine comes back
+        with its cache, completions and events confirm them again; if not,
+        they expire or are dropped by the first miss. Returns how many
+        entries were demoted.
+        """
+        lru = self._lru.get(worker)
+        if not lru:
+            return 0
+        p = self.params
+        expires_at = now + p.speculative_ttl_s
+        demoted = 0
+        expiry, ticket = self._expiry, self._ticket
+        for block, entry in lru.items():
+            if entry.source is not _SPECULATIVE:
+                entry.source = _SPECULATIVE
+                entry.confidence = p.speculative_confidence
+                entry.expires_at = expires_at
+                heapq.heappush(expiry, (expires_at, next(ticket), worker, block, entry))
+                demoted += 1
+            elif entry.expires_at < expires_at:
+                # One expiry for the whole worker keeps its chains prefix-closed
+                # (a demoted extension must not outlive a speculative prefix).
+                # Only a later time: the queued item surfaces first and re-queues.
+                entry.expires_at = expires_at
+        return demoted
+
     def clear_worker(self, worker: WorkerId) -> None:
         """Forget every block of ``worker`` (keeps its capacity and trust)."""
         self._holey.discard(worker)

@@ -292,6 +292,17 @@ class Router:
         self.cost.forget(worker)
         self.policy.on_worker_removed(worker)
 
+    def worker_down(self, worker: WorkerId, now: float) -> int:
+        """The worker stopped answering: keep its entries, demoted to speculative.
+
+        Returns how many were demoted (see :meth:`PrefixIndex.demote_worker`).
+        """
+        return self.index.demote_worker(worker, now)
+
+    def worker_restarted(self, worker: WorkerId) -> None:
+        """The worker's engine is a new process with an empty cache: forget its entries."""
+        self.index.clear_worker(worker)
+
     def _prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
         hashes = blocks.hashes
         if not hashes:

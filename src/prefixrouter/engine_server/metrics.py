@@ -13,7 +13,12 @@ Gauges are read from the engine model at scrape time (no bookkeeping per step):
 * ``vllm:kv_cache_usage_perc``: fraction (0-1) of KV blocks held by running
   requests; cached blocks that nothing holds count as free, as in vLLM;
 * ``vllm:cache_config_info``: value 1, the cache configuration in labels
-  (``block_size``, ``num_gpu_blocks``, ...).
+  (``block_size``, ``num_gpu_blocks``, ...);
+* ``process_start_time_seconds`` (no labels, as prometheus_client's process
+  collector exports it behind vLLM): when this server started, in Unix
+  seconds. One process normally serves one engine, so it is the process's
+  start; several servers in one process (tests) each have their own, so a
+  router sees a restarted server as a new process either way.
 
 Counters and histograms are updated on engine outputs (a
 :class:`~prefixrouter.engine_server.runtime.RuntimeObserver`):
@@ -30,6 +35,7 @@ Counters and histograms are updated on engine outputs (a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -57,6 +63,7 @@ class _EngineGauges(Collector):
     """Gauges computed from the engine model at scrape time."""
 
     def __init__(self, engine: EngineModel, labels: dict[str, str], cache_info: dict[str, str]):
+        self._started = time.time()
         self._engine = engine
         self._names = list(labels)
         self._values = list(labels.values())
@@ -89,6 +96,11 @@ class _EngineGauges(Collector):
         )
         info.add_metric([*self._cache_info.values(), *self._values], 1.0)
         yield info
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            value=self._started,
+        )
 
 
 class EngineMetrics:

@@ -213,11 +213,11 @@ class KvEventSubscriber:
         return iter(self._feeds.values())
 
     def forget_engine(self, worker_id: WorkerId) -> None:
-        """The worker stopped answering: forget its sequence and hash map.
+        """The worker's engine restarted: forget its sequence and hash map.
 
-        Called by the health checker (which also clears the worker's index
-        entries): the engine may come back as a new process whose first
-        events start a new sequence, in a cache that is empty.
+        Called by the health checker when it sees a new engine process (it
+        also clears the worker's index entries): the new process's events
+        start a new sequence, in a cache that is empty.
         """
         feed = self._by_worker.get(worker_id)
         if feed is None:

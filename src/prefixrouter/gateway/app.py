@@ -44,6 +44,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         proxy_cfg.connect_timeout_s,
         proxy_cfg.request_timeout_s,
         keepalive_s=proxy_cfg.idle_connection_s,
+        stall_timeout_s=proxy_cfg.stall_timeout_s,
     )
 
     def connections() -> list[UpstreamGauges]:

@@ -19,6 +19,22 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    when the first upstream byte is in hand, and from then on nothing is
    retried: no request ever reaches a second worker after bytes reached the
    client. A stream that breaks later ends with an SSE ``error`` event;
+
+   **Timeouts.** An attempt whose first body byte does not come within the
+   *first-byte timeout* is abandoned (the engine aborts it) and retried
+   elsewhere, and its worker is marked *suspect*: out of routing until a
+   health check, run at once, passes (a frozen engine fails it and is marked
+   down; a merely slow one is back within milliseconds). The timeout is
+   ``proxy.first_byte_timeout_factor`` times the predicted wait, at least
+   ``proxy.first_byte_timeout_floor_s``. For a stream the wait is the
+   predicted TTFT. A non-streamed answer arrives whole at the end, so its wait
+   is the TTFT plus the predicted decode of ``max_tokens``; without a
+   prediction (a policy without the cost model) or without a ``max_tokens``
+   (the engine may generate up to the context length) it has no first-byte
+   timeout, since a floor meant for TTFTs would cut long generations. After
+   the first byte, a stream silent for ``proxy.stall_timeout_s`` ends with an
+   SSE ``error`` event (code ``504``), the upstream request is closed (the
+   engine aborts it) and the worker is marked suspect;
 4. at the end, feed back what the engine reported: ``usage.prompt_tokens``
    teaches the text-mode token estimator, ``prompt_tokens_details.cached_tokens``
    and the time to first byte go to ``Router.on_completed`` (confirming or
@@ -68,7 +84,7 @@ from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
 from prefixrouter.gateway.sse import SseRelay, usage_figures
 from prefixrouter.gateway.state import GatewayState
 from prefixrouter.gateway.tenancy import TenantScope
-from prefixrouter.gateway.upstream import UpstreamResponse
+from prefixrouter.gateway.upstream import FirstByteTimeout, StallTimeout, UpstreamResponse
 from prefixrouter.gateway.workers import Worker
 
 log = logging.getLogger("prefixrouter.gateway")
@@ -98,6 +114,8 @@ class Attempt:
         ttft_s: Time to the first upstream body byte of a stream.
         error: What went wrong.
         unreachable: The worker could not be reached (take it out of routing).
+        suspect: The worker went silent (first-byte or stall timeout): out of
+            routing until a health check passes.
         fallback: A refusal's own error response, answered if no other worker succeeds.
     """
 
@@ -108,6 +126,7 @@ class Attempt:
     ttft_s: float | None = None
     error: str | None = None
     unreachable: bool = False
+    suspect: bool = False
     fallback: web.Response | None = None
 
 
@@ -131,6 +150,8 @@ class Proxy:
         self.retry_statuses = frozenset(cfg.proxy.retry_statuses)
         self.retry_after = str(cfg.proxy.retry_after_s)
         self._pool: ThreadPoolExecutor | None = None
+        self.first_byte_floor = cfg.proxy.first_byte_timeout_floor_s
+        self.first_byte_factor = cfg.proxy.first_byte_timeout_factor
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
@@ -264,10 +285,11 @@ class Proxy:
                 # What a stream has relayed so far: a client that leaves after
                 # the engine's usage chunk still leaves its feedback behind.
                 progress = Attempt(None, CLIENT_GONE, error="client disconnected")
+                first_byte_s = self._first_byte_timeout(decision, built)
                 if built.stream:
-                    att = await self._stream(request, built, worker, path, progress)
+                    att = await self._stream(request, built, worker, path, progress, first_byte_s)
                 else:
-                    att = await self._unary(built, worker, path)
+                    att = await self._unary(built, worker, path, first_byte_s)
             except asyncio.CancelledError:
                 self._finish(built, decision, worker, progress, t0, retry)
                 raise
@@ -289,6 +311,25 @@ class Proxy:
                 retry.last_refusal = att
         return self._no_worker(built, retry, "every attempt failed", decision, t0)
 
+    def _first_byte_timeout(self, decision: Decision, built: BuiltRequest) -> float | None:
+        """How long this attempt may wait for its first body byte (None: no limit).
+
+        See the module docstring: a multiple of the predicted wait, with a floor.
+        """
+        floor = self.first_byte_floor
+        if floor is None:
+            return None
+        stream = built.stream
+        if not stream and not _output_bounded(built.body):
+            # The engine generates up to the context length: no prediction holds.
+            return None
+        chosen = decision.chosen
+        terms = chosen.terms if chosen is not None else None
+        if terms is None:
+            return floor if stream else None
+        wait = terms.ttft_s if stream else terms.ttft_s + terms.decode_s
+        return max(floor, self.first_byte_factor * wait)
+
     def _payload(self, built: BuiltRequest, worker: Worker) -> bytes:
         salt = built.scope.cache_salt
         if salt is not None and not worker.config.supports_cache_salt:
@@ -307,17 +348,21 @@ class Proxy:
             }
         return orjson.dumps(body)
 
-    async def _unary(self, built: BuiltRequest, worker: Worker, path: str) -> Attempt:
+    async def _unary(
+        self, built: BuiltRequest, worker: Worker, path: str, first_byte_s: float | None
+    ) -> Attempt:
         upstream = self.st.upstream
         assert upstream is not None
         try:
-            resp = await upstream.post(worker.endpoint, path, self._payload(built, worker))
+            resp = await upstream.post(
+                worker.endpoint, path, self._payload(built, worker), first_byte_s
+            )
             try:
                 body = await resp.read()
             finally:
                 resp.release()
         except _UPSTREAM_ERRORS as exc:
-            return Attempt(None, 502, error=_describe(exc), unreachable=True)
+            return _failed(exc)
         status = resp.status
         ctype = resp.content_type or JSON
         hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
@@ -348,15 +393,18 @@ class Proxy:
         worker: Worker,
         path: str,
         progress: Attempt,
+        first_byte_s: float | None,
     ) -> Attempt:
         st = self.st
         upstream = st.upstream
         assert upstream is not None
         t_send = st.clock()
         try:
-            resp = await upstream.post(worker.endpoint, path, self._payload(built, worker))
+            resp = await upstream.post(
+                worker.endpoint, path, self._payload(built, worker), first_byte_s
+            )
         except _UPSTREAM_ERRORS as exc:
-            return Attempt(None, 502, error=_describe(exc), unreachable=True)
+            return _failed(exc)
         hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
         done = False
         try:
@@ -364,13 +412,13 @@ class Proxy:
                 try:
                     body = await resp.read()
                 except _UPSTREAM_ERRORS as exc:
-                    return Attempt(None, 502, error=_describe(exc), unreachable=True)
+                    return _failed(exc)
                 done = True
                 return self._upstream_error(resp.status, body, hdrs)
             try:
                 first = await resp.readany()
             except _UPSTREAM_ERRORS as exc:
-                return Attempt(None, 502, error=_describe(exc), unreachable=True)
+                return _failed(exc)
             if not first:
                 return Attempt(
                     None, 502, error="closed the stream before sending data", unreachable=True
@@ -403,6 +451,7 @@ class Proxy:
         relay = SseRelay(strip_usage=not built.client_wants_usage)
         chunk = first
         upstream_error: str | None = None
+        stalled = False
         try:
             while chunk:
                 data = relay.feed(chunk)
@@ -415,13 +464,15 @@ class Proxy:
                     chunk = await resp.readany()
                 except _UPSTREAM_ERRORS as exc:
                     upstream_error = _describe(exc)
+                    stalled = isinstance(exc, StallTimeout)
                     break
             tail = relay.finish()
             if tail:
                 await out.write(tail)
             if upstream_error is not None:
-                msg = f"upstream stream broke: {upstream_error}"
-                await out.write(b"data: " + error_body(msg, "upstream_error", "502") + b"\n\n")
+                what, code = ("stalled", "504") if stalled else ("broke", "502")
+                msg = f"upstream stream {what}: {upstream_error}"
+                await out.write(b"data: " + error_body(msg, "upstream_error", code) + b"\n\n")
             await out.write_eof()
         except ConnectionResetError:
             gone = Attempt(
@@ -430,7 +481,10 @@ class Proxy:
             gone.ok = progress.ok  # the engine finished if its usage chunk came
             return False, gone
         if upstream_error is not None:
-            return False, Attempt(out, 502, usage=relay.usage, ttft_s=ttft, error=upstream_error)
+            status = 504 if stalled else 502
+            return False, Attempt(
+                out, status, usage=relay.usage, ttft_s=ttft, error=upstream_error, suspect=stalled
+            )
         return True, Attempt(out, 200, ok=True, usage=relay.usage, ttft_s=ttft)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -442,6 +496,8 @@ class Proxy:
             st.router.on_completed(decision, Outcome(0, None, ok=False), st.clock())
         if att.unreachable:
             st.registry.mark_failed(worker, att.error or "unreachable")
+        elif att.suspect:
+            st.registry.mark_suspect(worker, att.error or "timed out")
         st.metrics.retried(worker.id, str(att.status))
 
     def _finish(
@@ -456,6 +512,8 @@ class Proxy:
         st = self.st
         now = st.clock()
         st.ledger.on_completed(built.routing.request_id)
+        if att.suspect:  # the stream stalled after its first byte
+            st.registry.mark_suspect(worker, att.error or "stalled")
         prompt, cached = usage_figures(att.usage)
         ok = att.ok
         if not worker.removed:
@@ -589,6 +647,22 @@ class Proxy:
                 len(retry.tried) if retry is not None else 0,
             )
         return resp
+
+
+def _output_bounded(body: dict[str, Any]) -> bool:
+    """Whether the client bounded the output (``max_tokens`` or ``max_completion_tokens``)."""
+    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+
+
+def _failed(exc: BaseException) -> Attempt:
+    """An attempt that failed before its first byte: retried on another worker.
+
+    A first-byte timeout makes the worker suspect (it may only be slow); any
+    other failure means it could not be reached.
+    """
+    if isinstance(exc, FirstByteTimeout):
+        return Attempt(None, 504, error=_describe(exc), suspect=True)
+    return Attempt(None, 502, error=_describe(exc), unreachable=True)
 
 
 def _describe(exc: BaseException) -> str:

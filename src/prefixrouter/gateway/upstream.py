@@ -38,6 +38,22 @@ aiohttp, this client never resends a POST on its own.
 * ``total_timeout_s`` runs from sending the request until its body has been
   read. When it expires, a timer closes the connection, and whoever is
   waiting gets a :class:`TimeoutError`.
+* ``first_byte_timeout_s`` (per request, optional) runs from sending the
+  request until the first *body* byte arrives (a stream's headers come at
+  once, its first event only after the prefill; a non-streamed answer comes
+  whole at the end). When it expires the connection is closed and the waiter
+  gets a :class:`FirstByteTimeout`: nothing has been relayed yet, so the
+  caller may retry elsewhere.
+* ``stall_timeout_s`` (per client, optional) bounds the silence between body
+  bytes once the first one arrived; it raises :class:`StallTimeout`. Time
+  during which the reader is behind (reading paused by flow control) is not
+  silence.
+
+Both watchdogs share one timer per request that is re-armed lazily: an
+arriving body chunk only records its arrival time, and the timer, when it
+fires, either finds the deadline moved (and re-arms for it) or closes the
+connection. A steady stream therefore costs one clock read per chunk and
+one timer wake-up per ``stall_timeout_s``.
 
 **Flow control.** A body that arrives faster than the reader takes it
 buffers at most ``high_water_bytes``; then reading from the socket pauses
@@ -66,6 +82,14 @@ DEFAULT_HIGH_WATER_BYTES = 256 * 1024
 
 class UpstreamError(ConnectionError):
     """The connection to a worker failed after it was opened."""
+
+
+class FirstByteTimeout(TimeoutError):
+    """No body byte arrived within the request's first-byte timeout (safe to retry)."""
+
+
+class StallTimeout(TimeoutError):
+    """The body stopped arriving for longer than the stall timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +180,8 @@ class UpstreamResponse:
 
         Raises:
             UpstreamError: The connection broke before the body was complete.
+            FirstByteTimeout: No body byte within the request's first-byte timeout.
+            StallTimeout: The body stopped arriving (the client's stall timeout).
             TimeoutError: The total timeout expired.
         """
         return await self._conn.next_chunk()
@@ -212,6 +238,13 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._error: BaseException | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        # The first-byte / stall watchdog (see the module docstring).
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0
+        self._first_byte_s: float | None = None
+        self._sent_at = 0.0
+        self._last_data = 0.0
+        self._got_body = False
         self._until_close = False  # a body without length or chunking: it ends at close
         self._informational = False  # a 1xx interim response, before the real one
 
@@ -270,6 +303,10 @@ class _Connection(asyncio.Protocol):
             self._head.set_result(status)
 
     def on_body(self, body: bytes) -> None:
+        if self._got_body:
+            self._last_data = self._now()
+        else:
+            self._first_body()
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > self.client.high_water_bytes and not self._paused:
@@ -287,7 +324,9 @@ class _Connection(asyncio.Protocol):
 
     # -------------------------------------------------------------- request
 
-    async def request(self, head: bytes, body: bytes, timeout_s: float) -> UpstreamResponse:
+    async def request(
+        self, head: bytes, body: bytes, timeout_s: float, first_byte_s: float | None = None
+    ) -> UpstreamResponse:
         """Send one request and wait for the response's status and headers."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
@@ -299,6 +338,12 @@ class _Connection(asyncio.Protocol):
         self._error = None
         self._head = loop.create_future()
         self._deadline = loop.call_later(timeout_s, self._timed_out, timeout_s)
+        self._got_body = False
+        self._first_byte_s = first_byte_s
+        if first_byte_s is not None and first_byte_s < timeout_s:
+            self._sent_at = loop.time()
+            self._watch_at = self._sent_at + first_byte_s
+            self._watch = loop.call_at(self._watch_at, self._watchdog)
         self.transport.writelines((head, body))
         try:
             status = await self._head
@@ -314,6 +359,7 @@ class _Connection(asyncio.Protocol):
                 self._buffered -= len(chunk)
                 if self._paused and self._buffered <= self.client.high_water_bytes // 2:
                     self._paused = False
+                    self._last_data = self._now()  # the silence counts from here
                     if self.transport is not None and not self.closed:
                         self.transport.resume_reading()
                 return chunk
@@ -332,6 +378,7 @@ class _Connection(asyncio.Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._unwatch()
         clean = (
             reusable
             and self._complete
@@ -356,7 +403,60 @@ class _Connection(asyncio.Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._unwatch()
         self._wake()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _first_body(self) -> None:
+        """The first body byte: the first-byte watch ends, the stall watch starts."""
+        self._got_body = True
+        stall_s = self.client.stall_timeout_s
+        if stall_s is None:
+            self._unwatch()
+            return
+        loop = asyncio.get_running_loop()
+        now = self._last_data = loop.time()
+        if self._watch is not None and self._watch_at <= now + stall_s:
+            # The first-byte timer fires before the stall deadline: it finds the
+            # body and re-arms for that deadline. A body that ends before then
+            # (a whole answer) costs no second timer.
+            return
+        self._unwatch()
+        self._watch_at = now + stall_s
+        self._watch = loop.call_at(self._watch_at, self._watchdog)
+
+    def _watchdog(self) -> None:
+        """The first-byte or stall deadline may have passed: re-arm or give up."""
+        self._watch = None
+        if self._parser is None or self._complete:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        error: TimeoutError
+        if self._got_body:
+            stall_s = self.client.stall_timeout_s
+            assert stall_s is not None
+            if self._paused:
+                self._last_data = now  # we stopped reading: not the worker's silence
+            due = self._last_data + stall_s
+            error = StallTimeout(f"the worker sent nothing for {stall_s:g} s")
+        else:
+            first_byte_s = self._first_byte_s
+            assert first_byte_s is not None
+            due = self._sent_at + first_byte_s
+            error = FirstByteTimeout(f"the worker sent no first byte within {first_byte_s:g} s")
+        if now < due:
+            self._watch_at = due
+            self._watch = loop.call_at(due, self._watchdog)
+            return
+        self._abort(error)
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     def _timed_out(self, timeout_s: float) -> None:
         self._deadline = None
@@ -390,6 +490,8 @@ class UpstreamClient:
     Args:
         connect_timeout_s: Time allowed to open a connection.
         total_timeout_s: Time allowed from sending a request to the end of its body.
+        stall_timeout_s: Longest silence allowed between body bytes after the
+            first (None: only the total timeout applies).
         keepalive_s: An idle connection older than this is closed, not reused.
         high_water_bytes: Body bytes buffered per connection before reading pauses.
         ssl_context: TLS settings for ``https`` workers (default: the system's
@@ -403,9 +505,11 @@ class UpstreamClient:
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
         ssl_context: ssl.SSLContext | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.keepalive_s = keepalive_s
         self.high_water_bytes = high_water_bytes
         self._idle: dict[Endpoint, list[_Connection]] = {}
@@ -413,11 +517,26 @@ class UpstreamClient:
         self._ssl = ssl_context
         self._opened: dict[Endpoint, int] = {}
 
-    async def post(self, endpoint: Endpoint, path: str, body: bytes) -> UpstreamResponse:
+    async def post(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: bytes,
+        first_byte_timeout_s: float | None = None,
+    ) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``path`` on ``endpoint``; returns once the headers are in.
+
+        Args:
+            endpoint: The worker.
+            path: The API path (``/v1/chat/completions``).
+            body: The JSON body.
+            first_byte_timeout_s: Time allowed from sending until the first
+                body byte (None: only the total timeout).
 
         Raises:
             OSError: The connection could not be opened (refused, unreachable).
+            FirstByteTimeout: No body byte within ``first_byte_timeout_s``
+                (also from the response's first read).
             TimeoutError: Connecting or answering took too long.
             UpstreamError: The connection broke or the answer was not HTTP.
         """
@@ -425,7 +544,7 @@ class UpstreamClient:
         if conn is None:
             conn = await self._connect(endpoint)
         return await conn.request(
-            endpoint.request_head(path, len(body)), body, self.total_timeout_s
+            endpoint.request_head(path, len(body)), body, self.total_timeout_s, first_byte_timeout_s
         )
 
     def idle_connections(self, endpoint: Endpoint) -> int:

@@ -15,7 +15,28 @@ worker is healthy:
 A failed check (or a request that could not reach the worker) takes the worker
 out of routing once ``health.unhealthy_after`` checks in a row failed; it is
 then re-checked after ``backoff_initial_s``, multiplied by ``backoff_factor``
-per failure up to ``backoff_max_s``, and returns on the first success.
+per failure up to ``backoff_max_s`` (2 s by default, so a restarted engine
+gets traffic within about that of answering again), and returns on the first
+success.
+
+**Suspect.** A request whose worker sent no first byte in time (or whose
+stream stalled) marks the worker *suspect* (:meth:`WorkerRegistry.mark_suspect`):
+it leaves routing at once and its poller checks it at once. A passing check
+brings it back (a slow engine is back within milliseconds); a failing one
+counts as usual, so a frozen engine is marked down by its first check's
+timeout instead of after its next poll. No request is routed to a frozen
+engine in the meantime, and its index entries are untouched.
+
+**The index through an outage.** A worker marked down keeps its index
+entries, demoted to speculative (:meth:`Router.worker_down`): an engine that
+was frozen, overloaded or cut off still has its cache, so wiping it after one
+health timeout under load would throw away its warm prefixes. The entries are
+cleared (:meth:`Router.worker_restarted`) only when the engine shows it is a
+new process: its ``process_start_time_seconds`` changed, or its prefix-cache
+counters (``vllm:prefix_cache_queries_total``) went backwards; the KV-event
+feed clears them on a sequence reset. An engine that reports neither (no
+``/metrics``) keeps the speculative entries until they expire (the index's
+speculative TTL) or miss.
 
 Routing reads prebuilt :class:`~prefixrouter.core.types.WorkerView` objects,
 one per worker, refreshed in place: the poller writes the engine figures, the
@@ -84,7 +105,21 @@ class EngineStats:
     num_blocks: int | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    start_time: float | None = None
+    """``process_start_time_seconds``: changes when the engine restarts."""
     scraped_at: float | None = None
+
+    def restarted_since(self, before: EngineStats) -> bool:
+        """Whether these figures come from a newer engine process than ``before``'s.
+
+        A restart shows as a changed process start time or as a counter that
+        went backwards (a new process counts from 0).
+        """
+        t0, t1 = before.start_time, self.start_time
+        if t0 is not None and t1 is not None and abs(t1 - t0) > 1e-3:
+            return True
+        old, new = before.prefix_queries, self.prefix_queries
+        return old is not None and new is not None and new < old
 
 
 def parse_engine_metrics(text: str, kind: str) -> EngineStats:
@@ -111,6 +146,8 @@ def parse_engine_metrics(text: str, kind: str) -> EngineStats:
                 stats.prefix_queries = (stats.prefix_queries or 0.0) + s.value
             elif name == "vllm:prefix_cache_hits_total":
                 stats.prefix_hits = (stats.prefix_hits or 0.0) + s.value
+            elif name == "process_start_time_seconds":
+                stats.start_time = max(stats.start_time or 0.0, s.value)
     if usage:
         stats.kv_usage = max(0.0, min(1.0, sum(usage) / len(usage)))
     return stats
@@ -125,8 +162,13 @@ class Worker:
     headers: dict[str, str]
     endpoint: Endpoint
     healthy: bool = True
+    suspect: bool = False
+    suspect_since: float = 0.0
     draining: bool = False
     removed: bool = False
+    restarts: int = 0
+    feed_restarts: int = 0
+    """The KV-event feed's restart count at the last metrics scrape."""
     failures: int = 0
     backoff_s: float = 0.0
     last_error: str | None = None
@@ -137,6 +179,8 @@ class Worker:
     foreign: int = 0
     task: asyncio.Task[None] | None = None
     feed: WorkerFeed | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to make the poller check now (a suspect worker)."""
 
     @property
     def id(self) -> WorkerId:
@@ -162,6 +206,8 @@ class Worker:
             "kind": self.config.kind,
             "pool": self.config.pool,
             "healthy": self.healthy,
+            "suspect": self.suspect,
+            "restarts": self.restarts,
             "draining": self.draining,
             "models": sorted(self.models),
             "adapters": sorted(self.adapters),
@@ -363,7 +409,7 @@ class WorkerRegistry:
         self._routable = [w for w in self.workers.values() if not w.draining]
         self._views = [w.view for w in self._routable]
         for w in self._routable:
-            w.view.healthy = w.healthy
+            w.view.healthy = w.healthy and not w.suspect
         live = [w for w in self.workers.values() if not w.draining]
         self._models = frozenset().union(*(w.models for w in live)) if live else frozenset()
         self._adapters = frozenset().union(*(w.adapters for w in live)) if live else frozenset()
@@ -397,7 +443,7 @@ class WorkerRegistry:
         return [
             WorkerGauges(
                 w.id,
-                w.healthy and not w.draining,
+                w.healthy and not w.suspect and not w.draining,
                 self.ledger.load(w.id).in_flight,
                 w.engine.kv_usage,
                 w.engine.waiting,
@@ -414,19 +460,46 @@ class WorkerRegistry:
             log.warning("worker %s unreachable (%s): out of routing", w.id, error)
             self._went_down(w)
 
-    def _went_down(self, w: Worker) -> None:
-        """Take ``w`` out of routing and forget its cache.
+    def mark_suspect(self, w: Worker, error: str) -> None:
+        """``w`` went silent on a request: out of routing until a check passes, checked now.
 
-        An engine that stopped answering may come back as a new process with
-        an empty cache, and nothing would tell a router without KV events:
-        entries kept through the outage would send hot prefixes to a cold
-        engine. So they go now; routing (or the engine's events) rebuilds them.
+        Not a failure by itself: the check decides (see the module docstring).
+        """
+        if w.removed or w.suspect or not w.healthy:
+            return
+        w.suspect, w.suspect_since = True, self.clock()
+        w.last_error = error
+        log.warning("worker %s suspect (%s): out of routing until a check passes", w.id, error)
+        self._rebuild()
+        w.wake.set()
+
+    def _went_down(self, w: Worker) -> None:
+        """Take ``w`` out of routing; keep its cache picture, demoted to speculative.
+
+        The KV-event sequence and hash map are kept as well, so that a
+        restarted engine's feed shows as a sequence reset (which clears the
+        worker) and an engine that only paused goes on where it left off.
         """
         w.healthy = False
-        self.router.index.clear_worker(w.id)
+        demoted = self.router.worker_down(w.id, self.clock())
+        log.info("worker %s down: %d index entries kept as speculative", w.id, demoted)
+        self._rebuild()
+
+    def _restarted(self, w: Worker) -> None:
+        """The engine is a new process with an empty cache: forget its entries and feed state.
+
+        Unless its KV-event feed saw the restart first (a sequence reset since
+        the last scrape): the feed cleared the entries then, and what the new
+        process published since is right, so it is kept.
+        """
+        w.restarts += 1
+        if w.feed is not None and w.feed.stats.restarts > w.feed_restarts:
+            log.warning("worker %s restarted (its KV events said so first)", w.id)
+            return
+        log.warning("worker %s restarted: its index entries are cleared", w.id)
+        self.router.worker_restarted(w.id)
         if self.events is not None:
             self.events.forget_engine(w.id)
-        self._rebuild()
 
     # ------------------------------------------------------------- polling
 
@@ -454,7 +527,12 @@ class WorkerRegistry:
     async def _poll(self, w: Worker) -> None:
         interval = self.config.metrics_poll.interval_s
         while not w.removed:
-            await asyncio.sleep(interval if w.healthy else w.backoff_s)
+            if not w.wake.is_set():
+                delay = interval if w.healthy and not w.suspect else w.backoff_s
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await w.wake.wait()
+            w.wake.clear()
             try:
                 await self.check(w)
             except asyncio.CancelledError:
@@ -473,6 +551,7 @@ class WorkerRegistry:
         session = self._session
         if session is None or w.removed:
             return w.healthy
+        started = self.clock()
         ok, error = await self._get_ok(session, w, w.config.health_path or "/health")
         if not ok:
             w.failures += 1
@@ -488,8 +567,10 @@ class WorkerRegistry:
             await self._discover(session, w)
         if w.config.metrics_path:
             await self._scrape(session, w)
-        if not w.healthy:
-            w.healthy = True
+        # A check sent before the worker went silent does not clear it: the
+        # check the mark asked for (next) decides.
+        if not w.healthy or (w.suspect and w.suspect_since <= started):
+            w.healthy, w.suspect = True, False
             log.info("worker %s healthy again", w.id)
             self._rebuild()
         return True
@@ -548,6 +629,10 @@ class WorkerRegistry:
             w.last_error = f"metrics: {type(exc).__name__}: {exc}"
             return
         stats.scraped_at = self.clock()
+        if stats.restarted_since(w.engine):
+            self._restarted(w)
+        if w.feed is not None:
+            w.feed_restarts = w.feed.stats.restarts
         w.engine = stats
         self._apply_stats(w, stats)
 

@@ -1,0 +1,65 @@
+"""A worker's index through an outage: kept as speculative when it goes down, cleared on restart."""
+
+from __future__ import annotations
+
+from prefixrouter.core import (
+    BlockHash,
+    BlockStored,
+    EntrySource,
+    IndexParams,
+    Router,
+    WorkerId,
+    hash_token_blocks,
+)
+from tests.core.conftest import NS, tokens
+
+A, B = WorkerId("a"), WorkerId("b")
+
+
+def chain(start: int, blocks: int) -> tuple[BlockHash, ...]:
+    return hash_token_blocks(NS.seed, tokens(start, blocks * 16), 16)
+
+
+def test_a_worker_down_keeps_its_entries_as_speculative_with_a_ttl() -> None:
+    router = Router(index_params=IndexParams(speculative_ttl_s=10.0))
+    idx = router.index
+    confirmed, evented, routed = chain(1, 4), chain(2, 3), chain(3, 2)
+    idx.on_routed(A, confirmed, 0.0)
+    idx.on_completed(A, confirmed, 16.0, 0, 64, 0.0)
+    idx.apply(BlockStored(A, list(evented)), 0.0)
+    idx.on_routed(A, routed, 0.0)
+    idx.on_routed(B, confirmed, 0.0)
+    idx.on_completed(B, confirmed, 16.0, 0, 64, 0.0)
+
+    assert router.worker_down(A, 5.0) == 7  # the confirmed and event entries
+    assert idx.blocks_of(A) == 9  # nothing forgotten
+    m = idx.match(confirmed, 6.0)
+    assert m[A].blocks == 4 and m[A].source is EntrySource.SPECULATIVE
+    assert m[B].source is EntrySource.CONFIRMED  # other workers untouched
+    # One TTL from the outage for every entry (the routed chain's too, so no
+    # demoted extension outlives a speculative prefix); then they expire.
+    assert idx.expire(14.9) == 0
+    assert idx.expire(15.0) == 9
+    assert idx.blocks_of(A) == 0 and idx.blocks_of(B) == 4
+
+
+def test_a_completion_after_the_outage_confirms_the_entries_again() -> None:
+    router = Router(index_params=IndexParams(speculative_ttl_s=10.0))
+    idx = router.index
+    doc = chain(1, 4)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 0, 64, 0.0)
+    router.worker_down(A, 1.0)
+    idx.on_completed(A, doc, 16.0, 64, 64, 2.0)  # the engine came back with its cache
+    assert idx.expire(100.0) == 0
+    assert idx.match(doc, 100.0)[A].source is EntrySource.CONFIRMED
+
+
+def test_a_restarted_worker_is_cleared() -> None:
+    router = Router()
+    doc = chain(1, 4)
+    router.index.on_routed(A, doc, 0.0)
+    router.index.on_routed(B, doc, 0.0)
+    router.worker_restarted(A)
+    assert router.index.blocks_of(A) == 0
+    assert set(router.index.match(doc, 1.0)) == {B}

@@ -1,0 +1,221 @@
+"""First-byte and stall timeouts, suspect workers, and the index through an outage.
+
+Fake vLLM engines on loopback (one event loop): an engine that goes silent
+before its first byte, one that stalls mid-stream, one whose health fails
+for a while, one that restarts (a new ``process_start_time_seconds``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from prefixrouter.core.types import EntrySource, WorkerId
+from prefixrouter.engines.kv_events import EventTranslator
+from prefixrouter.engines.kv_subscriber import WorkerFeed
+from prefixrouter.gateway.workers import Worker
+from tests.gateway.fakes import FakeEngine
+from tests.gateway.helpers import Env, gateway_env, run
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~2,700 chars
+FAST = {
+    "proxy": {"first_byte_timeout_floor_s": 0.5, "stall_timeout_s": 0.5},
+    "health": {"backoff_initial_s": 0.1, "backoff_max_s": 0.2, "timeout_s": 0.5},
+}
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _decisions(env: Env) -> list[dict[str, Any]]:
+    r = await env.admin("GET", "/admin/decisions?limit=100")
+    return list((await r.json())["decisions"])
+
+
+def _worker(env: Env, wid: str) -> Worker:
+    return env.state.registry.workers[WorkerId(wid)]
+
+
+async def _warm(env: Env) -> str:
+    """Send LONG once; returns the worker that now holds it."""
+    r = await env.chat(LONG)
+    assert r.status == 200
+    await r.read()
+    return r.headers["X-Prefixrouter-Worker"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_silent_worker_is_retried_elsewhere_and_marked_suspect(
+    stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body() -> None:
+        async with gateway_env(n=2, overrides=FAST) as env:
+            warm = await _warm(env)
+            engine = env.engines[int(warm[1])]
+            engine.delay_s = 30.0  # frozen on requests: accepts them, sends nothing
+            t0 = time.monotonic()
+            r = await env.chat(LONG + " again?", stream=stream)
+            text = await r.text()
+            took = time.monotonic() - t0
+            assert r.status == 200 and '"error"' not in text
+            assert r.headers["X-Prefixrouter-Worker"] != warm
+            assert took < 5.0  # about the 0.5 s first-byte timeout, not the 30 s freeze
+            (log,) = [d for d in await _decisions(env) if d["attempts"] == 2]
+            assert log["retried_from"] == [warm]
+            assert f"worker {warm} suspect" in caplog.text
+            await _until(lambda: engine.cancelled >= 1, "the engine request to be aborted")
+            # Its health check passes (only requests hang): back in routing, index kept.
+            w = _worker(env, warm)
+            await _until(lambda: w.healthy and not w.suspect, "the worker back in routing")
+            assert w.view.healthy and env.state.router.index.blocks_of(w.id) > 0
+
+    run(body)
+
+
+def test_a_suspect_worker_whose_check_fails_is_marked_down_and_keeps_its_index() -> None:
+    async def body() -> None:
+        async with gateway_env(n=2, overrides=FAST) as env:
+            warm = await _warm(env)
+            engine = env.engines[int(warm[1])]
+            w = _worker(env, warm)
+            engine.delay_s = 30.0
+            env.state.registry.mark_suspect(w, "sent no first byte")
+            assert not w.view.healthy  # out of routing at once
+            engine.healthy = False  # and the check the mark triggers fails
+            await _until(lambda: not w.healthy, "the suspect worker to be marked down")
+            assert env.state.router.index.blocks_of(w.id) > 0
+            r = await env.chat(LONG + " again?", stream=True)
+            await r.read()
+            assert r.headers["X-Prefixrouter-Worker"] != warm
+            logs = await _decisions(env)
+            assert all(d["attempts"] == 1 for d in logs)  # never sent to the suspect worker
+
+    run(body)
+
+
+def test_a_stream_that_stalls_after_its_first_byte_ends_with_an_error_event() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(hang_after_chunks=2)]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            t0 = time.monotonic()
+            r = await env.chat(LONG, stream=True, max_tokens=6)
+            text = await r.text()
+            assert time.monotonic() - t0 < 5.0  # the 0.5 s stall timeout, not the hour
+            assert r.status == 200
+            assert text.count('"content"') == 2  # what came before the stall
+            last = text.strip().split("\n\n")[-1]
+            assert last.startswith("data: {") and '"error"' in last and '"504"' in last
+            assert "stalled" in last
+            await _until(lambda: engines[0].cancelled == 1, "the engine request to be aborted")
+            (log,) = await _decisions(env)
+            assert log["status"] == 504 and log["attempts"] == 1  # never retried
+
+    run(body)
+
+
+async def _down_then_up(env: Env, engine: FakeEngine, w: Worker) -> None:
+    engine.healthy = False
+    await _until(lambda: not w.healthy, "the worker to be marked down")
+    engine.healthy = True
+    await _until(lambda: w.healthy, "the worker to be healthy again")
+
+
+def test_a_short_outage_keeps_the_index_and_a_restart_clears_it() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(start_time=1000.0), FakeEngine(start_time=1000.0)]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            warm = await _warm(env)
+            engine, w = env.engines[int(warm[1])], _worker(env, warm)
+            index = env.state.router.index
+            held = index.blocks_of(w.id)
+            assert held > 0
+            await _down_then_up(env, engine, w)
+            # The same engine process came back: its entries were kept, speculative.
+            assert index.blocks_of(w.id) == held
+            entries = index._lru[w.id].values()
+            assert all(e.source is EntrySource.SPECULATIVE for e in entries)
+            # A new process (another start time): its cache is empty, so are its entries.
+            engine.start_time = 2000.0
+            await _until(lambda: index.blocks_of(w.id) == 0, "the restart to clear the index")
+            assert w.restarts == 1
+
+    run(body)
+
+
+def test_prefix_cache_counters_going_back_count_as_a_restart() -> None:
+    async def body() -> None:
+        async with gateway_env(n=2, overrides=FAST) as env:
+            warm = await _warm(env)
+            engine, w = env.engines[int(warm[1])], _worker(env, warm)
+            index = env.state.router.index
+            await _until(lambda: (w.engine.prefix_queries or 0) > 0, "a scrape of the counters")
+            assert index.blocks_of(w.id) > 0
+            engine.queries = engine.hits = 0  # a new engine process counts from 0
+            await _until(lambda: index.blocks_of(w.id) == 0, "the restart to clear the index")
+
+    run(body)
+
+
+def test_a_unary_request_without_max_tokens_has_no_first_byte_timeout() -> None:
+    """Its answer comes whole at the end of an unbounded generation: nothing to predict."""
+
+    async def body() -> None:
+        engines = [FakeEngine(delay_s=1.2)]  # longer than the 0.5 s floor
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            r = await env.chat(LONG, max_tokens=None)
+            assert r.status == 200
+            await r.read()
+            (log,) = await _decisions(env)
+            assert log["attempts"] == 1 and log["status"] == 200
+            assert not _worker(env, "w0").suspect
+
+    run(body)
+
+
+def test_a_restart_the_kv_events_reported_first_keeps_what_they_stored_since() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(start_time=1000.0)]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            w = _worker(env, "w0")
+            feed = WorkerFeed(w.id, "kv@w0", EventTranslator(w.id, lambda _a, _s: 1))
+            w.feed = feed
+            await _warm(env)
+            await _until(lambda: w.engine.start_time == 1000.0, "a scrape")
+            # The new process's first events arrive before the next scrape: the
+            # feed saw the sequence reset and cleared the worker itself; these
+            # entries are the new process's own.
+            feed.stats.restarts += 1
+            held = env.state.router.index.blocks_of(w.id)
+            engines[0].start_time = 2000.0
+            await _until(lambda: w.restarts == 1, "the scrape to see the new process")
+            assert env.state.router.index.blocks_of(w.id) == held
+            engines[0].start_time = 3000.0  # another restart, the feed silent this time
+            await _until(lambda: w.restarts == 2, "the scrape to see the new process")
+            assert env.state.router.index.blocks_of(w.id) == 0
+
+    run(body)
+
+
+def test_a_check_sent_before_the_worker_went_silent_does_not_clear_it() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(health_delay_s=0.3), FakeEngine()]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            reg, w = env.state.registry, _worker(env, "w0")
+            early = asyncio.create_task(reg.check(w))  # in flight: answered in 0.3 s
+            await asyncio.sleep(0.1)
+            reg.mark_suspect(w, "sent no first byte")
+            assert await early  # it passed...
+            assert w.suspect and not w.view.healthy  # ...but it predates the silence
+            await _until(lambda: not w.suspect, "the check the mark asked for")
+            assert w.healthy and w.view.healthy
+
+    run(body)
