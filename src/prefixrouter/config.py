@@ -322,7 +322,10 @@ class ProxyConfig(_Model):
             request, whose answer comes whole: TTFT plus the decode of
             ``max_tokens``), never below the floor. A non-streamed request
             without a prediction or without ``max_tokens`` has no first-byte
-            timeout.
+            timeout. Either timeout cuts a request only once its worker has
+            been silent on every connection and its health checks for the
+            timeout (at least ``metrics_poll.interval_s + health.timeout_s``):
+            a request queued on a live engine waits.
         stall_timeout_s: Longest silence of a stream after its first byte; then
             the client gets an SSE ``error`` event and the engine request is
             aborted (None: no stall timeout). An engine sends a token per

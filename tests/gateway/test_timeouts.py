@@ -25,6 +25,7 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~2,700 chars
 FAST = {
     "proxy": {"first_byte_timeout_floor_s": 0.5, "stall_timeout_s": 0.5},
     "health": {"backoff_initial_s": 0.1, "backoff_max_s": 0.2, "timeout_s": 0.5},
+    "metrics_poll": {"interval_s": 0.5},
 }
 
 
@@ -61,19 +62,28 @@ def test_a_silent_worker_is_retried_elsewhere_and_marked_suspect(
         async with gateway_env(n=2, overrides=FAST) as env:
             warm = await _warm(env)
             engine = env.engines[int(warm[1])]
-            engine.delay_s = 30.0  # frozen on requests: accepts them, sends nothing
+            # Frozen (a SIGSTOPped engine): accepts requests and health
+            # checks, answers neither.
+            engine.delay_s = engine.health_delay_s = 30.0
             t0 = time.monotonic()
             r = await env.chat(LONG + " again?", stream=stream)
             text = await r.text()
             took = time.monotonic() - t0
             assert r.status == 200 and '"error"' not in text
             assert r.headers["X-Prefixrouter-Worker"] != warm
-            assert took < 5.0  # about the 0.5 s first-byte timeout, not the 30 s freeze
+            # The first-byte timeout, once the worker was silent for its
+            # liveness window (a poll interval and a check), not the 30 s freeze.
+            assert took < 5.0
             (log,) = [d for d in await _decisions(env) if d["attempts"] == 2]
             assert log["retried_from"] == [warm]
-            assert f"worker {warm} suspect" in caplog.text
+            # Out of routing: marked suspect by the timeout, or down by the
+            # failed health check that ended the benefit of the doubt, whichever came first.
+            assert f"worker {warm} suspect" in caplog.text or f"worker {warm} unhealthy" in (
+                caplog.text
+            )
             await _until(lambda: engine.cancelled >= 1, "the engine request to be aborted")
-            # Its health check passes (only requests hang): back in routing, index kept.
+            # Thawed: back in routing, its index kept through the freeze.
+            engine.delay_s = engine.health_delay_s = 0.0
             w = _worker(env, warm)
             await _until(lambda: w.healthy and not w.suspect, "the worker back in routing")
             assert w.view.healthy and env.state.router.index.blocks_of(w.id) > 0
@@ -108,8 +118,15 @@ def test_a_stream_that_stalls_after_its_first_byte_ends_with_an_error_event() ->
         async with gateway_env(engines=engines, overrides=FAST) as env:
             t0 = time.monotonic()
             r = await env.chat(LONG, stream=True, max_tokens=6)
-            text = await r.text()
-            assert time.monotonic() - t0 < 5.0  # the 0.5 s stall timeout, not the hour
+            text = ""
+            async for line in r.content:
+                text += line.decode()
+                if '"content"' in line.decode():
+                    # The engine freezes as a whole: its health checks hang too.
+                    engines[0].health_delay_s = 30.0
+            # The stall timeout once the worker was silent for its liveness
+            # window, not the hour the stream would hang.
+            assert time.monotonic() - t0 < 5.0
             assert r.status == 200
             assert text.count('"content"') == 2  # what came before the stall
             last = text.strip().split("\n\n")[-1]

@@ -472,6 +472,70 @@ async def test_a_steady_stream_longer_than_both_timeouts_is_not_cut() -> None:
         await client.close()
 
 
+async def test_a_request_queued_on_a_live_worker_is_not_cut() -> None:
+    """Timeouts cut a silent worker, not a slow request: while the worker sends
+    bytes on another connection, a request still waiting for its first byte,
+    or a stream paused between events, waits (an engine admits in order)."""
+    release = asyncio.Event()
+
+    async def busy(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        line = server.requests[-1][0]
+        writer.write(STREAM_HEAD)
+        await writer.drain()
+        if b"/queued" in line:
+            await release.wait()  # behind the other request: nothing for it yet
+            writer.write(sse_chunk(b"data: late\n\n") + b"0\r\n\r\n")
+        else:
+            for i in range(12):  # the engine is busy and alive: another stream flows
+                writer.write(sse_chunk(b"data: %d\n\n" % i))
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            release.set()
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with serve(busy) as server:
+        client = UpstreamClient(2, 60, stall_timeout_s=0.3)
+        ep = endpoint(server)
+        other = await client.post(ep, "/flowing", b"{}")
+        queued = await client.post(ep, "/queued", b"{}", first_byte_timeout_s=0.3)
+        flowing = asyncio.create_task(other.read())
+        # 1.2 s without a byte of its own, four times its first-byte timeout.
+        assert await queued.read() == b"data: late\n\n"
+        assert (await flowing).count(b"data: ") == 12
+        queued.release()
+        other.release()
+        await client.close()
+
+
+async def test_a_passed_health_check_counts_as_a_sign_of_life() -> None:
+    async def frozen(reader: Reader, writer: Writer, server: Server) -> None:
+        await server.read_request(reader)
+        await reader.read()
+
+    async with serve(frozen) as server:
+        client = UpstreamClient(2, 60)
+        ep = endpoint(server)
+
+        async def health_checks() -> None:
+            for _ in range(6):
+                client.heard_from(ep)
+                await asyncio.sleep(0.1)
+
+        checks = asyncio.create_task(health_checks())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(FirstByteTimeout):
+            await client.post(ep, "/x", b"{}", first_byte_timeout_s=0.2)
+        waited = loop.time() - t0
+        await checks
+        # Cut one window after the last check (0.5 s), not at 0.2 s.
+        assert waited >= 0.65
+        await client.close()
+
+
 async def test_a_slow_reader_is_not_a_stall() -> None:
     payload = bytes(range(256)) * 16384  # 4 MiB: reading pauses at the mark below
 

@@ -45,6 +45,9 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         proxy_cfg.request_timeout_s,
         keepalive_s=proxy_cfg.idle_connection_s,
         stall_timeout_s=proxy_cfg.stall_timeout_s,
+        # Two passed health checks are at most a poll interval plus a check
+        # apart: a live worker is never silent for longer than that.
+        liveness_s=st.config.metrics_poll.interval_s + st.config.health.timeout_s,
     )
 
     def connections() -> list[UpstreamGauges]:
@@ -56,6 +59,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
 
     collector = UpstreamCollector(connections)
     st.metrics.registry.register(collector)
+    # Health checks tell the upstream timeouts whether a worker is alive.
+    st.registry.on_check = lambda w, ok: upstream.heard_from(w.endpoint, alive=ok)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
     try:
         if st.events is not None:
@@ -69,6 +74,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
         await st.registry.stop()
+        st.registry.on_check = None
         st.metrics.registry.unregister(collector)
         await upstream.close()
         st.upstream = None

@@ -34,7 +34,12 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    timeout, since a floor meant for TTFTs would cut long generations. After
    the first byte, a stream silent for ``proxy.stall_timeout_s`` ends with an
    SSE ``error`` event (code ``504``), the upstream request is closed (the
-   engine aborts it) and the worker is marked suspect;
+   engine aborts it) and the worker is marked suspect. Both timeouts cut
+   only a *silent* worker: past its deadline, a request whose worker sent
+   bytes on another connection or passed a health check within the window
+   (at least a poll interval plus a check) waits on, since a request queued
+   behind others on a live engine is slow, not lost, and a retry would copy
+   its prefill onto a second engine (:mod:`.upstream`);
 4. at the end, feed back what the engine reported: ``usage.prompt_tokens``
    teaches the text-mode token estimator, ``prompt_tokens_details.cached_tokens``
    and the time to first byte go to ``Router.on_completed`` (confirming or

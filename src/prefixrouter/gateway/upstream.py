@@ -49,6 +49,16 @@ aiohttp, this client never resends a POST on its own.
   during which the reader is behind (reading paused by flow control) is not
   silence.
 
+Both watch for a *silent worker*, not a slow request: when a deadline
+passes while the worker has sent bytes on another connection, or answered
+a health check (:meth:`UpstreamClient.heard_from`), within that window, the
+deadline moves to one window after the last sign of life. A request queued
+behind others on a busy engine (an engine admits in order; a CPU engine's
+long prefill stalls every stream) therefore waits, as it must: a retry
+elsewhere would copy its prefill onto a second engine and a cut stream
+loses its answer. A frozen or hung engine is silent on every connection
+and is cut one window after its last byte.
+
 Both watchdogs share one timer per request that is re-armed lazily: an
 arriving body chunk only records its arrival time, and the timer, when it
 fires, either finds the deadline moved (and re-arms for it) or closes the
@@ -68,6 +78,7 @@ close before or during the response, and a response that is not HTTP.
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 import time
 from collections import deque
@@ -259,6 +270,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.client.heard_from(self.endpoint)
         parser = self._parser
         if parser is None:
             # Bytes while no request is outstanding: the connection is not clean.
@@ -440,13 +452,25 @@ class _Connection(asyncio.Protocol):
             assert stall_s is not None
             if self._paused:
                 self._last_data = now  # we stopped reading: not the worker's silence
+            window = stall_s
             due = self._last_data + stall_s
             error = StallTimeout(f"the worker sent nothing for {stall_s:g} s")
         else:
             first_byte_s = self._first_byte_s
             assert first_byte_s is not None
+            window = first_byte_s
             due = self._sent_at + first_byte_s
-            error = FirstByteTimeout(f"the worker sent no first byte within {first_byte_s:g} s")
+            error = FirstByteTimeout(
+                f"the worker sent no first byte within {first_byte_s:g} s and was silent"
+                " on every connection meanwhile"
+            )
+        if now >= due:
+            # Past this request's deadline: cut it only if the worker is silent
+            # to everyone too (see the module docstring).
+            client = self.client
+            liveness = client.liveness_s if client.liveness_s > window else window
+            heard = client.last_heard(self.endpoint) + liveness
+            due = heard if heard > due else due
         if now < due:
             self._watch_at = due
             self._watch = loop.call_at(due, self._watchdog)
@@ -493,6 +517,9 @@ class UpstreamClient:
         stall_timeout_s: Longest silence allowed between body bytes after the
             first (None: only the total timeout applies).
         keepalive_s: An idle connection older than this is closed, not reused.
+        liveness_s: Longest silence of a live worker (the gap between two of
+            its passed health checks): the first-byte and stall timeouts cut a
+            request only once its worker has been silent at least this long.
         high_water_bytes: Body bytes buffered per connection before reading pauses.
         ssl_context: TLS settings for ``https`` workers (default: the system's
             trusted CAs, with ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` honoured).
@@ -506,8 +533,10 @@ class UpstreamClient:
         high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
         ssl_context: ssl.SSLContext | None = None,
         stall_timeout_s: float | None = None,
+        liveness_s: float = 0.0,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.liveness_s = liveness_s
         self.total_timeout_s = total_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.keepalive_s = keepalive_s
@@ -516,6 +545,7 @@ class UpstreamClient:
         self._open: set[_Connection] = set()
         self._ssl = ssl_context
         self._opened: dict[Endpoint, int] = {}
+        self._heard: dict[Endpoint, float] = {}  # endpoint -> last sign of life (loop time)
 
     async def post(
         self,
@@ -546,6 +576,21 @@ class UpstreamClient:
         return await conn.request(
             endpoint.request_head(path, len(body)), body, self.total_timeout_s, first_byte_timeout_s
         )
+
+    def heard_from(self, endpoint: Endpoint, alive: bool = True) -> None:
+        """What the worker showed now: alive (bytes, a passed health check) or not.
+
+        The first-byte and stall timeouts cut a request only once its worker
+        has been silent for their window (at least ``liveness_s``; see the
+        module docstring). A failed health check (``alive=False``) ends the
+        benefit of the doubt: the requests waiting on the worker are cut at
+        their own deadlines.
+        """
+        self._heard[endpoint] = asyncio.get_running_loop().time() if alive else -math.inf
+
+    def last_heard(self, endpoint: Endpoint) -> float:
+        """When the worker last showed it is alive (loop time; -inf: never)."""
+        return self._heard.get(endpoint, -math.inf)
 
     def idle_connections(self, endpoint: Endpoint) -> int:
         """Idle pooled connections to ``endpoint`` (for tests and inspection)."""

@@ -271,6 +271,10 @@ class WorkerRegistry:
         self._poll_timeout = aiohttp.ClientTimeout(total=config.metrics_poll.timeout_s)
         self.events: KvEventSubscriber | None = None
         self._seed_for: Callable[[Worker], NamespaceSeed] | None = None
+        self.on_check: Callable[[Worker, bool], None] | None = None
+        """Told of each health check's result: the proxy's upstream timeouts
+        cut only requests of a worker silent on every channel (see
+        :mod:`prefixrouter.gateway.upstream`)."""
         for wc in config.workers:
             self._add(wc)
 
@@ -554,6 +558,8 @@ class WorkerRegistry:
         started = self.clock()
         ok, error = await self._get_ok(session, w, w.config.health_path or "/health")
         if not ok:
+            if self.on_check is not None:
+                self.on_check(w, False)
             w.failures += 1
             w.last_error = error
             w.backoff_s = self._backoff(w.failures)
@@ -563,6 +569,8 @@ class WorkerRegistry:
             return False
         w.failures = 0
         w.backoff_s = self.config.health.backoff_initial_s
+        if self.on_check is not None:
+            self.on_check(w, True)
         if not w.discovered:
             await self._discover(session, w)
         if w.config.metrics_path:
