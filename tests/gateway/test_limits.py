@@ -263,15 +263,18 @@ async def test_large_bodies_are_hashed_off_the_event_loop_and_routed_with_those_
             return route(*args, **kwargs)
 
         router.route = route_spy  # type: ignore[method-assign]
-        ids = list(range(OFF_LOOP_BODY_BYTES // 5))
-        raw = orjson.dumps({"model": "tiny", "prompt": ids, "max_tokens": 2})
-        status, _, _ = await _post(port, raw)
-        assert status == 200
-        assert [name for name, _ in hashed] == [hashed[0][0]]  # hashed once ...
-        assert hashed[0][0].startswith("prefixrouter-parse")  # ... on the parse thread
-        ((loop_thread, blocks),) = routed
-        assert loop_thread == threading.current_thread().name
-        assert blocks is not None and blocks == Router.blocks_for(router, hashed[0][1])
+        tokens = {"model": "tiny", "prompt": list(range(OFF_LOOP_BODY_BYTES // 5)), "max_tokens": 2}
+        text = {"model": "tiny", "prompt": "word " * (OFF_LOOP_BODY_BYTES // 5), "max_tokens": 2}
+        for body in (tokens, text):  # token mode and text mode
+            hashed.clear()
+            routed.clear()
+            status, _, _ = await _post(port, orjson.dumps(body))
+            assert status == 200
+            ((hash_thread, request),) = hashed  # hashed once, on the parse thread
+            assert hash_thread.startswith("prefixrouter-parse")
+            ((route_thread, blocks),) = routed  # routed on the loop, with those blocks
+            assert route_thread == threading.current_thread().name
+            assert blocks is not None and blocks == Router.blocks_for(router, request)
 
 
 def test_a_retry_routes_the_blocks_hashed_for_the_first_attempt() -> None:

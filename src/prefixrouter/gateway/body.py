@@ -48,9 +48,10 @@ SLICE_BYTES: Final = 256 * 1024
 # ``prompt`` is unescaped, so it ends a string: the match cannot lie wholly
 # inside a string value (step 2 checks where it does lie).
 _PROMPT_ARRAY: Final = re.compile(rb'"prompt"\s*:\s*\[')
-# What an array of numbers holds besides the numbers' own characters' ...
+# Every byte an array of numbers can hold (bytes.translate deletes them: any
+# byte left over means a string, object, literal or nested array).
 _NUMBER_ARRAY_BYTES: Final = b"0123456789-+.eE, \t\n\r"
-# ... removed by bytes.translate: anything left means another shape.
+# Stands in for the array in step 2: random per process, never sent anywhere.
 _SENTINEL: Final = f"prefixrouter-span-{secrets.token_hex(16)}"
 _SENTINEL_BYTES: Final = _SENTINEL.encode()
 _SENTINEL_JSON: Final = b'"' + _SENTINEL_BYTES + b'"'
