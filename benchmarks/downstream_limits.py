@@ -294,6 +294,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--skip", action="append", default=[])
     ap.add_argument("--config", default="", help="extra gateway YAML (JSON) merged on top")
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="the engine's KV size in blocks, as configured (default: its metrics, 100,000)",
+    )
     args = ap.parse_args()
     _raise_own_fds()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -309,7 +315,13 @@ def main() -> None:
         assert engine.stderr is not None
         engine.stderr.readline()
         cfg: dict[str, object] = {
-            "workers": [{"url": f"http://{HOST}:{eport}", "id": "e0"}],
+            "workers": [
+                {
+                    "url": f"http://{HOST}:{eport}",
+                    "id": "e0",
+                    **({"kv_capacity_blocks": args.kv_blocks} if args.kv_blocks else {}),
+                }
+            ],
             "metrics_poll": {"interval_s": 0.5},
             "health": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
         }

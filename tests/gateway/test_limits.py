@@ -16,9 +16,13 @@ import orjson
 import pytest
 
 from prefixrouter.config import LimitsConfig
+from prefixrouter.core.router import Router
 from prefixrouter.gateway import server as server_mod
+from prefixrouter.gateway.body import SLICE_BYTES
 from prefixrouter.gateway.proxy import OFF_LOOP_BODY_BYTES
 from prefixrouter.gateway.server import connection_cap
+from tests.gateway.fakes import FakeEngine
+from tests.gateway.helpers import gateway_env, run
 from tests.gateway.served import (
     BOUND_S,
     HOST,
@@ -191,3 +195,101 @@ async def test_large_bodies_are_built_off_the_event_loop() -> None:
         assert statuses == [b"200", b"200", b"400"]  # a large bad body is still a 400
         assert threads[0] == threading.current_thread().name
         assert threads[1].startswith("prefixrouter-parse")
+
+
+def _spy(calls: list[tuple[str, Any]], fn: Any) -> Any:
+    """``fn``, recording (thread name, first argument) of each call."""
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append((threading.current_thread().name, args[0] if args else None))
+        return fn(*args, **kwargs)
+
+    return spy
+
+
+async def _post(port: int, raw: bytes) -> tuple[int, dict[str, Any], bytes]:
+    reader, writer = await asyncio.open_connection(HOST, port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    async with asyncio.timeout(BOUND_S):
+        response = await reader.read()
+    writer.close()
+    return status_and_json(response)
+
+
+async def test_no_parse_of_a_large_token_prompt_holds_the_whole_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One orjson call holds the GIL for all of its document, so the event
+    # loop thread waits behind a whole-body parse even on the parse thread.
+    # (The fake engine, in this process, parses the body whole on the loop.)
+    ids = list(range(100_000, 100_000 + OFF_LOOP_BODY_BYTES // 4))
+    raw = orjson.dumps({"model": "tiny", "prompt": ids, "max_tokens": 2})
+    sizes: list[int] = []  # of the documents parsed on the parse thread
+    real = orjson.loads
+
+    def spy(data: Any) -> Any:
+        if threading.current_thread().name.startswith("prefixrouter-parse"):
+            sizes.append(len(data))
+        return real(data)
+
+    async with gateway({}) as (port, _):
+        monkeypatch.setattr(orjson, "loads", spy)
+        status, _, _ = await _post(port, raw)
+        parsed = list(sizes)
+        bad_status, bad, _ = await _post(port, raw[:-1])  # no closing brace
+        monkeypatch.undo()
+    assert status == 200
+    assert parsed and max(parsed) <= SLICE_BYTES + 16 < len(raw)  # slices, never the whole
+    assert bad_status == 400 and bad["error"]["code"] == "invalid_json"
+    with pytest.raises(orjson.JSONDecodeError) as exc:
+        orjson.loads(raw[:-1])
+    assert bad["error"]["message"] == f"invalid JSON body: {exc.value}"  # orjson's own words
+
+
+async def test_large_bodies_are_hashed_off_the_event_loop_and_routed_with_those_blocks() -> None:
+    async with gateway({}) as (port, state):
+        router = state.router
+        hashed: list[tuple[str, Any]] = []
+        routed: list[tuple[str, Any]] = []
+        router.blocks_for = _spy(hashed, router.blocks_for)  # type: ignore[method-assign]
+        route = router.route
+
+        def route_spy(*args: Any, **kwargs: Any) -> Any:
+            routed.append((threading.current_thread().name, args[3] if len(args) > 3 else None))
+            return route(*args, **kwargs)
+
+        router.route = route_spy  # type: ignore[method-assign]
+        tokens = {"model": "tiny", "prompt": list(range(OFF_LOOP_BODY_BYTES // 5)), "max_tokens": 2}
+        text = {"model": "tiny", "prompt": "word " * (OFF_LOOP_BODY_BYTES // 5), "max_tokens": 2}
+        for body in (tokens, text):  # token mode and text mode
+            hashed.clear()
+            routed.clear()
+            status, _, _ = await _post(port, orjson.dumps(body))
+            assert status == 200
+            ((hash_thread, request),) = hashed  # hashed once, on the parse thread
+            assert hash_thread.startswith("prefixrouter-parse")
+            ((route_thread, blocks),) = routed  # routed on the loop, with those blocks
+            assert route_thread == threading.current_thread().name
+            assert blocks is not None and blocks == Router.blocks_for(router, request)
+
+
+def test_a_retry_routes_the_blocks_hashed_for_the_first_attempt() -> None:
+    async def body() -> None:
+        engines = [FakeEngine(status=503), FakeEngine()]
+        overrides = {"policy": {"name": "round_robin"}}
+        async with gateway_env(engines=engines, overrides=overrides) as env:
+            router = env.state.router
+            hashed: list[tuple[str, Any]] = []
+            router.blocks_for = _spy(hashed, router.blocks_for)  # type: ignore[method-assign]
+            for i in range(4):
+                r = await env.chat(f"question {i}")
+                assert r.status == 200 and r.headers["X-Prefixrouter-Worker"] == "w1"
+            r = await env.client.get("/metrics")  # the refusing worker was tried first
+            assert 'prefixrouter_retries_total{status="503",worker="w0"}' in await r.text()
+            assert len(hashed) == 4  # once per request, not once per attempt
+
+    run(body)

@@ -6,8 +6,9 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    slowly, :mod:`.server`), parse it once (400 on invalid JSON), build the
    routing request (400 naming a bad field; 401 on a bad key where keys are
    required) and check the model (404). Bodies of ``OFF_LOOP_BODY_BYTES`` and
-   more are parsed and built on a worker thread, so a large one does not
-   stall the event loop;
+   more are parsed (a long token-id prompt in slices, :mod:`.body`), built and
+   hashed into blocks on a worker thread, so a large one does not stall the
+   event loop;
 2. ``Router.route`` over the prebuilt worker views with fresh in-flight
    figures (503 + ``Retry-After`` when no worker can serve); ``on_routed`` and
    the in-flight ledger record the speculative placement;
@@ -71,6 +72,7 @@ from prefixrouter.core.policy import Outcome
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
 from prefixrouter.errors import NoWorkerAvailable
+from prefixrouter.gateway import body as large_json
 from prefixrouter.gateway.decision_log import RequestOutcome
 from prefixrouter.gateway.errors import (
     JSON,
@@ -101,7 +103,10 @@ CLIENT_GONE = 499
 # and /health with it. One thread, not several: orjson holds the GIL for a
 # whole parse, so each concurrent parse is one more holder the loop thread
 # must wait behind. Below this size the hand-off (about 50 us) would cost more
-# than the parse it moves.
+# than the parse it moves. Even so, one orjson call holds the GIL for the whole
+# parse (0.1 s for 7.5 MB of token ids), which the loop thread needs too: the
+# thread parses a long prompt array in slices (:mod:`.body`) and hashes the
+# prompt's blocks (20-40 ms for 75,000 blocks) where it can be preempted.
 OFF_LOOP_BODY_BYTES = 256 * 1024
 # Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
 _UPSTREAM_ERRORS = (TimeoutError, OSError)
@@ -211,7 +216,9 @@ class Proxy:
         if len(raw) < OFF_LOOP_BODY_BYTES:
             built = parse()
         else:
-            built = await asyncio.get_running_loop().run_in_executor(self._parse_pool(), parse)
+            built = await asyncio.get_running_loop().run_in_executor(
+                self._parse_pool(), partial(parse, large=True)
+            )
         if not st.registry.serves(built.model):
             raise NotFound(
                 f"The model `{built.model}` does not exist.", code="model_not_found", param="model"
@@ -224,13 +231,25 @@ class Proxy:
         kind: str,
         scope_of: Callable[[str | None], TenantScope],
         prefix_class: str | None,
+        large: bool = False,
     ) -> BuiltRequest:
-        """Parse and validate a body: CPU only, safe on the parse thread (reads shared state)."""
+        """Parse and validate a body: CPU only, safe on the parse thread (reads shared state).
+
+        A ``large`` body (on the parse thread) is parsed by :func:`.body.loads`
+        and its prompt hashed here too: ``Router.blocks_for`` is pure (text
+        mode reads the learned chars-per-token, a float attribute that the
+        loop thread replaces whole; two reads may straddle one update, a
+        difference of one observation's weight), and ``_forward`` hands the
+        blocks to ``route``.
+        """
         try:
-            body = orjson.loads(raw)
+            body = large_json.loads(raw) if large else orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
-        return self.st.builder.build(body, raw, kind, scope_of, prefix_class)
+        built = self.st.builder.build(body, raw, kind, scope_of, prefix_class)
+        if large:
+            built.blocks = self.st.router.blocks_for(built.routing)
+        return built
 
     def _parse_pool(self) -> ThreadPoolExecutor:
         """The parse thread (made on first use)."""
@@ -253,6 +272,7 @@ class Proxy:
         # Made only when an attempt fails: most requests succeed at once.
         retry: _Retry | None = None
         decision: Decision | None = None
+        blocks = built.blocks  # hashed once: a retry routes the same blocks
         for _ in range(self.max_attempts):
             views = st.registry.views()
             if retry is not None:
@@ -260,7 +280,8 @@ class Proxy:
                 views = [v for v in views if v.worker_id not in tried]
             now = st.clock()
             try:
-                decision = st.router.route(rr, views, now)
+                decision = st.router.route(rr, views, now, blocks)
+                blocks = decision.context.blocks
             except NoWorkerAvailable as exc:
                 return self._no_worker(built, retry, exc, decision, t0)
             except Exception as exc:  # a routing bug answers 500, never crashes the gateway

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import orjson
 
 from prefixrouter.config import GatewayConfig
+from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.types import CacheNamespace, PrefixClass, RequestId, RoutingRequest
 from prefixrouter.gateway.errors import BadRequest
 from prefixrouter.gateway.tenancy import TenantScope
@@ -82,6 +83,8 @@ class BuiltRequest:
         text_chars: Characters of the rendered prompt (text mode; 0 otherwise):
             with the engine's ``prompt_tokens`` they teach the estimator.
         model: The requested model.
+        blocks: The prompt's block hashes, when hashed with the parse (large
+            bodies, off the event loop); None: ``Router.route`` hashes it.
     """
 
     routing: RoutingRequest
@@ -92,6 +95,7 @@ class BuiltRequest:
     scope: TenantScope
     text_chars: int
     model: str
+    blocks: PromptBlocks | None = None
 
 
 def _bad(field: str, message: str, code: str = "invalid_field") -> BadRequest:
