@@ -16,7 +16,8 @@ Shape of the YAML file (all keys optional)::
     policy:        {name, params}
     routing:       {mode: text|token, tokenizer, chunk_chars, block_size,
                     chars_per_token, template_version, tokenizer_revision,
-                    prefix_key_tokens, default_max_tokens, document_chars}
+                    prefix_key_tokens, default_max_tokens, document_chars,
+                    max_prompt_tokens}
     tenants:       {NAME: {share_cache, cache_salt}}
     default_tenant: {share_cache, cache_salt}
     api_keys:      {KEY: TENANT}
@@ -241,6 +242,11 @@ class RoutingConfig(_Model):
         prefix_key_tokens: Depth of the prefix key in decisions and metrics.
         default_max_tokens: Expected output tokens when a request gives none.
         document_chars: A message this long makes the request's prefix class ``document``.
+        max_prompt_tokens: Only a prompt's first this many tokens are hashed
+            and indexed (text mode: their characters at the current estimate);
+            its full length still counts in the cost model. Bounds one
+            request's routing work, whatever its size: 131,072 is the longest
+            context most served models take.
     """
 
     mode: Literal["text", "token"] = "text"
@@ -253,6 +259,7 @@ class RoutingConfig(_Model):
     prefix_key_tokens: PosInt = 1024
     default_max_tokens: PosInt = 256
     document_chars: PosInt = 4000
+    max_prompt_tokens: PosInt = 131_072
 
 
 class TenantRule(_Model):

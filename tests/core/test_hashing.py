@@ -128,3 +128,20 @@ def test_common_blocks_iff_common_token_prefix(a: list[int], b: list[int], bs: i
     while shared_blocks < min(len(ha), len(hb)) and ha[shared_blocks] == hb[shared_blocks]:
         shared_blocks += 1
     assert shared_blocks == min(common // bs, len(ha), len(hb))
+
+
+def test_only_the_first_max_prompt_tokens_are_hashed_but_the_length_counts_in_full() -> None:
+    tokens = list(range(10_000))
+    capped = BlockHasher(block_size=16, max_prompt_tokens=1_000).token_blocks(SEED, tokens)
+    full = BlockHasher(block_size=16).token_blocks(SEED, tokens)
+    assert capped.hashes == full.hashes[: 1_000 // 16]
+    assert capped.prompt_tokens == full.prompt_tokens == 10_000
+
+    text = "abcdefgh" * 10_000
+    est = TokenEstimator(4.0)
+    capped_t = BlockHasher(chunk_chars=256, estimator=est, max_prompt_tokens=1_000).text_blocks(
+        SEED, text
+    )
+    full_t = BlockHasher(chunk_chars=256, estimator=est).text_blocks(SEED, text)
+    assert capped_t.hashes == full_t.hashes[: 4_000 // 256]  # 1,000 tokens of 4 characters
+    assert capped_t.prompt_tokens == full_t.prompt_tokens == 20_000

@@ -146,20 +146,36 @@ class BlockHasher:
         block_size: Engine block size (token mode).
         chunk_chars: Characters per chunk (text mode).
         estimator: Chars-per-token estimator (text mode).
+        max_prompt_tokens: Only the first this many tokens of a prompt are
+            hashed (text mode: as many characters as they take at the current
+            estimate); None = all. The prompt's length still counts in full,
+            so only a prefix match deeper than this goes unseen. It bounds
+            the routing work of one request (hashing, matching, the index's
+            updates) whatever a client sends: a prompt of a million token ids
+            is otherwise a million ids of work on the router's thread.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     chunk_chars: int = DEFAULT_CHUNK_CHARS
     estimator: TokenEstimator = field(default_factory=TokenEstimator)
+    max_prompt_tokens: int | None = None
 
     def token_blocks(self, seed: int, tokens: Sequence[int]) -> PromptBlocks:
         """Token mode: exact block boundaries."""
-        hashes = hash_token_blocks(seed, tokens, self.block_size)
+        limit = self.max_prompt_tokens
+        hashed = tokens if limit is None or len(tokens) <= limit else tokens[:limit]
+        hashes = hash_token_blocks(seed, hashed, self.block_size)
         return PromptBlocks(hashes, float(self.block_size), len(tokens))
 
     def text_blocks(self, seed: int, text: str, prompt_tokens: int = 0) -> PromptBlocks:
         """Text mode: character chunks, token counts estimated."""
-        hashes = hash_text_blocks(seed, text, self.chunk_chars)
+        limit = self.max_prompt_tokens
+        if limit is not None:
+            chars = int(limit * self.estimator.chars_per_token)
+            hashed = text if len(text) <= chars else text[:chars]
+        else:
+            hashed = text
+        hashes = hash_text_blocks(seed, hashed, self.chunk_chars)
         total = prompt_tokens or self.estimator.estimate(len(text))
         per_block = self.chunk_chars / self.estimator.chars_per_token
         return PromptBlocks(hashes, per_block, total)

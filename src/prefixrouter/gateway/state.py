@@ -100,6 +100,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         block_size=r.block_size or 16,
         chunk_chars=r.chunk_chars,
         estimator=TokenEstimator(r.chars_per_token),
+        max_prompt_tokens=r.max_prompt_tokens,
     )
     policy = create_policy(config.policy.name, config.policy.params)
     router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens)
