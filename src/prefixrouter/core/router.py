@@ -262,6 +262,7 @@ class Router:
     def on_completed(self, decision: Decision, outcome: Outcome, now: float) -> bool:
         """Feed back what the engine reported. Returns True if it was a cache miss."""
         ctx = decision.context
+        decision.placed = None  # finished: not withdrawn any more (and frees the entries)
         miss = False
         if outcome.ok:
             miss = self.index.on_completed(
