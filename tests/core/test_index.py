@@ -13,6 +13,7 @@ from prefixrouter.core import (
     BlockStored,
     EntrySource,
     IndexParams,
+    Placement,
     PrefixIndex,
     WorkerId,
     hash_token_blocks,
@@ -187,7 +188,7 @@ def test_one_million_unique_prompts_stay_under_the_global_cap() -> None:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["route", "complete", "store", "remove", "clear"]),
+        st.sampled_from(["route", "complete", "store", "remove", "clear", "withdraw", "demote"]),
         st.sampled_from([A, B, WorkerId("c")]),
         st.integers(0, 5),  # which document
         st.integers(0, 8),  # how many blocks
@@ -205,11 +206,21 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
     for w in (A, B, WorkerId("c")):
         idx.set_capacity(w, capacity)
     t = 0.0
+    routings: list[tuple[WorkerId, Placement]] = []
     for op, w, d, n in script:
         t += 1.0
         blocks = docs[d][:n]
         if op == "route":
-            idx.on_routed(w, blocks, t)
+            routings.append((w, idx.on_routed(w, blocks, t)))
+        elif op == "withdraw":
+            # the engine refused one of the routings made so far (each at most once)
+            if routings:
+                ww, placed = routings.pop(d % len(routings))
+                idx.withdraw(ww, placed)
+            blocks = ()
+        elif op == "demote":
+            idx.demote_events(w, t)
+            blocks = ()
         elif op == "complete":
             # the engine prefilled the whole prompt: every whole block is given
             idx.on_completed(w, docs[d], 16.0, 16 * n, 16 * (n // 2), t)
@@ -225,6 +236,11 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
         given_blocks.setdefault(w, set()).update(blocks)
         # capacity and the global cap hold after every call
         assert len(idx) <= 20
+        # the speculative count is exact, and bounds the expiry heap
+        live = [e for ww in (A, B, WorkerId("c")) for e in idx._lru.get(ww, {}).values()]
+        speculative = sum(1 for e in live if e.source is EntrySource.SPECULATIVE)
+        assert idx.speculative_entries == speculative
+        assert idx.expiry_items <= 2 * speculative + 64
         for ww in (A, B, WorkerId("c")):
             assert idx.blocks_of(ww) <= capacity
         # the index never claims more than a worker was given, and the matched
@@ -343,3 +359,95 @@ def test_full_trust_stays_exactly_one() -> None:
     idx.on_routed(A, doc, 0.0)
     idx.on_completed(A, doc, 16.0, 0, 160, 0.0)  # a hit: back to 1.0
     assert idx.trust(A, 0.0) == 1.0 and idx.trust(A, 1e6) == 1.0
+
+
+# ------------------------------------------------------------- withdrawal
+
+
+def _snapshot(idx: PrefixIndex, docs: list[tuple[BlockHash, ...]]) -> object:
+    workers = (A, B)
+    return (
+        len(idx),
+        idx.speculative_entries,
+        {w: idx.blocks_of(w) for w in workers},
+        [{w: (m.blocks, m.source) for w, m in idx.match(d, 2.0).items()} for d in docs],
+    )
+
+
+def test_a_withdrawn_routing_leaves_the_index_as_it_was() -> None:
+    idx = PrefixIndex()
+    doc = chain(1, 10)
+    idx.on_routed(A, doc[:4], 0.0)
+    idx.on_completed(A, doc[:4], 16.0, 0, 64, 0.5)  # the engine holds the head
+    idx.on_routed(B, chain(2, 3), 0.5)  # and a routing in flight elsewhere
+    before = _snapshot(idx, [doc, chain(2, 3)])
+    placed = idx.on_routed(A, doc, 1.0)  # the request extends the document...
+    assert {h for h, _ in placed} == set(doc[4:])  # ...its new tail is all it holds
+    assert idx.match(doc, 1.0)[A].blocks == 10
+    assert idx.withdraw(A, placed) == 6  # the engine refused it: the tail goes
+    assert _snapshot(idx, [doc, chain(2, 3)]) == before
+    assert idx.expiry_items <= 2 * idx.speculative_entries + 64
+
+
+def test_withdrawing_one_of_two_routings_keeps_what_the_other_holds() -> None:
+    idx = PrefixIndex()
+    doc = chain(1, 8)
+    first = idx.on_routed(A, doc, 0.0)
+    second = idx.on_routed(A, doc[:5], 0.0)  # the same new prefix, in flight at once
+    assert idx.withdraw(A, first) == 3  # only the tail the second one does not cover
+    assert idx.match(doc, 0.0)[A].blocks == 5
+    assert idx.withdraw(A, second) == 5  # both refused: nothing left
+    assert len(idx) == 0 and idx.speculative_entries == 0
+    # withdrawing in the other order ends the same
+    first, second = idx.on_routed(A, doc, 1.0), idx.on_routed(A, doc, 1.0)
+    assert idx.withdraw(A, second) == 0 and idx.match(doc, 1.0)[A].blocks == 8
+    assert idx.withdraw(A, first) == 8 and len(idx) == 0
+
+
+def test_withdrawal_never_removes_what_the_engine_reported() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=10.0))
+    doc = chain(1, 6)
+    refused = idx.on_routed(A, doc, 0.0)
+    served = idx.on_routed(A, doc, 0.5)
+    idx.on_completed(A, doc[:3], 16.0, 0, 48, 1.0)  # another prefill confirmed the head
+    idx.apply(BlockStored(A, doc[3:5]), 1.0)  # and an event reported two more blocks
+    idx.withdraw(A, served)
+    assert idx.withdraw(A, refused) == 1  # only the last block was speculative
+    m = idx.match(doc, 1.0)[A]
+    assert m.blocks == 5 and m.source is EntrySource.EVENT
+    assert idx.entry(A, doc[0]).source is EntrySource.CONFIRMED  # type: ignore[union-attr]
+    # an untrusted (backlog) event holds its speculative entries for good
+    other = chain(2, 4)
+    placed = idx.on_routed(B, other, 1.0)
+    idx.apply(BlockStored(B, other), 1.0, trusted=False)
+    assert idx.withdraw(B, placed) == 0 and idx.match(other, 1.0)[B].blocks == 4
+    # an entry evicted and created again since is another routing's: kept
+    idx.set_capacity(B, 4)
+    placed = idx.on_routed(B, chain(3, 4), 2.0)  # evicts `other`...
+    again = idx.on_routed(B, other, 3.0)  # ...which comes back, evicting chain 3
+    assert idx.withdraw(B, placed) == 0 and idx.match(other, 3.0)[B].blocks == 4
+    # the untrusted event's holds went with the evicted entries: these were this routing's
+    assert idx.withdraw(B, again) == 4 and idx.blocks_of(B) == 0
+
+
+def test_the_expiry_heap_stays_bounded_by_the_live_speculative_entries() -> None:
+    idx = PrefixIndex(IndexParams(speculative_ttl_s=120.0))
+    workers = [WorkerId(f"w{i}") for i in range(4)]
+    for w in workers:
+        idx.set_capacity(w, 100)
+    peak = 0
+    for i in range(20_000):
+        w = workers[i % 4]
+        doc = chain(10 + i, 8)
+        t = i * 1e-3  # 1,000 req/s: nothing expires within the run
+        idx.on_routed(w, doc, t)
+        if i % 3 == 0:  # a third is confirmed at once, the rest stay speculative
+            idx.on_completed(w, doc, 16.0, 0, 0, t)
+        peak = max(peak, idx.expiry_items)
+    assert len(idx) == 400
+    assert idx.speculative_entries == sum(
+        1 for w in workers for h, e in idx._lru[w].items() if e.source is EntrySource.SPECULATIVE
+    )
+    # 160,000 entries were placed; the heap holds about what the index does
+    assert peak <= 2 * 400 + 64 + 8
+    assert idx.expiry_items <= 2 * idx.speculative_entries + 64

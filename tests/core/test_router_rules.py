@@ -420,3 +420,34 @@ def test_demand_survives_a_clock_that_steps_back() -> None:
         r.on_routed(d, t)
     assert isinstance(r.policy, PrefixRouterPolicy)
     assert r.policy.prefix_rate(r.blocks_for(request("q", doc)).hashes[0], 3.0) > 0
+
+
+def test_a_rejected_routing_is_taken_back_in_the_index_and_the_demand() -> None:
+    router = Router()
+    policy = router.policy
+    assert isinstance(policy, PrefixRouterPolicy)
+    ws = workers(2)
+    doc = tokens(1, 2048)
+    served = router.route(request("doc", doc), ws, 0.0)
+    router.on_routed(served, 0.0)
+    router.on_completed(served, Outcome(0, 0.1), 0.5)  # the engine holds the document
+    before = (len(router.index), dict(policy._demand), router.index.speculative_entries)
+    rates = {k: policy.prefix_rate(k, 5.0) for k in policy._demand}
+    # a request past the context length: it shares the document and extends it
+    too_long = request("long", [*doc, *tokens(2, 40_000)])
+    d = router.route(too_long, ws, 1.0)
+    assert d.worker_id == served.worker_id and d.predicted_cached_tokens > 0
+    router.on_routed(d, 1.0)
+    router.on_rejected(d, 1.2)  # the engine answered 400: no prefill
+    assert (len(router.index), dict(policy._demand), router.index.speculative_entries) == before
+    assert {k: policy.prefix_rate(k, 5.0) for k in policy._demand} == pytest.approx(rates)
+    retry = router.route(request("long-retry", [*doc, *tokens(2, 40_000)]), ws, 2.0)
+    assert retry.predicted_cached_tokens == served.prompt_tokens  # the document only
+    # a new prefix refused outright leaves nothing: its retry is routed as never seen
+    new = request("new", tokens(3, 4096))
+    d = router.route(new, ws, 3.0)
+    router.on_routed(d, 3.0)
+    router.on_rejected(d, 3.0)
+    again = router.route(request("new-retry", tokens(3, 4096)), ws, 4.0)
+    assert again.predicted_cached_tokens == 0 and again.tier == "cold"
+    assert router.blocks_for(new).hashes[0] not in policy._demand

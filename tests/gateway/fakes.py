@@ -11,7 +11,8 @@ the last token always recomputed), ``/v1/models``, ``/health``, ``/metrics``
 
 Tokens are 4 characters; the prefix cache holds block hashes (one per 16
 tokens) keyed by ``cache_salt``, without eviction. Knobs make it refuse
-(``status``), hang (``delay_s``), close before the first byte
+(``status``), reject prompts past a context length with vLLM's 400
+(``max_prompt_tokens``), hang (``delay_s``), close before the first byte
 (``die_before_first_byte``) or after a few chunks (``die_after_chunks``),
 or go silent after a few chunks (``hang_after_chunks``), or answer ``/health``
 late (``health_delay_s``). ``start_time`` is
@@ -47,6 +48,7 @@ class FakeEngine:
     hang_after_chunks: int | None = None
     start_time: float | None = None
     health_delay_s: float = 0.0
+    max_prompt_tokens: int | None = None
     healthy: bool = True
     num_gpu_blocks: int = 4096
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -134,6 +136,21 @@ def make_app(engine: FakeEngine) -> web.Application:
             }
             return web.Response(status=404, body=orjson.dumps(err), content_type="application/json")
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
+        prompt_tokens = max(1, len(engine.prompt_text(body)) // CHARS_PER_TOKEN)
+        limit = engine.max_prompt_tokens
+        if limit is not None and prompt_tokens + n > limit:
+            # vLLM checks max_model_len before scheduling: nothing is prefilled.
+            err = {
+                "error": {
+                    "message": f"This model's maximum context length is {limit} tokens. "
+                    f"However, you requested {prompt_tokens + n} tokens "
+                    f"({prompt_tokens} in the messages, {n} in the completion).",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            }
+            return web.Response(status=400, body=orjson.dumps(err), content_type="application/json")
         words = [f"w{i} " for i in range(n)]
         rid = f"cmpl-{len(engine.requests)}"
         engine.running += 1

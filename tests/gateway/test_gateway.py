@@ -522,3 +522,73 @@ def test_a_client_that_leaves_after_the_usage_chunk_still_leaves_its_feedback() 
             assert logs[0]["actual_cached_tokens"] is not None  # fed back all the same
 
     run(body)
+
+
+def test_a_rejected_request_leaves_no_phantom_prefix_in_the_index() -> None:
+    """Issue 12, item 6: a 400 (prompt past the context length) is taken back.
+
+    The index mirrors 40 blocks of 256 characters; the document takes 10. Each
+    rejected prompt (about 23 blocks) would leave its blocks behind for the
+    speculative TTL: its retry would be predicted warm, and a second one would
+    evict the document, which the engine still holds.
+    """
+
+    async def body() -> None:
+        engines = [FakeEngine(max_prompt_tokens=1000, num_gpu_blocks=160)]
+        async with gateway_env(engines=engines) as env:
+            index = env.state.router.index
+            w0 = WorkerId("w0")
+            for _ in range(100):  # the metrics poll mirrors the engine's KV size
+                if index.capacity(w0) == 40:
+                    break
+                await asyncio.sleep(0.05)
+            assert index.capacity(w0) == 40
+            for _ in range(2):
+                r = await env.chat("What does it say?", system=LONG)
+                assert r.status == 200
+            too_long = ["Lorem ipsum dolor sit amet. " * 210, "Sed ut perspiciatis. " * 280]
+            for text in (too_long[0], too_long[0], too_long[1]):
+                r = await env.chat(text, system="")
+                assert r.status == 400 and "context length" in _error(await r.json())["message"]
+            r = await env.chat("And the second part?", system=LONG)
+            assert r.status == 200
+            logs = await _decisions(env)
+            doc, rejected = [logs[1], logs[-1]], logs[2:5]
+            assert [d["status"] for d in rejected] == [400, 400, 400]
+            assert rejected[1]["predicted_cached_tokens"] == 0  # the identical retry: cold
+            for d in doc:  # the document stays predicted warm, as the engine holds it
+                assert d["predicted_cached_tokens"] > 0 and d["actual_cached_tokens"] > 0
+            assert len(index) == index.blocks_of(w0) <= 11  # the document (and its question)
+
+    run(body)
+
+
+def test_attempts_without_prefill_take_their_routing_back() -> None:
+    """A refusal retried elsewhere, then a stream whose client left before the first byte."""
+
+    async def body() -> None:
+        engines = [FakeEngine(status=503), FakeEngine(delay_s=5.0)]
+        overrides = {"policy": {"name": "round_robin"}}
+        async with gateway_env(engines=engines, overrides=overrides) as env:
+            payload = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": LONG}],
+                "stream": True,
+            }
+            with contextlib.suppress(TimeoutError):
+                await env.client.post(
+                    "/v1/chat/completions", json=payload, timeout=aiohttp.ClientTimeout(total=0.5)
+                )
+            for _ in range(200):
+                if engines[1].cancelled and env.state.ledger.load(WorkerId("w1")).in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            (log,) = await _decisions(env)
+            assert log["status"] == 499 and log["retried_from"] == ["w0"]
+            assert len(engines[0].requests) == 1 and engines[1].cancelled == 1
+            index = env.state.router.index
+            assert index.blocks_of(WorkerId("w0")) == 0  # refused: nothing cached there
+            assert index.blocks_of(WorkerId("w1")) == 0  # aborted before its first byte
+            assert len(index) == 0 and index.speculative_entries == 0
+
+    run(body)

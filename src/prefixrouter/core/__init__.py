@@ -13,7 +13,7 @@ from prefixrouter.core.hashing import (
     hash_text_blocks,
     hash_token_blocks,
 )
-from prefixrouter.core.index import IndexEntry, IndexParams, PrefixIndex, WorkerMatch
+from prefixrouter.core.index import IndexEntry, IndexParams, Placement, PrefixIndex, WorkerMatch
 from prefixrouter.core.load import InflightLedger, WorkerLoad
 from prefixrouter.core.policy import (
     CandidateScore,
@@ -56,6 +56,7 @@ __all__ = [
     "InflightLedger",
     "KvEvent",
     "Outcome",
+    "Placement",
     "Policy",
     "PrefixClass",
     "PrefixIndex",

@@ -12,7 +12,13 @@ Structure:
   *think* are cached (we routed a request there) expire after
   ``speculative_ttl_s`` unless confirmed or refreshed. A refresh only moves
   the entry's ``expires_at``; the heap item is re-pushed when it surfaces, so
-  a refresh costs nothing and the heap holds one item per speculative entry.
+  a refresh costs nothing. Items of entries confirmed, evicted or removed
+  since are dead; they are dropped when they surface or, sooner, when the
+  heap holds more than ``2 x`` the live speculative entries plus
+  ``_EXPIRY_SLACK`` items: then it is rebuilt from its live items. Each
+  rebuild drops at least half the heap, so it costs amortized O(1) per push,
+  and the heap stays bounded by what the index holds, not by the request
+  rate times the TTL.
 * ``_trust``: worker -> confidence in [min_trust, 1] and when it last changed.
   A miss (the engine reused far fewer tokens than predicted) drops the entries
   past the actual match and, unless the worker's cache is full (eviction
@@ -26,6 +32,7 @@ Invariants (checked by the property tests):
 
 * An entry exists in ``_holders[h][w]`` iff it exists in ``_lru[w][h]``.
 * ``len(_lru[w]) <= capacity(w)`` and the total entry count ``<= max_entries``.
+* ``len(_expiry) <= 2 * speculative_entries + _EXPIRY_SLACK``.
 * :meth:`match` never reports more blocks for a worker than the worker was
   given (by ``on_routed``, ``on_completed`` or an event).
 * **Prefix closure**: if a worker holds block ``i`` of a chain, it holds
@@ -42,7 +49,15 @@ chain, the tail first. A chain is touched from its last block to its first, so
 its first block is the most recent: evicting the head would orphan the whole
 chain, as vLLM's free-block queue also avoids.
 
-The index changes only through the explicit calls ``on_routed``,
+**Withdrawal**: :meth:`on_routed` returns the speculative entries it placed
+or refreshed (a :data:`Placement`). When the engine did no prefill for that
+request (it refused it, or it was cut off before its first byte),
+:meth:`withdraw` takes the routing back: each speculative entry counts the
+routings that hold it (``IndexEntry.routings``), and an entry no routing holds
+any more is removed. An entry another routing still holds, one the engine
+confirmed or reported since, or one evicted and created again is kept.
+
+The index changes only through the explicit calls ``on_routed``, ``withdraw``,
 ``on_completed``, ``apply``, ``set_capacity``, ``remove_worker`` and ``expire``;
 :meth:`match` reads. ``now`` is always passed in; nothing here reads a clock.
 """
@@ -61,6 +76,8 @@ from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
 
 _INF = float("inf")
+_EXPIRY_SLACK = 64
+"""Dead expiry-heap items tolerated beyond twice the live speculative entries."""
 _exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 """Runs an iterator for its side effects, at C speed and without a new deque per call."""
 
@@ -73,11 +90,21 @@ class IndexEntry:
         source: How we learned it (speculative < confirmed < event).
         expires_at: Speculative entries expire; others have ``inf``.
         confidence: How sure we are the engine still holds it (source-based).
+        routings: While speculative, the holds on it: each routing that placed
+            or refreshed it and was not withdrawn, plus one that is never
+            withdrawn for anything else that made it speculative (an untrusted
+            event, a demotion). :meth:`PrefixIndex.withdraw` removes an entry
+            whose holds reach 0.
     """
 
     source: EntrySource
     expires_at: float
     confidence: float
+    routings: int = 1
+
+
+Placement = list[tuple[BlockHash, IndexEntry]]
+"""The speculative entries one :meth:`PrefixIndex.on_routed` call holds, with their blocks."""
 
 
 @dataclass(slots=True)
@@ -147,6 +174,7 @@ class PrefixIndex:
         self._expiry: list[tuple[float, int, WorkerId, BlockHash, IndexEntry]] = []
         self._ticket = count()
         self._entries = 0
+        self._speculative = 0  # live speculative entries (bounds the expiry heap)
         self._holey: set[WorkerId] = set()  # workers whose entries may not be prefix-closed
         # worker -> when an engine event last cleared its cache: a request
         # routed before that was predicted against blocks that are gone.
@@ -162,6 +190,20 @@ class PrefixIndex:
     def __len__(self) -> int:
         """Number of (block, worker) entries."""
         return self._entries
+
+    @property
+    def speculative_entries(self) -> int:
+        """Live speculative entries."""
+        return self._speculative
+
+    @property
+    def expiry_items(self) -> int:
+        """Items in the expiry heap, dead ones included (at most ``2 x`` the live ones + slack)."""
+        return len(self._expiry)
+
+    def holds(self, block: BlockHash) -> bool:
+        """Whether any worker holds ``block``."""
+        return block in self._holders
 
     def blocks_of(self, worker: WorkerId) -> int:
         """Entries held for ``worker``."""
@@ -272,16 +314,58 @@ class PrefixIndex:
         lru = self._lru.get(worker)
         while lru is not None and len(lru) > blocks:
             self._evict_one(worker, lru)
+        self._compact_expiry()
 
-    def on_routed(self, worker: WorkerId, hashes: Sequence[BlockHash], now: float) -> None:
+    def on_routed(self, worker: WorkerId, hashes: Sequence[BlockHash], now: float) -> Placement:
         """We sent a request with these blocks to ``worker``: it will cache them.
 
         Existing entries are refreshed (confirmed and event entries keep their
         source); new ones are speculative with a TTL.
+
+        Returns:
+            The speculative entries this routing holds (placed or refreshed),
+            for :meth:`withdraw`; empty when the chain was confirmed already.
         """
         if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
             self.expire(now)
-        self._touch_chain(worker, hashes, now, _SPECULATIVE)
+        placed: Placement = []
+        self._touch_chain(worker, hashes, now, _SPECULATIVE, placed)
+        return placed
+
+    def withdraw(self, worker: WorkerId, placed: Placement) -> int:
+        """Take back a routing whose request the engine did no prefill for.
+
+        Releases this routing's hold on each entry of ``placed`` (what
+        :meth:`on_routed` returned for it; call once per routing) and removes
+        the entries no routing holds any more, so an answer that cached
+        nothing (a refusal, a failure before the first byte) leaves no
+        phantom prefix. Kept: entries the engine confirmed or reported since
+        (they are not speculative any more), entries another routing placed
+        or refreshed and still holds (two requests of one new prefix in
+        flight: withdrawing one leaves what the other needs), and entries
+        evicted and created again since (another object). What the routing
+        itself evicted to make room cannot be restored, nor the recency and
+        TTL it gave entries it refreshed.
+
+        Returns:
+            How many entries were removed.
+        """
+        lru = self._lru.get(worker)
+        removed = 0
+        for block, entry in placed:
+            if entry.source is not _SPECULATIVE:
+                continue  # confirmed or reported by the engine since: it holds the block
+            entry.routings -= 1
+            if entry.routings > 0 or lru is None or lru.get(block) is not entry:
+                continue  # still held by another routing, or already gone
+            del lru[block]
+            self._detach(worker, block)
+            self._entries -= 1
+            self._speculative -= 1
+            removed += 1
+        if removed:
+            self._compact_expiry()
+        return removed
 
     def on_completed(
         self,
@@ -336,6 +420,7 @@ class PrefixIndex:
                 if actual_blocks:
                     self._touch_chain(worker, hashes[:actual_blocks], now, _CONFIRMED)
                 self._remove(worker, hashes[actual_blocks:])
+                self._compact_expiry()
                 return True
         elif predicted_blocks or actual_blocks:
             self._trust[worker] = (min(1.0, trust + p.hit_recovery), now)
@@ -364,6 +449,7 @@ class PrefixIndex:
             # this worker are then verified block by block (see match).
             self._holey.add(event.worker_id)
             self._remove(event.worker_id, event.block_hashes)
+            self._compact_expiry()
         elif isinstance(event, AllBlocksCleared):
             self.clear_worker(event.worker_id)
             self._cleared_at[event.worker_id] = now
@@ -388,8 +474,11 @@ class PrefixIndex:
                 entry.source = _SPECULATIVE
                 entry.confidence = p.speculative_confidence
                 entry.expires_at = expires_at
+                entry.routings += 1  # the event's hold: no routing's withdrawal removes it
                 heapq.heappush(self._expiry, (expires_at, next(self._ticket), worker, block, entry))
                 demoted += 1
+        self._speculative += demoted
+        self._compact_expiry()
         return demoted
 
     def demote_worker(self, worker: WorkerId, now: float) -> int:
@@ -434,6 +523,8 @@ class PrefixIndex:
         for block in lru:
             self._detach(worker, block)
         self._entries -= len(lru)
+        self._speculative -= sum(1 for e in lru.values() if e.source is _SPECULATIVE)
+        self._compact_expiry()
 
     def remove_worker(self, worker: WorkerId) -> None:
         """The worker is gone: forget its blocks, capacity and trust."""
@@ -461,14 +552,29 @@ class PrefixIndex:
                 del lru[block]
                 self._detach(worker, block)
                 self._entries -= 1
+                self._speculative -= 1
                 removed += 1
+        if removed:
+            self._compact_expiry()
         return removed
 
     # -------------------------------------------------------------- internals
 
     def _touch_chain(
-        self, worker: WorkerId, hashes: Sequence[BlockHash], now: float, source: EntrySource
+        self,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        now: float,
+        source: EntrySource,
+        placed: Placement | None = None,
     ) -> None:
+        """Store or refresh a chain on ``worker``, tail first; evict past the capacity.
+
+        A speculative touch takes a hold on each speculative entry it places or
+        refreshes (``IndexEntry.routings``) and, given ``placed`` (a routing),
+        records them there for :meth:`withdraw`; without it (an untrusted
+        event) the hold is never released.
+        """
         lru = self._lru.get(worker)
         if lru is None:
             lru = self._lru[worker] = OrderedDict()
@@ -489,31 +595,49 @@ class PrefixIndex:
                 # speculative entries moves (re-queued lazily by expire()).
                 for held in held_entries:
                     if held.source is _SPECULATIVE:
+                        break
+                else:
+                    return  # all confirmed (a hot prefix): the usual case, decided first
+                for block, held in zip(hashes, held_entries, strict=True):
+                    if held.source is _SPECULATIVE:
                         held.expires_at = expires_at
+                        held.routings += 1
+                        if placed is not None:
+                            placed.append((block, held))
                 return
+            upgraded = 0
             for held in held_entries:
                 held_source = held.source
                 if held_source is source:
                     continue  # already as strong: the usual case, decided first
                 if held_source is _SPECULATIVE:
                     held.source, held.expires_at, held.confidence = source, _INF, confidence
+                    upgraded += 1
                 elif source > held_source:
                     held.source, held.confidence = source, confidence
+            if upgraded:
+                self._speculative -= upgraded
+                self._compact_expiry()
             return
         # Tail first, so the chain's head ends up most recently used.
         holders, capacity = self._holders, self.capacity(worker)
         move_to_end, expiry, ticket = lru.move_to_end, self._expiry, self._ticket
         added = 0
+        speculative_delta = 0
         for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
             if entry is not None:
                 move_to_end(block)
                 if source >= entry.source:
                     if entry.source is _SPECULATIVE and not speculative:
                         entry.expires_at = _INF
+                        speculative_delta -= 1
                     entry.source = source
                     entry.confidence = max(entry.confidence, confidence)
                 if speculative and entry.source is _SPECULATIVE:
                     entry.expires_at = expires_at  # re-queued lazily by expire()
+                    entry.routings += 1
+                    if placed is not None:
+                        placed.append((block, entry))
                 continue
             entry = IndexEntry(source, expires_at, confidence)
             lru[block] = entry
@@ -525,7 +649,10 @@ class PrefixIndex:
             added += 1
             if speculative:
                 heapq.heappush(expiry, (expires_at, next(ticket), worker, block, entry))
+                if placed is not None:
+                    placed.append((block, entry))
         self._entries += added
+        self._speculative += (added if speculative else 0) + speculative_delta
         # Evict after the chain is in: the chain is the most recent part of the
         # LRU, so other chains go first (and a chain longer than the capacity
         # loses its tail first).
@@ -533,11 +660,43 @@ class PrefixIndex:
             self._evict_one(worker, lru)
         while self._entries > p.max_entries:
             self._evict_global()
+        self._compact_expiry()
+
+    def _compact_expiry(self) -> None:
+        """Rebuild the expiry heap from its live items once dead ones dominate.
+
+        Dead items (their entry was confirmed, evicted, removed or expired and
+        created again) would otherwise stay until their time comes: at a high
+        rate of unique prompts that is rate x blocks x TTL items, far more
+        than the index holds. Past ``2 x`` the live speculative entries plus
+        ``_EXPIRY_SLACK``, the heap is filtered to one item per live entry and
+        re-heapified: O(heap) work that removes at least half the heap, so
+        amortized O(1) per push. Only housekeeping: which entries expire when
+        does not change.
+        """
+        heap = self._expiry
+        if len(heap) <= 2 * self._speculative + _EXPIRY_SLACK:
+            return
+        lrus = self._lru
+        seen: set[int] = set()
+        live: list[tuple[float, int, WorkerId, BlockHash, IndexEntry]] = []
+        for item in heap:
+            _, _, worker, block, entry = item
+            if entry.source is not _SPECULATIVE or id(entry) in seen:
+                continue
+            lru = lrus.get(worker)
+            if lru is not None and lru.get(block) is entry:
+                seen.add(id(entry))
+                live.append(item)
+        heapq.heapify(live)
+        self._expiry = live
 
     def _evict_one(self, worker: WorkerId, lru: OrderedDict[BlockHash, IndexEntry]) -> None:
-        block, _ = lru.popitem(last=False)
+        block, entry = lru.popitem(last=False)
         self._detach(worker, block)
         self._entries -= 1
+        if entry.source is _SPECULATIVE:
+            self._speculative -= 1
         self.evicted_entries += 1
 
     def _evict_global(self) -> None:
@@ -552,9 +711,12 @@ class PrefixIndex:
         if lru is None:
             return
         for block in hashes:
-            if lru.pop(block, None) is not None:
+            entry = lru.pop(block, None)
+            if entry is not None:
                 self._detach(worker, block)
                 self._entries -= 1
+                if entry.source is _SPECULATIVE:
+                    self._speculative -= 1
 
     def _detach(self, worker: WorkerId, block: BlockHash) -> None:
         slot = self._holders.get(block)

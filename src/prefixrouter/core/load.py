@@ -77,6 +77,11 @@ class InflightLedger:
         load.queued_prompt_tokens += prompt_tokens
         load.requests.add(request_id)
 
+    def first_token_seen(self, request_id: RequestId) -> bool:
+        """Whether the in-flight request has had its first token (its prefill is done)."""
+        item = self._requests.get(request_id)
+        return item is not None and item.decoding
+
     def on_first_token(self, request_id: RequestId) -> None:
         """Prefill is done; the request now decodes and holds its context."""
         item = self._requests.get(request_id)

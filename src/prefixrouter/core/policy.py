@@ -6,8 +6,8 @@ A policy is one class in one file under :mod:`prefixrouter.core.policies`:
 * ``select(ctx, candidates)`` returning a :class:`Selection`: pure, it must not
   change any state, so a decision can be replayed and explained;
 * optional hooks with no-op defaults (``on_routed``, ``on_completed``,
-  ``on_worker_removed``) where a policy keeps state of its own (a round-robin
-  cursor, a peer's character tree);
+  ``on_rejected``, ``on_worker_removed``) where a policy keeps state of its
+  own (a round-robin cursor, a peer's character tree);
 * one line to register it: the ``@register`` decorator.
 
 The router computes what every policy may need once per request into the
@@ -148,6 +148,15 @@ class Policy:
 
     def on_completed(self, ctx: RoutingContext, worker: WorkerId, outcome: Outcome) -> None:
         """The request of ``ctx`` finished on ``worker``."""
+
+    def on_rejected(self, ctx: RoutingContext, worker: WorkerId) -> None:
+        """The engine did no prefill for the request of ``ctx`` (see ``Router.on_rejected``).
+
+        Undo what :meth:`on_routed` recorded for it where that makes sense.
+        The default reports a failed completion, so a policy that only pairs
+        ``on_routed`` with ``on_completed`` stays balanced.
+        """
+        self.on_completed(ctx, worker, Outcome(0, None, ok=False))
 
     def on_worker_removed(self, worker: WorkerId) -> None:
         """``worker`` left the fleet."""

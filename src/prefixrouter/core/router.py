@@ -13,8 +13,10 @@
 ``route`` changes no state. The driver then calls :meth:`Router.on_routed`
 when it has sent the request, and :meth:`Router.on_completed` with what the
 engine reported, which feeds the index (confirmations, misses), the cost
-model's calibration and the policy's hooks. Engine KV events go to
-:meth:`Router.apply`.
+model's calibration and the policy's hooks; or, when the engine did no
+prefill for it (refused it, or it was cut off before its first byte),
+:meth:`Router.on_rejected`, which takes the routing back. Engine KV events go
+to :meth:`Router.apply`.
 
 The same ``Router`` runs in the live gateway and in the simulator.
 """
@@ -29,7 +31,7 @@ from typing import Any
 from prefixrouter.core.cost import CostModel, CostParams
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.hashing import BlockHasher, PromptBlocks
-from prefixrouter.core.index import IndexParams, PrefixIndex
+from prefixrouter.core.index import IndexParams, Placement, PrefixIndex
 from prefixrouter.core.policy import (
     CandidateScore,
     Outcome,
@@ -65,6 +67,8 @@ class Decision:
         warm_abandoned: A warm worker was left because of the wait limit.
         now: Decision time.
         context: The routing context (hashes and matches), for feedback calls.
+        placed: The speculative index entries :meth:`Router.on_routed` holds
+            for this decision (taken back by :meth:`Router.on_rejected`).
     """
 
     request_id: str
@@ -82,6 +86,7 @@ class Decision:
     warm_abandoned: bool
     now: float
     context: RoutingContext
+    placed: Placement | None = None
 
     @property
     def chosen(self) -> CandidateScore | None:
@@ -236,12 +241,34 @@ class Router:
     def on_routed(self, decision: Decision, now: float) -> None:
         """The request was sent to ``decision.worker_id``."""
         ctx = decision.context
-        self.index.on_routed(decision.worker_id, ctx.blocks.hashes, now)
+        decision.placed = self.index.on_routed(decision.worker_id, ctx.blocks.hashes, now)
         self.policy.on_routed(ctx, decision.worker_id)
+
+    def on_rejected(self, decision: Decision, now: float) -> None:
+        """The engine did no prefill for the request: take its routing back.
+
+        For an answer that cannot have cached anything: a refusal (4xx, 429,
+        503), a failure or a client that left before the first byte. The
+        index drops the speculative entries this routing placed that no other
+        routing holds and the engine has not confirmed
+        (:meth:`PrefixIndex.withdraw`), so an identical retry is predicted
+        cold and real prefixes are not displaced by phantoms for a TTL; the
+        policy takes back its per-request state (``Policy.on_rejected``).
+        What the routing evicted to make room is not restored: the index
+        cannot tell whether the engine still holds it. Call it instead of
+        :meth:`on_completed`, at most once per :meth:`on_routed`.
+        """
+        ctx = decision.context
+        placed = decision.placed
+        decision.placed = None
+        if placed:
+            self.index.withdraw(decision.worker_id, placed)
+        self.policy.on_rejected(ctx, decision.worker_id)
 
     def on_completed(self, decision: Decision, outcome: Outcome, now: float) -> bool:
         """Feed back what the engine reported. Returns True if it was a cache miss."""
         ctx = decision.context
+        decision.placed = None  # finished: not withdrawn any more (and frees the entries)
         miss = False
         if outcome.ok:
             miss = self.index.on_completed(

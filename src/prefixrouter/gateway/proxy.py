@@ -45,7 +45,13 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    teaches the text-mode token estimator, ``prompt_tokens_details.cached_tokens``
    and the time to first byte go to ``Router.on_completed`` (confirming or
    correcting the index and calibrating the cost model); metrics and the
-   decision log get one record.
+   decision log get one record. An attempt the engine did no prefill for
+   goes to ``Router.on_rejected`` instead, which takes its routing back out
+   of the index: every abandoned attempt (refusal, unreachable, failure
+   before the first byte), an upstream error status answered to the client
+   (a 400 for a prompt past the context length), and a stream whose client
+   left before the first upstream byte. A non-streaming request whose client
+   left keeps its routing: the engine may have prefilled it.
 
 A client that disconnects cancels the handler (aiohttp handler cancellation):
 the upstream response is closed, which makes the engine abort the request, and
@@ -127,6 +133,9 @@ class Attempt:
         suspect: The worker went silent (first-byte or stall timeout): out of
             routing until a health check passes.
         fallback: A refusal's own error response, answered if no other worker succeeds.
+        no_prefill: The engine cannot have prefilled the prompt (it answered
+            an error status, or the client left before the first byte): the
+            routing is taken back (``Router.on_rejected``).
     """
 
     response: web.StreamResponse | None
@@ -138,6 +147,7 @@ class Attempt:
     unreachable: bool = False
     suspect: bool = False
     fallback: web.Response | None = None
+    no_prefill: bool = False
 
 
 @dataclass(slots=True)
@@ -317,6 +327,9 @@ class Proxy:
                 else:
                     att = await self._unary(built, worker, path, first_byte_s)
             except asyncio.CancelledError:
+                # A stream's client that left before the first upstream byte:
+                # the engine, aborted now, has not prefilled it.
+                progress.no_prefill = built.stream and not st.ledger.first_token_seen(rid)
                 self._finish(built, decision, worker, progress, t0, retry)
                 raise
             except Exception as exc:  # a bug must not crash the gateway or leak load
@@ -407,10 +420,12 @@ class Proxy:
         out = web.Response(
             body=upstream_error_body(body, status), status=status, content_type=JSON, headers=hdrs
         )
+        # An error status before any body byte: the engine did no prefill
+        # (a 400 for a prompt past the context length, an overload refusal).
         if status in self.retry_statuses:
             # A refusal: try another worker; if none succeeds, the client gets this one.
-            return Attempt(None, status, error=f"answered {status}", fallback=out)
-        return Attempt(out, status, error=f"upstream answered {status}")
+            return Attempt(None, status, error=f"answered {status}", fallback=out, no_prefill=True)
+        return Attempt(out, status, error=f"upstream answered {status}", no_prefill=True)
 
     async def _stream(
         self,
@@ -519,7 +534,10 @@ class Proxy:
         st = self.st
         st.ledger.on_completed(decision.context.request.request_id)
         if not worker.removed:
-            st.router.on_completed(decision, Outcome(0, None, ok=False), st.clock())
+            # Abandoned before its first byte (refused, unreachable, broken):
+            # nothing was prefilled there, so the routing is taken back and
+            # the retry elsewhere leaves no phantom prefix on this worker.
+            st.router.on_rejected(decision, st.clock())
         if att.unreachable:
             st.registry.mark_failed(worker, att.error or "unreachable")
         elif att.suspect:
@@ -548,6 +566,8 @@ class Proxy:
                 last = st.note_served(worker.id, decision.prefix_key, now)
                 if miss and last is not None:
                     st.metrics.eviction_observed(now - last)
+            elif att.no_prefill:
+                st.router.on_rejected(decision, now)
             else:
                 # No report of reuse (or a failure): nothing to confirm or correct.
                 st.router.on_completed(decision, Outcome(0, att.ttft_s, ok=False), now)

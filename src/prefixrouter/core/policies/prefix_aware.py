@@ -60,7 +60,12 @@ Rules on top of the score, in order:
   prefilled): a second copy would only prefill it again meanwhile. Demand is
   counted per prefix of 1, 2, 4, 8, ... blocks, so a session's history is told
   apart from the system prompt every session shares; a burst is seen from the last
-  ``burst_samples`` arrivals, before the decayed rate has grown.
+  ``burst_samples`` arrivals, before the decayed rate has grown. The demand
+  table is bounded by what the index holds: once it doubles (past
+  ``min_tracked_prefixes``), the prefixes no worker holds any more are
+  dropped (a prefix evicted everywhere before that counts as never seen), and
+  ``max_tracked_prefixes`` caps it (oldest first). A request the engine did no
+  prefill for (``on_rejected``) is taken out of the counts again.
 * **maximum wait**: warm preference never makes a request wait behind more
   than ``max_warm_wait_s`` of queue (``warm_abandoned``).
 * **warm margin**: the best warm worker is kept while its score is within
@@ -142,6 +147,9 @@ class PrefixRouterParams:
         reference_batch: Batch size assumed when estimating per-request decode service.
         cold_pool: Pool that takes cold requests ("" = none).
         max_tracked_prefixes: Bound on the demand table (oldest dropped first).
+        min_tracked_prefixes: Prefixes the demand table takes beyond twice
+            those the index held at its last sweep before it drops those no
+            worker holds any more (see ``_sweep_demand``).
     """
 
     short: OutputClassParams = field(
@@ -172,6 +180,7 @@ class PrefixRouterParams:
     reference_batch: int = 32
     cold_pool: str = ""
     max_tracked_prefixes: int = 100_000
+    min_tracked_prefixes: int = 4096
 
 
 @dataclass(slots=True)
@@ -199,8 +208,9 @@ class PrefixRouterPolicy(Policy):
 
     def __init__(self, params: PrefixRouterParams | None = None) -> None:
         super().__init__(params)
-        # Demand per prefix, keyed by the block hash that ends it; see _demand_keys.
+        # Demand per prefix, keyed by the block hash that ends it; see on_routed.
         self._demand: dict[int, _Demand] = {}
+        self._sweep_at = self.params.min_tracked_prefixes  # see _sweep_demand
 
     # ----------------------------------------------------------------- select
 
@@ -488,6 +498,8 @@ class PrefixRouterPolicy(Policy):
             key = hashes[depth - 1]
             d = demand.get(key)
             if d is None:
+                if len(demand) >= self._sweep_at:
+                    demand = self._sweep_demand(ctx)
                 if len(demand) >= p.max_tracked_prefixes:
                     demand.pop(next(iter(demand)))  # the oldest tracked prefix
                 recent: deque[float] = deque(maxlen=p.burst_samples)
@@ -499,6 +511,47 @@ class PrefixRouterPolicy(Policy):
             d.last = now
             d.recent.append(now)
             depth <<= 1
+
+    def on_rejected(self, ctx: RoutingContext, worker: WorkerId) -> None:
+        # The engine did no prefill for it: take the arrival back out of each
+        # prefix's demand, so refused requests neither make a prefix hot nor
+        # make a new prefix "seen before" (home_by_hash) for its retry.
+        tau = self.params.demand_window_s
+        t = ctx.now
+        demand = self._demand
+        hashes = ctx.blocks.hashes
+        n = len(hashes)
+        depth = 1
+        while depth <= n:
+            key = hashes[depth - 1]
+            depth <<= 1
+            d = demand.get(key)
+            if d is None:
+                continue  # dropped from the table since
+            # The arrival added 1/tau at t; the estimate has decayed since, to d.last.
+            rate = d.rate - math.exp(-max(0.0, d.last - t) / tau) / tau
+            d.rate = rate if rate > 0.0 else 0.0
+            if t in d.recent:
+                d.recent.remove(t)
+            if not d.recent and d.rate * tau < 1e-9:
+                del demand[key]  # no other arrival left: as if never seen
+
+    def _sweep_demand(self, ctx: RoutingContext) -> dict[int, _Demand]:
+        """Drop the demand of prefixes no worker holds any more; returns the table.
+
+        Demand is read only for a prefix a warm worker holds (``_replicas_needed``)
+        and, for ``home_by_hash``, whether a first block was seen: a table
+        of every prefix ever routed grows with the request rate, not with the
+        caches. Run when the table reaches twice what survived the last sweep
+        plus ``min_tracked_prefixes``, so the work is amortized O(1) per new
+        prefix and the table stays within about twice the prefixes the index
+        holds.
+        """
+        holds = ctx.index.holds
+        kept = {key: d for key, d in self._demand.items() if holds(key)}  # type: ignore[arg-type]
+        self._demand = kept
+        self._sweep_at = 2 * len(kept) + self.params.min_tracked_prefixes
+        return kept
 
     def prefix_rate(self, last_block: int, now: float) -> float:
         """Requests per second for the prefix ending at block hash ``last_block``.
