@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import IO
 
@@ -28,9 +30,43 @@ import aiohttp
 HOST = "127.0.0.1"
 
 
+_EPHEMERAL_FALLBACK = (32768, 60999)  # Linux's default ip_local_port_range
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+
+
 def free_port() -> int:
-    """A port that was free on loopback a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port that was free a moment ago and stays out of the kernel's way.
+
+    Chosen below the kernel's ephemeral range: a server that binds it only
+    later (vLLM's replay socket, 20-40 s after the port is picked) would
+    otherwise find it taken by the source port of some outgoing connection,
+    as one run in a few did. Random within that range, never the same port
+    twice in one process, and checked by binding it.
+    """
+    low = _ephemeral_range()[0]
+    start = 10_000 if low > 20_000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(start, low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: any port
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
 
