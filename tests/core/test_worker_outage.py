@@ -63,3 +63,42 @@ def test_a_restarted_worker_is_cleared() -> None:
     router.worker_restarted(A)
     assert router.index.blocks_of(A) == 0
     assert set(router.index.match(doc, 1.0)) == {B}
+
+
+def _recount(router: Router) -> int:
+    """Live speculative entries, counted the slow way."""
+    idx = router.index
+    return sum(
+        1
+        for w in (A, B)
+        for h in set(chain(1, 40)) | set(chain(2, 40))
+        if (e := idx.entry(w, h)) is not None and e.source is EntrySource.SPECULATIVE
+    )
+
+
+def test_an_outage_keeps_the_speculative_count_and_the_heap_bound_exact() -> None:
+    router = Router(index_params=IndexParams(speculative_ttl_s=10.0))
+    idx = router.index
+    doc, other = chain(1, 40), chain(2, 40)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 0, 640, 0.0)
+    idx.on_routed(A, other, 0.0)
+    router.worker_down(A, 1.0)
+    assert idx.speculative_entries == _recount(router) == 80
+    router.worker_restarted(A)  # cleared: the count must come back to 0, not below
+    assert idx.speculative_entries == _recount(router) == 0
+    for t in range(50):  # routings after the outage: the heap stays bounded
+        idx.on_routed(B, chain(100 + t, 8), 2.0 + t)
+    assert idx.expiry_items <= 2 * idx.speculative_entries + 64
+
+
+def test_withdrawing_a_routing_after_an_outage_keeps_what_the_engine_reported() -> None:
+    router = Router()
+    idx = router.index
+    b0 = chain(1, 2)
+    placed = idx.on_routed(A, b0[:1], 0.0)
+    idx.apply(BlockStored(A, list(b0[:1])), 0.1)  # the engine prefilled it
+    idx.on_routed(A, b0, 0.2)
+    router.worker_down(A, 1.0)  # reported block demoted to speculative
+    idx.withdraw(A, placed)  # the first request timed out after all
+    assert idx.match(b0, 1.5)[A].blocks >= 1  # the engine's block is kept: no orphaned tail

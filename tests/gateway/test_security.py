@@ -270,6 +270,45 @@ def test_a_dedicated_worker_serves_its_tenant_and_refusals_name_the_tenant() -> 
     run(body)
 
 
+def test_a_tenant_no_worker_of_its_model_admits_gets_403_not_a_retry_forever() -> None:
+    async def body() -> None:
+        # w0 serves alice's model to alice only; w1 serves another model.
+        options = [{"tenants": ["alice"], "models": ["tiny"]}, {"models": ["other"]}]
+        async with gateway_env(n=2, overrides=TENANTS, worker_options=options) as env:
+            r = await env.chat(LONG, headers={"Authorization": "Bearer k-bob"})
+            assert r.status == 403 and "Retry-After" not in r.headers
+            err = _error(await r.json())
+            assert err["code"] == "tenant_not_served" and "tenant 'bob'" in err["message"]
+
+    run(body)
+
+
+def test_headers_that_are_not_utf8_get_clear_errors() -> None:
+    async def body() -> None:
+        overrides = {"trust_tenant_header": True}
+        async with gateway_env(n=1, overrides=overrides) as env:
+            port = env.client.server.port
+            for request in (
+                # A bearer key that is not UTF-8, on the admin API: 401, not a 500.
+                b"GET /admin/workers HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n",
+                # An X-Tenant that is not UTF-8: 400 (it would reach the decision log).
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Tenant: \xff\xfe\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 2\r\n",
+            ):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                body = b"{}" if request.startswith(b"POST") else b""
+                writer.write(request + b"Connection: close\r\n\r\n" + body)
+                await writer.drain()
+                answer = await reader.read()
+                writer.close()
+                status = int(answer.split(b" ", 2)[1])
+                assert status in (400, 401), answer
+                data = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+                _error(data)
+
+    run(body)
+
+
 # -- end to end: real processes --------------------------------------------------------------
 
 
@@ -359,3 +398,20 @@ def test_real_processes_admin_off_no_tenant_claims_dedicated_workers(tmp_path: P
 
         asyncio.run(asyncio.wait_for(body(), 60))
         assert os.environ.get(ADMIN_KEY_ENV) is None  # the key went to the child only
+
+
+def test_an_unknown_key_is_refused_before_the_body_is_read() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1, overrides=TENANTS) as env:
+            reader, writer = await asyncio.open_connection("127.0.0.1", env.client.server.port)
+            # Headers announce a body that never comes: the 401 must not wait for it.
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 401")
+
+    run(body)

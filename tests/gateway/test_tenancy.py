@@ -64,9 +64,22 @@ def test_the_clients_salt_enters_the_namespace_only_as_a_digest() -> None:
         assert "my-private-salt" not in ns
     assert shared.namespace.startswith("salt:") and isolated.namespace.startswith("tenant:acme#")
     assert t.resolve(None, None, "other").namespace != shared.namespace
-    # KV events carry a passed-through salt: they find the requests' namespace.
-    assert t.namespace_of_salt("my-private-salt") == shared.namespace
+    # KV events carry the salt the engine got: they find the requests' namespace.
+    assert shared.cache_salt is not None and "my-private-salt" not in shared.cache_salt
+    assert t.namespace_of_salt(shared.cache_salt) == shared.namespace
     assert t.namespace_of_salt(isolated.cache_salt) == isolated.namespace
+
+
+def test_a_client_cannot_send_a_no_share_tenants_salt_to_the_engine() -> None:
+    """acme's salt is derivable from its name while salt_secret is empty: a
+    client that sends it as its own cache_salt must not reach acme's cache."""
+    t = _tenancy()
+    acme_salt = t.resolve("Bearer k-acme", None, None).cache_salt
+    assert acme_salt is not None
+    for auth in (None, "Bearer k-globex"):  # anonymous, and a sharing tenant
+        scope = t.resolve(auth, None, acme_salt)
+        assert scope.cache_salt is not None and scope.cache_salt != acme_salt
+        assert scope.namespace != "tenant:acme"
 
 
 def test_required_key() -> None:
@@ -77,13 +90,15 @@ def test_required_key() -> None:
             t.resolve(auth, "acme", None)
 
 
-def test_sharing_tenants_share_a_namespace_and_keep_the_clients_salt() -> None:
+def test_sharing_tenants_share_a_namespace_and_keep_their_salts_apart() -> None:
     t = _tenancy()
     g = t.resolve("Bearer k-globex", None, None)
     anon = t.resolve(None, None, None)
     assert g.namespace == anon.namespace == "" and g.cache_salt is None
     salted = t.resolve(None, None, "mine")
-    assert salted.namespace.startswith("salt:") and salted.cache_salt is None
+    # Its own salt, as a digest: apart from unsalted requests, same for the same salt.
+    assert salted.namespace.startswith("salt:") and salted.cache_salt not in (None, "mine")
+    assert t.resolve("Bearer k-globex", None, "mine").cache_salt == salted.cache_salt
 
 
 def test_isolated_tenants_get_their_own_namespace_and_a_salt() -> None:

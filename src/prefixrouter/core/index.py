@@ -505,6 +505,9 @@ class PrefixIndex:
                 entry.source = _SPECULATIVE
                 entry.confidence = p.speculative_confidence
                 entry.expires_at = expires_at
+                # The engine's hold (as in demote_events): withdrawing a routing
+                # must never remove a block the engine had reported or confirmed.
+                entry.routings += 1
                 heapq.heappush(expiry, (expires_at, next(ticket), worker, block, entry))
                 demoted += 1
             elif entry.expires_at < expires_at:
@@ -512,6 +515,8 @@ class PrefixIndex:
                 # (a demoted extension must not outlive a speculative prefix).
                 # Only a later time: the queued item surfaces first and re-queues.
                 entry.expires_at = expires_at
+        self._speculative += demoted
+        self._compact_expiry()
         return demoted
 
     def clear_worker(self, worker: WorkerId) -> None:

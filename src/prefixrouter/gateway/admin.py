@@ -79,7 +79,9 @@ class Admin:
             raise Forbidden(ADMIN_DISABLED, code="admin_api_disabled")
         given = bearer_token(request.headers.get("Authorization"))
         # compare_digest: the time taken says nothing about how much of the key matched.
-        if given is None or not hmac.compare_digest(given.encode(), self._admin_key):
+        # (A header's bytes that are not UTF-8 arrive surrogate-escaped: keep them.)
+        raw = given.encode("utf-8", "surrogateescape") if given is not None else None
+        if raw is None or not hmac.compare_digest(raw, self._admin_key):
             raise Unauthorized(
                 "admin endpoints need the admin API key as 'Authorization: Bearer KEY'",
                 headers={"WWW-Authenticate": "Bearer"},

@@ -145,6 +145,16 @@ def serve(
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
+    isolated = not cfg.default_tenant.share_cache or any(
+        not rule.share_cache and rule.cache_salt is None for rule in cfg.tenants.values()
+    )
+    if isolated and not cfg.salt_secret:
+        typer.echo(
+            "warning: salt_secret is empty: the cache_salt of a tenant that does not share "
+            "its cache can be derived from its name by anyone who reaches the engines "
+            "directly; set salt_secret (the same on every gateway in front of them)",
+            err=True,
+        )
     if not cfg.workers:
         hint = "" if cfg.server.admin_api_key else f" (after setting {ADMIN_KEY_ENV})"
         typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)

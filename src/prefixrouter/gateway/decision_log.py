@@ -37,6 +37,7 @@ completion order.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ from typing import IO, Any
 import orjson
 
 from prefixrouter.core.router import Decision
+
+log = logging.getLogger("prefixrouter.gateway")
 
 
 @dataclass(slots=True)
@@ -207,10 +210,18 @@ class DecisionLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("ab")
-        self._file.write(b"".join(orjson.dumps(render(e)) + b"\n" for e in batch))
+        lines = []
+        for e in batch:
+            try:
+                lines.append(orjson.dumps(render(e)) + b"\n")
+            except (TypeError, orjson.JSONEncodeError):
+                # One record that cannot be written (a string that is not
+                # UTF-8) must not cost the others, nor stop the flusher.
+                log.warning("decision log: dropped a record that is not JSON-serializable")
+        self._file.write(b"".join(lines))
         self._file.flush()
-        self.written += len(batch)
-        return len(batch)
+        self.written += len(lines)
+        return len(lines)
 
     async def run(self) -> None:
         """Flush every ``flush_interval_s`` until cancelled (then flush once more)."""

@@ -199,6 +199,9 @@ class Proxy:
 
     async def _build(self, request: web.Request, kind: str) -> BuiltRequest:
         st = self.st
+        # A missing or unknown key is refused from the headers alone, before a
+        # body of up to max_body_bytes is read and parsed for nothing.
+        st.tenancy.check_key(request.headers.get("Authorization"))
         length = request.content_length
         if length is not None and length > self.max_body:
             raise PayloadTooLarge(
@@ -641,9 +644,9 @@ class Proxy:
 
         When the tenant filter removed workers the message says so: "no
         healthy worker" would send an operator looking at the wrong thing.
-        A 403 when it removed every worker (no worker is configured for the
-        tenant: retrying cannot help), else a 503 (the tenant's own workers
-        are down or busy).
+        A 403 when no worker that is down could serve the tenant either (no
+        worker is configured for it: retrying cannot help), else a 503 (the
+        tenant's own workers are down).
         """
         why = str(no_worker)
         hdrs = {"X-Request-Id": str(built.routing.request_id)}
@@ -662,7 +665,9 @@ class Proxy:
             who = f"tenant {tenant!r}" if tenant else "requests without a tenant"
             reasons = ", ".join(f"{w}: {f}" for w, f in sorted(filtered.items()))
             msg = f"no worker serves {who} for model {built.model!r} ({reasons})"
-            if all(f == "tenant" for f in filtered.values()):
+            # Only a worker that is down could still serve it later (one of
+            # another model or pool never will): retrying cannot help without one.
+            if "health" not in filtered.values():
                 resp = error_response(Forbidden(msg, code="tenant_not_served", headers=hdrs))
             else:
                 resp = error_response(

@@ -18,17 +18,21 @@ Each tenant has a sharing rule (``tenants.NAME.share_cache``, else
 
 * sharing: the namespace's tenant field is empty, so identical prompts of
   sharing tenants hit the same warm workers. A client-supplied ``cache_salt``
-  is passed through and folded into the namespace (different salts never
-  share a cache in vLLM, so the router must not predict that they do);
+  reaches vLLM as its digest (below), which also enters the namespace
+  (different salts never share a cache in vLLM, so the router must not
+  predict that they do). Never the salt itself: a client that chose the
+  engine's salt could pick a no-share tenant's, which anyone can derive from
+  the tenant's name while ``salt_secret`` is empty;
 * not sharing: the namespace carries the tenant (so the router never predicts
   a warm route across tenants) and vLLM workers get a ``cache_salt`` that
   overrides the client's: ``HMAC-SHA256(salt_secret, tenant [NUL client salt])``
   or the rule's explicit salt. Overriding matters: a client that could choose
   the salt could pick another tenant's and probe its cache by timing.
 
-A client's salt enters the namespace as a digest (``HMAC(salt_secret, salt)``,
-32 hex digits), never as itself: the namespace key is written to the decision
-log, and a salt is a secret of the client's.
+A client's salt enters the namespace and the engine's request as a digest
+(``HMAC(salt_secret, "client-salt" NUL salt)``, 32 hex digits, a different
+input from any tenant's salt), never as itself: the namespace key is written
+to the decision log, and a salt is a secret of the client's.
 
 Resolved scopes are memoized per (key, header tenant, client salt), so the hot
 path pays one dict lookup. Refusals are not memoized.
@@ -41,7 +45,7 @@ import hmac
 from dataclasses import dataclass
 
 from prefixrouter.config import GatewayConfig
-from prefixrouter.gateway.errors import Forbidden, Unauthorized
+from prefixrouter.gateway.errors import BadRequest, Forbidden, Unauthorized
 
 _MEMO_MAX = 10_000
 
@@ -119,16 +123,34 @@ class Tenancy:
             self._salt_namespaces[scope.cache_salt] = scope.namespace
         return scope
 
+    def check_key(self, authorization: str | None) -> None:
+        """Refuse a request whose key cannot pass :meth:`resolve`, from the header alone.
+
+        Raises:
+            Unauthorized: An unknown key while keys are configured, or no key
+                with ``require_api_key``.
+        """
+        cfg = self.config
+        if not cfg.api_keys and not cfg.require_api_key:
+            return
+        key = bearer_token(authorization)
+        if key is None:
+            if cfg.require_api_key:
+                raise Unauthorized("missing API key", code="invalid_api_key")
+        elif key not in cfg.api_keys:
+            raise Unauthorized("incorrect API key provided", code="invalid_api_key")
+
     def namespace_of_salt(self, salt: str | None) -> str:
         """The namespace tenant field of requests an engine saw with ``salt``.
 
-        A salt this gateway set maps back to its tenant; any other salt is a
-        client's own, passed through, whose namespace is ``salt:<digest>``.
+        A salt this gateway set maps back to its tenant's namespace; the
+        engine salts of sharing clients are digests already, whose namespace
+        is ``salt:<digest>``.
         """
         if not salt:
             return ""
         ns = self._salt_namespaces.get(salt)
-        return ns if ns is not None else "salt:" + self._digest(salt)
+        return ns if ns is not None else "salt:" + salt
 
     def _digest(self, client_salt: str) -> str:
         """What of a client's salt enters the namespace (and so the decision log)."""
@@ -142,6 +164,10 @@ class Tenancy:
             Forbidden: It names a tenant that has keys or does not share its cache.
         """
         tenant = tenant_header.strip() if tenant_header else ""
+        if not tenant.isprintable() or tenant != tenant.encode("utf-8", "ignore").decode():
+            raise BadRequest(
+                "X-Tenant must be printable UTF-8", code="invalid_tenant", param="X-Tenant"
+            )
         if tenant and (tenant in self._keyed or not self.config.tenant_rule(tenant).share_cache):
             raise Forbidden(
                 f"tenant {tenant!r} cannot be selected with X-Tenant; use its API key",
@@ -169,8 +195,12 @@ class Tenancy:
         rule = cfg.tenant_rule(tenant)
         salt_ns = self._digest(client_salt) if client_salt else ""
         if rule.share_cache:
-            namespace = f"salt:{salt_ns}" if client_salt else ""
-            return TenantScope(tenant, namespace, None)
+            if not client_salt:
+                return TenantScope(tenant, "", None)
+            # The engine gets the digest, never the client's salt itself: a
+            # client that chose the engine's salt could pick a no-share
+            # tenant's (derivable from its name) and share, or time, its cache.
+            return TenantScope(tenant, f"salt:{salt_ns}", salt_ns)
         namespace = f"tenant:{tenant}" + (f"#{salt_ns}" if client_salt else "")
         salt = rule.cache_salt
         if salt is not None and client_salt:
