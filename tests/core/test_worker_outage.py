@@ -60,7 +60,7 @@ def test_a_restarted_worker_is_cleared() -> None:
     doc = chain(1, 4)
     router.index.on_routed(A, doc, 0.0)
     router.index.on_routed(B, doc, 0.0)
-    router.worker_restarted(A)
+    router.worker_restarted(A, 1.0)
     assert router.index.blocks_of(A) == 0
     assert set(router.index.match(doc, 1.0)) == {B}
 
@@ -85,7 +85,7 @@ def test_an_outage_keeps_the_speculative_count_and_the_heap_bound_exact() -> Non
     idx.on_routed(A, other, 0.0)
     router.worker_down(A, 1.0)
     assert idx.speculative_entries == _recount(router) == 80
-    router.worker_restarted(A)  # cleared: the count must come back to 0, not below
+    router.worker_restarted(A, 1.5)  # cleared: the count must come back to 0, not below
     assert idx.speculative_entries == _recount(router) == 0
     for t in range(50):  # routings after the outage: the heap stays bounded
         idx.on_routed(B, chain(100 + t, 8), 2.0 + t)
@@ -102,3 +102,16 @@ def test_withdrawing_a_routing_after_an_outage_keeps_what_the_engine_reported() 
     router.worker_down(A, 1.0)  # reported block demoted to speculative
     idx.withdraw(A, placed)  # the first request timed out after all
     assert idx.match(b0, 1.5)[A].blocks >= 1  # the engine's block is kept: no orphaned tail
+
+
+def test_a_miss_of_a_request_routed_before_a_restart_is_the_restarts() -> None:
+    """Like an engine's clear event: the restart, not the hashing, explains it."""
+    router = Router(index_params=IndexParams(miss_decay=0.5))
+    idx = router.index
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    idx.on_completed(A, doc, 16.0, 0, 160, 0.5)
+    idx.on_routed(A, doc, 1.0)  # predicted warm...
+    router.worker_restarted(A, 1.5)  # ...then the engine came back as a new process
+    assert idx.on_completed(A, doc, 16.0, 160, 0, 2.0, routed_at=1.0) is False
+    assert idx.trust(A, 2.0) == 1.0 and idx.unexplained_misses == 0

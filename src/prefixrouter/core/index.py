@@ -176,8 +176,8 @@ class PrefixIndex:
         self._entries = 0
         self._speculative = 0  # live speculative entries (bounds the expiry heap)
         self._holey: set[WorkerId] = set()  # workers whose entries may not be prefix-closed
-        # worker -> when an engine event last cleared its cache: a request
-        # routed before that was predicted against blocks that are gone.
+        # worker -> when its engine's cache was last emptied: a request routed
+        # before that was predicted against blocks that are gone.
         self._cleared_at: dict[WorkerId, float] = {}
         self.evicted_entries = 0
         self.eviction_misses = 0
@@ -359,9 +359,7 @@ class PrefixIndex:
             if entry.routings > 0 or lru is None or lru.get(block) is not entry:
                 continue  # still held by another routing, or already gone
             del lru[block]
-            self._detach(worker, block)
-            self._entries -= 1
-            self._speculative -= 1
+            self._forget(worker, block, entry)
             removed += 1
         if removed:
             self._compact_expiry()
@@ -388,8 +386,9 @@ class PrefixIndex:
         mismatch). Then the worker's trust drops and the entries of this chain
         past the actual match are removed, since they would miss again.
 
-        A miss on a worker whose cache an engine event cleared at or after
-        ``routed_at`` (the decision time) is explained by the clear: the
+        A miss on a worker whose cache was cleared (:meth:`clear_worker` with
+        a time: an engine event, a restart) at or after ``routed_at`` (the
+        decision time) is explained by the clear: the
         prediction was made against blocks that are gone. Engines publish a
         clear on their next step, after the requests that arrive meanwhile
         were routed, so it is not counted, trust is kept, and the chain, which
@@ -451,8 +450,7 @@ class PrefixIndex:
             self._remove(event.worker_id, event.block_hashes)
             self._compact_expiry()
         elif isinstance(event, AllBlocksCleared):
-            self.clear_worker(event.worker_id)
-            self._cleared_at[event.worker_id] = now
+            self.clear_worker(event.worker_id, now)
 
     def demote_events(self, worker: WorkerId, now: float) -> int:
         """The worker's event feed lost messages: its event entries become speculative.
@@ -519,8 +517,16 @@ class PrefixIndex:
         self._compact_expiry()
         return demoted
 
-    def clear_worker(self, worker: WorkerId) -> None:
-        """Forget every block of ``worker`` (keeps its capacity and trust)."""
+    def clear_worker(self, worker: WorkerId, now: float | None = None) -> None:
+        """Forget every block of ``worker`` (keeps its capacity and trust).
+
+        ``now``: when the engine's cache was emptied (an ``AllBlocksCleared``,
+        a restarted process); the misses of requests routed before it are put
+        down to the clear (see :meth:`on_completed`). None: no cache was
+        emptied (the worker is being forgotten).
+        """
+        if now is not None:
+            self._cleared_at[worker] = now
         self._holey.discard(worker)
         lru = self._lru.pop(worker, None)
         if not lru:
@@ -555,9 +561,7 @@ class PrefixIndex:
                 heapq.heappush(heap, (entry.expires_at, next(self._ticket), worker, block, entry))
             else:
                 del lru[block]
-                self._detach(worker, block)
-                self._entries -= 1
-                self._speculative -= 1
+                self._forget(worker, block, entry)
                 removed += 1
         if removed:
             self._compact_expiry()
@@ -718,10 +722,14 @@ class PrefixIndex:
         for block in hashes:
             entry = lru.pop(block, None)
             if entry is not None:
-                self._detach(worker, block)
-                self._entries -= 1
-                if entry.source is _SPECULATIVE:
-                    self._speculative -= 1
+                self._forget(worker, block, entry)
+
+    def _forget(self, worker: WorkerId, block: BlockHash, entry: IndexEntry) -> None:
+        """An entry just taken out of ``worker``'s LRU leaves the holders and the counts."""
+        self._detach(worker, block)
+        self._entries -= 1
+        if entry.source is _SPECULATIVE:
+            self._speculative -= 1
 
     def _detach(self, worker: WorkerId, block: BlockHash) -> None:
         slot = self._holders.get(block)

@@ -326,9 +326,13 @@ class Router:
         """
         return self.index.demote_worker(worker, now)
 
-    def worker_restarted(self, worker: WorkerId) -> None:
-        """The worker's engine is a new process with an empty cache: forget its entries."""
-        self.index.clear_worker(worker)
+    def worker_restarted(self, worker: WorkerId, now: float) -> None:
+        """The worker's engine is a new process with an empty cache: forget its entries.
+
+        Requests routed to it before ``now`` that miss are put down to the
+        restart, not to hashing what the engine does not see.
+        """
+        self.index.clear_worker(worker, now)
 
     def _prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
         hashes = blocks.hashes

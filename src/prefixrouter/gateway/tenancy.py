@@ -180,16 +180,12 @@ class Tenancy:
         self, authorization: str | None, tenant_header: str | None, client_salt: str | None
     ) -> TenantScope:
         cfg = self.config
+        self.check_key(authorization)
         key = bearer_token(authorization)
         if key:
-            found = cfg.api_keys.get(key)
-            if found is None and (cfg.api_keys or cfg.require_api_key):
-                raise Unauthorized("incorrect API key provided", code="invalid_api_key")
-            # No keys configured: a client's key (OpenAI SDKs always send one)
-            # identifies nobody, and the request is anonymous.
-            tenant = found or ""
-        elif cfg.require_api_key:
-            raise Unauthorized("missing API key", code="invalid_api_key")
+            # With no keys configured a client's key (OpenAI SDKs always send
+            # one) identifies nobody, and the request is anonymous.
+            tenant = cfg.api_keys.get(key, "")
         else:
             tenant = self._header_tenant(tenant_header) if cfg.trust_tenant_header else ""
         rule = cfg.tenant_rule(tenant)

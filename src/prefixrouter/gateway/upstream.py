@@ -255,6 +255,7 @@ class _Connection(asyncio.Protocol):
         self._first_byte_s: float | None = None
         self._sent_at = 0.0
         self._last_data = 0.0
+        self._received_at = 0.0  # loop time of the last read from the socket
         self._got_body = False
         self._until_close = False  # a body without length or chunking: it ends at close
         self._informational = False  # a 1xx interim response, before the real one
@@ -270,7 +271,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.client.heard_from(self.endpoint)
+        # One clock read per read from the socket: the worker's sign of life
+        # (the timeouts' liveness) and, in on_body, this body's arrival time.
+        now = self._received_at = self._now()
+        self.client._heard[self.endpoint] = now
         parser = self._parser
         if parser is None:
             # Bytes while no request is outstanding: the connection is not clean.
@@ -316,7 +320,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self._got_body:
-            self._last_data = self._now()
+            self._last_data = self._received_at
         else:
             self._first_body()
         self._chunks.append(body)
@@ -429,7 +433,7 @@ class _Connection(asyncio.Protocol):
             self._unwatch()
             return
         loop = asyncio.get_running_loop()
-        now = self._last_data = loop.time()
+        now = self._last_data = self._received_at
         if self._watch is not None and self._watch_at <= now + stall_s:
             # The first-byte timer fires before the stall deadline: it finds the
             # body and re-arms for that deadline. A body that ends before then

@@ -501,7 +501,7 @@ class WorkerRegistry:
             log.warning("worker %s restarted (its KV events said so first)", w.id)
             return
         log.warning("worker %s restarted: its index entries are cleared", w.id)
-        self.router.worker_restarted(w.id)
+        self.router.worker_restarted(w.id, self.clock())
         if self.events is not None:
             self.events.forget_engine(w.id)
 
