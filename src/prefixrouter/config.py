@@ -198,6 +198,13 @@ class LimitsConfig(_Model):
         max_request_line_bytes: Longer request lines get 414.
         max_header_bytes: A header (name and value) longer than this gets 431.
         max_headers: More headers than this get 431.
+        gil_switch_interval_s: The interpreter's thread switch interval in the
+            gateway process (``sys.setswitchinterval``; Python's default is
+            5 ms). Large bodies are parsed on a thread, and the event loop,
+            which gives the GIL up at every socket wait, waited up to a whole
+            interval for it at every read: with eight 7.8 MB bodies arriving,
+            /health's p99 was 640-760 ms at 5 ms and 55-120 ms at 0.5 ms
+            (``benchmarks/downstream_limits.py``).
     """
 
     header_timeout_s: PosFloat = 30.0
@@ -209,6 +216,7 @@ class LimitsConfig(_Model):
     max_request_line_bytes: PosInt = 8190
     max_header_bytes: PosInt = 8190
     max_headers: PosInt = 128
+    gil_switch_interval_s: PosFloat = 0.0005
 
 
 class PolicyConfig(_Model):

@@ -255,7 +255,15 @@ async def test_large_bodies_are_hashed_off_the_event_loop_and_routed_with_those_
         router = state.router
         hashed: list[tuple[str, Any]] = []
         routed: list[tuple[str, Any]] = []
-        router.blocks_for = _spy(hashed, router.blocks_for)  # type: ignore[method-assign]
+        blocks_for = router.blocks_for
+
+        def hash_spy(request: Any) -> Any:
+            # What the blocks must be, taken now: once answered, a large
+            # request's token list is emptied on the parse thread.
+            hashed.append((threading.current_thread().name, Router.blocks_for(router, request)))
+            return blocks_for(request)
+
+        router.blocks_for = hash_spy  # type: ignore[method-assign]
         route = router.route
 
         def route_spy(*args: Any, **kwargs: Any) -> Any:
@@ -270,11 +278,11 @@ async def test_large_bodies_are_hashed_off_the_event_loop_and_routed_with_those_
             routed.clear()
             status, _, _ = await _post(port, orjson.dumps(body))
             assert status == 200
-            ((hash_thread, request),) = hashed  # hashed once, on the parse thread
+            ((hash_thread, expected),) = hashed  # hashed once, on the parse thread
             assert hash_thread.startswith("prefixrouter-parse")
             ((route_thread, blocks),) = routed  # routed on the loop, with those blocks
             assert route_thread == threading.current_thread().name
-            assert blocks is not None and blocks == Router.blocks_for(router, request)
+            assert blocks is not None and blocks == expected
 
 
 def test_a_retry_routes_the_blocks_hashed_for_the_first_attempt() -> None:
@@ -293,3 +301,61 @@ def test_a_retry_routes_the_blocks_hashed_for_the_first_attempt() -> None:
             assert len(hashed) == 4  # once per request, not once per attempt
 
     run(body)
+
+
+async def test_a_large_body_is_freed_on_the_parse_thread_once_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prefixrouter.gateway import proxy as proxy_mod
+
+    dropped: list[tuple[str, int, int]] = []
+    drop = proxy_mod._drop_parsed
+
+    def drop_spy(built: Any) -> None:
+        tokens = built.routing.tokens
+        drop(built)
+        dropped.append((threading.current_thread().name, len(built.body), len(tokens or ())))
+
+    monkeypatch.setattr(proxy_mod, "_drop_parsed", drop_spy)
+    async with gateway({}) as (port, _state):
+        ids = list(range(OFF_LOOP_BODY_BYTES // 5))
+        for model, answer in (("tiny", 200), ("no-such-model", 404)):  # routed, then refused
+            dropped.clear()
+            status, _, _ = await _post(
+                port, orjson.dumps({"model": model, "prompt": ids, "max_tokens": 2})
+            )
+            assert status == answer
+            async with asyncio.timeout(BOUND_S):
+                while not dropped:
+                    await asyncio.sleep(0.01)
+            ((thread, body_left, tokens_left),) = dropped
+            assert thread.startswith("prefixrouter-parse")
+            assert body_left == tokens_left == 0
+        dropped.clear()
+        small = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        assert (await _post(port, orjson.dumps(small)))[0] == 200
+        await asyncio.sleep(0.05)
+        assert dropped == []  # a small body is parsed and freed on the loop: no hand-off
+
+
+async def test_the_gateway_lowers_the_switch_interval_while_it_serves() -> None:
+    import sys
+
+    from prefixrouter.config import GatewayConfig
+    from prefixrouter.gateway.cli import run_gateway
+
+    before = sys.getswitchinterval()
+    config = GatewayConfig.model_validate(
+        {"server": {"port": 0}, "limits": {"gil_switch_interval_s": 0.00025}}
+    )
+    serving = asyncio.ensure_future(run_gateway(config, announce=False))
+    try:
+        async with asyncio.timeout(BOUND_S):
+            while sys.getswitchinterval() == before:
+                await asyncio.sleep(0.01)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+    finally:
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+    assert sys.getswitchinterval() == before

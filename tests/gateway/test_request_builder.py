@@ -291,3 +291,34 @@ def test_any_json_body_is_a_routing_request_or_a_named_400(body: Any, kind: str)
         return
     # whatever passed validation can be routed
     Router().route(built.routing, [WorkerView(WorkerId("w0"))], 0.0)
+
+
+_ID_ELEMENTS = st.one_of(
+    st.integers(min_value=-3, max_value=2**32 + 3),
+    st.booleans(),
+    st.floats(allow_nan=False, min_value=0, max_value=10),
+    st.text(max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ID_ELEMENTS, max_size=40), st.integers(min_value=1, max_value=8))
+def test_token_id_check_matches_the_element_rule_at_any_slice_size(
+    seq: list[Any], slice_size: int
+) -> None:
+    from prefixrouter.gateway import request_builder as rb
+
+    expected = all(
+        type(t) is int and 0 <= t < 2**32  # not a bool, a float or a string
+        for t in seq
+    )
+    assert rb._token_ids_ok(seq, slice_size) is expected
+
+
+def test_a_bad_token_id_past_the_first_slice_is_refused() -> None:
+    from prefixrouter.gateway import request_builder as rb
+
+    for bad in (True, -1, 2**32, 1.0):
+        ids: list[Any] = list(range(2 * rb._CHECK_SLICE))
+        ids[-1] = bad
+        assert not rb._token_ids_ok(ids)

@@ -83,6 +83,8 @@ async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
     app = create_app(config)
     srv = config.server
     listening = await start_server(app, srv.host, srv.port, config.limits)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(config.limits.gil_switch_interval_s)
     runner = listening.runner
     # Everything allocated so far (modules, config, the app) lives as long as
     # the process: keep it out of the cyclic collector's full scans.
@@ -98,6 +100,7 @@ async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+        sys.setswitchinterval(switch_interval)
 
 
 def _run(coro_config: GatewayConfig) -> None:
