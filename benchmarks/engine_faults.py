@@ -1,6 +1,6 @@
 """Engine faults in front of the gateway: a frozen engine, and a restarted one.
 
-Starts three simulated engines (``python -m prefixrouter.engine_server``, the
+Starts three simulated engines (``python -m prefixrouter.simulated_engine``, the
 ``prefixrouter engine`` command) and a gateway (``python -m
 prefixrouter.gateway``) on loopback, all with their default timeouts and
 health settings, and drives a steady stream of streaming chat requests
@@ -57,7 +57,7 @@ def free_port() -> int:
 
 
 def start_engine(port: int, engine_id: str) -> subprocess.Popen[bytes]:
-    cmd = [PY, "-m", "prefixrouter.engine_server", "--port", str(port), "--profile", "tiny-cpu",
+    cmd = [PY, "-m", "prefixrouter.simulated_engine", "--port", str(port), "--profile", "tiny-cpu",
            "--model", "tiny", "--engine-id", engine_id]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

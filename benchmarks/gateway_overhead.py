@@ -225,7 +225,7 @@ def hot_loop(n: int) -> dict[str, Any]:
     """Microseconds per request of the gateway's handler, in process (see the docstring)."""
     import gc
 
-    from prefixrouter.config import config_from_dict
+    from prefixrouter.gateway.config import config_from_dict
     from prefixrouter.gateway.proxy import Proxy
     from prefixrouter.gateway.state import build_state
 

@@ -52,7 +52,12 @@ from prefixrouter.bench.texts import record_text
 from prefixrouter.bench.workload import BenchWorkload, request_body
 from prefixrouter.demo.fleet import Fleet, free_port
 from prefixrouter.demo.workload import DemoRequest
-from prefixrouter.engines.vllm_fleet import KvEventsOptions, VllmFleet, VllmOptions, ensure_vllm
+from prefixrouter.real_engines.vllm_fleet import (
+    KvEventsOptions,
+    VllmFleet,
+    VllmOptions,
+    ensure_vllm,
+)
 
 BLOCK = 32
 KV_BLOCKS = 640

@@ -21,9 +21,9 @@ f. startup time and memory (PSS, RSS) of one engine; two engines pinned to
    cores 0 and 1 started at once.
 
 Run with the project's environment (it starts engines with
-:mod:`prefixrouter.engines.vllm_fleet`; every engine is stopped on exit)::
+:mod:`prefixrouter.real_engines.vllm_fleet`; every engine is stopped on exit)::
 
-    .venv/bin/python scripts/probe_vllm.py [--fixtures tests/engines/data] [--json out.json]
+    .venv/bin/python scripts/probe_vllm.py [--fixtures tests/real_engines/data] [--json out.json]
 
 About 3 minutes on 2 cores. ``--fixtures DIR`` rewrites the captured frames
 (``vllm_events.msgpack.jsonl``, base64 of each of the three ZMQ frames).
@@ -48,7 +48,7 @@ import msgpack
 import zmq
 
 from prefixrouter.demo.fleet import HOST, free_port
-from prefixrouter.engines.vllm_fleet import (
+from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmEngine,
     VllmFleet,

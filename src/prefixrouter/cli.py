@@ -318,9 +318,9 @@ def _register_commands() -> None:
     from prefixrouter.analyze.cli import analyze
     from prefixrouter.bench.cli import bench
     from prefixrouter.demo.cli import demo
-    from prefixrouter.engine_server.cli import engine
     from prefixrouter.gateway.cli import serve
     from prefixrouter.prompt.cli import lint
+    from prefixrouter.simulated_engine.cli import engine
 
     app.command("demo")(demo)
     app.command("serve")(serve)

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from prefixrouter.config import GatewayConfig, config_from_dict
 from prefixrouter.gateway.app import create_app
+from prefixrouter.gateway.config import GatewayConfig, config_from_dict
 from prefixrouter.gateway.state import STATE, GatewayState
 from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
 from tests.gateway.fakes import FakeEngine, make_app

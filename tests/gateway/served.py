@@ -12,8 +12,8 @@ import orjson
 import uvloop
 from aiohttp.test_utils import TestServer
 
-from prefixrouter.config import config_from_dict
 from prefixrouter.gateway.app import create_app
+from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.server import start_server
 from prefixrouter.gateway.state import STATE, GatewayState
 from tests.gateway.fakes import FakeEngine, make_app

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixrouter.config import GatewayConfig, config_from_dict, load_config
 from prefixrouter.errors import ConfigError
 from prefixrouter.gateway.cli import build_config
+from prefixrouter.gateway.config import GatewayConfig, config_from_dict, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

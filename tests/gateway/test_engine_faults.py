@@ -1,6 +1,6 @@
 """Engine faults with real processes: a frozen engine (SIGSTOP) and a restarted one.
 
-Two ``python -m prefixrouter.engine_server`` processes (the ``prefixrouter
+Two ``python -m prefixrouter.simulated_engine`` processes (the ``prefixrouter
 engine`` command) and ``python -m prefixrouter.gateway`` with its default
 timeouts and health settings, on loopback. Every process is stopped by its
 PID at the end; every wait is bounded.
@@ -37,7 +37,7 @@ class Fleet:
 
 
 def _engine(port: int) -> subprocess.Popen[bytes]:
-    cmd = [PY, "-m", "prefixrouter.engine_server", "--port", str(port), "--profile", "tiny-cpu",
+    cmd = [PY, "-m", "prefixrouter.simulated_engine", "--port", str(port), "--profile", "tiny-cpu",
            "--model", "tiny"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

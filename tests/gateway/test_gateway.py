@@ -10,8 +10,8 @@ import aiohttp
 import orjson
 import pytest
 
-from prefixrouter.config import WorkerConfig
 from prefixrouter.core.types import WorkerId
+from prefixrouter.gateway.config import WorkerConfig
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import Env, gateway_env, run
 

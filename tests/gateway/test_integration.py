@@ -1,6 +1,6 @@
 """Integration: the gateway as a process in front of three engine-server processes.
 
-Real HTTP on loopback: ``python -m prefixrouter.engine_server`` (a simulated
+Real HTTP on loopback: ``python -m prefixrouter.simulated_engine`` (a simulated
 vLLM: real tokenizer, prefix cache, vLLM metrics and usage) three times, and
 ``python -m prefixrouter.gateway`` with a YAML config. Every process is started
 on a free port and stopped by its PID at the end; every wait is bounded.
@@ -84,7 +84,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         engines = []
         for i in range(3):
             port = _free_port()
-            cmd = [PY, "-m", "prefixrouter.engine_server", "--port", str(port),
+            cmd = [PY, "-m", "prefixrouter.simulated_engine", "--port", str(port),
                    "--profile", "tiny-cpu", "--time-scale", "4", "--model", "tiny",
                    "--kv-blocks", "2048"]  # fmt: skip
             procs[f"e{i}"] = subprocess.Popen(

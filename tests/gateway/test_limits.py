@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import pytest
 
-from prefixrouter.config import LimitsConfig
 from prefixrouter.core.router import Router
 from prefixrouter.gateway import server as server_mod
 from prefixrouter.gateway.body import SLICE_BYTES
+from prefixrouter.gateway.config import LimitsConfig
 from prefixrouter.gateway.proxy import OFF_LOOP_BODY_BYTES
 from prefixrouter.gateway.server import connection_cap
 from tests.gateway.fakes import FakeEngine
@@ -341,8 +341,8 @@ async def test_a_large_body_is_freed_on_the_parse_thread_once_answered(
 async def test_the_gateway_lowers_the_switch_interval_while_it_serves() -> None:
     import sys
 
-    from prefixrouter.config import GatewayConfig
     from prefixrouter.gateway.cli import run_gateway
+    from prefixrouter.gateway.config import GatewayConfig
 
     before = sys.getswitchinterval()
     config = GatewayConfig.model_validate(

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixrouter.config import config_from_dict
 from prefixrouter.core.types import PrefixClass
+from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.errors import BadRequest
 from prefixrouter.gateway.request_builder import (
     CHAT,

@@ -18,11 +18,11 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from prefixrouter.config import config_from_dict, load_config
 from prefixrouter.core.types import WorkerId
 from prefixrouter.demo.fleet import Fleet, Server
 from prefixrouter.errors import ConfigError
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV, build_config
+from prefixrouter.gateway.config import config_from_dict, load_config
 from tests.admin_client import ADMIN_HEADERS, ADMIN_KEY
 from tests.gateway.fakes import FakeEngine, make_app
 from tests.gateway.helpers import Env, gateway_env, run
@@ -316,7 +316,7 @@ def _start_engines(fleet: Fleet, n: int) -> list[Server]:
     return [
         fleet.start(
             f"engine{i}",
-            "prefixrouter.engine_server",
+            "prefixrouter.simulated_engine",
             [
                 "--profile",
                 "tiny-cpu",

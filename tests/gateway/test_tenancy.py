@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixrouter.config import config_from_dict
+from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.errors import Forbidden, Unauthorized
 from prefixrouter.gateway.tenancy import Tenancy
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from prefixrouter.core.types import EntrySource, WorkerId
-from prefixrouter.engines.kv_events import EventTranslator
-from prefixrouter.engines.kv_subscriber import WorkerFeed
 from prefixrouter.gateway.workers import Worker
+from prefixrouter.real_engines.kv_events import EventTranslator
+from prefixrouter.real_engines.kv_subscriber import WorkerFeed
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import Env, gateway_env, run
 

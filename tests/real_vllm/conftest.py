@@ -27,7 +27,7 @@ import yaml
 
 from prefixrouter.bench.texts import record_text
 from prefixrouter.demo.fleet import Fleet, Server, free_port
-from prefixrouter.engines.vllm_fleet import (
+from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmFleet,
     VllmOptions,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixrouter.engines.vllm_fleet import ensure_vllm
+from prefixrouter.real_engines.vllm_fleet import ensure_vllm
 from prefixrouter.tokenizer import load_tokenizer
 from tests.test_chat_template import LLAMA3_LIKE, model_dir
 

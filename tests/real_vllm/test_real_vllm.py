@@ -19,7 +19,7 @@ from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import CacheNamespace, WorkerId
 from prefixrouter.demo.fleet import free_port
-from prefixrouter.engines.kv_subscriber import KvEventSubscriber
+from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber
 from tests.real_vllm.conftest import (
     BLOCK,
     KV_BLOCKS,

@@ -271,7 +271,7 @@ async def run_scenario(
 ) -> ScenarioRun:
     """Start a fleet for ``workload`` and run every router on it in turn; stop the fleet."""
     engines = [
-        fleet.start(f"engine {i}", "prefixrouter.engine_server", engine_args(cfg, workload, i))
+        fleet.start(f"engine {i}", "prefixrouter.simulated_engine", engine_args(cfg, workload, i))
         for i in range(cfg.workers)
     ]
     out = ScenarioRun(workload, cfg.workers, cfg.profile)

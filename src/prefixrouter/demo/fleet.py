@@ -1,6 +1,6 @@
 """Start and stop the demo's servers: engine processes and gateways on loopback.
 
-Each server is a real subprocess (``python -m prefixrouter.engine_server`` or
+Each server is a real subprocess (``python -m prefixrouter.simulated_engine`` or
 ``python -m prefixrouter.gateway``) on a free port of 127.0.0.1, polled on
 ``/health`` until it answers, and stopped by PID (SIGTERM, then SIGKILL after
 a grace period). :class:`Fleet` is a context manager, so servers never outlive

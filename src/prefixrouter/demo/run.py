@@ -119,7 +119,7 @@ async def run_demo(
 ) -> list[RouterRun]:
     """Start the engines, then replay the workload through each router in turn."""
     engines = [
-        fleet.start(f"engine {i}", "prefixrouter.engine_server", _engine_args(cfg, i))
+        fleet.start(f"engine {i}", "prefixrouter.simulated_engine", _engine_args(cfg, i))
         for i in range(cfg.workers)
     ]
     await fleet.wait_healthy(engines)

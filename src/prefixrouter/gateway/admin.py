@@ -35,8 +35,8 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
-from prefixrouter.config import WorkerConfig
 from prefixrouter.core.types import WorkerId
+from prefixrouter.gateway.config import WorkerConfig
 from prefixrouter.gateway.errors import (
     JSON,
     BadRequest,

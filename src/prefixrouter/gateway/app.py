@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from prefixrouter.config import GatewayConfig
 from prefixrouter.gateway.admin import Admin
+from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
 from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
 from prefixrouter.gateway.proxy import Proxy

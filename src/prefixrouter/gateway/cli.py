@@ -1,7 +1,7 @@
 """``prefixrouter serve``: run the gateway (uvloop, one process).
 
 Configuration comes from a YAML file (``--config``, see
-:mod:`prefixrouter.config`); command-line options override it when they
+:mod:`prefixrouter.gateway.config`); command-line options override it when they
 differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 ``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
 file, ``--policy`` the routing policy (its parameters then come from the file
@@ -26,8 +26,8 @@ from typing import Annotated
 
 import typer
 
-from prefixrouter.config import GatewayConfig, WorkerConfig, config_from_dict, load_config
 from prefixrouter.errors import PrefixRouterError
+from prefixrouter.gateway.config import GatewayConfig, WorkerConfig, config_from_dict, load_config
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"

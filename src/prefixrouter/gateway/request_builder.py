@@ -34,9 +34,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from prefixrouter.config import GatewayConfig
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.types import CacheNamespace, PrefixClass, RequestId, RoutingRequest
+from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.errors import BadRequest
 from prefixrouter.gateway.tenancy import TenantScope
 

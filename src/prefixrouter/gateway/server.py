@@ -6,7 +6,7 @@ keep-alive connection lives an hour, and connections are accepted until the
 process runs out of file descriptors, at which point the pollers and the
 upstream connections fail too and healthy engines are marked down. This
 module runs the same application with the bounds of ``limits``
-(:class:`~prefixrouter.config.LimitsConfig`):
+(:class:`~prefixrouter.gateway.config.LimitsConfig`):
 
 * **header timeout**: a request's line and headers must all arrive within
   ``header_timeout_s`` of its first byte (of the connection's opening, for
@@ -60,8 +60,8 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from prefixrouter.config import LimitsConfig
 from prefixrouter.errors import PrefixRouterError
+from prefixrouter.gateway.config import LimitsConfig
 from prefixrouter.gateway.errors import JSON, RequestTimeout, error_body
 
 log = logging.getLogger("prefixrouter.gateway")

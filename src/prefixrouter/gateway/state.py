@@ -17,14 +17,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from prefixrouter.config import GatewayConfig
 from prefixrouter.core.hashing import BlockHasher, TokenEstimator
 from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
-from prefixrouter.engines.kv_events import NamespaceSeed
-from prefixrouter.engines.kv_subscriber import KvEventCollector, KvEventSubscriber
+from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.decision_log import DecisionLog
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
@@ -32,6 +30,8 @@ from prefixrouter.gateway.tenancy import Tenancy
 from prefixrouter.gateway.upstream import UpstreamClient
 from prefixrouter.gateway.workers import Worker, WorkerRegistry
 from prefixrouter.prompt.lint import LintObserver
+from prefixrouter.real_engines.kv_events import NamespaceSeed
+from prefixrouter.real_engines.kv_subscriber import KvEventCollector, KvEventSubscriber
 
 LAST_SERVED_MAX = 65_536
 

@@ -44,7 +44,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from prefixrouter.config import GatewayConfig
+from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.errors import BadRequest, Forbidden, Unauthorized
 
 _MEMO_MAX = 10_000

@@ -65,14 +65,14 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixrouter.config import GatewayConfig, WorkerConfig
 from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId, WorkerView
-from prefixrouter.engines.kv_events import NamespaceSeed
-from prefixrouter.engines.kv_subscriber import KvEventSubscriber, WorkerFeed
+from prefixrouter.gateway.config import GatewayConfig, WorkerConfig
 from prefixrouter.gateway.metrics import WorkerGauges
 from prefixrouter.gateway.upstream import Endpoint
+from prefixrouter.real_engines.kv_events import NamespaceSeed
+from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber, WorkerFeed
 
 log = logging.getLogger("prefixrouter.gateway")
 

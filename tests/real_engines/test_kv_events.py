@@ -6,12 +6,12 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from prefixrouter.config import KvEventsConfig
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixrouter.core.hashing import hash_token_blocks
 from prefixrouter.core.types import WorkerId
-from prefixrouter.engine_server.config import EngineServerConfig
-from prefixrouter.engines.kv_events import (
+from prefixrouter.errors import ConfigError
+from prefixrouter.gateway.config import KvEventsConfig
+from prefixrouter.real_engines.kv_events import (
     EngineAllBlocksCleared,
     EngineBlockRemoved,
     EngineBlockStored,
@@ -24,7 +24,7 @@ from prefixrouter.engines.kv_events import (
     decode_seq,
     salt_of,
 )
-from prefixrouter.errors import ConfigError
+from prefixrouter.simulated_engine.config import EngineServerConfig
 
 W = WorkerId("w0")
 BS = 4

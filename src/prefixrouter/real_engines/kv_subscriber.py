@@ -6,7 +6,7 @@ engines apart by topic (``kv_events.topic`` of each worker; vLLM's
 ``--kv-events-config '{"topic": ...}'``). Each message is handled at once on
 the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
 
-1. decode the frames (:mod:`prefixrouter.engines.kv_events`); a message that
+1. decode the frames (:mod:`prefixrouter.real_engines.kv_events`); a message that
    is not the format is counted and dropped, never fatal;
 2. check the sequence number: after a **gap** the worker's event-fed index
    entries are demoted to speculative (a ``BlockRemoved`` may be lost) and, if
@@ -57,7 +57,7 @@ from prometheus_client.registry import Collector
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
-from prefixrouter.engines.kv_events import (
+from prefixrouter.real_engines.kv_events import (
     END_SEQ,
     EngineBlockStored,
     EventTranslator,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixrouter.engines.vllm_fleet import (
+from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmFleet,
     VllmOptions,

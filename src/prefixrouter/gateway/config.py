@@ -45,8 +45,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prefixrouter.engines.kv_events import ZMQ_SCHEMES
 from prefixrouter.errors import ConfigError, PrefixRouterError
+from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
 
 EngineKind = Literal["vllm", "sglang", "llamacpp", "openai"]
 PosInt = Annotated[int, Field(gt=0)]

@@ -1,4 +1,4 @@
-"""``python -m prefixrouter.engine_server`` as a real process, and the command's errors."""
+"""``python -m prefixrouter.simulated_engine`` as a real process, and the command's errors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.testing import CliRunner
 
-from prefixrouter.engine_server.cli import engine
+from prefixrouter.simulated_engine.cli import engine
 
 
 def _free_port() -> int:
@@ -35,7 +35,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_subprocess_serves_and_stops_on_sigterm(tokenizer_cache: str) -> None:
     port = _free_port()
     env = {**os.environ, "PREFIXROUTER_CACHE": tokenizer_cache}
-    cmd = [sys.executable, "-m", "prefixrouter.engine_server", "--port", str(port)]
+    cmd = [sys.executable, "-m", "prefixrouter.simulated_engine", "--port", str(port)]
     cmd += ["--time-scale", "20", "--model", "mini", "--block-size", "32"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"

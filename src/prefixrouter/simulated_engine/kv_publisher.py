@@ -1,7 +1,7 @@
 """vLLM's KV-event publisher, for the simulated engine server.
 
 With ``--kv-events-endpoint`` the engine server publishes its prefix cache's
-changes the way vLLM does (see :mod:`prefixrouter.engines.kv_events` for the
+changes the way vLLM does (see :mod:`prefixrouter.real_engines.kv_events` for the
 format), so a gateway can be tested against a KV-event feed without vLLM:
 
 * a ZMQ PUB socket that *connects* to a plain ``tcp://host:port`` endpoint

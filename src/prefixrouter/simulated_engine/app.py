@@ -2,7 +2,7 @@
 
 ``create_app(config)`` returns an :class:`aiohttp.web.Application` serving one
 model from one simulated :class:`~prefixrouter.sim.engine.EngineModel`, driven
-in real time by :class:`~prefixrouter.engine_server.runtime.EngineRuntime`.
+in real time by :class:`~prefixrouter.simulated_engine.runtime.EngineRuntime`.
 Prompts are tokenized for real (:mod:`prefixrouter.tokenizer`, chat template
 first), so token counts, block boundaries and cache hits are those a router in
 token mode computes; the output is filler text of exactly ``max_tokens`` tokens.
@@ -53,10 +53,11 @@ from aiohttp import web
 from prefixrouter import __version__
 from prefixrouter.core.hashing import hash_token_blocks
 from prefixrouter.core.types import CacheNamespace, WorkerId
-from prefixrouter.engine_server.config import EngineServerConfig
-from prefixrouter.engine_server.kv_publisher import KvEventPublisher
-from prefixrouter.engine_server.metrics import CONTENT_TYPE, EngineMetrics
-from prefixrouter.engine_server.protocol import (
+from prefixrouter.sim.engine import EngineModel
+from prefixrouter.simulated_engine.config import EngineServerConfig
+from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher
+from prefixrouter.simulated_engine.metrics import CONTENT_TYPE, EngineMetrics
+from prefixrouter.simulated_engine.protocol import (
     ApiError,
     ChunkWriter,
     Kind,
@@ -71,8 +72,7 @@ from prefixrouter.engine_server.protocol import (
     render_result,
     usage,
 )
-from prefixrouter.engine_server.runtime import EngineRuntime, RequestHandle
-from prefixrouter.sim.engine import EngineModel
+from prefixrouter.simulated_engine.runtime import EngineRuntime, RequestHandle
 from prefixrouter.tokenizer import (
     ChatTemplateError,
     Tokenizer,
@@ -429,7 +429,7 @@ class EngineServer:
         )
 
 
-SERVER_KEY = web.AppKey("engine_server", EngineServer)
+SERVER_KEY = web.AppKey("simulated_engine", EngineServer)
 """Where :func:`create_app` keeps the :class:`EngineServer` (tests read it)."""
 
 

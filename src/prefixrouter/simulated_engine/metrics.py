@@ -21,7 +21,7 @@ Gauges are read from the engine model at scrape time (no bookkeeping per step):
   router sees a restarted server as a new process either way.
 
 Counters and histograms are updated on engine outputs (a
-:class:`~prefixrouter.engine_server.runtime.RuntimeObserver`):
+:class:`~prefixrouter.simulated_engine.runtime.RuntimeObserver`):
 
 * ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt
   tokens looked up / found in the prefix cache, counted when the prefill ends;
@@ -42,8 +42,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixrouter.engine_server.runtime import RequestHandle
 from prefixrouter.sim.engine import Completed, EngineModel, FirstToken
+from prefixrouter.simulated_engine.runtime import RequestHandle
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

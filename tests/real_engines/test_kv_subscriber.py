@@ -18,13 +18,13 @@ from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import EntrySource, WorkerId
 from prefixrouter.demo.fleet import free_port
-from prefixrouter.engine_server.kv_publisher import KvEventPublisher
-from prefixrouter.engines.kv_events import END_SEQ
-from prefixrouter.engines.kv_subscriber import (
+from prefixrouter.real_engines.kv_events import END_SEQ
+from prefixrouter.real_engines.kv_subscriber import (
     KvEventCollector,
     KvEventSubscriber,
     parse_replay_reply,
 )
+from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher
 
 BS = 4
 SEED = 555

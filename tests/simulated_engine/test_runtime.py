@@ -8,9 +8,9 @@ import pytest
 
 from prefixrouter.core.hashing import hash_token_blocks
 from prefixrouter.core.types import WorkerId
-from prefixrouter.engine_server.runtime import EngineRuntime
 from prefixrouter.sim.engine import Completed, EngineModel, FirstToken
 from prefixrouter.sim.profiles import get_profile
+from prefixrouter.simulated_engine.runtime import EngineRuntime
 
 PROFILE = get_profile("tiny-cpu")
 

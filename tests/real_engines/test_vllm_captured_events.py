@@ -1,6 +1,6 @@
 """Messages captured from a real vLLM 0.32 engine decode and translate as the router needs.
 
-The fixture (``tests/engines/data``, see its README) holds the raw ZMQ frames
+The fixture (``tests/real_engines/data``, see its README) holds the raw ZMQ frames
 of a chat, its decode block, a completion, a salted chat, evictions and a
 cache reset, as vLLM published them.
 """
@@ -16,14 +16,14 @@ from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
-from prefixrouter.engines.kv_events import (
+from prefixrouter.real_engines.kv_events import (
     EngineBlockRemoved,
     EngineBlockStored,
     EventTranslator,
     decode_batch,
     decode_seq,
 )
-from prefixrouter.engines.kv_subscriber import KvEventSubscriber
+from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber
 
 DATA = Path(__file__).parent / "data" / "vllm_events.msgpack.jsonl"
 BASE, SALTED = 1111, 2222

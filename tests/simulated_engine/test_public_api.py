@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["prefixrouter.engine_server", "prefixrouter.tokenizer"])
+@pytest.mark.parametrize("module", ["prefixrouter.simulated_engine", "prefixrouter.tokenizer"])
 def test_all_names_exist(module: str) -> None:
     mod = importlib.import_module(module)
     missing = [name for name in mod.__all__ if not hasattr(mod, name)]
@@ -17,7 +17,7 @@ def test_all_names_exist(module: str) -> None:
 def test_engine_command_signature() -> None:
     import inspect
 
-    from prefixrouter.engine_server import engine
+    from prefixrouter.simulated_engine import engine
 
     params = inspect.signature(engine).parameters
     assert list(params)[:8] == [

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from prefixrouter.engines.kv_events import ZMQ_SCHEMES
 from prefixrouter.errors import ConfigError
+from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
 from prefixrouter.sim.profiles import EngineProfile, get_profile
 
 
@@ -39,7 +39,7 @@ class EngineServerConfig:
         engine_id: Value of the ``engine`` label on every metric.
         tokenizer: Tokenizer file or folder (default: the project's own).
         kv_events_endpoint: Publish KV events like vLLM to this ZMQ address
-            (None: no events); see :mod:`prefixrouter.engine_server.kv_publisher`.
+            (None: no events); see :mod:`prefixrouter.simulated_engine.kv_publisher`.
         kv_events_topic: The events' topic (default ``kv@<engine_id>``).
     """
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixrouter.engine_server import EngineServerConfig
 from prefixrouter.errors import ConfigError
+from prefixrouter.simulated_engine import EngineServerConfig
 
 
 def test_defaults_follow_the_profile() -> None:

@@ -62,7 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         engines = [
             fleet.start(
                 f"engine{i}",
-                "prefixrouter.engine_server",
+                "prefixrouter.simulated_engine",
                 [
                     "--time-scale", "50", "--kv-blocks", str(KV_BLOCKS), "--block-size", "16",
                     "--engine-id", str(i), "--kv-events-endpoint", endpoint,

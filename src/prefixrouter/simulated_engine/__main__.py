@@ -1,10 +1,10 @@
-"""``python -m prefixrouter.engine_server --port P``: the engine server on its own."""
+"""``python -m prefixrouter.simulated_engine --port P``: the engine server on its own."""
 
 from __future__ import annotations
 
 import typer
 
-from prefixrouter.engine_server.cli import engine
+from prefixrouter.simulated_engine.cli import engine
 
 
 def main() -> None:

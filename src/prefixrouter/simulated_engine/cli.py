@@ -1,7 +1,7 @@
 """``prefixrouter engine``: run one simulated vLLM engine as an HTTP server.
 
 The command function :func:`engine` is typer-annotated; the main CLI registers
-it (``app.command("engine")(engine)``) and ``python -m prefixrouter.engine_server``
+it (``app.command("engine")(engine)``) and ``python -m prefixrouter.simulated_engine``
 runs it alone. It serves until SIGINT or SIGTERM, on uvloop when installed,
 with aiohttp's access log off (the benchmarks send thousands of requests).
 
@@ -27,8 +27,8 @@ import zmq
 from aiohttp import web
 from rich.console import Console
 
-from prefixrouter.engine_server.config import EngineServerConfig
 from prefixrouter.errors import ConfigError
+from prefixrouter.simulated_engine.config import EngineServerConfig
 
 err_console = Console(stderr=True)
 
@@ -39,7 +39,7 @@ async def serve(config: EngineServerConfig, host: str, port: int) -> None:
     Raises:
         OSError: If the address cannot be bound.
     """
-    from prefixrouter.engine_server.app import SERVER_KEY, create_app
+    from prefixrouter.simulated_engine.app import SERVER_KEY, create_app
 
     app = create_app(config)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)

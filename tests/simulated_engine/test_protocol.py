@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from prefixrouter.engine_server.protocol import (
+from prefixrouter.simulated_engine.protocol import (
     ApiError,
     ChunkWriter,
     check_model,

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from prefixrouter.engine_server import SERVER_KEY, EngineServer, EngineServerConfig, create_app
+from prefixrouter.simulated_engine import SERVER_KEY, EngineServer, EngineServerConfig, create_app
 
 
 @asynccontextmanager

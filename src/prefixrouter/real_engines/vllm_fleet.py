@@ -22,7 +22,7 @@ into a few calls:
   process group: SIGTERM, then SIGKILL), since each holds about 3 GB;
 * :func:`reset_prefix_cache` empties an engine's prefix cache between runs
   (served because engines start with ``VLLM_SERVER_DEV_MODE=1``);
-* ``python -m prefixrouter.engines.vllm_fleet --engines 2`` starts a fleet,
+* ``python -m prefixrouter.real_engines.vllm_fleet --engines 2`` starts a fleet,
   prints the URLs and keeps it running until Ctrl-C.
 
 Standard library and the project's own modules (its tokenizer and process
@@ -83,7 +83,7 @@ def repo_root() -> Path:
     """The repository root: the folder holding ``scripts/setup_vllm.sh``.
 
     This file's own checkout when the package is installed in editable mode
-    (``src/prefixrouter/engines/`` is three levels below the root), else the
+    (``src/prefixrouter/real_engines/`` is three levels below the root), else the
     current directory or one of its parents.
     """
     candidates = [Path(__file__).resolve().parents[3], Path.cwd(), *Path.cwd().parents]
@@ -562,7 +562,7 @@ def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Start engines, print their URLs, keep them running until Ctrl-C."""
     parser = argparse.ArgumentParser(
-        prog="python -m prefixrouter.engines.vllm_fleet",
+        prog="python -m prefixrouter.real_engines.vllm_fleet",
         description="Start real vLLM CPU engines on loopback until Ctrl-C.",
     )
     parser.add_argument("--engines", type=int, default=2)

@@ -1,6 +1,6 @@
 """vLLM's KV-cache events: decoding the wire format and translating to the router's hashes.
 
-Pure code (no sockets, no clock); :mod:`prefixrouter.engines.kv_subscriber`
+Pure code (no sockets, no clock); :mod:`prefixrouter.real_engines.kv_subscriber`
 does the I/O.
 
 **Wire format** (vLLM's ZMQ publisher, also SGLang's): a message has three

@@ -14,10 +14,10 @@ real time), ``protocol`` (OpenAI wire format), ``metrics`` (vLLM metric names),
 
 from __future__ import annotations
 
-from prefixrouter.engine_server.app import SERVER_KEY, EngineServer, create_app
-from prefixrouter.engine_server.cli import engine, serve
-from prefixrouter.engine_server.config import EngineServerConfig
-from prefixrouter.engine_server.runtime import EngineRuntime, RequestHandle
+from prefixrouter.simulated_engine.app import SERVER_KEY, EngineServer, create_app
+from prefixrouter.simulated_engine.cli import engine, serve
+from prefixrouter.simulated_engine.config import EngineServerConfig
+from prefixrouter.simulated_engine.runtime import EngineRuntime, RequestHandle
 
 __all__ = [
     "SERVER_KEY",

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import ClientResponse
 
 from prefixrouter.tokenizer import load_tokenizer, render_chat
-from tests.engine_server.conftest import long_text, served
+from tests.simulated_engine.conftest import long_text, served
 
 BLOCK = 16  # tiny-cpu
 
