@@ -194,7 +194,7 @@ def test_built_class_is_the_inferred_class(
 ) -> None:
     # build() classifies in its rendering pass (which builds no text in token
     # mode); it must agree with the standalone inference.
-    from prefixrouter.tokenizer import load_tokenizer
+    from prefixrouter.tokenization import load_tokenizer
 
     tok = load_tokenizer() if mode == "token" else None
     b = _builder({"routing": {"mode": mode}}, tokenizer=tok)
@@ -224,7 +224,7 @@ def test_prefix_class_header_wins() -> None:
 
 
 def test_token_mode_uses_the_chat_template_and_tokenizer() -> None:
-    from prefixrouter.tokenizer import load_tokenizer
+    from prefixrouter.tokenization import load_tokenizer
 
     tok = load_tokenizer()
     b = _builder({"routing": {"mode": "token"}}, tokenizer=tok)

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from prefixrouter.analyze.lint_cli import lint
 from prefixrouter.prompt import Linter, LintObserver, LintParams, render_chat, scan_volatile
-from prefixrouter.prompt.cli import lint
 from prefixrouter.prompt.lint import VolatileMatch, _scan_range
 
 DOC = "\n".join(f"Section {i}: the service keeps every promise it makes." for i in range(200))
