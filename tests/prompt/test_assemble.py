@@ -13,9 +13,9 @@ from prefixrouter.prompt import (
     Normalizer,
     PinnedSession,
     StableLayer,
+    classify,
     doc_qa_request,
     document_id,
-    classify,
     order_fragments,
     rag_request,
     render_body,
@@ -26,6 +26,7 @@ from prefixrouter.prompt.lint import common_prefix_len
 def infer(body: dict) -> PrefixClass:  # type: ignore[type-arg]
     """The class the gateway, the linter and the analyzer give a body."""
     return classify(render_body(body))
+
 
 DOC = "\n".join(f"Clause {i}: the supplier delivers item {i} on time." for i in range(80))
 TOOLS = (

@@ -33,7 +33,11 @@ _args = (
     | st.sampled_from(["", "not json", "[1, 2]", "7", "{}"])
 )
 _call = st.builds(
-    lambda name, args: {"id": "c", "type": "function", "function": {"name": name, "arguments": args}},
+    lambda name, args: {
+        "id": "c",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    },
     _text,
     _args,
 )
