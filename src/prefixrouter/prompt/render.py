@@ -115,9 +115,12 @@ GATEWAY = RenderRules(strict=True, roles=OPENAI_ROLES)
 TEMPLATE = RenderRules(strict=True, text_only=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MessageSpan:
     """Where one message's content lies in the rendered prompt.
+
+    Treat as read-only. (Not a frozen dataclass: one is made per message of
+    every request, and a frozen dataclass's ``__init__`` costs twice as much.)
 
     Attributes:
         index: Index in ``messages`` (-1: the tool definitions, -2: a completion prompt).
@@ -413,22 +416,25 @@ def render_chat(
         PromptError: Strict rules and a message they refuse (names the field).
     """
     turns: list[tuple[int, str, str]] = []
+    roles = rules.roles
     for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(msg, Mapping):
             if rules.strict:
-                raise PromptError(where, "must be an object")
+                raise PromptError(f"messages[{i}]", "must be an object")
             continue
-        role = _role(msg, where, rules)
+        role = msg.get("role")
+        # The common case first (a known role); _role() says what is wrong otherwise.
+        if not (isinstance(role, str) and role and (roles is None or role in roles)):
+            role = _role(msg, f"messages[{i}]", rules)
         content = msg.get("content")
         text = (
             content
             if isinstance(content, str)
-            else content_text(content, f"{where}.content", rules)
+            else content_text(content, f"messages[{i}].content", rules)
         )
         calls = msg.get("tool_calls")
         if calls:
-            rendered = _tool_calls_text(calls, f"{where}.tool_calls", rules)
+            rendered = _tool_calls_text(calls, f"messages[{i}].tool_calls", rules)
             text = "\n".join(([text] if text else []) + rendered)
         turns.append((i, role, text))
     section = tools_section(tools, rules) if tools else ""

@@ -218,7 +218,11 @@ def _chat_prompt(
         text = None
     cls = parse_prefix_class(stated, strict=True) or classify(rendered, classifier)
     first = next((s for s in rendered.spans if s.role == "user"), None)
-    first_user = rendered.content(first) if first is not None else None
+    first_user: str | None = None
+    if first is not None:
+        content = messages[first.index].get("content")
+        # The message's own string when it is one: a long content is not copied.
+        first_user = content if isinstance(content, str) else rendered.content(first)
     return BuiltPrompt(text, tokens, rendered, cls, first_user)
 
 
