@@ -415,6 +415,15 @@ def render_chat(
     Raises:
         PromptError: Strict rules and a message they refuse (names the field).
     """
+    turns = _turns(messages, rules)
+    section = tools_section(tools, rules) if tools else ""
+    if section and (not turns or turns[0][1] != "system"):
+        turns.insert(0, (-1, "system", ""))
+    return _join(turns, section, add_generation_prompt)
+
+
+def _turns(messages: Sequence[Any], rules: RenderRules) -> list[tuple[int, str, str]]:
+    """(index, role, text) of each message (text: content, then tool calls)."""
     turns: list[tuple[int, str, str]] = []
     roles = rules.roles
     for i, msg in enumerate(messages):
@@ -437,10 +446,16 @@ def render_chat(
             rendered = _tool_calls_text(calls, f"messages[{i}].tool_calls", rules)
             text = "\n".join(([text] if text else []) + rendered)
         turns.append((i, role, text))
-    section = tools_section(tools, rules) if tools else ""
-    if section and (not turns or turns[0][1] != "system"):
-        turns.insert(0, (-1, "system", ""))
+    return turns
 
+
+def _join(
+    turns: list[tuple[int, str, str]], section: str, add_generation_prompt: bool
+) -> RenderedPrompt:
+    """The ChatML text of the turns, the tools section closing the first, and their spans.
+
+    Pieces are joined once at the end: no intermediate copy of long contents.
+    """
     parts: list[str] = []
     spans: list[MessageSpan] = []
     pos = 0
