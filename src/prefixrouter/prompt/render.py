@@ -42,7 +42,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import xxhash
 
 IM_START = "<|im_start|>"
@@ -238,7 +237,8 @@ def json_text(value: Any) -> str:
 def _placeholder(part: Any) -> str:
     """``<{type}:{hash}>`` of a part that is not text (the hash of its canonical JSON)."""
     kind = part.get("type") if isinstance(part, Mapping) else None
-    digest = xxhash.xxh3_64_hexdigest(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))
+    # json, not orjson: any JSON value hashes (orjson refuses integers past 64 bits).
+    digest = xxhash.xxh3_64_hexdigest(json_text(part).encode("utf-8", "surrogatepass"))
     return f"<{kind if isinstance(kind, str) else 'part'}:{digest}>"
 
 
