@@ -4,7 +4,7 @@ No weights can be downloaded where this project runs, and the real-engine tests
 only look at usage, metrics, KV events and timing, never at generated text. So
 the model is a random-weight ``LlamaForCausalLM`` small enough to prefill 16k
 tokens in seconds on one CPU core, with a vocabulary that matches the project's
-own tokenizer (:mod:`prefixrouter.tokenizer`, 8,192 entries), which
+own tokenizer (:mod:`prefixrouter.tokenization`, 8,192 entries), which
 ``scripts/setup_vllm.sh`` writes into the same folder beforehand.
 
 Run with the vLLM venv's python (it needs torch and transformers)::
@@ -26,7 +26,7 @@ HEADS = 4
 INTERMEDIATE = 512
 MAX_POSITIONS = 32768
 VOCAB = 8192
-# Ids of the project's tokenizer's special tokens (prefixrouter.tokenizer.SPECIAL_TOKENS).
+# Ids of the project's tokenizer's special tokens (prefixrouter.tokenization.SPECIAL_TOKENS).
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 
 

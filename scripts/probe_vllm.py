@@ -11,7 +11,7 @@ a. KV events: binds a ZMQ SUB socket, points one engine at it, sends a
 b. ``cache_salt``: what the events' ``extra_keys`` carry, and whether another
    tenant (another salt, or none) gets 0 cached tokens;
 c. exactness: vLLM's ``prompt_tokens``, ``/tokenize`` and the events'
-   ``token_ids`` against :mod:`prefixrouter.tokenizer` (``encode_chat`` and
+   ``token_ids`` against :mod:`prefixrouter.tokenization` (``encode_chat`` and
    ``encode``) for several chat shapes and a completion;
 d. a small cache (64 blocks): distinct prompts force ``BlockRemoved``;
    ``POST /reset_prefix_cache`` sends ``AllBlocksCleared``; a restarted engine
@@ -57,7 +57,7 @@ from prefixrouter.real_engines.vllm_fleet import (
     ensure_vllm,
     reset_prefix_cache,
 )
-from prefixrouter.tokenizer import load_tokenizer
+from prefixrouter.tokenization import load_tokenizer
 
 BLOCK = 32
 WORDS = [

@@ -5,7 +5,7 @@
 #    works there. PyPI's torchvision/torchaudio/torchcodec are CUDA builds that crash
 #    the CPU server, and triton has no CPU backend: all four are removed.
 # 2. The tiny local model (nothing can be downloaded): the project's own tokenizer
-#    (prefixrouter.tokenizer, so the gateway's token-mode routing counts exactly the
+#    (prefixrouter.tokenization, so the gateway's token-mode routing counts exactly the
 #    tokens vLLM counts) plus a random-weight Llama (scripts/build_tiny_model.py).
 #
 # Idempotent: the venv and the weights are made only when missing; the tokenizer
@@ -34,12 +34,12 @@ else
     "$VENV/bin/python" -c "import vllm; print('vLLM venv: vllm', vllm.__version__, 'imports')"
 fi
 
-# Which python writes the tokenizer files (it must import prefixrouter.tokenizer).
+# Which python writes the tokenizer files (it must import prefixrouter.tokenization).
 TOK_PY=()
 TOK_PATH=""
 if [ -n "${PREFIXROUTER_PYTHON:-}" ]; then
     TOK_PY=("$PREFIXROUTER_PYTHON")
-elif [ -x .venv/bin/python ] && .venv/bin/python -c "import prefixrouter.tokenizer" >/dev/null 2>&1; then
+elif [ -x .venv/bin/python ] && .venv/bin/python -c "import prefixrouter.tokenization" >/dev/null 2>&1; then
     TOK_PY=(.venv/bin/python)
 else
     TOK_PY=("$VENV/bin/python")   # has `tokenizers` (a transformers dependency)
@@ -53,7 +53,7 @@ write_tokenizer() {
 import sys
 from pathlib import Path
 
-from prefixrouter.tokenizer import TOKENIZER_VERSION, hf_tokenizer_dir
+from prefixrouter.tokenization import TOKENIZER_VERSION, hf_tokenizer_dir
 
 src, dst = hf_tokenizer_dir(), Path(sys.argv[1])
 changed = []

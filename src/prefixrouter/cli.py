@@ -316,10 +316,10 @@ def list_profiles() -> None:
 def _register_commands() -> None:
     """Commands that live in their own packages (their imports stay lazy enough)."""
     from prefixrouter.analyze.cli import analyze
+    from prefixrouter.analyze.lint_cli import lint
     from prefixrouter.bench.cli import bench
     from prefixrouter.demo.cli import demo
     from prefixrouter.gateway.cli import serve
-    from prefixrouter.prompt.cli import lint
     from prefixrouter.simulated_engine.cli import engine
 
     app.command("demo")(demo)

@@ -19,7 +19,7 @@ from prefixrouter.analyze import (
     load_encoder,
 )
 from prefixrouter.core.hashing import hash_text_blocks
-from prefixrouter.prompt import Fragment, PinnedSession, StableLayer, doc_qa_request, render_chat
+from prefixrouter.prompt import Fragment, PinnedSession, StableLayer, doc_qa_request, render_body
 
 SHARED_WORDS = [f"w{i}" for i in range(2000)]
 
@@ -113,7 +113,7 @@ def test_hidden_timestamp_divergence_position() -> None:
         for i in range(12)
     ]  # fmt: skip
     a = analyze_records(_records(bodies))
-    text = render_chat(bodies[0]).text
+    text = render_body(bodies[0]).text
     pos = text.index("2024-05-01T")
     (d,) = a.divergences
     assert d.char_position == pos

@@ -14,7 +14,7 @@ from prefixrouter.bench.workload import (
 from prefixrouter.errors import ConfigError
 from prefixrouter.sim.profiles import get_profile
 from prefixrouter.sim.scenarios import get_scenario
-from prefixrouter.tokenizer import load_tokenizer, render_chat
+from prefixrouter.tokenization import load_tokenizer, render_chat
 
 PROFILE = get_profile("llama3-8b-h100")
 

@@ -1,4 +1,8 @@
-"""Request body -> routing request: validation, prompt text, namespace, prefix class."""
+"""Request body -> routing request: the gateway's 400s, prompt text, namespace, prefix class.
+
+The pure request path has its own tests (``tests/prompt/test_request.py``);
+these hold the gateway's side: the same field errors as OpenAI-style 400s,
+the tenancy and namespace, and what the router gets."""
 
 from __future__ import annotations
 
@@ -17,10 +21,11 @@ from prefixrouter.gateway.request_builder import (
     COMPLETIONS,
     BuiltRequest,
     RequestBuilder,
-    infer_prefix_class,
-    render_messages,
 )
 from prefixrouter.gateway.tenancy import Tenancy, TenantScope
+from prefixrouter.prompt.classify import classify
+from prefixrouter.prompt.render import render_body
+from prefixrouter.tokenization import render_chat
 
 SYS = {"role": "system", "content": "You are a careful assistant."}
 
@@ -89,22 +94,20 @@ def test_unknown_prefix_class_header_is_a_bad_request() -> None:
     assert info.value.param == "X-Prefix-Class"
 
 
-def test_text_rendering_is_deterministic_and_keeps_roles_and_tools() -> None:
+def test_text_mode_routes_the_text_the_engine_sees() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}}}]
     msgs = [SYS, {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "bob"}]
-    text, first_user = render_messages(msgs, tools)
-    again, _ = render_messages(
-        msgs, [{"function": {"parameters": {"a": 2, "b": 1}, "name": "f"}, "type": "function"}]
+    rr = _build(_chat(*msgs, tools=tools)).routing
+    swapped = [{"function": {"parameters": {"a": 2, "b": 1}, "name": "f"}, "type": "function"}]
+    assert rr.text == _build(_chat(*msgs, tools=swapped)).routing.text  # canonical tool JSON
+    assert rr.text == render_chat(msgs, tools)  # the bundled model's chat template, exactly
+    assert rr.text is not None and rr.text.startswith(
+        "<|im_start|>system\nYou are a careful assistant.\n\n# Tools\n"
     )
-    assert text == again  # tool JSON is canonical (sorted keys)
-    assert text.startswith("<|tools|>")
-    assert "<|system|>\nYou are a careful assistant.\n" in text
-    assert "<|user:bob|>\nhi\n" in text
-    assert first_user == "hi"
-    assert (
-        render_messages([{"role": "user", "content": "x"}], None)[0]
-        != render_messages([{"role": "system", "content": "x"}], None)[0]
-    )
+    assert "<|im_start|>user\nhi<|im_end|>\n" in rr.text
+    assert rr.first_user_text == "hi"
+    user = _build(_chat({"role": "user", "content": "x"})).routing.text
+    assert user != _build(_chat({"role": "system", "content": "x"})).routing.text
 
 
 def test_built_request_fields() -> None:
@@ -161,7 +164,15 @@ def _m(role: str, content: str) -> dict[str, Any]:
 def test_prefix_class_inference(
     messages: list[dict[str, Any]], tools: list[Any] | None, expected: PrefixClass
 ) -> None:
-    assert infer_prefix_class(messages, tools, 4000) is expected
+    body = _chat(*messages, **({"tools": tools} if tools else {}))
+    assert _build(body).routing.prefix_class is expected
+
+
+def test_document_chars_of_the_config_feed_the_classifier() -> None:
+    body = _chat(_m("user", "d" * 1000))
+    assert _build(body).routing.prefix_class is PrefixClass.UNKNOWN
+    b = _builder({"routing": {"document_chars": 1000}})
+    assert _build(body, builder=b).routing.prefix_class is PrefixClass.DOCUMENT
 
 
 _CLASS_CASES = [
@@ -192,15 +203,15 @@ _CLASS_CASES = [
 def test_built_class_is_the_inferred_class(
     messages: list[dict[str, Any]], tools: list[Any] | None, mode: str
 ) -> None:
-    # build() classifies in its rendering pass (which builds no text in token
-    # mode); it must agree with the standalone inference.
-    from prefixrouter.tokenizer import load_tokenizer
+    # The gateway's class is the one classifier's, in either mode (what the
+    # linter and the analyzer give the same body).
+    from prefixrouter.tokenization import load_tokenizer
 
     tok = load_tokenizer() if mode == "token" else None
     b = _builder({"routing": {"mode": mode}}, tokenizer=tok)
     body = _chat(*messages, **({"tools": tools} if tools else {}))
     rr = _build(body, builder=b).routing
-    assert rr.prefix_class is infer_prefix_class(messages, tools, 4000)
+    assert rr.prefix_class is classify(render_body(body))
     assert (rr.text is None) is (mode == "token")
     users = [m["content"] for m in messages if m["role"] == "user"]
     first_user = None
@@ -213,9 +224,11 @@ def test_built_class_is_the_inferred_class(
 def test_tool_calls_follow_the_message_text() -> None:
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     msgs = [_m("user", "hi"), {"role": "assistant", "content": "ok", "tool_calls": calls}]
-    text, _ = render_messages(msgs, None)
-    dumped = orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
-    assert text == f"<|user|>\nhi\n<|assistant|>\nok{dumped}\n"
+    assert _build(_chat(*msgs)).routing.text == (
+        "<|im_start|>user\nhi<|im_end|>\n"
+        '<|im_start|>assistant\nok\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_prefix_class_header_wins() -> None:
@@ -224,7 +237,7 @@ def test_prefix_class_header_wins() -> None:
 
 
 def test_token_mode_uses_the_chat_template_and_tokenizer() -> None:
-    from prefixrouter.tokenizer import load_tokenizer
+    from prefixrouter.tokenization import load_tokenizer
 
     tok = load_tokenizer()
     b = _builder({"routing": {"mode": "token"}}, tokenizer=tok)
@@ -293,32 +306,32 @@ def test_any_json_body_is_a_routing_request_or_a_named_400(body: Any, kind: str)
     Router().route(built.routing, [WorkerView(WorkerId("w0"))], 0.0)
 
 
-_ID_ELEMENTS = st.one_of(
-    st.integers(min_value=-3, max_value=2**32 + 3),
-    st.booleans(),
-    st.floats(allow_nan=False, min_value=0, max_value=10),
-    st.text(max_size=2),
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_ID_ELEMENTS, max_size=40), st.integers(min_value=1, max_value=8))
-def test_token_id_check_matches_the_element_rule_at_any_slice_size(
-    seq: list[Any], slice_size: int
+@pytest.mark.parametrize("mode", ["text", "token"])
+def test_one_render_per_request_with_the_linter_on(
+    mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prefixrouter.gateway import request_builder as rb
+    """The observer lints the prompt the builder rendered for routing; it renders nothing."""
+    from prefixrouter.prompt import lint as lint_mod
+    from prefixrouter.prompt import request as request_mod
+    from prefixrouter.prompt.lint import LintObserver
+    from prefixrouter.tokenization import load_tokenizer
 
-    expected = all(
-        type(t) is int and 0 <= t < 2**32  # not a bool, a float or a string
-        for t in seq
-    )
-    assert rb._token_ids_ok(seq, slice_size) is expected
+    renders: list[int] = []
+    real = request_mod.render_chat
 
+    def counted(*args: Any, **kw: Any) -> Any:
+        renders.append(1)
+        return real(*args, **kw)
 
-def test_a_bad_token_id_past_the_first_slice_is_refused() -> None:
-    from prefixrouter.gateway import request_builder as rb
+    def refused(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the observer rendered the body again")
 
-    for bad in (True, -1, 2**32, 1.0):
-        ids: list[Any] = list(range(2 * rb._CHECK_SLICE))
-        ids[-1] = bad
-        assert not rb._token_ids_ok(ids)
+    monkeypatch.setattr(request_mod, "render_chat", counted)
+    monkeypatch.setattr(lint_mod, "render_body", refused)
+    b = _builder({"routing": {"mode": mode}}, load_tokenizer() if mode == "token" else None)
+    rules = "\n".join(f"Rule {i}: cite the minutes of meeting {i}." for i in range(80))
+    body = _chat(_m("system", f"Report generated 2024-05-01T10:00:00Z.\n{rules}"), _m("user", "q"))
+    built = _build(body, builder=b)
+    obs = LintObserver()
+    assert obs.observe(built.prompt, built.routing.prefix_class) == {"timestamp": 1}
+    assert renders == [1] and obs.requests() == {"system": 1}

@@ -19,7 +19,7 @@ def test_cli_functions_are_plain_typer_commands() -> None:
     import inspect
 
     from prefixrouter.analyze.cli import analyze
-    from prefixrouter.prompt.cli import lint
+    from prefixrouter.analyze.lint_cli import lint
 
     assert list(inspect.signature(lint).parameters)[:3] == ["file", "json_out", "max_findings"]
     assert list(inspect.signature(analyze).parameters) == [

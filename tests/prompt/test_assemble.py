@@ -13,14 +13,20 @@ from prefixrouter.prompt import (
     Normalizer,
     PinnedSession,
     StableLayer,
+    classify,
     doc_qa_request,
     document_id,
-    infer_prefix_class,
     order_fragments,
     rag_request,
-    render_chat,
+    render_body,
 )
 from prefixrouter.prompt.lint import common_prefix_len
+
+
+def infer(body: dict) -> PrefixClass:  # type: ignore[type-arg]
+    """The class the gateway, the linter and the analyzer give a body."""
+    return classify(render_body(body))
+
 
 DOC = "\n".join(f"Clause {i}: the supplier delivers item {i} on time." for i in range(80))
 TOOLS = (
@@ -40,14 +46,14 @@ STABLE = StableLayer(
 def test_doc_qa_keeps_the_document_before_the_question() -> None:
     a = doc_qa_request(model="m", instruction="Answer.", document=DOC, question="Clause 3?")
     b = doc_qa_request(model="m", instruction="Answer.", document=DOC, question="Clause 7?")
-    ta, tb = render_chat(a.body).text, render_chat(b.body).text
+    ta, tb = render_body(a.body).text, render_body(b.body).text
     shared = common_prefix_len(ta, tb)
     assert ta.index("</document>") < shared  # the whole document is a shared prefix
     assert a.body["messages"][-1]["content"].endswith("Clause 3?")
     assert a.headers[PREFIX_CLASS_HEADER] == "document" == a.prefix_class.value
-    assert infer_prefix_class(a.body) is PrefixClass.DOCUMENT
+    assert infer(a.body) is PrefixClass.DOCUMENT
     # the per-call tail of the rendered prompt is the question
-    rendered = render_chat(a.body)
+    rendered = render_body(a.body)
     assert rendered.text[rendered.tail_start :].startswith("Clause 3?")
 
 
@@ -78,7 +84,7 @@ def test_rag_orders_fragments_by_score_then_source_then_position() -> None:
     user = one.body["messages"][1]["content"]
     assert user.index("A9") < user.index("A3") < user.index("B1") < user.index("B2")
     assert user.endswith("\n\nQ?")
-    assert infer_prefix_class(one.body) is PrefixClass.RAG == one.prefix_class
+    assert infer(one.body) is PrefixClass.RAG == one.prefix_class
 
 
 def test_rag_stable_layer_comes_first_in_a_fixed_section_order() -> None:
@@ -89,9 +95,9 @@ def test_rag_stable_layer_comes_first_in_a_fixed_section_order() -> None:
     assert [t["function"]["name"] for t in body["tools"]] == ["fetch", "search"]
     reordered = StableLayer(**{**_fields(STABLE), "tools": TOOLS[::-1]})
     again = rag_request(model="m", stable=reordered, fragments=[], question="Q").body
-    assert render_chat(again).text == render_chat(body).text
+    assert render_body(again).text == render_body(body).text
     # the retrieved layer is the per-call tail: the stable part ends before it
-    rendered = render_chat(body)
+    rendered = render_body(body)
     assert rendered.text[rendered.tail_start :].startswith("<context>")
 
 
@@ -106,13 +112,13 @@ def test_pinned_session_only_appends() -> None:
     for turn in range(3):
         req = session.ask(f"question {turn}?")
         assert req.headers[PREFIX_CLASS_HEADER] == "session"
-        texts.append(render_chat(req.body).text)
+        texts.append(render_body(req.body).text)
         session.answer(f"answer {turn}")
     for before, after in itertools.pairwise(texts):
         # everything but the generation prompt of turn n is a prefix of turn n+1
         assert after.startswith(before[: -len("<|im_start|>assistant\n")])
     assert texts[2].count("<context>") == 1
-    assert infer_prefix_class(session.ask("more?").body) is PrefixClass.SESSION
+    assert infer(session.ask("more?").body) is PrefixClass.SESSION
     with pytest.raises(ValueError):
         session.ask("again?")
 
@@ -128,70 +134,3 @@ def test_builders_use_the_normalizer_and_stamp_its_version() -> None:
     assert req.headers["X-Prompt-Template"] == norm.version
     with pytest.raises(ValueError):
         doc_qa_request(model="m", instruction="i", document="d", question="q", params={"model": 1})
-
-
-def test_render_chat_spans_tail_and_live_content() -> None:
-    body = {
-        "model": "m",
-        "messages": [
-            {"role": "system", "content": "sys"},
-            {"role": "user", "content": "first"},
-            {"role": "assistant", "content": "reply", "tool_calls": [{"id": "c1"}]},
-            {"role": "user", "content": [{"type": "text", "text": "doc\n\nquestion"}]},
-        ],
-    }
-    r = render_chat(body)
-    assert [s.role for s in r.spans] == ["system", "user", "assistant", "user"]
-    assert r.text[r.spans[0].start : r.spans[0].end] == "sys"
-    assert '{"id": "c1"}' in r.text
-    assert r.text[r.tail_start :].startswith("question")
-    assert [s.index for s in r.live] == [0, 3]  # history (turns 1-2) is not live
-    assert r.text.endswith("<|im_start|>assistant\n")
-    prompt = render_chat({"prompt": "a\n\nb"})
-    assert prompt.text == "a\n\nb" and prompt.tail_start == 3
-
-
-@pytest.mark.parametrize(
-    ("body", "expected"),
-    [
-        ({"messages": [{"role": "system", "content": "x" * 500}, {"role": "user", "content": "q"}]},
-         PrefixClass.SYSTEM),
-        ({"messages": [{"role": "user", "content": "y" * 7000}]}, PrefixClass.DOCUMENT),
-        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                       {"role": "user", "content": "c"}]}, PrefixClass.SESSION),
-        ({"messages": [{"role": "user", "content": "[source: wiki] text"}]}, PrefixClass.RAG),
-        ({"messages": [{"role": "user", "content": "hi"}]}, PrefixClass.UNKNOWN),
-        ({"messages": [{"role": "user", "content": "hi"}], "metadata": {"prefix_class": "rag"}},
-         PrefixClass.RAG),
-        ({"prompt": "z" * 7000}, PrefixClass.DOCUMENT),
-    ],
-)  # fmt: skip
-def test_infer_prefix_class(body: dict, expected: PrefixClass) -> None:  # type: ignore[type-arg]
-    assert infer_prefix_class(body) is expected
-
-
-def test_render_chat_matches_the_bundled_chat_template() -> None:
-    tokenizer = pytest.importorskip("prefixrouter.tokenizer")
-    tools = [{"type": "function", "function": {"name": "get", "parameters": {"b": 1, "a": 2}}}]
-    cases = [
-        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]},
-        {"messages": [{"role": "user", "content": "U"}], "tools": tools},
-        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "U"}],
-         "tools": tools},
-        {"messages": [
-            {"role": "system", "content": "S"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "1", "type": "function", "function": {"name": "get", "arguments": "{}"}},
-                {"id": "2", "type": "function", "function": {"name": "get", "arguments": {"x": 1}}},
-            ]},
-            {"role": "tool", "content": "42"},
-        ], "tools": tools},
-    ]  # fmt: skip
-    for body in cases:
-        expected = tokenizer.render_chat(body["messages"], body.get("tools"))
-        rendered = render_chat(body)
-        assert rendered.text == expected
-        for span in rendered.spans:  # spans point at the content they name
-            if span.role == "tools":
-                assert rendered.text[span.start : span.end].startswith("# Tools")

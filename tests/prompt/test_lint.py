@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from prefixrouter.prompt import Linter, LintObserver, LintParams, render_chat, scan_volatile
-from prefixrouter.prompt.cli import lint
+from prefixrouter.analyze.lint_cli import lint
+from prefixrouter.prompt import Linter, LintObserver, LintParams, render_body, scan_volatile
 from prefixrouter.prompt.lint import VolatileMatch, _scan_range
 
 DOC = "\n".join(f"Section {i}: the service keeps every promise it makes." for i in range(200))
@@ -35,7 +35,7 @@ def _body(system: str, user: str) -> dict:  # type: ignore[type-arg]
 def test_timestamp_before_a_long_document_is_found_with_its_cost() -> None:
     body = _body(f"You answer questions. Report generated {STAMP}.", f"{DOC}\n\nWhat is 3?")
     (f,) = Linter().lint_body(body)
-    rendered = render_chat(body)
+    rendered = render_body(body)
     start = rendered.text.index(STAMP)
     end = start + len(STAMP)
     assert (f.kind, f.position, f.text) == ("timestamp", start, STAMP)
@@ -131,7 +131,7 @@ def test_jsonl_field_that_differs_between_otherwise_identical_requests() -> None
     bodies = [(i + 1, _body(f"You assist {n} today.\n{DOC}", f"Question {i}?")) for i, n in
               enumerate(names)]  # fmt: skip
     (f,) = Linter().lint_bodies(bodies)
-    text = render_chat(bodies[1][1]).text
+    text = render_body(bodies[1][1]).text
     assert f.kind == "varying_field"
     assert f.position == text.index("Bob")
     assert f.text == "Bob"
@@ -155,24 +155,25 @@ def test_observer_counts_by_class_and_never_changes_the_request() -> None:
     obs = LintObserver()
     body = _body(f"Report generated {STAMP}.", f"{DOC}\n\nQ?")
     frozen = copy.deepcopy(body)
-    assert obs.observe(body) == {"timestamp": 1}
+    assert obs.observe(render_body(body)) == {"timestamp": 1}
     assert body == frozen
-    assert obs.observe(body, prefix_class="rag") == {"timestamp": 1}
-    assert obs.observe(_body("Be brief.", "hi")) == {}
-    assert obs.observe({"messages": 5}) == {}  # unreadable shapes are simply clean
+    assert obs.observe(render_body(body), prefix_class="rag") == {"timestamp": 1}
+    assert obs.observe(render_body(_body("Be brief.", "hi"))) == {}
+    assert obs.observe(render_body({"messages": 5})) == {}  # unreadable shapes are simply clean
+    assert obs.observe(None) == {}  # a prompt of token ids: nothing to lint
     assert obs.findings() == {"document": {"timestamp": 1}, "rag": {"timestamp": 1}}
-    assert obs.requests() == {"document": 1, "rag": 1, "unknown": 2}
+    assert obs.requests() == {"document": 1, "rag": 1, "system": 1, "unknown": 2}
     assert obs.errors == 0
     assert "session" in obs.classes()
 
 
 def test_observer_survives_a_broken_linter() -> None:
     class Broken(Linter):
-        def lint_body(self, body, *, line=None):  # type: ignore[no-untyped-def]
+        def lint_prompt(self, prompt, line=None):  # type: ignore[no-untyped-def]
             raise RuntimeError("boom")
 
     obs = LintObserver(Broken())
-    assert obs.observe({"messages": []}) == {}
+    assert obs.observe(render_body({"messages": []})) == {}
     assert obs.errors == 1
 
 

@@ -27,7 +27,7 @@ from prefixrouter.real_engines.vllm_fleet import (
     sync_tokenizer,
     vllm_setup,
 )
-from prefixrouter.tokenizer import CHAT_TEMPLATE_JINJA
+from prefixrouter.tokenization import CHAT_TEMPLATE_JINJA
 
 FAKE_SERVER = textwrap.dedent(
     """

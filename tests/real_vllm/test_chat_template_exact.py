@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from prefixrouter.real_engines.vllm_fleet import ensure_vllm
-from prefixrouter.tokenizer import load_tokenizer
-from tests.test_chat_template import LLAMA3_LIKE, model_dir
+from prefixrouter.tokenization import load_tokenizer
+from tests.tokenization.test_chat_template import LLAMA3_LIKE, model_dir
 
 pytestmark = pytest.mark.vllm
 

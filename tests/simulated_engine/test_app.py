@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import ClientResponse
 
-from prefixrouter.tokenizer import load_tokenizer, render_chat
+from prefixrouter.tokenization import load_tokenizer, render_chat
 from tests.simulated_engine.conftest import long_text, served
 
 BLOCK = 16  # tiny-cpu

@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["prefixrouter.simulated_engine", "prefixrouter.tokenizer"])
+@pytest.mark.parametrize("module", ["prefixrouter.simulated_engine", "prefixrouter.tokenization"])
 def test_all_names_exist(module: str) -> None:
     mod = importlib.import_module(module)
     missing = [name for name in mod.__all__ if not hasattr(mod, name)]

@@ -1,6 +1,8 @@
 """Streaming prefix analysis of a request log, in bounded memory.
 
-Every request is rendered to one prompt (:func:`render_chat`) and cut into
+Every request is rendered to one prompt (:func:`~prefixrouter.prompt.render.render_body`)
+and classified (:func:`~prefixrouter.prompt.classify.classify`, as the gateway
+classifies it) unless its record states a class, then cut into
 chained block hashes with the routing core's own hashing
 (:mod:`prefixrouter.core.hashing`): token mode with a tokenizer (blocks of
 ``block_size`` token ids), text mode without one (chunks of
@@ -65,14 +67,9 @@ import xxhash
 from prefixrouter.analyze.reader import LogRecord
 from prefixrouter.core.hashing import TokenEstimator, hash_text_blocks, hash_token_blocks
 from prefixrouter.core.types import PrefixClass
-from prefixrouter.prompt.assemble import (
-    IM_END,
-    IM_START,
-    RenderedPrompt,
-    infer_prefix_class,
-    render_chat,
-)
+from prefixrouter.prompt.classify import DEFAULT_PARAMS, ClassifierParams, classify
 from prefixrouter.prompt.lint import common_prefix_len
+from prefixrouter.prompt.render import IM_END, IM_START, RenderedPrompt, render_body
 
 _FULL = 1 << 64
 _STEP = 1 << 32  # PrefixCounter packs (count << 32) | depth into one int
@@ -99,6 +96,8 @@ class AnalyzeParams:
         batch: Requests tokenized per batch (token mode).
         prefix_key_tokens: Decision records without a body: tokens their
             ``prefix_key`` stands for (the gateway's ``prefix_key_tokens``).
+        classifier: Thresholds and markers of the inferred prefix class (the
+            gateway's defaults; its ``routing.document_chars`` is ``document_chars``).
     """
 
     block_size: int = 16
@@ -114,6 +113,7 @@ class AnalyzeParams:
     max_divergences: int = 1024
     batch: int = 64
     prefix_key_tokens: int = 1024
+    classifier: ClassifierParams = DEFAULT_PARAMS
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -514,10 +514,10 @@ class PrefixAnalyzer:
         it: Iterator[LogRecord] = iter(records)
         if self.encoder is None:
             for rec in it:
-                self._one(rec, render_chat(rec.body), None)
+                self._one(rec, render_body(rec.body), None)
             return
         while batch := list(islice(it, self.params.batch)):
-            rendered = [_EMPTY if r.prefix_key else render_chat(r.body) for r in batch]
+            rendered = [_EMPTY if r.prefix_key else render_body(r.body) for r in batch]
             encoded = self.encoder.encode_batch([r.text for r in rendered])
             for rec, prompt, enc in zip(batch, rendered, encoded, strict=True):
                 self._one(rec, prompt, enc)
@@ -552,7 +552,7 @@ class PrefixAnalyzer:
                 ends = [e for _, e in enc.offsets]
             return bisect_right(ends, pos)
 
-        cls = rec.prefix_class or infer_prefix_class(rec.body)
+        cls = rec.prefix_class or classify(prompt, p.classifier)
         known = self._account(rec, cls, hashes, prompt_tokens)
         if known and hashes[known - 1] not in self._ends:
             cut = known * p.chunk_chars if enc is None else enc.offsets[known * p.block_size - 1][1]

@@ -33,7 +33,7 @@ from typing import IO, Any, cast
 import orjson
 
 from prefixrouter.core.types import CacheNamespace, PrefixClass
-from prefixrouter.prompt.assemble import PREFIX_CLASS_HEADER, explicit_prefix_class
+from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER, parse_prefix_class
 
 BODY_KEYS = ("request", "body", "request_body")
 
@@ -111,17 +111,17 @@ def parse_record(obj: Any, line: int = 0) -> LogRecord | str:
     why = _check_body(body)
     if why is not None:
         return why
-    cls = explicit_prefix_class(record.get("prefix_class"))
+    cls = parse_prefix_class(record.get("prefix_class"))
     headers = record.get("headers")
     if cls is None and isinstance(headers, Mapping):
         wanted = PREFIX_CLASS_HEADER.lower()
         cls = next(
-            (explicit_prefix_class(v) for k, v in headers.items() if str(k).lower() == wanted),
+            (parse_prefix_class(v) for k, v in headers.items() if str(k).lower() == wanted),
             None,
         )
     meta = body.get("metadata")
     if cls is None and isinstance(meta, Mapping):
-        cls = explicit_prefix_class(meta.get("prefix_class"))
+        cls = parse_prefix_class(meta.get("prefix_class"))
     if cls is PrefixClass.UNKNOWN:
         cls = None  # "unknown" in a log means nobody knew: infer it
     namespace = record.get("namespace")
@@ -146,7 +146,7 @@ def _key_record(obj: Mapping[str, Any], line: int) -> LogRecord | str:
     tokens = _int(obj.get("prompt_tokens")) or _int(obj.get("estimated_prompt_tokens"))
     if not tokens:
         return "decision record without a body or a prompt length"
-    cls = explicit_prefix_class(obj.get("prefix_class"))
+    cls = parse_prefix_class(obj.get("prefix_class"))
     namespace = obj.get("namespace")
     return LogRecord(
         line=line,

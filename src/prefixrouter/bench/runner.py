@@ -24,7 +24,7 @@ from prefixrouter.bench.workload import build_bench_workload, warmup_requests
 from prefixrouter.demo.client import Result
 from prefixrouter.demo.fleet import Fleet
 from prefixrouter.sim.profiles import EngineProfile
-from prefixrouter.tokenizer import hf_tokenizer_dir, load_tokenizer
+from prefixrouter.tokenization import hf_tokenizer_dir, load_tokenizer
 
 WARMUP_TOKENS = 1500
 """Warm-up prompt length before ``scale``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from prefixrouter.tokenizer import load_tokenizer
+from prefixrouter.tokenization import load_tokenizer
 
 VOCABULARY = (
     "the contract party shall provide notice within thirty days of any change to the terms "

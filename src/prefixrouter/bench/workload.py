@@ -43,7 +43,7 @@ from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.runner import capacity_rps
 from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
 from prefixrouter.sim.workload import SimRequest, Workload
-from prefixrouter.tokenizer import Tokenizer
+from prefixrouter.tokenization import Tokenizer
 
 DEFAULT_SCENARIOS = ("doc-qa", "system-prompt", "multi-turn", "unique")
 CALIBRATION_WORDS = 4000

@@ -5,7 +5,8 @@ Modules (each small, each with its reason in its docstring):
 * :mod:`.app`: the application factory and lifespan (pollers, flusher, session);
 * :mod:`.proxy`: forwarding, retries before the first byte, streaming, feedback;
 * :mod:`.upstream`: the proxy's lean HTTP/1.1 keep-alive client (httptools);
-* :mod:`.request_builder`: request body -> routing request (prompt, namespace, prefix class);
+* :mod:`.request_builder`: request body -> routing request (the prompt path of
+  :mod:`prefixrouter.prompt.request`, plus tenancy, namespace and the 400s);
 * :mod:`.tenancy`: tenants from API keys (``X-Tenant`` only when trusted),
   cache sharing, ``cache_salt``;
 * :mod:`.workers`: registry, health with backoff, ``/metrics`` polls, drain and remove;

@@ -324,9 +324,9 @@ class Proxy:
             )
             if retry is None:
                 if st.lint is not None:
-                    # Observe mode: count what the linter finds, never change the body.
+                    # Observe mode: lint the prompt rendered for routing; never change the body.
                     cls = decision.prefix_class
-                    st.metrics.linted(cls, st.lint.observe(built.body, cls))
+                    st.metrics.linted(cls, st.lint.observe(built.prompt, cls))
                 chosen = decision.chosen
                 terms = chosen.terms if chosen is not None else None
                 st.metrics.routed(

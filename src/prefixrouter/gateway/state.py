@@ -87,7 +87,7 @@ class GatewayState:
 def _load_tokenizer(config: GatewayConfig) -> ChatTokenizer | None:
     if config.routing.mode != "token":
         return None
-    from prefixrouter.tokenizer import load_tokenizer
+    from prefixrouter.tokenization import load_tokenizer
 
     tok: ChatTokenizer = load_tokenizer(config.routing.tokenizer)
     return tok

@@ -21,124 +21,23 @@ Every builder normalizes its text with a :class:`Normalizer` and returns an
 :class:`AssembledRequest`: the body, and the headers that tell the gateway the
 prefix class (``X-Prefix-Class``) and the template version.
 
-The module also defines how a body becomes one prompt text
-(:func:`render_chat`: the bundled model's ChatML template, byte for byte, with
-the offset of every message and of the per-call tail, for the linter and the
-log analyzer) and how a body's prefix class is inferred from its structure
-(:func:`infer_prefix_class`).
+How a body becomes one prompt text is :mod:`.render`'s; how its prefix class
+is inferred, :mod:`.classify`'s.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from prefixrouter.core.types import PrefixClass
+from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER
 from prefixrouter.prompt.normalize import Normalizer, canonical_json
 
-PREFIX_CLASS_HEADER = "X-Prefix-Class"
 TEMPLATE_VERSION_HEADER = "X-Prompt-Template"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-
-RAG_MARKERS = (
-    "<retrieved",
-    "<context>",
-    "<context ",
-    "<documents>",
-    "<search_results",
-    "[source:",
-    "[Source:",
-    "# Context\n",
-    "# Retrieved context",
-)
-"""Markers of retrieved context in a prompt (what :func:`render_fragments` writes, and the
-common conventions); the retrieved layer is variable, so the stable part ends before it.
-Literal and case-sensitive: ``str.find`` is an order of magnitude faster than a regex."""
-_DOCUMENT_MARKER = re.compile(r"<document\b", re.IGNORECASE)
-DOCUMENT_CHARS = 6_000
-"""A single-turn user message this long (about 1,500 tokens) is a document."""
-SYSTEM_CHARS = 400
-"""A system message this long (about 100 tokens) is a reusable system template."""
-_HISTORY_ROLES = frozenset({"assistant", "tool", "function"})
-
-
-@dataclass(frozen=True, slots=True)
-class MessageSpan:
-    """Where one message's content lies in the rendered prompt.
-
-    Attributes:
-        index: Index in ``messages`` (-1: the tool definitions, -2: a completion prompt).
-        role: The message role (``tools`` / ``prompt`` for the two special spans).
-        start: Offset of the content's first character.
-        end: Offset just past the content.
-    """
-
-    index: int
-    role: str
-    start: int
-    end: int
-
-    @property
-    def path(self) -> str:
-        """``messages[i].content``, ``tools`` or ``prompt``."""
-        return f"messages[{self.index}].content" if self.index >= 0 else self.role
-
-
-@dataclass(frozen=True, slots=True)
-class RenderedPrompt:
-    """A request body as one prompt text, with its message spans.
-
-    Attributes:
-        text: The prompt as the engine sees it (ChatML rendering).
-        spans: Content span of every message (and of the tool definitions).
-        tail_start: Where the per-call tail begins: the retrieved context, or
-            else the last paragraph of the last user message (where builders
-            put the question). Content before it is expected to be stable.
-        live: The spans written for this call (system, tools, last user
-            message); earlier turns are history, already fixed.
-    """
-
-    text: str
-    spans: tuple[MessageSpan, ...]
-    tail_start: int
-    live: tuple[MessageSpan, ...] = field(default=())
-
-    def span_at(self, pos: int) -> MessageSpan | None:
-        """The content span holding ``pos``, if any."""
-        for s in self.spans:
-            if s.start <= pos < s.end:
-                return s
-        return None
-
-
-def content_text(content: Any) -> str:
-    """The text of a message ``content``: a string, or a list of typed parts.
-
-    Text parts are joined by newlines; an image part becomes ``<image:HASH>``
-    (the hash of its URL), so equal images render equally and different ones do not.
-    """
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return "" if content is None else _json_text(content)
-    out: list[str] = []
-    for part in content:
-        if isinstance(part, Mapping):
-            if isinstance(part.get("text"), str):
-                out.append(part["text"])
-            else:
-                out.append(
-                    f"<{part.get('type', 'part')}:{xxhash.xxh3_64_hexdigest(repr(part).encode())}>"
-                )
-        elif isinstance(part, str):
-            out.append(part)
-    return "\n".join(out)
 
 
 def _canonical(value: Any) -> Any:
@@ -157,166 +56,6 @@ def canonical_tools(tools: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         return str(fn.get("name", "")) if isinstance(fn, Mapping) else str(tool.get("name", ""))
 
     return [_canonical(t) for t in sorted(tools, key=lambda t: (name(t), canonical_json(t)))]
-
-
-def find_rag_marker(text: str, start: int = 0) -> int:
-    """Offset of the first :data:`RAG_MARKERS` marker in ``text``, or -1."""
-    best = -1
-    for marker in RAG_MARKERS:
-        # Only an earlier match can improve on ``best``: bound the search there.
-        i = text.find(marker, start, best + len(marker) - 1 if best >= 0 else len(text))
-        if i >= 0:
-            best = i
-    return best
-
-
-def _tail_start(content: str, start: int) -> int:
-    cut = content.rfind("\n\n")
-    return start + (cut + 2 if cut >= 0 else 0)
-
-
-def _json_text(value: Any) -> str:
-    """Sorted keys, ``", "`` / ``": "``, no ASCII escaping: the chat template's JSON."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
-
-
-def _tool_call_text(call: Any) -> str:
-    fn = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        return _json_text(call)  # malformed: still rendered, deterministically
-    args = fn.get("arguments", "{}")
-    args_text = args if isinstance(args, str) else _json_text(args)
-    return (
-        f'<tool_call>\n{{"name": {_json_text(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
-    )
-
-
-def render_chat(body: Mapping[str, Any]) -> RenderedPrompt:
-    """Render a chat-completions (or completions) body as one ChatML prompt.
-
-    The rules are those of the bundled model's chat template
-    (:func:`prefixrouter.tokenizer.render_chat`), so offsets and block hashes
-    match what the engine prefills: each message is
-    ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``; text parts of a content list
-    are joined by newlines; an assistant's tool calls follow its content as
-    ``<tool_call>`` blocks; the tool definitions, one JSON object a line, form
-    a ``# Tools`` section appended to the first system message (or inserted as
-    one); ``<|im_start|>assistant\\n`` ends the text. Unlike the template it
-    never raises: parts it cannot render (images, malformed entries) become
-    deterministic placeholders, so a log of any shape can be analyzed. A
-    completions body (``prompt``: a string) renders as that string.
-
-    Args:
-        body: An OpenAI request body.
-
-    Returns:
-        The prompt text with message spans and where the per-call tail begins.
-    """
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        span = MessageSpan(-2, "prompt", 0, len(prompt))
-        tail = _tail_start(prompt, 0)
-        rag = find_rag_marker(prompt)
-        tail = min(tail, rag) if rag >= 0 else tail
-        return RenderedPrompt(prompt, (span,), tail, (span,))
-    messages = body.get("messages")
-    turns: list[tuple[int, str, str]] = []
-    for i, m in enumerate(messages if isinstance(messages, list) else []):
-        if not isinstance(m, Mapping):
-            continue
-        text = content_text(m.get("content"))
-        calls = m.get("tool_calls")
-        if isinstance(calls, list) and calls:
-            text = "\n".join(([text] if text else []) + [_tool_call_text(c) for c in calls])
-        turns.append((i, str(m.get("role") or "user"), text))
-    tools = body.get("tools")
-    section = ""
-    if isinstance(tools, list) and tools:
-        lines = "\n".join(_json_text(t) for t in tools)
-        section = f"# Tools\n\n<tools>\n{lines}\n</tools>"
-        if not turns or turns[0][1] != "system":
-            turns.insert(0, (-1, "system", ""))
-
-    parts: list[str] = []
-    spans: list[MessageSpan] = []
-    pos = 0
-    for k, (index, role, text) in enumerate(turns):
-        start = pos + len(IM_START) + len(role) + 1
-        if index >= 0:
-            spans.append(MessageSpan(index, role, start, start + len(text)))
-        if k == 0 and section:
-            if text:
-                text += "\n\n"
-            spans.append(
-                MessageSpan(-1, "tools", start + len(text), start + len(text) + len(section))
-            )
-            text += section
-        chunk = f"{IM_START}{role}\n{text}{IM_END}\n"
-        parts.append(chunk)
-        pos += len(chunk)
-    parts.append(f"{IM_START}assistant\n")
-    text = "".join(parts)
-
-    chat = [s for s in spans if s.index >= 0]
-    last = chat[-1] if chat else None
-    if last is None:
-        tail = len(text)
-    elif last.role == "user":
-        tail = _tail_start(text[last.start : last.end], last.start)
-    else:
-        tail = last.start
-    rag = find_rag_marker(text)
-    if rag >= 0:
-        tail = min(tail, rag)
-    last_user = max((s.index for s in chat if s.role == "user"), default=-1)
-    live = tuple(
-        s
-        for s in spans
-        if s.role not in _HISTORY_ROLES and (s.role != "user" or s.index == last_user)
-    )
-    return RenderedPrompt(text, tuple(spans), tail, live)
-
-
-def explicit_prefix_class(value: Any) -> PrefixClass | None:
-    """``value`` as a :class:`PrefixClass`, if it names one."""
-    if isinstance(value, str):
-        try:
-            return PrefixClass(value.strip().lower())
-        except ValueError:
-            return None
-    return None
-
-
-def infer_prefix_class(body: Mapping[str, Any]) -> PrefixClass:
-    """The prefix class of a request body, from its metadata or else its structure.
-
-    In order: ``metadata.prefix_class`` if it names a class; several user turns
-    or an earlier assistant turn: ``session``; retrieved-context markers
-    (:data:`RAG_MARKERS`): ``rag``; a ``<document`` marker or a user message of
-    :data:`DOCUMENT_CHARS` or more: ``document``; a system message of
-    :data:`SYSTEM_CHARS` or more: ``system``; else ``unknown``.
-    """
-    meta = body.get("metadata")
-    if isinstance(meta, Mapping):
-        explicit = explicit_prefix_class(meta.get("prefix_class"))
-        if explicit is not None:
-            return explicit
-    prompt = body.get("prompt")
-    messages = body.get("messages")
-    msgs = [m for m in messages if isinstance(m, Mapping)] if isinstance(messages, list) else []
-    texts = [(str(m.get("role", "user")), content_text(m.get("content"))) for m in msgs]
-    if isinstance(prompt, str):
-        texts.append(("user", prompt))
-    users = [t for r, t in texts if r == "user"]
-    if len(users) > 1 or any(r == "assistant" for r, _ in texts[:-1]):
-        return PrefixClass.SESSION
-    if any(find_rag_marker(t) >= 0 for _, t in texts):
-        return PrefixClass.RAG
-    if any(len(t) >= DOCUMENT_CHARS or _DOCUMENT_MARKER.search(t) for t in users):
-        return PrefixClass.DOCUMENT
-    if any(r in ("system", "developer") and len(t) >= SYSTEM_CHARS for r, t in texts):
-        return PrefixClass.SYSTEM
-    return PrefixClass.UNKNOWN
 
 
 # ---------------------------------------------------------------------------- builders

@@ -34,7 +34,7 @@ question goes). A match is a finding when the stable tokens after it, other
 matches excluded, reach ``min_stable_tokens``: ``stable_tokens_after`` is the
 prefill it costs per call. A kind found more than ``max_per_message`` times
 in one message is taken for data (a pasted log), not a field. Positions are
-character offsets in the rendered prompt (:func:`render_chat`), or in the
+character offsets in the rendered prompt (:func:`~.render.render_body`), or in the
 file for a template; tokens are estimated at ``chars_per_token``.
 """
 
@@ -50,13 +50,13 @@ from typing import Any
 
 from prefixrouter.core.hashing import TokenEstimator
 from prefixrouter.core.types import PrefixClass
-from prefixrouter.prompt.assemble import (
-    MessageSpan,
-    RenderedPrompt,
-    explicit_prefix_class,
-    infer_prefix_class,
-    render_chat,
+from prefixrouter.prompt.classify import (
+    DEFAULT_PARAMS,
+    ClassifierParams,
+    classify,
+    parse_prefix_class,
 )
+from prefixrouter.prompt.render import MessageSpan, RenderedPrompt, render_body
 
 _MOVE = "move it after the stable block (into the last user message)"
 _HEADER = "send it in a header or the request's metadata, not in the prompt"
@@ -368,7 +368,10 @@ class Linter:
             body: The OpenAI request body; it is not modified.
             line: Its line in a JSON-lines file, echoed in the findings.
         """
-        prompt = render_chat(body)
+        return self.lint_prompt(render_body(body), line)
+
+    def lint_prompt(self, prompt: RenderedPrompt, line: int | None = None) -> list[Finding]:
+        """Findings of a prompt already rendered (the gateway's, in observe mode)."""
         return self._findings(prompt, self.matches(prompt), line)
 
     def _findings(
@@ -440,7 +443,7 @@ class Linter:
         merged: dict[tuple[str, int], Finding] = {}
         last: OrderedDict[tuple[str, tuple[str, ...]], _Rendered] = OrderedDict()
         for line, body in bodies:
-            prompt = render_chat(body)
+            prompt = render_body(body)
             matches = self.matches(prompt)
             found = self._findings(prompt, matches, line)
             key = _group_key(body)
@@ -541,35 +544,45 @@ def _group_key(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
 class LintObserver:
     """Observe mode for the gateway: lint each request, count findings; change nothing.
 
-    :meth:`observe` renders and scans a copy-free view of the body (the body
-    is only read) and adds its findings to counters keyed by prefix class and
-    kind, for the gateway to export (e.g. ``prefixrouter_lint_findings_total
-    {prefix_class, kind}``). It never raises: a body it cannot read counts as
-    an error.
+    :meth:`observe` scans the prompt the gateway rendered for routing (its
+    spans say which content was written for this call), so a request is
+    rendered once whether the linter runs or not, and adds its findings to
+    counters keyed by prefix class and kind, for the gateway to export
+    (``prefixrouter_lint_findings_total{prefix_class, kind}``). It never
+    raises: a prompt it cannot read counts as an error.
     """
 
-    __slots__ = ("_errors", "_findings", "_requests", "linter")
+    __slots__ = ("_errors", "_findings", "_requests", "classifier", "linter")
 
-    def __init__(self, linter: Linter | None = None) -> None:
+    def __init__(
+        self, linter: Linter | None = None, classifier: ClassifierParams = DEFAULT_PARAMS
+    ) -> None:
         self.linter = linter or Linter()
+        self.classifier = classifier
         self._findings: Counter[tuple[str, str]] = Counter()
         self._requests: Counter[str] = Counter()
         self._errors = 0
 
-    def observe(self, body: Mapping[str, Any], prefix_class: str | None = None) -> dict[str, int]:
-        """Lint one request body and count its findings.
+    def observe(
+        self, prompt: RenderedPrompt | None, prefix_class: PrefixClass | str | None = None
+    ) -> dict[str, int]:
+        """Lint one rendered prompt and count its findings.
 
         Args:
-            body: The request body as received; it is only read.
+            prompt: The request's prompt as rendered for routing (None: a
+                prompt of token ids, which holds no text to lint).
             prefix_class: The request's prefix class if the gateway knows it
-                (e.g. from ``X-Prefix-Class``); else inferred from the body.
+                (it always does); else classified from the prompt.
 
         Returns:
             Findings of this request by kind (empty when clean).
         """
         try:
-            cls = explicit_prefix_class(prefix_class) or infer_prefix_class(body)
-            kinds = Counter(f.kind for f in self.linter.lint_body(body))
+            cls = parse_prefix_class(prefix_class)
+            if cls is None:
+                cls = PrefixClass.UNKNOWN if prompt is None else classify(prompt, self.classifier)
+            found = self.linter.lint_prompt(prompt) if prompt is not None else []
+            kinds = Counter(f.kind for f in found)
         except Exception:  # observe mode must never fail a request
             self._errors += 1
             return {}

@@ -49,7 +49,7 @@ from pathlib import Path
 from types import TracebackType
 
 from prefixrouter.demo.fleet import HOST, Fleet, Server, free_port
-from prefixrouter.tokenizer import hf_tokenizer_dir
+from prefixrouter.tokenization import hf_tokenizer_dir
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -172,7 +172,7 @@ def sync_tokenizer(model: Path) -> list[str]:
     """Rewrite the model's tokenizer files that differ from the project's tokenizer.
 
     The engine must count tokens exactly as the gateway's token mode does, so
-    the tiny model carries :func:`prefixrouter.tokenizer.hf_tokenizer_dir`'s
+    the tiny model carries :func:`prefixrouter.tokenization.hf_tokenizer_dir`'s
     files; a changed chat template reaches an existing model this way (engines
     started afterwards load it).
 

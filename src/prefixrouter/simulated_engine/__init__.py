@@ -5,7 +5,7 @@ that behave like vLLM — OpenAI endpoints, usage with cached tokens, vLLM's
 Prometheus metrics, prefix caching, queueing and chunked prefill — on a laptop
 and in tests, with no model and no accelerator. Timing comes from the
 simulator's :class:`~prefixrouter.sim.engine.EngineModel` on the wall clock
-(optionally sped up), token counts from :mod:`prefixrouter.tokenizer`.
+(optionally sped up), token counts from :mod:`prefixrouter.tokenization`.
 
 Modules: ``config`` (what to serve), ``runtime`` (drives the engine model in
 real time), ``protocol`` (OpenAI wire format), ``metrics`` (vLLM metric names),

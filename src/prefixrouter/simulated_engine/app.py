@@ -3,7 +3,7 @@
 ``create_app(config)`` returns an :class:`aiohttp.web.Application` serving one
 model from one simulated :class:`~prefixrouter.sim.engine.EngineModel`, driven
 in real time by :class:`~prefixrouter.simulated_engine.runtime.EngineRuntime`.
-Prompts are tokenized for real (:mod:`prefixrouter.tokenizer`, chat template
+Prompts are tokenized for real (:mod:`prefixrouter.tokenization`, chat template
 first), so token counts, block boundaries and cache hits are those a router in
 token mode computes; the output is filler text of exactly ``max_tokens`` tokens.
 
@@ -73,7 +73,7 @@ from prefixrouter.simulated_engine.protocol import (
     usage,
 )
 from prefixrouter.simulated_engine.runtime import EngineRuntime, RequestHandle
-from prefixrouter.tokenizer import (
+from prefixrouter.tokenization import (
     ChatTemplateError,
     Tokenizer,
     hf_tokenizer_dir,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixrouter.tokenizer import (
+from prefixrouter.tokenization import (
     SPECIAL_TOKENS,
     TOKENIZER_VERSION,
     VOCAB_SIZE,

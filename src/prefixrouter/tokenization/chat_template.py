@@ -28,7 +28,7 @@ the same:
     content gets a list of ``{"type": "text", "text": ...}`` parts (a string
     is one part, null none); any other gets a string, the text parts joined
     with a newline (null: ``""``). A tool message's text parts are joined
-    either way. Text only, as :func:`~prefixrouter.tokenizer.render_chat`:
+    either way. Text only, as :func:`~prefixrouter.tokenization.render_chat`:
     other part types are refused.
   - an assistant's ``tool_calls``: each ``function.arguments`` is an object
     (OpenAI's JSON text parsed, keys in their order; ``{}`` for anything that
@@ -51,13 +51,14 @@ import jinja2.ext
 import jinja2.sandbox
 from jinja2 import nodes
 
-from prefixrouter.tokenizer import (
-    ChatTemplateError,
-    _content_text,
-    _content_texts,
-    _tool_call_arguments,
-    _tool_call_function,
+from prefixrouter.prompt.render import (
+    PromptError,
+    content_parts,
+    content_text,
+    tool_call_arguments,
+    tool_call_function,
 )
+from prefixrouter.tokenization.chatml import ChatTemplateError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -65,7 +66,8 @@ ContentFormat = Literal["string", "openai"]
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
+    # The template's own words, as the 400's message; the field is the messages.
+    raise ChatTemplateError("messages", message, text=message)
 
 
 def _tojson(
@@ -198,19 +200,19 @@ def vllm_messages(
         ChatTemplateError: A malformed message, content part or tool call (names the field).
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ChatTemplateError("messages: must be a list of message objects")
+        raise ChatTemplateError("messages", "must be a list of message objects")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, Mapping):
-            raise ChatTemplateError(f"{where}: must be an object")
+            raise ChatTemplateError(where, "must be an object")
         m = dict(msg)
         role, content = m.get("role"), m.get("content")
         if fmt == "openai" and role != "tool":
-            texts = _content_texts(content, f"{where}.content")
+            texts = _checked(content_parts, content, f"{where}.content")
             m["content"] = [{"type": "text", "text": t} for t in texts]
         else:
-            m["content"] = _content_text(content, f"{where}.content")
+            m["content"] = _checked(content_text, content, f"{where}.content")
         calls = m.get("tool_calls")
         if role == "assistant" and isinstance(calls, list):
             if not calls:
@@ -224,9 +226,17 @@ def vllm_messages(
     return out
 
 
+def _checked(read: Any, value: Any, where: str) -> Any:
+    """``read(value, where)`` with the text-only template's rules; its errors as ours."""
+    try:
+        return read(value, where)
+    except PromptError as exc:
+        raise ChatTemplateError.of(exc) from None
+
+
 def _vllm_tool_call(call: Any, where: str) -> dict[str, Any]:
-    fn = _tool_call_function(call, where)
-    return {**call, "function": {**fn, "arguments": _tool_call_arguments(fn)}}
+    fn = _checked(tool_call_function, call, where)
+    return {**call, "function": {**fn, "arguments": tool_call_arguments(fn)}}
 
 
 class ModelChatTemplate:
@@ -246,7 +256,7 @@ class ModelChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+            raise ChatTemplateError("", f"chat template does not compile: {exc}") from None
         self.content_format = content_format(source)
 
     def render(
@@ -272,7 +282,7 @@ class ModelChatTemplate:
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-            raise ChatTemplateError(f"messages: the chat template failed: {exc}") from None
+            raise ChatTemplateError("messages", f"the chat template failed: {exc}") from None
 
 
 def find_chat_template(folder: Path) -> ModelChatTemplate | None:
@@ -287,7 +297,7 @@ def find_chat_template(folder: Path) -> ModelChatTemplate | None:
         try:
             loaded = json.loads(config_file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ChatTemplateError(f"{config_file}: unreadable: {exc}") from None
+            raise ChatTemplateError("", f"{config_file}: unreadable: {exc}") from None
         if isinstance(loaded, dict):
             config = loaded
     special = {

@@ -17,10 +17,10 @@ count tokens the same way. So the tokenizer is *built* locally, deterministicall
 * **Special tokens**: ``<|endoftext|>`` (0), ``<|im_start|>`` (1),
   ``<|im_end|>`` (2). They are matched in input text, as Hugging Face
   tokenizers do, so a rendered chat template encodes them as single ids.
-* **Chat template**: ChatML, rendered by :func:`render_chat`, a pure function
-  (no Jinja) that the gateway reuses for token-mode routing::
-
-      <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n
+* **Chat template**: ChatML (:mod:`.chatml`), rendered by the project's one
+  renderer, :func:`prefixrouter.prompt.render.render_chat` (no Jinja), which the
+  gateway uses for both routing modes; a model folder's own template is
+  rendered as vLLM renders it (:mod:`.chat_template`).
 
 Building takes about 0.3 s; the result is cached as
 ``<cache dir>/tokenizer-<version>.json`` where the cache dir is
@@ -36,7 +36,6 @@ transformers, vLLM.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import sysconfig
@@ -44,13 +43,14 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer as _HfTokenizer
-
-if TYPE_CHECKING:
-    from prefixrouter.chat_template import ModelChatTemplate
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from prefixrouter.prompt.render import IM_END, IM_START, json_text
+from prefixrouter.tokenization.chat_template import ModelChatTemplate, find_chat_template
+from prefixrouter.tokenization.chatml import CHAT_TEMPLATE_JINJA, ChatTemplateError, render_chat
 
 __all__ = [
     "CHAT_TEMPLATE_JINJA",
@@ -74,215 +74,7 @@ TOKENIZER_VERSION = f"{RECIPE}-py{sys.version_info.major}{sys.version_info.minor
 VOCAB_SIZE = 8192
 CORPUS_CHARS = 1_000_000
 PER_FILE_CHARS = 40_000
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-CHAT_TEMPLATE_JINJA = (
-    # Roles are rendered as given; naming 'developer' here keeps vLLM from
-    # rewriting developer messages to system ones (and merging them).
-    "{#- ChatML; roles (system, user, assistant, tool, 'developer') as given -#}"
-    "{%- macro obj(d) -%}{{ '{' }}"
-    "{%- for k, v in d|dictsort(true) if v is not none -%}"
-    "{{ (', ' if not loop.first else '') ~ k|tojson ~ ': ' }}"
-    "{{ obj(v) if k == 'function' and v is mapping else v|tojson(sort_keys=true) }}"
-    "{%- endfor -%}{{ '}' }}{%- endmacro -%}"
-    "{%- set ns = namespace(section='', text='') -%}"
-    "{%- if tools -%}"
-    "{%- for tool in tools -%}"
-    "{%- set ns.section = ns.section ~ ('\\n' if not loop.first else '') ~ obj(tool) -%}"
-    "{%- endfor -%}"
-    "{%- set ns.section = '# Tools\\n\\n<tools>\\n' ~ ns.section ~ '\\n</tools>' -%}"
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\n' ~ ns.section ~ '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- set ns.text = message['content'] or '' -%}"
-    "{%- if message['tool_calls'] -%}"
-    "{%- for call in message['tool_calls'] -%}"
-    "{%- set ns.text = (ns.text ~ '\\n' if ns.text else '') ~ '<tool_call>\\n{\"name\": '"
-    " ~ call['function']['name']|tojson ~ ', \"arguments\": '"
-    " ~ (call['function']['arguments'] or {})|tojson ~ '}\\n</tool_call>' -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if loop.first and tools and message['role'] == 'system' -%}"
-    "{%- set ns.text = ns.text ~ '\\n\\n' ~ ns.section if ns.text else ns.section -%}"
-    "{%- endif -%}"
-    "{{ '<|im_start|>' ~ message['role'] ~ '\\n' ~ ns.text ~ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
-"""The same rendering as :func:`render_chat`, as Jinja (for ``tokenizer_config.json``).
-
-Checked against vLLM 0.32 (``scripts/probe_vllm.py``): vLLM joins text parts,
-turns tool-call ``arguments`` into objects and dumps tools with every field
-(absent ones as null) before rendering, so the template writes arguments with
-``tojson`` and drops null tool fields, as :func:`render_chat` does. It relies
-on the ``tojson`` filter of transformers (``sort_keys``, no HTML escaping).
-"""
-
-
-class ChatTemplateError(ValueError):
-    """Malformed chat messages or tools; the message names the field (``messages[2].role``)."""
-
-
-# ----------------------------------------------------------------- chat template
-
-
-def _json(value: Any) -> str:
-    """Canonical JSON: sorted keys, no ASCII escaping (the same text on every run)."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
-
-
-def _content_text(content: Any, where: str) -> str:
-    """A message's text as vLLM gives it to a template that takes strings."""
-    if isinstance(content, str):
-        return content
-    # vLLM joins the text parts of one message with a newline for string templates.
-    return "\n".join(_content_texts(content, where))
-
-
-def _content_texts(content: Any, where: str) -> list[str]:
-    """The text parts of a message's content (null: none; a string: one)."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        raise ChatTemplateError(f"{where}: must be a string, a list of content parts or null")
-    texts: list[str] = []
-    for i, part in enumerate(content):
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise ChatTemplateError(f"{where}[{i}]: a content part must be an object")
-        kind = part.get("type", "text")
-        if kind not in ("text", "input_text"):
-            raise ChatTemplateError(
-                f"{where}[{i}].type: unsupported content part {kind!r} (this model is text only)"
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise ChatTemplateError(f"{where}[{i}].text: must be a string")
-        texts.append(text)
-    return texts
-
-
-def _tool_call_function(call: Any, where: str) -> Mapping[str, Any]:
-    """A tool call's ``function`` (checked: an object with a string ``name``)."""
-    if not isinstance(call, Mapping):
-        raise ChatTemplateError(f"{where}: a tool call must be an object")
-    fn = call.get("function")
-    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-        raise ChatTemplateError(f"{where}.function.name: must be a string")
-    return fn
-
-
-def _tool_call_arguments(fn: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A tool call's ``arguments`` as vLLM hands them to the template.
-
-    OpenAI's JSON text is parsed to an object (keys in their order); anything
-    that is not an object (empty, malformed, a list, a number) becomes ``{}``.
-    """
-    args = fn.get("arguments")
-    if isinstance(args, str) and args:
-        try:
-            args = json.loads(args)
-        except ValueError:
-            args = {}
-    return args if isinstance(args, Mapping) else {}
-
-
-def _tool_call_text(call: Any, where: str) -> str:
-    fn = _tool_call_function(call, where)
-    args_text = json.dumps(_tool_call_arguments(fn), ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {_json(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
-
-
-def _tools_text(tools: Sequence[Any]) -> str:
-    lines = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, Mapping):
-            raise ChatTemplateError(f"tools[{i}]: must be an object")
-        # Null fields are dropped (vLLM sends every field, absent ones as null).
-        tool = {k: v for k, v in tool.items() if v is not None}
-        fn = tool.get("function")
-        if isinstance(fn, Mapping):
-            tool["function"] = {k: v for k, v in fn.items() if v is not None}
-        lines.append(_json(tool))
-    return "# Tools\n\n<tools>\n" + "\n".join(lines) + "\n</tools>"
-
-
-def render_chat(
-    messages: Sequence[Mapping[str, Any]],
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    *,
-    add_generation_prompt: bool = True,
-) -> str:
-    """Render OpenAI chat messages to the prompt text the model sees (ChatML).
-
-    Pure and deterministic: the same messages give the same text, byte for byte.
-    Rules:
-
-    * each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``;
-    * ``content`` may be a string, null, or a list of text parts (joined with
-      ``\\n``, as vLLM does); other part types are rejected (text-only model);
-    * an assistant message's ``tool_calls`` follow its content, one
-      ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` each,
-      separated by newlines; ``arguments`` (JSON text or an object) is written
-      as JSON with its keys in their order, ``{}`` when it is not an object;
-    * ``tools`` (when non-empty) are listed, one canonical JSON object a line
-      (null fields of a tool and of its ``function`` left out), in
-      a ``# Tools`` section appended to the first system message (a system
-      message is inserted first if there is none);
-    * ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
-
-    Args:
-        messages: Chat messages (``role``, ``content``, optional ``tool_calls``).
-        tools: OpenAI tool definitions, if any.
-        add_generation_prompt: Open an assistant turn at the end.
-
-    Returns:
-        The prompt text, special tokens included as text.
-
-    Raises:
-        ChatTemplateError: If a message or tool is malformed (names the field).
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ChatTemplateError("messages: must be a list of message objects")
-    if not messages:
-        raise ChatTemplateError("messages: must not be empty")
-    if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
-        raise ChatTemplateError("tools: must be a list of tool objects")
-    turns: list[tuple[str, str]] = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, Mapping):
-            raise ChatTemplateError(f"{where}: must be an object")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise ChatTemplateError(f"{where}.role: must be a non-empty string")
-        text = _content_text(msg.get("content"), f"{where}.content")
-        calls = msg.get("tool_calls")
-        if calls:
-            if not isinstance(calls, list):
-                raise ChatTemplateError(f"{where}.tool_calls: must be a list")
-            rendered = [_tool_call_text(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
-            text = "\n".join(([text] if text else []) + rendered)
-        turns.append((role, text))
-    if tools:
-        section = _tools_text(tools)
-        if turns[0][0] == "system":
-            system = turns[0][1]
-            turns[0] = ("system", f"{system}\n\n{section}" if system else section)
-        else:
-            turns.insert(0, ("system", section))
-    out = [f"{IM_START}{role}\n{text}{IM_END}\n" for role, text in turns]
-    if add_generation_prompt:
-        out.append(f"{IM_START}assistant\n")
-    return "".join(out)
-
+SPECIAL_TOKENS = ("<|endoftext|>", IM_START, IM_END)
 
 # ----------------------------------------------------------------- building
 
@@ -399,8 +191,8 @@ def hf_tokenizer_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     special = {"eos_token": IM_END, "pad_token": "<|endoftext|>"}
     files = {
         "tokenizer.json": data,
-        "tokenizer_config.json": _json(config) + "\n",
-        "special_tokens_map.json": _json(special) + "\n",
+        "tokenizer_config.json": json_text(config) + "\n",
+        "special_tokens_map.json": json_text(special) + "\n",
     }
     for name, text in files.items():
         target = folder / name
@@ -468,6 +260,11 @@ class Tokenizer:
         tok = self._tok.id_to_token(tid)
         return None if tok is None else str(tok)
 
+    @property
+    def renders_chatml(self) -> bool:
+        """Its chat template is the project's ChatML (:func:`render_chat`)."""
+        return self.template is None
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -525,8 +322,6 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
 
 def _model_template(folder: Path) -> ModelChatTemplate | None:
     """The folder's chat template if it is not the project's own ChatML."""
-    from prefixrouter.chat_template import find_chat_template
-
     template = find_chat_template(folder)
     if template is None or template.source == CHAT_TEMPLATE_JINJA:
         return None  # ours: render_chat is the same text, and faster

@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from prefixrouter.chat_template import ModelChatTemplate, content_format, find_chat_template
-from prefixrouter.tokenizer import (
+from prefixrouter.tokenization import (
     ChatTemplateError,
     hf_tokenizer_dir,
     load_tokenizer,
     render_chat,
     tokenizer_path,
+)
+from prefixrouter.tokenization.chat_template import (
+    ModelChatTemplate,
+    content_format,
+    find_chat_template,
 )
 
 # The shape of Llama 3's template: BOS from the config, headers, tojson for tools.
@@ -67,7 +71,7 @@ def test_raise_exception_and_broken_templates_are_chat_template_errors(tmp_path:
         ModelChatTemplate("{% for %}")
     with pytest.raises(ChatTemplateError):
         ModelChatTemplate("{{ messages[0]['content'] + 1 }}").render(MESSAGES)
-    assert isinstance(ChatTemplateError("x"), ValueError)  # the gateway answers 400
+    assert isinstance(ChatTemplateError("messages", "x"), ValueError)  # the gateway answers 400
 
 
 def test_template_sources_in_order_of_precedence(tmp_path: Path) -> None:
@@ -151,7 +155,7 @@ def test_messages_reach_the_template_as_vllm_sends_them() -> None:
     # The caller's messages are left as they were.
     assert AS_SENT[2]["tool_calls"][0]["function"]["arguments"] == '{"b": 1, "a": [2]}'  # type: ignore[index]
     # The project's own ChatML (render_chat) and its Jinja twin agree on them.
-    from prefixrouter.tokenizer import CHAT_TEMPLATE_JINJA
+    from prefixrouter.tokenization import CHAT_TEMPLATE_JINJA
 
     assert ModelChatTemplate(CHAT_TEMPLATE_JINJA).render(AS_SENT) == render_chat(AS_SENT)
 

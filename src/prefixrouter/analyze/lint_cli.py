@@ -8,6 +8,10 @@ list of ``{"kind", "position", "text", "stable_tokens_after", "fix", ...}``.
 
 Exit status: 0 when there are at most ``--max-findings`` findings, 1 when
 there are more, 2 when the file cannot be read.
+
+The linter is :mod:`prefixrouter.prompt.lint`'s; the command lives here, with
+the log reader it reads files through (:mod:`.reader`), so that
+:mod:`prefixrouter.prompt` never imports the analyzer that imports it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from prefixrouter.analyze.reader import format_error, iter_records, parse_record
 from prefixrouter.prompt.lint import DEFAULT_MIN_STABLE_TOKENS, Finding, Linter, LintParams
 
 _out = Console(width=None if sys.stdout.isatty() else 170)
@@ -42,8 +47,6 @@ def lint_file(path: Path, linter: Linter) -> list[Finding]:
         OSError: The file cannot be read.
         ValueError: It is JSON but not a request body, or not UTF-8.
     """
-    from prefixrouter.analyze.reader import format_error, iter_records, parse_record
-
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
