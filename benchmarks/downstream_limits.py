@@ -40,7 +40,6 @@ import os
 import random
 import re
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,13 +49,11 @@ from pathlib import Path
 
 import orjson
 
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import stop_process
+from prefixrouter.stats import nearest_rank
+
 HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _limit_fds(n: int) -> Callable[[], None]:
@@ -255,10 +252,7 @@ async def _probe(port: int, stop: float) -> list[float]:
 def _pcts(xs: list[float]) -> str:
     xs = sorted(xs)
 
-    def rank(q: float) -> float:  # nearest rank: a sample, never an extrapolation
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
-
-    p50, p99, top = rank(0.5), rank(0.99), xs[-1] * 1e3
+    p50, p99, top = nearest_rank(xs, 0.5) * 1e3, nearest_rank(xs, 0.99) * 1e3, xs[-1] * 1e3
     return f"p50 {p50:.1f} ms  p99 {p99:.1f} ms  max {top:.1f} ms (n={len(xs)})"
 
 
@@ -303,7 +297,7 @@ def main() -> None:
     args = ap.parse_args()
     _raise_own_fds()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    eport = _free_port()
+    eport = free_port()
     engine = subprocess.Popen(
         [sys.executable, "-m", "prefixrouter.bench.instant", "--ports", str(eport)],
         stdout=subprocess.DEVNULL,
@@ -355,9 +349,8 @@ def main() -> None:
             asyncio.run(phase_bodies(port, args.clients, args.body_mb, args.seconds))
     finally:
         for p in (gw, engine):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait(timeout=10)
+            if p is not None:
+                stop_process(p, 10.0)
 
 
 if __name__ == "__main__":

@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,14 +42,13 @@ from typing import Any
 import aiohttp
 import orjson
 
+from prefixrouter.harness.health import http_status, wait_healthy
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Server, kill_process, stop_process
+from prefixrouter.stats import percentile
+
 PY = sys.executable
 ADMIN = {"Authorization": "Bearer engine-faults-admin"}  # the decision log is admin-only
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_engine(port: int, engine_id: str) -> subprocess.Popen[bytes]:
@@ -63,35 +58,7 @@ def start_engine(port: int, engine_id: str) -> subprocess.Popen[bytes]:
 
 
 def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=0.5) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        if healthy(url):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(url)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGCONT)  # a frozen process cannot handle SIGTERM
-        os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
+    return http_status(url + "/health", 0.5) == 200
 
 
 @dataclass
@@ -214,7 +181,7 @@ async def freeze(gateway: str, victim: subprocess.Popen[bytes], freeze_s: float)
         "index_blocks_frozen": blocks_frozen,
         "requests": len(load.results),
         "routed_to_frozen": len(routed),
-        "routed_latency_median_s": round(statistics.median(lat), 2) if lat else None,
+        "routed_latency_median_s": round(percentile(lat, 0.5), 2) if lat else None,
         "routed_latency_max_s": round(max(lat), 2) if lat else None,
         "routed_ok": sum(1 for r in routed if r.status == 200 and not r.error_event),
         "running_at_freeze": len(running),
@@ -234,8 +201,7 @@ async def restart(
     load = Load(gateway)
     task = asyncio.create_task(load.run())
     await asyncio.sleep(1.0)
-    os.kill(procs["e1"].pid, signal.SIGKILL)
-    procs["e1"].wait(timeout=5)
+    kill_process(procs["e1"])
     await asyncio.sleep(down_s)
     procs["e1"] = start_engine(port, "e1")
     end = time.monotonic() + 30
@@ -265,8 +231,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for i, p in enumerate(ports):
             procs[f"e{i}"] = start_engine(p, f"e{i}")
-        for i, u in enumerate(urls):
-            wait_healthy(u, procs[f"e{i}"])
+        wait_healthy([Server(f"e{i}", p, procs[f"e{i}"]) for i, p in enumerate(ports)], 30.0)
         cfg = tmp / "gateway.yaml"
         workers = [{"url": u, "id": f"e{i}"} for i, u in enumerate(urls)]
         cfg.write_bytes(
@@ -296,7 +261,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         return {"freeze": frozen, "restart": restarted}
     finally:
         for p in procs.values():
-            stop(p)
+            stop_process(p)
 
 
 def main() -> None:

@@ -77,19 +77,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import orjson
 
 from prefixrouter.bench.loadgen import Latencies, build_requests, closed_loop, open_loop
 from prefixrouter.bench.overhead import overhead_bodies, process_cpu_s
-from prefixrouter.demo.fleet import free_port
+from prefixrouter.harness.health import wait_healthy
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Server, stop_process
 
 PY = sys.executable
 PATH = "/v1/chat/completions"
@@ -316,27 +315,8 @@ def hot_loop(n: int) -> dict[str, Any]:
 # ----------------------------------------------------------------- orchestration
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+def _wait(name: str, port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    wait_healthy([Server(name, port, proc)], timeout)
 
 
 def _measure_proxies(
@@ -400,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         procs.append(up)
         for p in ports:
-            _wait(f"http://127.0.0.1:{p}/health", up)
+            _wait("instant engines", p, up)
         gw_port = free_port()
         workers = [a for p in ports for a in ("--worker", f"http://127.0.0.1:{p}")]
         cmd = [PY, "-m", "prefixrouter.gateway", "--port", str(gw_port)]
@@ -411,7 +391,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cmd[1:2] = ["-m", "pyinstrument", *render, "-o", args.profile, "-m"]
         gw = subprocess.Popen(cmd + workers, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
-        _wait(f"http://127.0.0.1:{gw_port}/health", gw)
+        _wait("gateway", gw_port, gw)
         proxies = [(gw_port, gw.pid)]
         if args.baseline or args.breakdown:
             bare_port = free_port()
@@ -420,7 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 stdout=subprocess.DEVNULL,
             )
             procs.append(bare)
-            _wait(f"http://127.0.0.1:{bare_port}/health", bare)
+            _wait("bare proxy", bare_port, bare)
             proxies.append((bare_port, bare.pid))
         if args.breakdown:
             stub_port = free_port()
@@ -430,7 +410,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 stderr=subprocess.DEVNULL,
             )
             procs.append(stub)
-            _wait(f"http://127.0.0.1:{stub_port}/health", stub)
+            _wait("stubbed gateway", stub_port, stub)
             proxies.append((stub_port, stub.pid))
 
         results = _measure_proxies(proxies, ports[0], args)
@@ -447,7 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return report
     finally:
         for proc in procs:
-            _stop(proc)
+            stop_process(proc)
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from array import array
 from dataclasses import replace
@@ -35,6 +34,7 @@ from prefixrouter.core import (
     WorkerId,
     WorkerView,
 )
+from prefixrouter.stats import percentile
 
 WORKERS = 16
 INDEXED_BLOCKS = 100_000
@@ -60,7 +60,7 @@ def _median_ms(fn: object, repeat: int) -> float:
         t0 = time.perf_counter()
         fn()  # type: ignore[operator]
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return percentile(times, 0.5) * 1e3
 
 
 def _fill_index(router: Router, make: object, count: int) -> None:

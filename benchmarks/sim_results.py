@@ -84,6 +84,22 @@ VLLM = Path(__file__).with_name("vllm_results.md")
 """The comparison on real vLLM engines (``benchmarks/vllm_live.py``), appended."""
 
 
+PERCENTILES = (
+    "**Percentiles**, in every table of this file and in every figure the project",
+    "reports (simulator, `prefixrouter bench` and `demo`, the load generator,",
+    "`benchmarks/`, `prefixrouter analyze`), are nearest rank",
+    "(`prefixrouter.stats`): the q-quantile of n values is the value at rank",
+    "ceil(q × n) of the values sorted ascending (rank 1 the smallest), so it is",
+    "always a value that occurred, a TTFT some request had, never a blend of two;",
+    "p50 of an even count is the lower middle value and p99 of fewer than 100",
+    "values the largest. Means and percentiles are over completed requests",
+    '(successful ones, live). The overhead rows of "Live, against the real peer',
+    'routers" were measured when the load generator still took the values at',
+    "index n // 2 and int(0.99 n) (at most one rank higher); a rerun uses nearest rank.",
+)
+"""The percentile definition, stated under the introduction (``prefixrouter.stats``)."""
+
+
 def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
     took = f" in {elapsed_s / 60:.0f} minutes" if elapsed_s > 0 else ""
     lines = [
@@ -95,6 +111,8 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         "simulated fleet. Load is a fraction of the fleet's capacity with ideal prefix",
         "reuse (`prefixrouter.sim.runner`). The bound is the prefill no router can",
         "avoid: each reusable prefix computed once. JSON and plots: `results/`.",
+        "",
+        *PERCENTILES,
         "",
         "## Summary",
         "",

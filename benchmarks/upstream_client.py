@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from typing import Any
@@ -35,8 +34,10 @@ import orjson
 import uvloop
 
 from prefixrouter.bench.overhead import overhead_bodies
-from prefixrouter.demo.fleet import Fleet, Server, free_port
 from prefixrouter.gateway.upstream import Endpoint, UpstreamClient
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet, Server
+from prefixrouter.stats import percentile
 
 PATH = "/v1/chat/completions"
 
@@ -102,7 +103,7 @@ async def measure(port: int, requests: int, rounds: int) -> dict[str, Any]:
     await session.close()
     await client.close()
     raw.transport.close()
-    us = {k: round(statistics.median(v), 1) for k, v in per_request.items()}
+    us = {k: round(percentile(v, 0.5), 1) for k, v in per_request.items()}
     return {
         "cpu_us_per_request": us,
         "upstream_over_aiohttp": round(us["upstream"] / us["aiohttp"], 3),

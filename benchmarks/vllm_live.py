@@ -46,12 +46,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from prefixrouter.bench.live import LiveConfig, RouterRun, run_router
+from prefixrouter.bench.live import LiveConfig, run_router
 from prefixrouter.bench.routers import ROUTERS, RouterSpec, default_peers_dir
-from prefixrouter.bench.texts import record_text
 from prefixrouter.bench.workload import BenchWorkload, request_body
-from prefixrouter.demo.fleet import Fleet, free_port
-from prefixrouter.demo.workload import DemoRequest
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet
+from prefixrouter.harness.replay import ReplayRequest
+from prefixrouter.harness.texts import record_text
 from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmFleet,
@@ -70,7 +71,7 @@ def body(messages: list[dict[str, str]]) -> dict[str, Any]:
 
 def doc_qa(questions: int, gap_s: float) -> BenchWorkload:
     docs = {s: record_text(s, 8000) for s in (1, 2, 3, 4)}
-    reqs: list[DemoRequest] = []
+    reqs: list[ReplayRequest] = []
     for q in range(questions):
         order = list(docs)
         random.Random(q).shuffle(order)
@@ -79,7 +80,7 @@ def doc_qa(questions: int, gap_s: float) -> BenchWorkload:
                 {"role": "system", "content": "Answer from this document.\n\n" + docs[s]},
                 {"role": "user", "content": f"Question {q} about document {s}?"},
             ]
-            reqs.append(DemoRequest(len(reqs) * gap_s, "doc-qa", f"doc{s}", body(messages)))
+            reqs.append(ReplayRequest(len(reqs) * gap_s, "doc-qa", f"doc{s}", body(messages)))
     return _workload("doc-qa", "4 x 8k-token documents, interleaved questions", reqs, gap_s)
 
 
@@ -88,7 +89,7 @@ def multi_turn(turns: int, gap_s: float, sessions: int = 8) -> BenchWorkload:
     history: dict[int, list[dict[str, str]]] = {
         c: [{"role": "system", "content": systems[c]}] for c in range(sessions)
     }
-    reqs: list[DemoRequest] = []
+    reqs: list[ReplayRequest] = []
     for t in range(turns):
         order = list(range(sessions))
         random.Random(1000 + t).shuffle(order)
@@ -96,12 +97,12 @@ def multi_turn(turns: int, gap_s: float, sessions: int = 8) -> BenchWorkload:
             history[c].append(
                 {"role": "user", "content": f"Turn {t}: {record_text(c * 97 + t, 60)}"}
             )
-            reqs.append(DemoRequest(len(reqs) * gap_s, "multi-turn", f"c{c}", body(history[c])))
+            reqs.append(ReplayRequest(len(reqs) * gap_s, "multi-turn", f"c{c}", body(history[c])))
             history[c] = [*history[c], {"role": "assistant", "content": ANSWER}]
     return _workload("multi-turn", f"{sessions} conversations x {turns} turns", reqs, gap_s)
 
 
-def _workload(name: str, what: str, reqs: list[DemoRequest], gap_s: float) -> BenchWorkload:
+def _workload(name: str, what: str, reqs: list[ReplayRequest], gap_s: float) -> BenchWorkload:
     return BenchWorkload(
         scenario=name,
         description=what,
@@ -112,13 +113,6 @@ def _workload(name: str, what: str, reqs: list[DemoRequest], gap_s: float) -> Be
         time_scale=1.0,
         kv_blocks=KV_BLOCKS,
     )
-
-
-def summarize(run: RouterRun) -> dict[str, Any]:
-    out = run.summary()
-    ok = [r for r in run.results if r.ok]
-    out["prefill_tokens"] = sum(r.prompt_tokens - r.cached_tokens for r in ok)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     for spec in specs:
                         progress.update(task, description=f"{w.scenario} {spec.name} #{rep + 1}")
                         run = asyncio.run(run_router(spec, live, w, fleet, servers))
-                        results.append({"workload": w.scenario, "repeat": rep, **summarize(run)})
+                        results.append({"workload": w.scenario, "repeat": rep, **run.summary()})
                         progress.advance(task)
     print_table(results)
     if args.json is not None:

@@ -32,6 +32,7 @@ About 3 minutes on 2 cores. ``--fixtures DIR`` rewrites the captured frames
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import os
@@ -47,7 +48,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from prefixrouter.demo.fleet import HOST, free_port
+from prefixrouter.harness.engines import reset_prefix_caches
+from prefixrouter.harness.ports import HOST, free_port
 from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmEngine,
@@ -55,7 +57,6 @@ from prefixrouter.real_engines.vllm_fleet import (
     VllmOptions,
     VllmSetup,
     ensure_vllm,
-    reset_prefix_cache,
 )
 from prefixrouter.tokenization import load_tokenizer
 
@@ -603,7 +604,8 @@ def probe_small_cache(
         if any(e.get("type") == "BlockRemoved" for e in decode(x)["events"])
     ][:2]
     m = col.mark()
-    reset_prefix_cache(engine.url)
+    # No announcing request: this probe records what the reset alone sends.
+    asyncio.run(reset_prefix_caches([engine.url], announce=False))
     msgs = col.since(m)
     out["after_reset_idle"] = [decode(x) for x in msgs]
     # Events leave at the end of an engine step: an idle engine sends them with

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, parse_counters
 from prefixrouter.bench.instant import create_app
-from prefixrouter.bench.live import drain_and_reset
-from prefixrouter.bench.loadgen import _Conn
+from prefixrouter.bench.loadgen import Latencies, _Conn
 from prefixrouter.bench.routers import (
     PEERS_ENV,
     ROUTERS,
@@ -89,25 +86,6 @@ def test_counters_and_share() -> None:
     assert cached_share([]) == 0.0
 
 
-async def test_drain_fails_loudly_when_an_engine_stays_busy() -> None:
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text='vllm:num_requests_running{engine="0"} 1.0\n')
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    busy = SimpleNamespace(name="engine-0", url=f"http://127.0.0.1:{port}")
-    try:
-        with pytest.raises(RuntimeError, match="engine-0 still had 1 requests"):
-            await drain_and_reset([busy], timeout_s=0.3)  # type: ignore[list-item]
-    finally:
-        await runner.cleanup()
-
-
 @pytest.mark.parametrize(
     ("chunks", "status"),
     [
@@ -123,6 +101,21 @@ def test_loadgen_reads_length_and_chunked_responses(chunks: list[bytes], status:
         assert (conn._complete() >= 0) == (i == len(chunks) - 1)
     assert conn.status == status
     assert conn._complete() == len(conn.buf)
+
+
+def test_loadgen_percentiles_are_the_projects_nearest_rank() -> None:
+    lat = Latencies([0.004, 0.001, 0.003, 0.002])
+    summary = lat.summary()
+    assert (summary["p50_ms"], summary["p99_ms"]) == (2.0, 4.0)  # the lower middle, the top
+    assert Latencies().summary()["p50_ms"] == 0.0
+
+
+def test_sglang_needs_a_tokenizer_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tokenizer"):
+        router_command(
+            ROUTERS["sglang-cache_aware"], port=1, workers=["http://127.0.0.1:2"],
+            peers_dir=tmp_path, prometheus_port=3, tokenizer_dir=None,
+        )  # fmt: skip
 
 
 async def test_instant_engines_answer_what_peers_call() -> None:

@@ -46,8 +46,8 @@ def test_the_served_gateway_opens_its_admin_api_to_the_generated_key_only() -> N
 
     import aiohttp
 
-    from prefixrouter.demo.fleet import Fleet
     from prefixrouter.demo.run import serve_forever
+    from prefixrouter.harness.processes import Fleet
 
     async def status(url: str, auth: str | None) -> int:
         headers = {"Authorization": auth} if auth else None

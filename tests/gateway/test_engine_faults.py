@@ -3,7 +3,8 @@
 Two ``python -m prefixrouter.simulated_engine`` processes (the ``prefixrouter
 engine`` command) and ``python -m prefixrouter.gateway`` with its default
 timeouts and health settings, on loopback. Every process is stopped by its
-PID at the end; every wait is bounded.
+PID at the end (the harness's :func:`~prefixrouter.harness.processes.stop_process`,
+which wakes a frozen one first); every wait is bounded.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import aiohttp
 import orjson
 import pytest
 
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import stop_process
 from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
-from tests.gateway.test_integration import PY, _free_port, _stop, _wait_http
+from tests.gateway.test_integration import PY, wait_up
 
 DOC = " ".join(f"Clause {i}: the parties agree to term {i * 11}." for i in range(80))
 
@@ -47,12 +50,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("faults")
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        ports = [_free_port() for _ in range(2)]
+        ports = [free_port() for _ in range(2)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for i, p in enumerate(ports):
             procs[f"e{i}"] = _engine(p)
         for i, u in enumerate(urls):
-            _wait_http(u + "/health", procs[f"e{i}"])
+            wait_up(f"e{i}", u, procs[f"e{i}"])
         cfg = tmp / "gateway.yaml"
         workers = [{"url": u, "id": f"e{i}"} for i, u in enumerate(urls)]
         # Every timeout and health setting at its default.
@@ -66,13 +69,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         assert gw.stdout is not None
         match = re.search(r"listening on (http://\S+)", gw.stdout.readline().decode())
         assert match
-        _wait_http(match.group(1) + "/health", gw)
+        wait_up("gateway", match.group(1), gw)
         yield Fleet(match.group(1), urls, ports, procs)
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot take SIGTERM
-            _stop(proc)
+            stop_process(proc)
 
 
 def _chat(content: str, stream: bool = True) -> dict[str, Any]:
@@ -179,7 +180,7 @@ def test_a_restarted_engine_gets_traffic_within_5_s_and_starts_cold(fleet: Fleet
             state = (await _workers(s, gw))["e1"]
             assert not state["healthy"] and state["index_blocks"] == held  # kept while down
             fleet.procs["e1"] = _engine(fleet.ports[1])  # a new process on the same port
-            _wait_http(fleet.urls[1] + "/health", fleet.procs["e1"])
+            wait_up("e1", fleet.urls[1], fleet.procs["e1"])
             ready = time.monotonic()
             got: float | None = None
             n = 0

@@ -321,7 +321,7 @@ def test_admin_add_with_a_taken_kv_events_topic_is_409_and_changes_nothing() -> 
     """A topic is one worker's: a second claim is refused whole, never half-registered."""
 
     async def body() -> None:
-        from prefixrouter.demo.fleet import free_port
+        from prefixrouter.harness.ports import free_port
 
         events = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
         async with gateway_env(n=1, overrides={"kv_events": events}) as env:

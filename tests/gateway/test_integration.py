@@ -3,7 +3,8 @@
 Real HTTP on loopback: ``python -m prefixrouter.simulated_engine`` (a simulated
 vLLM: real tokenizer, prefix cache, vLLM metrics and usage) three times, and
 ``python -m prefixrouter.gateway`` with a YAML config. Every process is started
-on a free port and stopped by its PID at the end; every wait is bounded.
+on a free port and stopped by its PID at the end (the harness's
+:func:`~prefixrouter.harness.processes.stop_process`); every wait is bounded.
 Tests that change the fleet (drain, kill) run last.
 """
 
@@ -13,11 +14,9 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,9 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
+from prefixrouter.harness.health import wait_healthy
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Server, stop_process
 from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
 
 PY = sys.executable
@@ -44,35 +46,9 @@ class Cluster:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+def wait_up(name: str, url: str, proc: subprocess.Popen[bytes]) -> None:
+    """Until ``url``'s ``/health`` answers 200 (the harness's wait; fails if ``proc`` exits)."""
+    wait_healthy([Server(name, int(url.rsplit(":", 1)[1]), proc)], timeout_s=30.0)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +59,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         engines = []
         for i in range(3):
-            port = _free_port()
+            port = free_port()
             cmd = [PY, "-m", "prefixrouter.simulated_engine", "--port", str(port),
                    "--profile", "tiny-cpu", "--time-scale", "4", "--model", "tiny",
                    "--kv-blocks", "2048"]  # fmt: skip
@@ -92,7 +68,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             )
             engines.append(f"http://127.0.0.1:{port}")
         for i, url in enumerate(engines):
-            _wait_http(url + "/health", procs[f"e{i}"])
+            wait_up(f"e{i}", url, procs[f"e{i}"])
         log = tmp / "decisions.jsonl"
         cfg = tmp / "gateway.yaml"
         cfg.write_bytes(
@@ -120,11 +96,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         match = re.search(r"listening on (http://\S+)", line)
         assert match, line
         gateway = match.group(1)
-        _wait_http(gateway + "/health", gw)
+        wait_up("gateway", gateway, gw)
         yield Cluster(gateway, engines, procs, log)
     finally:
         for proc in procs.values():
-            _stop(proc)
+            stop_process(proc)
 
 
 def _chat(content: str, **extra: Any) -> dict[str, Any]:

@@ -19,10 +19,10 @@ import yaml
 from aiohttp.test_utils import TestServer
 
 from prefixrouter.core.types import WorkerId
-from prefixrouter.demo.fleet import Fleet, Server
 from prefixrouter.errors import ConfigError
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV, build_config
 from prefixrouter.gateway.config import config_from_dict, load_config
+from prefixrouter.harness.processes import Fleet, Server
 from tests.admin_client import ADMIN_HEADERS, ADMIN_KEY
 from tests.gateway.fakes import FakeEngine, make_app
 from tests.gateway.helpers import Env, gateway_env, run

@@ -20,7 +20,8 @@ import pytest
 import yaml
 from tests.admin_client import ADMIN_CONFIG, decisions, workers
 
-from prefixrouter.demo.fleet import Fleet, Server, free_port
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet, Server
 
 KV_BLOCKS = 200  # 16-token blocks: room for about two of the documents below
 WORDS = [

@@ -17,7 +17,7 @@ from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import EntrySource, WorkerId
-from prefixrouter.demo.fleet import free_port
+from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines.kv_events import END_SEQ
 from prefixrouter.real_engines.kv_subscriber import (
     KvEventCollector,

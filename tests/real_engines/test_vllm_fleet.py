@@ -8,6 +8,7 @@ in the default test run; the real engines are exercised by ``pytest -m vllm``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -17,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from prefixrouter.harness.engines import reset_prefix_caches
 from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmFleet,
     VllmOptions,
     VllmSetup,
     engine_command,
-    reset_prefix_cache,
     sync_tokenizer,
     vllm_setup,
 )
@@ -154,7 +155,7 @@ def test_fleet_starts_restarts_and_stops_process_groups(fake_setup: VllmSetup) -
     with VllmFleet(2, VllmOptions(startup_timeout_s=30), setup=fake_setup) as fleet:
         first, second = fleet.start()
         assert len(set(fleet.urls)) == 2
-        reset_prefix_cache(first.url)
+        asyncio.run(reset_prefix_caches([first.url], drain_timeout_s=None, announce=False))
         assert "--port" in first.log_path.read_text()  # the command heads the log
 
         fleet.kill(second)  # a crash: the whole group dies

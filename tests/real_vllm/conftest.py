@@ -25,15 +25,16 @@ import aiohttp
 import pytest
 import yaml
 
-from prefixrouter.bench.texts import record_text
-from prefixrouter.demo.fleet import Fleet, Server, free_port
+from prefixrouter.harness.engines import reset_prefix_caches
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet, Server
+from prefixrouter.harness.texts import record_text
 from prefixrouter.real_engines.vllm_fleet import (
     KvEventsOptions,
     VllmFleet,
     VllmOptions,
     VllmSetup,
     ensure_vllm,
-    reset_prefix_cache,
 )
 from tests import admin_client
 
@@ -129,21 +130,18 @@ class VllmCluster:
 
         vLLM queues ``AllBlocksCleared`` at the reset and publishes it with the
         outputs of its next step, so until a request runs, the gateway still
-        believes what the engine held before. A one-block request straight to
-        each engine makes that step; then the gateway's count of applied clears
-        must grow for every engine. Without this, a test that measures right
-        after a reset routes its first requests on blocks that no longer exist.
+        believes what the engine held before. The harness's reset sends one
+        tiny request straight to each engine to make that step; then the
+        gateway's count of applied clears must grow for every engine. Without
+        this, a test that measures right after a reset routes its first
+        requests on blocks that no longer exist.
         """
         gw = self.gateway
         assert gw is not None
 
         async def settle() -> None:
             before = {w: s["kv_events"]["cleared_events"] for w, s in (await workers(gw)).items()}
-            for e in self.engines.engines:
-                reset_prefix_cache(e.url)
-            await asyncio.gather(
-                *(post_chat(e.url, chat("", "Reset?", max_tokens=1)) for e in self.engines.engines)
-            )
+            await reset_prefix_caches(self.engines.urls)
 
             async def applied() -> bool:
                 now = {w: s["kv_events"]["cleared_events"] for w, s in (await workers(gw)).items()}

@@ -18,7 +18,7 @@ from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import CacheNamespace, WorkerId
-from prefixrouter.demo.fleet import free_port
+from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber
 from tests.real_vllm.conftest import (
     BLOCK,

@@ -9,7 +9,7 @@ import pytest
 from prefixrouter.core import PrefixClass, RequestId, WorkerId
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
-from prefixrouter.sim.report import lower_bound_prefill_tokens, percentiles, summarize
+from prefixrouter.sim.report import lower_bound_prefill_tokens, summarize
 from prefixrouter.sim.scenarios import get_scenario
 from prefixrouter.sim.workload import SIM_NAMESPACE, SimRequest, Workload
 
@@ -83,13 +83,3 @@ def test_block_size_mismatch_is_refused() -> None:
     wl.block_size = 32
     with pytest.raises(ValueError, match="16"):
         Simulation(wl, ClusterConfig(1, PROFILE), "round_robin")
-
-
-def test_percentiles_are_nearest_rank() -> None:
-    assert percentiles([float(v) for v in range(1, 101)]) == {
-        "mean": 50.5,
-        "p50": 50.0,
-        "p90": 90.0,
-        "p99": 99.0,
-    }
-    assert percentiles([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}

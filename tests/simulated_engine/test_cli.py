@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,8 @@ from typing import Any
 import typer
 from typer.testing import CliRunner
 
+from prefixrouter.harness.ports import free_port
 from prefixrouter.simulated_engine.cli import engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +27,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_subprocess_serves_and_stops_on_sigterm(tokenizer_cache: str) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFIXROUTER_CACHE": tokenizer_cache}
     cmd = [sys.executable, "-m", "prefixrouter.simulated_engine", "--port", str(port)]
     cmd += ["--time-scale", "20", "--model", "mini", "--block-size", "32"]

@@ -24,6 +24,7 @@ from typing import Any
 from rich.table import Table
 
 from prefixrouter.analyze.prefixes import Analysis
+from prefixrouter.stats import counted_percentile
 
 PAYS_SHARE = 0.10
 """Share of prompt tokens a cache must save for prefix-aware routing to pay."""
@@ -31,19 +32,6 @@ PAYS_SHARE = 0.10
 
 def _share(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
-
-
-def _percentile(hist: dict[int, int], q: float) -> int:
-    total = sum(hist.values())
-    if not total:
-        return 0
-    rank = q * (total - 1)
-    seen = 0
-    for value, n in sorted(hist.items()):
-        seen += n
-        if seen > rank:
-            return value
-    return max(hist)
 
 
 def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0) -> dict[str, Any]:
@@ -84,9 +72,11 @@ def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0)
         "reusable_share_kv": _share(a.reusable_kv, a.prompt_tokens),
         "shared_prefix_tokens": {
             "mean": round(sum(t * n for t, n in hist_tokens.items()) / total, 1) if total else 0.0,
-            "p50": _percentile(hist_tokens, 0.5),
-            "p90": _percentile(hist_tokens, 0.9),
-            "p99": _percentile(hist_tokens, 0.99),
+            # The histogram counts every exact length, so these are the
+            # project's nearest-rank percentiles of the raw values.
+            "p50": counted_percentile(hist_tokens, 0.5),
+            "p90": counted_percentile(hist_tokens, 0.9),
+            "p99": counted_percentile(hist_tokens, 0.99),
             "max": max(hist_tokens, default=0),
             "requests_sharing": sum(n for t, n in hist_tokens.items() if t > 0),
         },

@@ -8,7 +8,6 @@ Modules, one job each:
   vllm-router), where their virtual environments are and how each is started;
 * :mod:`~prefixrouter.bench.engine_metrics`: the engines' Prometheus counters
   (prefix-cache hits and queries, finished requests per engine);
-* :mod:`~prefixrouter.bench.texts`: prose of a known token length (real-engine tests);
 * :mod:`~prefixrouter.bench.live`: one scenario through every router on one fleet;
 * :mod:`~prefixrouter.bench.instant`, :mod:`~prefixrouter.bench.loadgen` and
   :mod:`~prefixrouter.bench.overhead`: what each router adds over a direct call to
@@ -16,4 +15,8 @@ Modules, one job each:
 * :mod:`~prefixrouter.bench.report`: tables, JSON, Markdown and the PNG;
 * :mod:`~prefixrouter.bench.runner`: every scenario, then the overhead comparison;
 * :mod:`~prefixrouter.bench.cli`: the command.
+
+Processes, health waits, cache resets, the replay client and workload text
+come from :mod:`prefixrouter.harness`; ``prefixrouter demo`` is a preset of
+this bench (:mod:`prefixrouter.demo`).
 """

@@ -27,8 +27,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from prefixrouter.demo.client import Result
 from prefixrouter.errors import PrefixRouterError
+from prefixrouter.harness.replay import ReplayResult
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 err_console = Console(stderr=True)
@@ -50,7 +50,7 @@ class _RichUI:
     def router_started(self, scenario: str, router: str, total: int) -> None:
         self.task = self.progress.add_task(f"{scenario} · {router}", total=total)
 
-    def request_done(self, result: Result) -> None:
+    def request_done(self, result: ReplayResult) -> None:
         if self.task is not None:
             self.progress.advance(self.task)
 
@@ -134,7 +134,7 @@ def bench(
     from prefixrouter.bench.routers import default_peers_dir, parse_routers, skip_reason
     from prefixrouter.bench.runner import BenchOptions, run_bench
     from prefixrouter.bench.workload import DEFAULT_SCENARIOS, live_scenarios
-    from prefixrouter.demo.fleet import Fleet
+    from prefixrouter.harness.processes import Fleet
     from prefixrouter.sim.profiles import get_profile
 
     names = list(dict.fromkeys(scenario or DEFAULT_SCENARIOS)) if live else []

@@ -3,7 +3,7 @@
 The benchmark reads what the engines counted, not what a router believes:
 before and after one router's run it scrapes every engine's ``GET /metrics``
 (vLLM names, which our simulated engine and real vLLM both expose) and takes
-the differences:
+the differences (pages read with :mod:`prefixrouter.prometheus`):
 
 * cached-token share = ``sum(delta vllm:prefix_cache_hits_total)`` /
   ``sum(delta vllm:prefix_cache_queries_total)``;
@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from prefixrouter.prometheus import totals
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -41,12 +42,8 @@ class EngineCounters:
 
 def parse_counters(text: str) -> EngineCounters:
     """The counters in one Prometheus exposition (missing series count as 0)."""
-    sums = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in sums:
-                sums[sample.name] += float(sample.value)
-    return EngineCounters(sums[HITS], sums[QUERIES], sums[SUCCESS])
+    sums = totals(text, COUNTERS)
+    return EngineCounters(sums.get(HITS, 0.0), sums.get(QUERIES, 0.0), sums.get(SUCCESS, 0.0))
 
 
 async def scrape(urls: Sequence[str], timeout_s: float = 10.0) -> list[EngineCounters]:

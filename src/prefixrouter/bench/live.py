@@ -8,17 +8,23 @@ Steps for a scenario (:func:`run_scenario`):
 2. for each router in turn: start it in front of the engines, wait for
    ``/health`` and for one request to pass through it, send the same warm-up
    traffic through it (unique prompts: a router that learns from traffic is
-   measured in its steady state), let the engines finish anything left, empty
-   their prefix caches (``POST /reset_prefix_cache``),
-   read their counters, replay the scenario at its offsets with the demo's
-   bounded streaming client (:func:`prefixrouter.demo.client.replay`), read the
+   measured in its steady state), let the engines finish anything left and
+   empty their prefix caches (:func:`prefixrouter.harness.engines.reset_prefix_caches`),
+   read their counters, replay the scenario at its offsets with the harness's
+   streaming client (:func:`prefixrouter.harness.replay.replay`), read the
    counters again, stop the router;
 3. a peer that is not installed is recorded as skipped (with the command that
    installs it); a router that fails to start is recorded with its error, and
    the others still run.
 
+The engines can also be started first (:func:`start_engines`) and handed to
+:func:`run_scenario`, which then leaves them running (``prefixrouter demo
+--serve`` keeps them for a gateway of its own).
+
 Figures per router (:meth:`RouterRun.summary`): client-side TTFT and end-to-end
-latency (mean, p50, p90, p99; nearest rank, successful requests only),
+latency (mean, p50, p90, p99: :func:`prefixrouter.stats.percentiles`,
+successful requests only), the prefill tokens the engines reported (prompt
+minus cached tokens in the answers' ``usage``),
 throughput (successful requests over the time from the first send to the last
 answer), the engines' cached-token share and requests per engine (from their
 counters, see :mod:`prefixrouter.bench.engine_metrics`).
@@ -26,8 +32,6 @@ counters, see :mod:`prefixrouter.bench.engine_metrics`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,17 +43,12 @@ import aiohttp
 from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scrape
 from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason
 from prefixrouter.bench.workload import BenchWorkload
-from prefixrouter.demo.client import Result, replay
-from prefixrouter.demo.fleet import Fleet, Server, free_port
-from prefixrouter.demo.workload import DemoRequest
-from prefixrouter.gateway.workers import parse_engine_metrics
-from prefixrouter.sim.report import percentiles
-
-PROBE = {
-    "model": "tiny",
-    "messages": [{"role": "user", "content": "ready?"}],
-    "max_tokens": 1,
-}
+from prefixrouter.harness.engines import reset_prefix_caches
+from prefixrouter.harness.health import wait_routable
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet, Server
+from prefixrouter.harness.replay import ReplayRequest, ReplayResult, replay
+from prefixrouter.stats import percentiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +59,8 @@ class LiveConfig:
         workers: Engine processes.
         profile: Engine profile (speed, KV size).
         peers_dir: Where the peers' venvs are.
-        tokenizer_dir: Local tokenizer folder (sglang-router's ``--model-path``).
+        tokenizer_dir: Local tokenizer folder (sglang-router's ``--model-path``;
+            None when no sglang-router runs).
         concurrency: Most requests the client keeps in flight.
         timeout_s: Per-request client timeout.
         log_dir: Keep router logs and our gateway's decision logs here.
@@ -71,11 +71,11 @@ class LiveConfig:
     workers: int
     profile: str
     peers_dir: Path
-    tokenizer_dir: Path
+    tokenizer_dir: Path | None = None
     concurrency: int = 512
     timeout_s: float = 600.0
     log_dir: Path | None = None
-    warmup: tuple[DemoRequest, ...] = ()
+    warmup: tuple[ReplayRequest, ...] = ()
     warmup_concurrency: int = 8
 
 
@@ -84,7 +84,7 @@ class RouterRun:
     """One router's run of one scenario."""
 
     spec: RouterSpec
-    results: list[Result] = field(default_factory=list)
+    results: list[ReplayResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     engines: list[EngineCounters] = field(default_factory=list)
     skipped: str | None = None
@@ -101,6 +101,8 @@ class RouterRun:
         ttft = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s >= 0)
         e2e = sorted(r.e2e_s * 1e3 for r in ok)
         errors = [r for r in self.results if not r.ok]
+        prompt = sum(r.prompt_tokens for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
         return {
             **out,
             "requests": len(self.results),
@@ -112,9 +114,8 @@ class RouterRun:
             "throughput_rps": len(ok) / self.elapsed_s if self.elapsed_s > 0 else 0.0,
             "cached_token_share": cached_share(self.engines),
             "per_worker_requests": [round(c.requests) for c in self.engines],
-            "client_cached_share": (
-                sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
-            ),
+            "client_cached_share": cached / max(1, prompt),
+            "prefill_tokens": prompt - cached,
             "elapsed_s": self.elapsed_s,
         }
 
@@ -146,56 +147,6 @@ class ScenarioRun:
         }
 
 
-async def wait_routable(url: str, timeout_s: float = 60.0) -> None:
-    """Until one small chat request passes through ``url`` with 200."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.post(url + "/v1/chat/completions", json=PROBE) as resp:
-                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"no request passed through {url} in {timeout_s:.0f} s ({last})")
-
-
-async def drain_and_reset(engines: Sequence[Server], timeout_s: float = 120.0) -> None:
-    """Wait until no engine runs or queues anything, then empty their prefix caches.
-
-    Raises:
-        RuntimeError: An engine still had work after ``timeout_s`` (the next
-            router would be measured on busy engines), or answered an error.
-    """
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        for e in engines:
-            while True:
-                async with session.get(e.url + "/metrics") as resp:
-                    if resp.status != 200:
-                        raise RuntimeError(f"{e.name}: /metrics answered {resp.status}")
-                    stats = parse_engine_metrics(await resp.text(), "vllm")
-                busy = stats.running + stats.waiting
-                if busy == 0:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{e.name} still had {busy:.0f} requests after {timeout_s:.0f} s"
-                    )
-                await asyncio.sleep(0.2)
-        for e in engines:
-            async with session.post(e.url + "/reset_prefix_cache") as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"{e.name}: /reset_prefix_cache answered {resp.status}")
-        # vLLM announces a reset (AllBlocksCleared) only with its next step: one
-        # tiny request (shorter than a block, so nothing is cached) makes every
-        # engine publish it now, before a router with KV events is measured.
-        for e in engines:
-            async with session.post(e.url + "/v1/chat/completions", json=PROBE) as resp:
-                await resp.read()
-
-
 def engine_args(cfg: LiveConfig, workload: BenchWorkload, index: int) -> list[str]:
     """``prefixrouter engine`` options for engine ``index`` of a scenario's fleet."""
     args = ["--profile", cfg.profile, "--time-scale", repr(workload.time_scale)]
@@ -212,7 +163,7 @@ async def run_router(
     engines: Sequence[Server],
     *,
     on_start: Callable[[str, int], None] | None = None,
-    on_done: Callable[[Result], None] | None = None,
+    on_done: Callable[[ReplayResult], None] | None = None,
 ) -> RouterRun:
     """One router's run of the scenario on the running ``engines`` (module doc)."""
     run = RouterRun(spec)
@@ -238,7 +189,7 @@ async def run_router(
             failed = [r for r in warm if not r.ok]
             if len(failed) > len(warm) // 2:
                 raise RuntimeError(f"warm-up failed: {failed[0].error or failed[0].status}")
-        await drain_and_reset(engines)
+        await reset_prefix_caches(urls)
         before = await scrape(urls)
         if on_start is not None:
             on_start(spec.name, len(workload.requests))
@@ -260,30 +211,43 @@ async def run_router(
     return run
 
 
+def start_engines(cfg: LiveConfig, workload: BenchWorkload, fleet: Fleet) -> list[Server]:
+    """Start the scenario's engine processes in ``fleet`` (not yet healthy)."""
+    return [
+        fleet.start(f"engine {i}", "prefixrouter.simulated_engine", engine_args(cfg, workload, i))
+        for i in range(cfg.workers)
+    ]
+
+
 async def run_scenario(
     workload: BenchWorkload,
     routers: Sequence[RouterSpec],
     cfg: LiveConfig,
     fleet: Fleet,
     *,
+    engines: Sequence[Server] | None = None,
     on_start: Callable[[str, int], None] | None = None,
-    on_done: Callable[[Result], None] | None = None,
+    on_done: Callable[[ReplayResult], None] | None = None,
 ) -> ScenarioRun:
-    """Start a fleet for ``workload`` and run every router on it in turn; stop the fleet."""
-    engines = [
-        fleet.start(f"engine {i}", "prefixrouter.simulated_engine", engine_args(cfg, workload, i))
-        for i in range(cfg.workers)
-    ]
+    """Run every router in turn on the scenario's fleet.
+
+    Without ``engines``, a fleet is started for ``workload`` and stopped at
+    the end; given ``engines`` (from :func:`start_engines`), they are used and
+    left running.
+    """
+    owned = engines is None
+    fleet_engines = start_engines(cfg, workload, fleet) if engines is None else list(engines)
     out = ScenarioRun(workload, cfg.workers, cfg.profile)
     try:
-        await fleet.wait_healthy(engines)
+        await fleet.wait_healthy(fleet_engines)
         for spec in routers:
             out.runs.append(
                 await run_router(
-                    spec, cfg, workload, fleet, engines, on_start=on_start, on_done=on_done
+                    spec, cfg, workload, fleet, fleet_engines, on_start=on_start, on_done=on_done
                 )
             )
     finally:
-        for e in engines:
-            fleet.stop(e)
+        if owned:
+            for e in fleet_engines:
+                fleet.stop(e)
     return out

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from prefixrouter.stats import nearest_rank
+
 _LENGTH = re.compile(rb"content-length: *(\d+)")
 _CHUNKED = re.compile(rb"transfer-encoding: *chunked")
 
@@ -128,7 +130,10 @@ class _Pool:
 
 @dataclass(slots=True)
 class Latencies:
-    """Latencies (seconds) and errors of an open-loop phase."""
+    """Latencies (seconds) and errors of an open-loop phase.
+
+    Percentiles are :mod:`prefixrouter.stats`'s nearest rank.
+    """
 
     values: list[float] = field(default_factory=list)
     errors: int = 0
@@ -144,8 +149,8 @@ class Latencies:
         return {
             "requests": len(lat),
             "errors": self.errors,
-            "p50_ms": round(1e3 * lat[len(lat) // 2], 4),
-            "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 4),
+            "p50_ms": round(1e3 * nearest_rank(lat, 0.50), 4),
+            "p99_ms": round(1e3 * nearest_rank(lat, 0.99), 4),
             "mean_ms": round(1e3 * statistics.fmean(lat), 4),
         }
 

@@ -34,10 +34,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from prefixrouter.bench.live import wait_routable
 from prefixrouter.bench.loadgen import Latencies, build_requests, closed_loop, open_loop
 from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason
-from prefixrouter.demo.fleet import Fleet, free_port
+from prefixrouter.harness.health import wait_routable
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet
 
 SYSTEM = ("You are the assistant of a law firm. Follow the style guide. " * 100)[:6144]
 VARIANTS = 64

@@ -160,10 +160,14 @@ def router_command(
     workers: Sequence[str],
     peers_dir: Path,
     prometheus_port: int,
-    tokenizer_dir: Path,
+    tokenizer_dir: Path | None,
     decision_log: Path | None = None,
 ) -> list[str]:
-    """The command line that starts ``spec`` on ``port`` in front of ``workers``."""
+    """The command line that starts ``spec`` on ``port`` in front of ``workers``.
+
+    Raises:
+        ConfigError: sglang-router without ``tokenizer_dir`` (its ``--model-path``).
+    """
     if spec.kind == "gateway":
         cmd = [sys.executable, "-m", "prefixrouter.gateway", "--port", str(port)]
         cmd += ["--policy", spec.policy]
@@ -181,6 +185,8 @@ def router_command(
         "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
     ]  # fmt: skip
     if spec.kind == "sglang":
+        if tokenizer_dir is None:
+            raise ConfigError(f"{spec.name}: sglang-router needs a local tokenizer folder")
         return [
             exe, "-m", "sglang_router.launch_router", *common,
             "--model-path", str(tokenizer_dir), "--log-level", "warn",

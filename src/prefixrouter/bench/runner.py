@@ -21,8 +21,8 @@ from prefixrouter.bench.overhead import OverheadConfig, run_overhead
 from prefixrouter.bench.report import document, markdown, plot, write_json
 from prefixrouter.bench.routers import RouterSpec
 from prefixrouter.bench.workload import build_bench_workload, warmup_requests
-from prefixrouter.demo.client import Result
-from prefixrouter.demo.fleet import Fleet
+from prefixrouter.harness.processes import Fleet
+from prefixrouter.harness.replay import ReplayResult
 from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.tokenization import hf_tokenizer_dir, load_tokenizer
 
@@ -34,7 +34,7 @@ class BenchUI(Protocol):
     """Where progress goes."""
 
     def router_started(self, scenario: str, router: str, total: int) -> None: ...
-    def request_done(self, result: Result) -> None: ...
+    def request_done(self, result: ReplayResult) -> None: ...
     def scenario_done(self, report: dict[str, Any]) -> None: ...
     def overhead_router(self, router: str, index: int, total: int) -> None: ...
 

@@ -10,9 +10,9 @@ becomes text once and every request that holds the segment holds that text:
   KV size per engine is scaled the same way, so caches stay under the pressure
   the scenario was designed for;
 * **text**: a segment of ``n`` tokens becomes about ``n`` tokens of pronounceable
-  words from the demo's syllable grammar (words per token measured once with
-  the project's tokenizer), seeded by the segment's order of first appearance,
-  so the same seed gives the same bytes;
+  words (:func:`prefixrouter.harness.texts.syllable_words`; words per token
+  measured once with the project's tokenizer), seeded by the segment's order
+  of first appearance, so the same seed gives the same bytes;
 * **messages**: the segments before the scenario's ``first_user_offset`` form the
   system message; the rest is one user message (joined by blank lines), except in
   sessions (``multi-turn``), whose history alternates user and assistant
@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prefixrouter.core.types import PrefixClass
-from prefixrouter.demo.workload import DemoRequest
-from prefixrouter.demo.workload import _words as words  # the demo's syllable grammar
 from prefixrouter.errors import ConfigError
+from prefixrouter.harness.replay import ReplayRequest
+from prefixrouter.harness.texts import syllable_words
 from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.runner import capacity_rps
 from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
@@ -72,7 +72,7 @@ class BenchWorkload:
     scenario: str
     description: str
     shared_prefix: bool
-    requests: list[DemoRequest]
+    requests: list[ReplayRequest]
     rate: float
     load: float
     time_scale: float
@@ -114,7 +114,7 @@ class SegmentText:
     """Text for token-id segments: one text per distinct segment object."""
 
     def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
-        sample = words(random.Random(f"calibrate-{seed}"), CALIBRATION_WORDS)
+        sample = syllable_words(random.Random(f"calibrate-{seed}"), CALIBRATION_WORDS)
         self.tokens_per_word = len(tokenizer.encode(sample)) / CALIBRATION_WORDS
         self.seed = seed
         self._texts: dict[int, str] = {}
@@ -125,7 +125,7 @@ class SegmentText:
         if text is None:
             n = max(1, round(len(segment) / self.tokens_per_word))
             rng = random.Random(f"{self.seed}-{len(self._held)}")
-            text = self._texts[id(segment)] = words(rng, n)
+            text = self._texts[id(segment)] = syllable_words(rng, n)
             self._held.append(segment)
         return text
 
@@ -206,7 +206,7 @@ def build_bench_workload(
     timed = scaled.scaled(rate)
     text = SegmentText(tokenizer, seed)
     reqs = [
-        DemoRequest(
+        ReplayRequest(
             r.arrival,
             scenario,
             r.group,
@@ -228,7 +228,7 @@ def build_bench_workload(
 
 def warmup_requests(
     n: int, *, tokens: int, tokenizer: Tokenizer, seed: int = 0, model: str = "tiny"
-) -> list[DemoRequest]:
+) -> list[ReplayRequest]:
     """``n`` unique prompts of about ``tokens`` tokens, one output token, all due at once.
 
     Every router gets the same warm-up before its measured run, so a router that
@@ -241,5 +241,5 @@ def warmup_requests(
     for i in range(n):
         prompt = text(array("I", bytes(4 * tokens)))  # a fresh segment: new words each time
         body = request_body([{"role": "user", "content": f"{i}: {prompt}"}], 1, model)
-        out.append(DemoRequest(0.0, "warmup", f"warmup-{i}", body))
+        out.append(ReplayRequest(0.0, "warmup", f"warmup-{i}", body))
     return out

@@ -1,4 +1,9 @@
-"""The ``prefixrouter demo`` command (see :mod:`prefixrouter.demo.run`)."""
+"""The ``prefixrouter demo`` command (see :mod:`prefixrouter.demo.run`).
+
+Progress bars on stderr, then one table (TTFT p50, p99 and mean, the share
+of prompt tokens the engines served from cache, prefill tokens), the bench's
+PNG, and with ``--serve`` a gateway that stays up until Ctrl-C.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from prefixrouter.demo.client import Result
-from prefixrouter.demo.fleet import Fleet
+from prefixrouter.harness.processes import Fleet
+from prefixrouter.harness.replay import ReplayResult
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -32,7 +37,8 @@ def demo(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
 ) -> None:
     """Start engines and the gateway on loopback; compare round robin and prefixrouter live."""
-    from prefixrouter.demo.run import DemoConfig, plot_runs, run_demo, serve_forever
+    from prefixrouter.bench.report import plot as plot_runs
+    from prefixrouter.demo.run import DemoConfig, run_demo, serve_forever
     from prefixrouter.demo.run import wait_for_interrupt as wait
 
     cfg = DemoConfig(workers=workers, requests=requests, rate=rate, kv_blocks=kv_blocks, seed=seed)
@@ -49,11 +55,13 @@ def demo(
             def on_router(name: str, total: int) -> None:
                 tasks.append(progress.add_task(f"through {name}", total=total))
 
-            def on_done(_: Result) -> None:
+            def on_done(_: ReplayResult) -> None:
                 progress.advance(tasks[-1])
 
             try:
-                runs = asyncio.run(run_demo(cfg, fleet, on_router=on_router, on_done=on_done))
+                scenario, engines = asyncio.run(
+                    run_demo(cfg, fleet, on_router=on_router, on_done=on_done)
+                )
             except RuntimeError as exc:
                 err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
                 raise typer.Exit(code=1) from None
@@ -68,23 +76,23 @@ def demo(
             "prefill tokens",
         ):
             table.add_column(col, justify="left" if col == "router" else "right")
-        for run in runs:
+        for run in scenario.runs:
             s = run.summary()
+            ttft = s["ttft_ms"]
             table.add_row(
                 s["router"],
                 f"{s['ok']}/{s['requests']}",
-                f"{s['ttft_p50_ms']:.0f} ms",
-                f"{s['ttft_p99_ms']:.0f} ms",
-                f"{s['ttft_mean_ms']:.0f} ms",
-                f"{s['cached_share']:.1%}",
+                f"{ttft['p50']:.0f} ms",
+                f"{ttft['p99']:.0f} ms",
+                f"{ttft['mean']:.0f} ms",
+                f"{s['client_cached_share']:.1%}",
                 f"{s['prefill_tokens']:,}",
                 style="bold" if s["router"] == "prefixrouter" else None,
             )
         console.print(table)
-        plot_runs(runs, plot)
+        plot_runs([scenario], [], plot)
         console.print(f"wrote {plot}")
         if serve:
-            engines = [s for s in fleet.servers if s.name.startswith("engine")]
 
             async def keep_serving() -> None:
                 # A fresh key per run: the admin API adds and removes workers,

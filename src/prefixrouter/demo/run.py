@@ -1,41 +1,51 @@
-"""``prefixrouter demo``: the same live traffic through round robin, then through prefixrouter.
+"""``prefixrouter demo``: the bench's live comparison, preset to two routers and the demo workload.
 
-Steps:
+The demo is :func:`prefixrouter.bench.live.run_scenario` with:
 
-1. start ``workers`` engine processes (``prefixrouter engine``: the engine
-   model behind a vLLM-compatible API, real tokenizer) on free loopback ports,
-   with a small KV cache so that not every replica can hold every prefix;
-2. for each router (our gateway with ``round_robin``, then with
-   ``prefixrouter``): reset the engines' prefix caches, start the gateway,
-   replay the built-in workload (:mod:`prefixrouter.demo.workload`) at its
-   offsets with a bounded streaming client, stop the gateway;
-3. print TTFT p50/p99, cached-token share and prefill tokens side by side and
-   write a PNG; with ``--serve``, keep a prefixrouter gateway running and
-   print its URL, a curl example and its admin API key (generated for this
-   run: the admin API is never open without one) until Ctrl-C.
+* **routers**: our gateway with ``round_robin``, then with ``prefixrouter``
+  (:data:`ROUTERS`);
+* **workload**: the built-in doc-QA and system-prompt traffic
+  (:mod:`prefixrouter.demo.workload`), as a
+  :class:`~prefixrouter.bench.workload.BenchWorkload`;
+* **engines**: ``workers`` simulated engines at the profile's real speed, with a
+  small KV cache (``kv_blocks``) so that not every replica can hold every
+  prefix; started first (:func:`~prefixrouter.bench.live.start_engines`) so that
+  ``--serve`` can keep them;
+* **client**: at most 64 requests in flight, 120 s per request.
 
-Everything runs on 127.0.0.1 and stops by itself; every server is stopped by
-PID when the demo ends, whatever happened.
+Everything else is the bench's: each router is started, sent one probe
+request, measured after the engines' caches are emptied, and stopped; the
+figures are :meth:`RouterRun.summary <prefixrouter.bench.live.RouterRun.summary>`'s
+and the PNG is :func:`prefixrouter.bench.report.plot`'s. With ``--serve``, a
+prefixrouter gateway then stays in front of the engines, with an admin API
+key generated for the run (:func:`serve_forever`), until Ctrl-C.
+
+Everything runs on 127.0.0.1; every server is stopped by PID when the demo
+ends, whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import aiohttp
-
-from prefixrouter.demo.client import Result, replay
-from prefixrouter.demo.fleet import Fleet, Server
-from prefixrouter.demo.workload import DemoRequest, build_workload
+from prefixrouter.bench.live import LiveConfig, ScenarioRun, run_scenario, start_engines
+from prefixrouter.bench.routers import ROUTERS as BENCH_ROUTERS
+from prefixrouter.bench.routers import default_peers_dir, router_command
+from prefixrouter.bench.workload import BenchWorkload
+from prefixrouter.demo.workload import build_workload
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV
+from prefixrouter.harness.ports import free_port
+from prefixrouter.harness.processes import Fleet, Server
+from prefixrouter.harness.replay import ReplayResult
 
 ROUTERS = ("round_robin", "prefixrouter")
+"""The bench routers the demo compares, in order."""
+
+CONCURRENCY = 64
+TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,53 +71,29 @@ class DemoConfig:
     seed: int = 0
 
 
-@dataclass(slots=True)
-class RouterRun:
-    """One router's results."""
-
-    router: str
-    results: list[Result]
-
-    def summary(self) -> dict[str, Any]:
-        ok = [r for r in self.results if r.ok]
-        ttft = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s >= 0)
-        prompt = sum(r.prompt_tokens for r in ok)
-        cached = sum(r.cached_tokens for r in ok)
-        return {
-            "router": self.router,
-            "requests": len(self.results),
-            "ok": len(ok),
-            "ttft_p50_ms": _rank(ttft, 0.50),
-            "ttft_p99_ms": _rank(ttft, 0.99),
-            "ttft_mean_ms": sum(ttft) / len(ttft) if ttft else 0.0,
-            "cached_share": cached / prompt if prompt else 0.0,
-            "prefill_tokens": prompt - cached,
-        }
+def demo_workload(cfg: DemoConfig) -> BenchWorkload:
+    """The demo's traffic as a bench workload (its load is not computed: 0)."""
+    return BenchWorkload(
+        scenario="demo",
+        description="questions about policy documents and chats under one system prompt",
+        shared_prefix=True,
+        requests=build_workload(cfg.requests, rate=cfg.rate, seed=cfg.seed),
+        rate=cfg.rate,
+        load=0.0,
+        time_scale=cfg.time_scale,
+        kv_blocks=cfg.kv_blocks,
+    )
 
 
-def _rank(values: Sequence[float], q: float) -> float:
-    return values[max(0, math.ceil(q * len(values)) - 1)] if values else 0.0
-
-
-async def _reset_caches(engines: Sequence[Server]) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        for e in engines:
-            async with session.post(e.url + "/reset_prefix_cache") as resp:
-                await resp.read()
-
-
-def _engine_args(cfg: DemoConfig, index: int) -> list[str]:
-    return [
-        "--profile", cfg.profile, "--kv-blocks", str(cfg.kv_blocks),
-        "--time-scale", str(cfg.time_scale), "--model", "tiny", "--engine-id", str(index),
-    ]  # fmt: skip
-
-
-def _gateway_args(engines: Sequence[Server], policy: str) -> list[str]:
-    args = ["--policy", policy]
-    for e in engines:
-        args += ["--worker", e.url]
-    return args
+def live_config(cfg: DemoConfig) -> LiveConfig:
+    """The bench's fleet and client settings for the demo (no peers, no warm-up)."""
+    return LiveConfig(
+        workers=cfg.workers,
+        profile=cfg.profile,
+        peers_dir=default_peers_dir(),
+        concurrency=CONCURRENCY,
+        timeout_s=TIMEOUT_S,
+    )
 
 
 async def run_demo(
@@ -115,28 +101,30 @@ async def run_demo(
     fleet: Fleet,
     *,
     on_router: Callable[[str, int], None] | None = None,
-    on_done: Callable[[Result], None] | None = None,
-) -> list[RouterRun]:
-    """Start the engines, then replay the workload through each router in turn."""
-    engines = [
-        fleet.start(f"engine {i}", "prefixrouter.simulated_engine", _engine_args(cfg, i))
-        for i in range(cfg.workers)
-    ]
-    await fleet.wait_healthy(engines)
-    workload: list[DemoRequest] = build_workload(cfg.requests, rate=cfg.rate, seed=cfg.seed)
-    runs: list[RouterRun] = []
-    for policy in ROUTERS:
-        await _reset_caches(engines)
-        gateway = fleet.start(
-            f"gateway ({policy})", "prefixrouter.gateway", _gateway_args(engines, policy)
-        )
-        await fleet.wait_healthy([gateway])
-        if on_router is not None:
-            on_router(policy, len(workload))
-        results = await replay(gateway.url, workload, on_done=on_done)
-        fleet.stop(gateway)
-        runs.append(RouterRun(policy, results))
-    return runs
+    on_done: Callable[[ReplayResult], None] | None = None,
+) -> tuple[ScenarioRun, list[Server]]:
+    """Start the engines and replay the workload through each router; the engines stay up.
+
+    Raises:
+        RuntimeError: The engines did not start, or a router's run failed
+            (its error in the message).
+    """
+    workload = demo_workload(cfg)
+    live = live_config(cfg)
+    engines = start_engines(live, workload, fleet)
+    run = await run_scenario(
+        workload,
+        [BENCH_ROUTERS[name] for name in ROUTERS],
+        live,
+        fleet,
+        engines=engines,
+        on_start=on_router,
+        on_done=on_done,
+    )
+    failed = [r for r in run.runs if r.error is not None]
+    if failed:
+        raise RuntimeError(f"{failed[0].spec.label}: {failed[0].error}")
+    return run, engines
 
 
 async def serve_forever(
@@ -148,9 +136,12 @@ async def serve_forever(
     the environment, not on the command line); without it they are off.
     """
     env = {ADMIN_KEY_ENV: admin_api_key} if admin_api_key else None
-    gateway = fleet.start(
-        "gateway", "prefixrouter.gateway", _gateway_args(engines, "prefixrouter"), env=env
-    )
+    port = free_port()
+    cmd = router_command(
+        BENCH_ROUTERS["prefixrouter"], port=port, workers=[e.url for e in engines],
+        peers_dir=default_peers_dir(), prometheus_port=0, tokenizer_dir=None,
+    )  # fmt: skip
+    gateway = fleet.start_command("gateway", cmd, port, env=env)
     await fleet.wait_healthy([gateway])
     return gateway
 
@@ -162,33 +153,3 @@ async def wait_for_interrupt() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-
-
-def plot_runs(runs: Sequence[RouterRun], path: Path) -> None:
-    """TTFT distributions and cached share of the routers, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_cdf, ax_bar) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for run, color in zip(runs, ("tab:blue", "black"), strict=False):
-        ttft = sorted(r.ttft_s * 1e3 for r in run.results if r.ok and r.ttft_s >= 0)
-        if ttft:
-            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-            ax_cdf.step(ttft, ys, where="post", label=run.router, color=color, linewidth=2)
-    ax_cdf.set_xscale("log")
-    ax_cdf.set_xlabel("time to first token (ms, log)")
-    ax_cdf.set_ylabel("share of requests")
-    ax_cdf.grid(True, which="both", alpha=0.3)
-    ax_cdf.legend()
-    ax_cdf.set_title("TTFT, measured by the client")
-    names = [r.router for r in runs]
-    shares = [r.summary()["cached_share"] * 100 for r in runs]
-    ax_bar.bar(names, shares, color=["tab:blue", "black"][: len(runs)])
-    ax_bar.set_ylabel("prompt tokens served from cache (%)")
-    ax_bar.set_title("Cached-token share (engine usage)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

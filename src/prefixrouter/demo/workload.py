@@ -11,42 +11,17 @@ bytes in the same order at the same offsets:
   every chat, then a short user message.
 
 The two kinds are interleaved; arrivals are Poisson at ``rate`` requests per
-second. Words come from a fixed syllable grammar (pronounceable, so the BPE
+second. Words come from the harness's syllable grammar
+(:func:`prefixrouter.harness.texts.syllable_words`: pronounceable, so the BPE
 tokenizer splits them like text, about 1.5 to 2 tokens per word).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any
 
-_ONSETS = ("b", "c", "d", "f", "g", "l", "m", "n", "p", "r", "s", "t", "v", "st", "tr", "pl")
-_VOWELS = ("a", "e", "i", "o", "u", "ea", "io", "ou")
-_CODAS = ("", "n", "r", "s", "t", "l", "nd", "st", "m")
-
-
-@dataclass(frozen=True, slots=True)
-class DemoRequest:
-    """One request of the demo: when to send it and the OpenAI chat body."""
-
-    offset_s: float
-    kind: str  # "doc-qa" | "system-prompt"
-    group: str
-    body: dict[str, Any]
-
-
-def _words(rng: random.Random, n: int) -> str:
-    out = []
-    for i in range(n):
-        syllables = rng.choice((1, 2, 2, 3))
-        word = "".join(
-            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
-        )
-        out.append(word)
-        if i % 14 == 13:
-            out[-1] += "."
-    return " ".join(out)
+from prefixrouter.harness.replay import ReplayRequest
+from prefixrouter.harness.texts import syllable_words
 
 
 def build_workload(
@@ -59,13 +34,17 @@ def build_workload(
     max_tokens: int = 64,
     model: str = "tiny",
     seed: int = 0,
-) -> list[DemoRequest]:
+) -> list[ReplayRequest]:
     """The demo's requests, sorted by send offset (seconds from the start)."""
     rng = random.Random(seed)
-    docs = [f"Policy document {d + 1}.\n\n" + _words(rng, doc_words) for d in range(documents)]
-    system_prompt = "You are the support assistant of a small company. " + _words(rng, system_words)
+    docs = [
+        f"Policy document {d + 1}.\n\n" + syllable_words(rng, doc_words) for d in range(documents)
+    ]
+    system_prompt = "You are the support assistant of a small company. " + syllable_words(
+        rng, system_words
+    )
     instruction = "Answer questions about the document below, briefly and accurately."
-    out: list[DemoRequest] = []
+    out: list[ReplayRequest] = []
     t = 0.0
     for i in range(requests):
         t += rng.expovariate(rate)
@@ -73,13 +52,16 @@ def build_workload(
             d = rng.randrange(documents)
             messages = [
                 {"role": "system", "content": instruction},
-                {"role": "user", "content": docs[d] + "\n\nQuestion: " + _words(rng, 25) + "?"},
+                {
+                    "role": "user",
+                    "content": docs[d] + "\n\nQuestion: " + syllable_words(rng, 25) + "?",
+                },
             ]
             kind, group = "doc-qa", f"doc{d + 1}"
         else:
             messages = [
                 {"role": "system", "content": system_prompt},
-                {"role": "user", "content": _words(rng, 40) + "?"},
+                {"role": "user", "content": syllable_words(rng, 40) + "?"},
             ]
             kind, group = "system-prompt", "system"
         body = {
@@ -90,5 +72,5 @@ def build_workload(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        out.append(DemoRequest(t, kind, group, body))
+        out.append(ReplayRequest(t, kind, group, body))
     return out

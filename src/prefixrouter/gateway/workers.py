@@ -63,7 +63,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.router import Router
@@ -71,6 +70,7 @@ from prefixrouter.core.types import WorkerId, WorkerView
 from prefixrouter.gateway.config import GatewayConfig, WorkerConfig
 from prefixrouter.gateway.metrics import WorkerGauges
 from prefixrouter.gateway.upstream import Endpoint
+from prefixrouter.prometheus import samples
 from prefixrouter.real_engines.kv_events import NamespaceSeed
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber, WorkerFeed
 
@@ -123,31 +123,33 @@ class EngineStats:
 
 
 def parse_engine_metrics(text: str, kind: str) -> EngineStats:
-    """The figures the router uses from a Prometheus text page (summed over engines)."""
+    """The figures the router uses from a Prometheus text page (summed over engines).
+
+    The page is read by :func:`prefixrouter.prometheus.samples`, the project's one parser.
+    """
     running_names, waiting_names, usage_names = ENGINE_METRICS.get(kind, ENGINE_METRICS["vllm"])
     stats = EngineStats()
     usage: list[float] = []
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = s.name
-            if name in running_names:
-                stats.running += s.value
-            elif name in waiting_names:
-                stats.waiting += s.value
-            elif name in usage_names:
-                usage.append(s.value)
-            elif name in CACHE_INFO:
-                bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
-                if bs and bs.isdigit():
-                    stats.block_size = int(bs)
-                if nb and nb.isdigit():
-                    stats.num_blocks = (stats.num_blocks or 0) + int(nb)
-            elif name == "vllm:prefix_cache_queries_total":
-                stats.prefix_queries = (stats.prefix_queries or 0.0) + s.value
-            elif name == "vllm:prefix_cache_hits_total":
-                stats.prefix_hits = (stats.prefix_hits or 0.0) + s.value
-            elif name == "process_start_time_seconds":
-                stats.start_time = max(stats.start_time or 0.0, s.value)
+    for s in samples(text):
+        name = s.name
+        if name in running_names:
+            stats.running += s.value
+        elif name in waiting_names:
+            stats.waiting += s.value
+        elif name in usage_names:
+            usage.append(s.value)
+        elif name in CACHE_INFO:
+            bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
+            if bs and bs.isdigit():
+                stats.block_size = int(bs)
+            if nb and nb.isdigit():
+                stats.num_blocks = (stats.num_blocks or 0) + int(nb)
+        elif name == "vllm:prefix_cache_queries_total":
+            stats.prefix_queries = (stats.prefix_queries or 0.0) + s.value
+        elif name == "vllm:prefix_cache_hits_total":
+            stats.prefix_hits = (stats.prefix_hits or 0.0) + s.value
+        elif name == "process_start_time_seconds":
+            stats.start_time = max(stats.start_time or 0.0, s.value)
     if usage:
         stats.kv_usage = max(0.0, min(1.0, sum(usage) / len(usage)))
     return stats

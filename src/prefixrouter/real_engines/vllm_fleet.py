@@ -18,21 +18,24 @@ into a few calls:
   request, KV events published to a ZMQ socket that the router binds (vLLM
   connects to a plain ``tcp://host:port`` address; one topic per engine) and
   a replay socket per engine. It waits for ``/health`` (15-40 s per engine),
-  writes each engine's output to a log file, and always stops the engines (by
-  process group: SIGTERM, then SIGKILL), since each holds about 3 GB;
-* :func:`reset_prefix_cache` empties an engine's prefix cache between runs
-  (served because engines start with ``VLLM_SERVER_DEV_MODE=1``);
+  writes each engine's output to a log file, and always stops the engines
+  (by process group, since each holds about 3 GB);
 * ``python -m prefixrouter.real_engines.vllm_fleet --engines 2`` starts a fleet,
   prints the URLs and keeps it running until Ctrl-C.
 
-Standard library and the project's own modules (its tokenizer and process
-fleet) only: it runs in the project's environment and talks to vLLM over HTTP.
+What is not vLLM-specific is the harness's: processes, ports, health waits
+and stop by PID (:mod:`prefixrouter.harness.processes`), and emptying the
+engines' prefix caches between runs
+(:func:`prefixrouter.harness.engines.reset_prefix_caches`; vLLM serves it
+because the engines start with ``VLLM_SERVER_DEV_MODE=1``).
+
+Standard library and the project's own modules (its tokenizer and the
+harness) only: it runs in the project's environment and talks to vLLM over HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -41,14 +44,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from prefixrouter.demo.fleet import HOST, Fleet, Server, free_port
+from prefixrouter.harness.health import wait_healthy
+from prefixrouter.harness.ports import HOST, free_port
+from prefixrouter.harness.processes import Fleet, Server, kill_process
 from prefixrouter.tokenization import hf_tokenizer_dir
 
 __all__ = [
@@ -64,7 +67,6 @@ __all__ = [
     "engine_command",
     "ensure_vllm",
     "repo_root",
-    "reset_prefix_cache",
     "sync_tokenizer",
     "vllm_setup",
 ]
@@ -271,10 +273,10 @@ class VllmEngine:
 
     @property
     def pid(self) -> int:
-        return self.server.process.pid
+        return self.server.pid
 
     def alive(self) -> bool:
-        return self.server.process.poll() is None
+        return self.server.alive()
 
     def log_tail(self, chars: int = 2000) -> str:
         """The end of the engine's log."""
@@ -425,19 +427,9 @@ class VllmFleet:
             self.setup, self.options, port=port, index=index, core=core, replay_port=replay_port
         )
         log_path = self.log_dir / f"engine-{index}-{port}.log"
-        log = log_path.open("a+b")
-        log.write(f"$ {' '.join(argv)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **extra_env},
-            start_new_session=True,  # its own process group: stopped as a whole
+        server = self._procs.start_command(
+            f"vLLM engine {index}", argv, port, extra_env, log_path=log_path
         )
-        server = Server(f"vllm-{index}", port, proc, log)
-        self._procs.servers.append(server)
         engine = VllmEngine(index, core, server, argv, topic, replay, log_path)
         self.engines.append(engine)
         return engine
@@ -445,28 +437,18 @@ class VllmFleet:
     def wait_healthy(
         self, engines: Sequence[VllmEngine] | None = None, timeout_s: float | None = None
     ) -> None:
-        """Poll each engine's ``/health`` until 200.
+        """Poll each engine's ``/health`` until 200 (the harness's ``wait_healthy``).
 
         Raises:
-            RuntimeError: An engine exited or did not answer within the
-                timeout (the end of its log in the message).
+            RuntimeError: An engine exited (the end of its log in the message)
+                or did not answer within the timeout.
         """
-        pending = list(engines if engines is not None else self.engines)
-        deadline = time.monotonic() + (timeout_s or self.options.startup_timeout_s)
-        while pending:
-            for engine in list(pending):
-                if not engine.alive():
-                    raise RuntimeError(
-                        f"vLLM engine {engine.index} exited with {engine.server.process.returncode}"
-                        f" (log {engine.log_path}):\n{engine.log_tail()}"
-                    )
-                if _get_status(engine.url + "/health") == 200:
-                    pending.remove(engine)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{e.index} (log {e.log_path})" for e in pending)
-                raise RuntimeError(f"vLLM engines not healthy in time: {names}")
-            if pending:
-                time.sleep(0.25)
+        pending = engines if engines is not None else self.engines
+        wait_healthy(
+            [e.server for e in pending],
+            timeout_s or self.options.startup_timeout_s,
+            interval_s=0.25,
+        )
 
     def start(self) -> list[VllmEngine]:
         """Start the configured number of engines at once and wait until all answer."""
@@ -475,9 +457,8 @@ class VllmFleet:
         return new
 
     def stop(self, engine: VllmEngine, grace_s: float = 10.0) -> None:
-        """Stop one engine and everything it spawned (SIGTERM, then SIGKILL)."""
+        """Stop one engine and everything it spawned (its engine core included)."""
         self._procs.stop(engine.server, grace_s)
-        _kill_group(engine.pid)  # an engine-core child that outlived its parent
         if engine in self.engines:
             self.engines.remove(engine)
 
@@ -486,8 +467,7 @@ class VllmFleet:
 
         It stays in :attr:`engines` (dead) until :meth:`restart` or :meth:`stop`.
         """
-        _kill_group(engine.pid)
-        engine.server.process.wait()
+        kill_process(engine.server.process)
 
     def restart(self, engine: VllmEngine, *, wait: bool = True) -> VllmEngine:
         """Stop an engine (if still running) and start it again on the same port,
@@ -516,44 +496,6 @@ class VllmFleet:
         tb: TracebackType | None,
     ) -> None:
         self.stop_all()
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _get_status(url: str, timeout_s: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        return int(err.code)
-    except (OSError, ValueError):
-        return None
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> None:
-    """Empty an engine's prefix cache (``POST /reset_prefix_cache``).
-
-    vLLM answers only when started with ``VLLM_SERVER_DEV_MODE=1`` (as
-    :class:`VllmFleet` does); it publishes ``AllBlocksCleared`` when KV events
-    are on.
-
-    Raises:
-        RuntimeError: If the engine does not answer 200.
-    """
-    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            status = int(resp.status)
-    except urllib.error.HTTPError as err:
-        status = int(err.code)
-    if status != 200:
-        raise RuntimeError(f"POST {url}/reset_prefix_cache answered {status}")
 
 
 # --------------------------------------------------------------------- CLI

@@ -3,7 +3,8 @@
 For each run (one policy on one workload and fleet):
 
 * ``ttft_ms``, ``e2e_ms``, ``queue_wait_ms``: mean, p50, p90, p99 over completed
-  requests (nearest-rank percentiles, so figures are values that occurred);
+  requests (:func:`prefixrouter.stats.percentiles`: nearest rank, so figures
+  are values that occurred);
 * ``throughput_rps`` and ``output_tokens_per_s``: completed requests and
   generated tokens over the span from the first arrival to the last completion;
 * ``prompt_tokens``, ``cached_tokens``, ``prefill_tokens`` (= prompt - cached);
@@ -22,31 +23,13 @@ the last prompt token), i.e. what one infinite cache shared by all would do.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.types import BlockHash
 from prefixrouter.sim.cluster import SimRun
 from prefixrouter.sim.workload import Workload
-
-
-def percentiles(values: Sequence[float]) -> dict[str, float]:
-    """Mean, p50, p90 and p99 (nearest rank) of ``values``, rounded to 0.001."""
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-    n = len(ordered)
-
-    def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q * n) - 1)]
-
-    return {
-        "mean": round(math.fsum(ordered) / n, 3),
-        "p50": round(rank(0.50), 3),
-        "p90": round(rank(0.90), 3),
-        "p99": round(rank(0.99), 3),
-    }
+from prefixrouter.stats import percentiles
 
 
 def reusable_tokens(prompt_tokens: int, blocks: int, block_size: int) -> int:

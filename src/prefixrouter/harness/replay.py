@@ -1,13 +1,16 @@
-"""A bounded asynchronous OpenAI client that measures what users feel.
+"""The replay client: timed OpenAI chat requests, streamed, measured as a user feels them.
 
-Each request is sent at its offset from the start (open loop, so a slow
-router is not hidden by the client slowing down), streamed, and timed: time
-to first token is the first chunk with content, end-to-end the ``[DONE]``
-line. The stream is then read to its end, as the OpenAI SDKs do: closing the
-connection right after ``[DONE]`` makes a proxy see a disconnect. The
-engine's ``usage`` (from the final chunk, ``include_usage``) gives prompt and
-cached tokens. ``concurrency`` bounds requests in flight so a
-stalled fleet cannot exhaust the machine; errors are recorded, never raised.
+A workload is a list of :class:`ReplayRequest` (a send offset and an OpenAI
+chat body; the demo's, the bench's scenarios and the real-vLLM benchmark's
+all have this shape). :func:`replay` sends each at its offset from the start
+(open loop, so a slow router is not hidden by the client slowing down),
+streams it and times it: time to first token is the first chunk with
+content, end-to-end the ``[DONE]`` line. The stream is then read to its end,
+as the OpenAI SDKs do: closing the connection right after ``[DONE]`` makes a
+proxy see a disconnect. The engine's ``usage`` (from the final chunk,
+``include_usage``) gives prompt and cached tokens. ``concurrency`` bounds
+requests in flight so a stalled fleet cannot exhaust the machine; errors are
+recorded in the :class:`ReplayResult`, never raised.
 """
 
 from __future__ import annotations
@@ -16,16 +19,32 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
 
-from prefixrouter.demo.workload import DemoRequest
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequest:
+    """One request of a workload: when to send it, what it is, and the OpenAI chat body.
+
+    Attributes:
+        offset_s: Send time, seconds from the start of the replay.
+        kind: Its workload or traffic kind (``doc-qa``, ``warmup`` ...).
+        group: What it shares a prefix with (a document, a session ...).
+        body: The ``/v1/chat/completions`` JSON body.
+    """
+
+    offset_s: float
+    kind: str
+    group: str
+    body: dict[str, Any]
 
 
 @dataclass(slots=True)
-class Result:
-    """What one request measured."""
+class ReplayResult:
+    """What one request measured (``ttft_s`` and ``e2e_s`` are -1 when not reached)."""
 
     kind: str
     group: str
@@ -39,9 +58,9 @@ class Result:
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, req: DemoRequest, headers: dict[str, str]
-) -> Result:
-    res = Result(req.kind, req.group)
+    session: aiohttp.ClientSession, url: str, req: ReplayRequest, headers: dict[str, str]
+) -> ReplayResult:
+    res = ReplayResult(req.kind, req.group)
     start = time.perf_counter()
     try:
         async with session.post(url, data=orjson.dumps(req.body), headers=headers) as resp:
@@ -75,13 +94,13 @@ async def _one(
 
 async def replay(
     base_url: str,
-    requests: Sequence[DemoRequest],
+    requests: Sequence[ReplayRequest],
     *,
     concurrency: int = 64,
     timeout_s: float = 120.0,
-    on_done: Callable[[Result], None] | None = None,
+    on_done: Callable[[ReplayResult], None] | None = None,
     headers: dict[str, str] | None = None,
-) -> list[Result]:
+) -> list[ReplayResult]:
     """Send ``requests`` at their offsets to ``base_url``; returns results in request order."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     limit = asyncio.Semaphore(concurrency)
@@ -91,7 +110,7 @@ async def replay(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
 
-        async def fire(req: DemoRequest) -> Result:
+        async def fire(req: ReplayRequest) -> ReplayResult:
             delay = req.offset_s - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -1,0 +1,53 @@
+"""The one reader of Prometheus text exposition (what an engine's ``GET /metrics`` answers).
+
+Parsing is prometheus_client's own text parser (escapes, label quoting,
+``_total``/``_bucket`` samples, comments), so what the gateway's pollers, the
+bench's engine counters and the harness's idle check read is what a
+Prometheus server would read. This module only gives it one shape:
+
+* :func:`samples`: every sample, in page order, as ``(name, labels, value)``
+  (a counter's sample keeps its ``_total`` suffix, a histogram's its
+  ``_bucket``/``_sum``/``_count``);
+* :func:`totals`: named samples summed over their label sets (an engine's
+  series per model or per engine, a fleet's pages), the shape a reader of
+  counters and gauges wants.
+
+Pure: text in, numbers out (no I/O). A page that is not Prometheus text
+raises :class:`ValueError` (prometheus_client's own error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class Sample(NamedTuple):
+    """One sample line: its name, its labels and its value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def samples(text: str) -> Iterator[Sample]:
+    """Every sample of an exposition, in page order."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            yield Sample(s.name, s.labels, float(s.value))
+
+
+def totals(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Each of ``names`` summed over every sample of that name; a name never seen is absent.
+
+    Absent, not 0: a reader can tell "the engine does not export it" from
+    "the engine counted nothing".
+    """
+    wanted = frozenset(names)
+    out: dict[str, float] = {}
+    for s in samples(text):
+        if s.name in wanted:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out

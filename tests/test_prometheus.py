@@ -1,0 +1,76 @@
+"""The one Prometheus text reader, against expositions prometheus_client itself writes.
+
+The pages are produced the way engines produce them (a registry of counters,
+gauges, a histogram and an info metric, then ``generate_latest``), not typed
+by hand, so the test holds for what the gateway's pollers and the bench read.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from prefixrouter.bench.engine_metrics import EngineCounters, parse_counters
+from prefixrouter.gateway.workers import parse_engine_metrics
+from prefixrouter.prometheus import Sample, samples, totals
+
+
+def _vllm_like_page() -> str:
+    reg = CollectorRegistry()
+    running = Gauge("vllm:num_requests_running", "running", ["engine", "model_name"], registry=reg)
+    running.labels("0", "tiny").set(2)
+    running.labels("1", "tiny").set(3)
+    waiting = Gauge("vllm:num_requests_waiting", "waiting", ["engine"], registry=reg)
+    waiting.labels("0").set(1)
+    hits = Counter("vllm:prefix_cache_hits", "hits", ["engine"], registry=reg)
+    hits.labels("0").inc(750)
+    queries = Counter("vllm:prefix_cache_queries", "queries", ["engine"], registry=reg)
+    queries.labels("0").inc(1000)
+    success = Counter("vllm:request_success", "done", ["finished_reason"], registry=reg)
+    success.labels("length").inc(3)
+    success.labels("stop").inc(2)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", buckets=(0.1, 1.0), registry=reg)
+    ttft.observe(0.05)
+    ttft.observe(0.5)
+    info = Gauge("vllm:cache_config_info", "cache", ["block_size", "num_gpu_blocks"], registry=reg)
+    info.labels("32", "640").set(1)
+    Info("build", "build info", registry=reg).info({"version": 'a "quoted" \\ value'})
+    return generate_latest(reg).decode()
+
+
+def test_samples_keep_names_labels_and_values() -> None:
+    page = _vllm_like_page()
+    got = list(samples(page))
+    assert Sample("vllm:num_requests_running", {"engine": "1", "model_name": "tiny"}, 3.0) in got
+    assert Sample("vllm:prefix_cache_hits_total", {"engine": "0"}, 750.0) in got  # _total kept
+    buckets = [s for s in got if s.name == "vllm:time_to_first_token_seconds_bucket"]
+    assert [(s.labels["le"], s.value) for s in buckets] == [
+        ("0.1", 1.0),
+        ("1.0", 2.0),
+        ("+Inf", 2.0),
+    ]
+    (build,) = [s for s in got if s.name == "build_info"]
+    assert build.labels["version"] == 'a "quoted" \\ value'  # escapes undone
+
+
+def test_totals_sum_over_labels_and_leave_unseen_names_out() -> None:
+    page = _vllm_like_page()
+    assert totals(page, ["vllm:num_requests_running", "vllm:request_success_total", "nope"]) == {
+        "vllm:num_requests_running": 5.0,
+        "vllm:request_success_total": 5.0,
+    }
+    assert totals("", ["vllm:num_requests_running"]) == {}
+
+
+def test_the_gateway_and_the_bench_read_the_same_page() -> None:
+    page = _vllm_like_page()
+    stats = parse_engine_metrics(page, "vllm")
+    assert (stats.running, stats.waiting) == (5.0, 1.0)
+    assert (stats.block_size, stats.num_blocks) == (32, 640)
+    assert (stats.prefix_hits, stats.prefix_queries) == (750.0, 1000.0)
+    assert parse_counters(page) == EngineCounters(750.0, 1000.0, 5.0)
+
+
+def test_a_page_that_is_not_prometheus_text_raises() -> None:
+    with pytest.raises(ValueError):
+        list(samples("this is { not prometheus\n"))
