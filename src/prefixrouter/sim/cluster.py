@@ -7,13 +7,16 @@ instances:
 
 * **arrival** at ``t``: the prompt is hashed once (the router and the engine
   share the hashes), the router sees a :class:`WorkerView` per engine (load
-  from the router's own in-flight ledger, as the live gateway has; KV usage
-  from the engine, as a metrics poll would give), decides, is told
-  ``on_routed``, and the engine gets the request;
-* **engine wakeup**: the engine advances; each first token updates the ledger;
-  each completion feeds the router ``on_completed`` with the engine's cached
-  tokens and the observed TTFT; KV events go to ``Router.apply`` when the run
-  enables them.
+  from the in-flight ledger, as the live gateway has; KV usage from the
+  engine, as a metrics poll would give), the capacity mirror is refreshed
+  from them, and the :class:`~prefixrouter.core.dispatch.Dispatcher` admits
+  the request (route, record, count in flight); the engine gets it;
+* **engine wakeup**: the engine advances; each first token is noted; each
+  completion is fed back (``Dispatcher.complete``) with the engine's cached
+  tokens and the observed TTFT; KV events go to ``Dispatcher.apply_event``
+  when the run enables them.
+
+The gateway drives the same dispatcher with the same calls.
 
 The clock is the event heap's: entries are ``(time, kind, sequence, ...)``, so
 simultaneous events run in a fixed order (engine outputs before arrivals) and
@@ -27,10 +30,10 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prefixrouter.core.dispatch import Admission, Dispatcher
 from prefixrouter.core.hashing import BlockHasher, PromptBlocks
-from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.policy import Outcome, Policy
-from prefixrouter.core.router import Decision, Router
+from prefixrouter.core.router import Router
 from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
 from prefixrouter.sim.engine import Completed, EngineModel, EngineRequest, FirstToken, KvEventOut
 from prefixrouter.sim.profiles import EngineProfile
@@ -149,20 +152,18 @@ class Simulation:
                 f"workload {workload.name} uses {workload.block_size}-token blocks, "
                 f"profile {config.profile.name} {block_size}"
             )
-        self.router = Router(policy, hasher=BlockHasher(block_size=block_size))
-        self.ledger = InflightLedger()
+        self.dispatch = Dispatcher(Router(policy, hasher=BlockHasher(block_size=block_size)))
         kv_blocks = config.kv_blocks
         self.engines = [
             EngineModel(WorkerId(f"w{i:02d}"), config.profile, kv_blocks, config.kv_events)
             for i in range(config.workers)
         ]
-        for eng in self.engines:
-            self.router.set_worker_capacity(eng.worker_id, eng.kv_capacity_blocks)
+        self.dispatch.mirror_capacity(self._views())
         self._on_progress = on_progress
 
     def _views(self) -> list[WorkerView]:
         prof = self.config.profile
-        fill = self.ledger.fill
+        fill = self.dispatch.fill
         return [
             fill(
                 WorkerView(
@@ -181,11 +182,11 @@ class Simulation:
         """Simulate until every request has completed."""
         requests = self.workload.requests
         records: list[RequestRecord] = []
-        by_id: dict[str, tuple[RequestRecord, Decision]] = {}
+        by_id: dict[str, tuple[RequestRecord, Admission]] = {}
         engine_of = {eng.worker_id: i for i, eng in enumerate(self.engines)}
         heap: list[tuple[float, int, int, int, int]] = []  # time, kind, seq, engine, epoch
         seq = 0
-        router, ledger = self.router, self.ledger
+        dispatch = self.dispatch
         kv_events = self.config.kv_events
         log_left = self.config.decision_log
         logged: list[dict[str, object]] = []
@@ -211,23 +212,22 @@ class Simulation:
                     continue
                 for out in eng.advance(now):
                     if isinstance(out, FirstToken):
-                        rec, _ = by_id[out.request_id]
+                        rec, adm = by_id[out.request_id]
                         rec.first_token = out.time
                         rec.cached_tokens = out.cached_tokens
                         rec.queue_wait_s = out.queue_wait_s
                         rec.kv_wait_s = out.kv_wait_s
-                        ledger.on_first_token(rec.request_id)  # type: ignore[arg-type]
+                        dispatch.first_token(adm)
                     elif isinstance(out, Completed):
-                        rec, decision = by_id.pop(out.request_id)
+                        rec, adm = by_id.pop(out.request_id)
                         rec.completed = out.time
-                        ledger.on_completed(decision.context.request.request_id)
                         outcome = Outcome(rec.cached_tokens, rec.ttft_s)
-                        router.on_completed(decision, outcome, out.time)
+                        dispatch.complete(adm, outcome, out.time)
                         done += 1
                         if self._on_progress is not None:
                             self._on_progress(done)
                     elif isinstance(out, KvEventOut) and kv_events:
-                        router.apply(out.event, out.time)
+                        dispatch.apply_event(out.event, out.time)
                 schedule(i)
                 continue
 
@@ -235,19 +235,15 @@ class Simulation:
             next_arrival += 1
             now = sreq.arrival
             rreq = routing_request(sreq)
-            blocks: PromptBlocks = router.blocks_for(rreq)
             views = self._views()
-            router.sync_capacity(views)
-            decision = router.route(rreq, views, now, blocks)
-            router.on_routed(decision, now)
+            dispatch.mirror_capacity(views)
+            adm = dispatch.admit(rreq, views, now)
+            decision = adm.decision
+            blocks: PromptBlocks = adm.blocks
             if log_left > 0:
                 logged.append(decision.to_dict())
                 log_left -= 1
             prompt = blocks.prompt_tokens
-            uncached = prompt - decision.predicted_cached_tokens
-            ledger.on_routed(
-                rreq.request_id, decision.worker_id, uncached, prompt, sreq.output_tokens
-            )
             rec = RequestRecord(
                 request_id=sreq.request_id,
                 arrival=now,
@@ -261,7 +257,7 @@ class Simulation:
                 predicted_cached_tokens=decision.predicted_cached_tokens,
             )
             records.append(rec)
-            by_id[sreq.request_id] = (rec, decision)
+            by_id[sreq.request_id] = (rec, adm)
             i = engine_of[decision.worker_id]
             eng = self.engines[i]
             # Wakeups at or before `now` were processed first (heap order), as
@@ -284,4 +280,4 @@ class Simulation:
             )
             for eng in self.engines
         ]
-        return SimRun(self.router.policy.name, records, stats, now, kv_events, logged)
+        return SimRun(self.dispatch.policy_name, records, stats, now, kv_events, logged)
