@@ -536,13 +536,13 @@ def test_a_rejected_request_leaves_no_phantom_prefix_in_the_index() -> None:
     async def body() -> None:
         engines = [FakeEngine(max_prompt_tokens=1000, num_gpu_blocks=160)]
         async with gateway_env(engines=engines) as env:
-            index = env.state.dispatch.router.index
+            dispatch = env.state.dispatch
             w0 = WorkerId("w0")
             for _ in range(100):  # the metrics poll mirrors the engine's KV size
-                if index.capacity(w0) == 40:
+                if dispatch.index_capacity(w0) == 40:
                     break
                 await asyncio.sleep(0.05)
-            assert index.capacity(w0) == 40
+            assert dispatch.index_capacity(w0) == 40
             for _ in range(2):
                 r = await env.chat("What does it say?", system=LONG)
                 assert r.status == 200
@@ -558,7 +558,7 @@ def test_a_rejected_request_leaves_no_phantom_prefix_in_the_index() -> None:
             assert rejected[1]["predicted_cached_tokens"] == 0  # the identical retry: cold
             for d in doc:  # the document stays predicted warm, as the engine holds it
                 assert d["predicted_cached_tokens"] > 0 and d["actual_cached_tokens"] > 0
-            assert len(index) == index.blocks_of(w0) <= 11  # the document (and its question)
+            assert len(dispatch.router.index) == dispatch.index_blocks(w0) <= 11  # the document
 
     run(body)
 
