@@ -285,24 +285,6 @@ def test_trust_relaxes_back_so_a_distrusted_worker_can_prove_itself() -> None:
     assert idx.trust(A, 0.0) > 0.2
 
 
-def test_sync_capacity_leaves_room_for_running_requests() -> None:
-    from dataclasses import replace
-
-    from prefixrouter.core import Router, WorkerView
-
-    r = Router()
-    doc = chain(1, 100)
-    r.index.on_routed(A, doc, 0.0)
-    view = WorkerView(A, kv_capacity_blocks=120, block_size=16)
-    r.sync_capacity([view])
-    assert r.index.capacity(A) == 120 and r.index.blocks_of(A) == 100
-    # 60 blocks pinned by running requests, 20 of them their prompts: 40 blocks of
-    # output reservations leave room for 80 blocks of cached prefixes
-    r.sync_capacity([replace(view, kv_used_blocks=60, context_tokens=20 * 16)])
-    assert r.index.capacity(A) == 80 and r.index.blocks_of(A) == 80
-    assert r.index.match(doc, 0.0)[A].blocks == 80  # the chain's tail went first
-
-
 def test_a_miss_on_a_full_cache_is_put_down_to_eviction() -> None:
     idx = PrefixIndex(IndexParams(miss_decay=0.5))
     idx.set_capacity(A, 10)

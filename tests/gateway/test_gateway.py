@@ -193,7 +193,7 @@ def test_every_worker_failing_is_a_502_naming_each_and_is_logged() -> None:
             assert log["status"] == 502 and log["attempts"] == 2
             assert sorted(log["retried_from"]) == ["w0", "w1"]
             assert "w0:" in log["error"] and "w1:" in log["error"]
-            assert env.state.ledger.load(WorkerId("w0")).in_flight == 0
+            assert env.state.dispatch.load(WorkerId("w0")).in_flight == 0
 
     run(body)
 
@@ -246,10 +246,10 @@ def test_client_disconnect_cancels_the_upstream_request() -> None:
                 await asyncio.sleep(0.02)
             assert engines[0].cancelled == 1
             for _ in range(100):
-                if env.state.ledger.load(WorkerId("w0")).in_flight == 0:
+                if env.state.dispatch.load(WorkerId("w0")).in_flight == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert env.state.ledger.load(WorkerId("w0")).in_flight == 0
+            assert env.state.dispatch.load(WorkerId("w0")).in_flight == 0
             engines[0].chunk_delay_s = 0
             engines[0].delay_s = 5.0  # non-streaming: the client gives up while waiting
             payload = {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}
@@ -306,7 +306,7 @@ def test_admin_add_drain_remove() -> None:
                 assert (await slow).status == 200
                 r = await env.chat(LONG)
                 assert r.headers["X-Prefixrouter-Worker"] == "x"
-                assert WorkerId("w0") not in env.state.router.index._lru
+                assert WorkerId("w0") not in env.state.dispatch.router.index._lru
                 r = await env.admin("DELETE", "/admin/workers/w0")
                 assert r.status == 404
                 r = await c.get("/v1/models")
@@ -452,7 +452,7 @@ def test_token_mode_routes_on_the_engines_block_size() -> None:
     async def body() -> None:
         overrides = {"routing": {"mode": "token"}}
         async with gateway_env(n=2, overrides=overrides) as env:
-            assert env.state.router.hasher.block_size == 16  # from vllm:cache_config_info
+            assert env.state.dispatch.block_size == 16  # from vllm:cache_config_info
             workers = set()
             for i in range(3):
                 r = await env.chat(LONG + f" q{i}")
@@ -536,13 +536,13 @@ def test_a_rejected_request_leaves_no_phantom_prefix_in_the_index() -> None:
     async def body() -> None:
         engines = [FakeEngine(max_prompt_tokens=1000, num_gpu_blocks=160)]
         async with gateway_env(engines=engines) as env:
-            index = env.state.router.index
+            dispatch = env.state.dispatch
             w0 = WorkerId("w0")
             for _ in range(100):  # the metrics poll mirrors the engine's KV size
-                if index.capacity(w0) == 40:
+                if dispatch.index_capacity(w0) == 40:
                     break
                 await asyncio.sleep(0.05)
-            assert index.capacity(w0) == 40
+            assert dispatch.index_capacity(w0) == 40
             for _ in range(2):
                 r = await env.chat("What does it say?", system=LONG)
                 assert r.status == 200
@@ -558,7 +558,7 @@ def test_a_rejected_request_leaves_no_phantom_prefix_in_the_index() -> None:
             assert rejected[1]["predicted_cached_tokens"] == 0  # the identical retry: cold
             for d in doc:  # the document stays predicted warm, as the engine holds it
                 assert d["predicted_cached_tokens"] > 0 and d["actual_cached_tokens"] > 0
-            assert len(index) == index.blocks_of(w0) <= 11  # the document (and its question)
+            assert len(dispatch.router.index) == dispatch.index_blocks(w0) <= 11  # the document
 
     run(body)
 
@@ -580,13 +580,13 @@ def test_attempts_without_prefill_take_their_routing_back() -> None:
                     "/v1/chat/completions", json=payload, timeout=aiohttp.ClientTimeout(total=0.5)
                 )
             for _ in range(200):
-                if engines[1].cancelled and env.state.ledger.load(WorkerId("w1")).in_flight == 0:
+                if engines[1].cancelled and env.state.dispatch.load(WorkerId("w1")).in_flight == 0:
                     break
                 await asyncio.sleep(0.02)
             (log,) = await _decisions(env)
             assert log["status"] == 499 and log["retried_from"] == ["w0"]
             assert len(engines[0].requests) == 1 and engines[1].cancelled == 1
-            index = env.state.router.index
+            index = env.state.dispatch.router.index
             assert index.blocks_of(WorkerId("w0")) == 0  # refused: nothing cached there
             assert index.blocks_of(WorkerId("w1")) == 0  # aborted before its first byte
             assert len(index) == 0 and index.speculative_entries == 0

@@ -252,7 +252,7 @@ async def test_no_parse_of_a_large_token_prompt_holds_the_whole_body(
 
 async def test_large_bodies_are_hashed_off_the_event_loop_and_routed_with_those_blocks() -> None:
     async with gateway({}) as (port, state):
-        router = state.router
+        router = state.dispatch.router
         hashed: list[tuple[str, Any]] = []
         routed: list[tuple[str, Any]] = []
         blocks_for = router.blocks_for
@@ -290,7 +290,7 @@ def test_a_retry_routes_the_blocks_hashed_for_the_first_attempt() -> None:
         engines = [FakeEngine(status=503), FakeEngine()]
         overrides = {"policy": {"name": "round_robin"}}
         async with gateway_env(engines=engines, overrides=overrides) as env:
-            router = env.state.router
+            router = env.state.dispatch.router
             hashed: list[tuple[str, Any]] = []
             router.blocks_for = _spy(hashed, router.blocks_for)  # type: ignore[method-assign]
             for i in range(4):

@@ -86,7 +86,7 @@ def test_a_silent_worker_is_retried_elsewhere_and_marked_suspect(
             engine.delay_s = engine.health_delay_s = 0.0
             w = _worker(env, warm)
             await _until(lambda: w.healthy and not w.suspect, "the worker back in routing")
-            assert w.view.healthy and env.state.router.index.blocks_of(w.id) > 0
+            assert w.view.healthy and env.state.dispatch.index_blocks(w.id) > 0
 
     run(body)
 
@@ -102,7 +102,7 @@ def test_a_suspect_worker_whose_check_fails_is_marked_down_and_keeps_its_index()
             assert not w.view.healthy  # out of routing at once
             engine.healthy = False  # and the check the mark triggers fails
             await _until(lambda: not w.healthy, "the suspect worker to be marked down")
-            assert env.state.router.index.blocks_of(w.id) > 0
+            assert env.state.dispatch.index_blocks(w.id) > 0
             r = await env.chat(LONG + " again?", stream=True)
             await r.read()
             assert r.headers["X-Prefixrouter-Worker"] != warm
@@ -152,7 +152,7 @@ def test_a_short_outage_keeps_the_index_and_a_restart_clears_it() -> None:
         async with gateway_env(engines=engines, overrides=FAST) as env:
             warm = await _warm(env)
             engine, w = env.engines[int(warm[1])], _worker(env, warm)
-            index = env.state.router.index
+            index = env.state.dispatch.router.index
             held = index.blocks_of(w.id)
             assert held > 0
             await _down_then_up(env, engine, w)
@@ -173,7 +173,7 @@ def test_prefix_cache_counters_going_back_count_as_a_restart() -> None:
         async with gateway_env(n=2, overrides=FAST) as env:
             warm = await _warm(env)
             engine, w = env.engines[int(warm[1])], _worker(env, warm)
-            index = env.state.router.index
+            index = env.state.dispatch.router.index
             await _until(lambda: (w.engine.prefix_queries or 0) > 0, "a scrape of the counters")
             assert index.blocks_of(w.id) > 0
             engine.queries = engine.hits = 0  # a new engine process counts from 0
@@ -211,13 +211,13 @@ def test_a_restart_the_kv_events_reported_first_keeps_what_they_stored_since() -
             # feed saw the sequence reset and cleared the worker itself; these
             # entries are the new process's own.
             feed.stats.restarts += 1
-            held = env.state.router.index.blocks_of(w.id)
+            held = env.state.dispatch.index_blocks(w.id)
             engines[0].start_time = 2000.0
             await _until(lambda: w.restarts == 1, "the scrape to see the new process")
-            assert env.state.router.index.blocks_of(w.id) == held
+            assert env.state.dispatch.index_blocks(w.id) == held
             engines[0].start_time = 3000.0  # another restart, the feed silent this time
             await _until(lambda: w.restarts == 2, "the scrape to see the new process")
-            assert env.state.router.index.blocks_of(w.id) == 0
+            assert env.state.dispatch.index_blocks(w.id) == 0
 
     run(body)
 

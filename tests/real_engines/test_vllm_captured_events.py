@@ -11,6 +11,7 @@ import base64
 import json
 from pathlib import Path
 
+from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.events import AllBlocksCleared, BlockStored
 from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
 from prefixrouter.core.policy import create_policy
@@ -92,7 +93,7 @@ def test_captured_chains_translate_to_our_hashes_of_the_same_tokens() -> None:
 
 def test_captured_feed_through_the_subscriber() -> None:
     router = Router(create_policy("prefixrouter"), BlockHasher(block_size=32))
-    sub = KvEventSubscriber("tcp://127.0.0.1:1", router, lambda: 5.0)
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", Dispatcher(router), lambda: 5.0)
     topics = sorted({frames[0].decode() for _, frames in messages()})
     for t in topics:
         sub.add_worker(WorkerId(t), t, seeds)

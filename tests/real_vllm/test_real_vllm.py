@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
@@ -253,7 +254,7 @@ def test_f_metrics_and_replay_socket_of_a_real_engine(vllm: VllmCluster) -> None
         # (not bound where the engines publish).
         await post_chat(engine.url, chat(document(601, 1000), "Replay?"))
         router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BLOCK))
-        sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", router, lambda: 0.0)
+        sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", Dispatcher(router), lambda: 0.0)
         seed = CacheNamespace("tiny").seed
         feed = sub.add_worker(
             WorkerId("r"), "unused", lambda lora, salt: seed, engine.replay_endpoint

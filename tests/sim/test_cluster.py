@@ -44,7 +44,7 @@ def test_every_request_completes_and_the_ledger_drains() -> None:
         r.completed > r.first_token > r.arrival for r in run.records
     )
     for w in range(4):
-        load = sim.ledger.load(WorkerId(f"w{w:02d}"))
+        load = sim.dispatch.load(WorkerId(f"w{w:02d}"))
         assert (load.in_flight, load.pending_prefill_tokens, load.decoding) == (0, 0, 0)
 
 

@@ -1,10 +1,12 @@
 """The pure routing core: hashing, prefix index, cost model, policies and the router.
 
 Nothing in this package does I/O, reads a clock or uses asyncio: the gateway
-and the simulator pass time in and call the same :class:`Router`.
+and the simulator pass time in and drive the same :class:`Router` through one
+:class:`Dispatcher`.
 """
 
 from prefixrouter.core.cost import CostModel, CostParams, CostTerms
+from prefixrouter.core.dispatch import Admission, Dispatcher, RoutingMode, prefix_room_blocks
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from prefixrouter.core.hashing import (
     BlockHasher,
@@ -39,6 +41,7 @@ from prefixrouter.core.types import (
 )
 
 __all__ = [
+    "Admission",
     "AllBlocksCleared",
     "BlockHash",
     "BlockHasher",
@@ -50,6 +53,7 @@ __all__ = [
     "CostParams",
     "CostTerms",
     "Decision",
+    "Dispatcher",
     "EntrySource",
     "IndexEntry",
     "IndexParams",
@@ -64,6 +68,7 @@ __all__ = [
     "RequestId",
     "Router",
     "RoutingContext",
+    "RoutingMode",
     "RoutingRequest",
     "Selection",
     "SpeedProfile",
@@ -77,5 +82,6 @@ __all__ = [
     "hash_text_blocks",
     "hash_token_blocks",
     "policy_names",
+    "prefix_room_blocks",
     "register",
 ]

@@ -10,15 +10,17 @@
    gives each surviving worker's longest held prefix;
 4. the **policy** selects; the :class:`Decision` records everything it saw.
 
-``route`` changes no state. The driver then calls :meth:`Router.on_routed`
-when it has sent the request, and :meth:`Router.on_completed` with what the
-engine reported, which feeds the index (confirmations, misses), the cost
-model's calibration and the policy's hooks; or, when the engine did no
-prefill for it (refused it, or it was cut off before its first byte),
-:meth:`Router.on_rejected`, which takes the routing back. Engine KV events go
-to :meth:`Router.apply`.
+``route`` changes no state. :meth:`Router.on_routed` records a routing once
+the request is sent, and :meth:`Router.on_completed` feeds back what the
+engine reported (the index's confirmations and misses, the cost model's
+calibration, the policy's hooks); or, when the engine did no prefill for it
+(refused it, or it was cut off before its first byte), :meth:`Router.on_rejected`
+takes the routing back. Engine KV events go to :meth:`Router.apply`.
 
-The same ``Router`` runs in the live gateway and in the simulator.
+Drivers do not call these themselves: the
+:class:`~prefixrouter.core.dispatch.Dispatcher` is their one caller (with the
+in-flight ledger and the capacity mirror), and the live gateway, the KV-event
+subscriber and the simulator drive it.
 """
 
 from __future__ import annotations
@@ -293,25 +295,6 @@ class Router:
     def set_worker_capacity(self, worker: WorkerId, blocks: int) -> None:
         """Mirror a worker's engine-reported KV size in the index."""
         self.index.set_capacity(worker, blocks)
-
-    def sync_capacity(self, views: Sequence[WorkerView]) -> None:
-        """Mirror the KV room each worker has for cached prefixes.
-
-        Running requests pin blocks; the part of those that is not prompt
-        (output reservations, partial blocks) leaves that much less room for
-        cached prefixes, and the engine evicts LRU prefixes to make it. The
-        index shrinks (forgetting its least recently used entries) or grows
-        the same way. Call it when fresh load figures arrive (each metrics
-        poll live; each arrival in the simulator).
-        """
-        for w in views:
-            block = max(1, w.block_size)
-            # Prompts of requests past their first token hold cached prefix
-            # blocks; queued requests may not be admitted yet, so they are not
-            # counted (under-counting shrinks the mirror: fewer false hits).
-            prompt_blocks = w.context_tokens // block
-            pinned_other = max(0, w.kv_used_blocks - prompt_blocks)
-            self.index.set_capacity(w.worker_id, max(1, w.kv_capacity_blocks - pinned_other))
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget a worker: its index entries, calibration and policy state."""

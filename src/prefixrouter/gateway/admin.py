@@ -118,9 +118,9 @@ class Admin:
             self._check(request)
         except GatewayError as exc:
             return error_response(exc)
-        ledger, index = self.st.ledger, self.st.router.index
+        dispatch = self.st.dispatch
         data = [
-            w.to_dict(ledger.load(w.id).in_flight, index.blocks_of(w.id))
+            w.to_dict(dispatch.load(w.id).in_flight, dispatch.index_blocks(w.id))
             for w in self.st.registry.workers.values()
         ]
         return _json({"workers": data})

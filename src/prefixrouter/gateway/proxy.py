@@ -9,9 +9,10 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    more are parsed (a long token-id prompt in slices, :mod:`.body`), built and
    hashed into blocks on a worker thread, so a large one does not stall the
    event loop;
-2. ``Router.route`` over the prebuilt worker views with fresh in-flight
-   figures (503 + ``Retry-After`` when no worker can serve); ``on_routed`` and
-   the in-flight ledger record the speculative placement;
+2. ``Dispatcher.admit`` routes over the prebuilt worker views with fresh
+   in-flight figures (503 + ``Retry-After`` when no worker can serve), records
+   the speculative placement and counts the request in flight; a retry
+   (``Dispatcher.retry``) routes the same hashes among the workers not tried;
 3. forward the body (re-serialized only to set ``cache_salt`` or to ask a
    stream for its usage chunk). A worker that cannot be reached, answers a
    *refusal* status (``proxy.retry_statuses``), or fails before its first body
@@ -43,10 +44,10 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    its prefill onto a second engine (:mod:`.upstream`);
 4. at the end, feed back what the engine reported: ``usage.prompt_tokens``
    teaches the text-mode token estimator, ``prompt_tokens_details.cached_tokens``
-   and the time to first byte go to ``Router.on_completed`` (confirming or
+   and the time to first byte go to ``Dispatcher.complete`` (confirming or
    correcting the index and calibrating the cost model); metrics and the
    decision log get one record. An attempt the engine did no prefill for
-   goes to ``Router.on_rejected`` instead, which takes its routing back out
+   goes to ``Dispatcher.reject`` instead, which takes its routing back out
    of the index: every abandoned attempt (refusal, unreachable, failure
    before the first byte), an upstream error status answered to the client
    (a 400 for a prompt past the context length), and a stream whose client
@@ -74,6 +75,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from prefixrouter.core.dispatch import Admission
 from prefixrouter.core.policy import Outcome
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
@@ -135,7 +137,7 @@ class Attempt:
         fallback: A refusal's own error response, answered if no other worker succeeds.
         no_prefill: The engine cannot have prefilled the prompt (it answered
             an error status, or the client left before the first byte): the
-            routing is taken back (``Router.on_rejected``).
+            routing is taken back (``Dispatcher.reject``).
     """
 
     response: web.StreamResponse | None
@@ -255,11 +257,11 @@ class Proxy:
         """Parse and validate a body: CPU only, safe on the parse thread (reads shared state).
 
         A ``large`` body (on the parse thread) is parsed by :func:`.body.loads`
-        and its prompt hashed here too: ``Router.blocks_for`` is pure (text
-        mode reads the learned chars-per-token, a float attribute that the
-        loop thread replaces whole; two reads may straddle one update, a
+        and its prompt hashed here too: ``Dispatcher.hash`` changes no state
+        (text mode reads the learned chars-per-token, a float attribute that
+        the loop thread replaces whole; two reads may straddle one update, a
         difference of one observation's weight), and ``_forward`` hands the
-        blocks to ``route``.
+        blocks to ``Dispatcher.admit``.
         """
         try:
             body = large_json.loads(raw) if large else orjson.loads(raw)
@@ -267,7 +269,7 @@ class Proxy:
             raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
         built = self.st.builder.build(body, raw, kind, scope_of, prefix_class)
         if large:
-            built.blocks = self.st.router.blocks_for(built.routing)
+            built.blocks = self.st.dispatch.hash(built.routing)
         return built
 
     def _release(self, built: BuiltRequest) -> None:
@@ -299,29 +301,25 @@ class Proxy:
         rid = rr.request_id
         # Made only when an attempt fails: most requests succeed at once.
         retry: _Retry | None = None
-        decision: Decision | None = None
-        blocks = built.blocks  # hashed once: a retry routes the same blocks
+        adm: Admission | None = None
+        dispatch = st.dispatch
         for _ in range(self.max_attempts):
             views = st.registry.views()
-            if retry is not None:
-                tried = retry.tried
-                views = [v for v in views if v.worker_id not in tried]
             now = st.clock()
             try:
-                decision = st.router.route(rr, views, now, blocks)
-                blocks = decision.context.blocks
+                # A retry reuses the first attempt's hashes, on a worker not tried yet.
+                if adm is None:
+                    adm = dispatch.admit(rr, views, now, built.blocks)
+                else:
+                    adm = dispatch.retry(adm, views, now)
             except NoWorkerAvailable as exc:
-                return self._no_worker(built, retry, exc, decision, t0)
+                return self._no_worker(built, retry, exc, adm, t0)
             except Exception as exc:  # a routing bug answers 500, never crashes the gateway
                 log.exception("routing failed for %s", rid)
                 st.metrics.request_done("", "none", 500)
                 return error_response(exc)
+            decision = adm.decision
             worker = st.registry.workers[decision.worker_id]
-            st.router.on_routed(decision, now)
-            est = decision.prompt_tokens
-            st.ledger.on_routed(
-                rid, worker.id, max(0, est - decision.predicted_cached_tokens), est, rr.max_tokens
-            )
             if retry is None:
                 if st.lint is not None:
                     # Observe mode: lint the prompt rendered for routing; never change the body.
@@ -341,32 +339,34 @@ class Proxy:
                 progress = Attempt(None, CLIENT_GONE, error="client disconnected")
                 first_byte_s = self._first_byte_timeout(decision, built)
                 if built.stream:
-                    att = await self._stream(request, built, worker, path, progress, first_byte_s)
+                    att = await self._stream(
+                        request, built, adm, worker, path, progress, first_byte_s
+                    )
                 else:
                     att = await self._unary(built, worker, path, first_byte_s)
             except asyncio.CancelledError:
                 # A stream's client that left before the first upstream byte:
                 # the engine, aborted now, has not prefilled it.
-                progress.no_prefill = built.stream and not st.ledger.first_token_seen(rid)
-                self._finish(built, decision, worker, progress, t0, retry)
+                progress.no_prefill = built.stream and not adm.first_token
+                self._finish(built, adm, worker, progress, t0, retry)
                 raise
             except Exception as exc:  # a bug must not crash the gateway or leak load
                 att = Attempt(error_response(exc), 500, error=f"{type(exc).__name__}: {exc}")
             if att.response is not None:
                 try:
-                    self._finish(built, decision, worker, att, t0, retry)
+                    self._finish(built, adm, worker, att, t0, retry)
                 except Exception:  # bookkeeping must not cost the client its answer
                     log.exception("feedback failed for %s", rid)
                 return att.response
             # Failed before the first byte: forget this attempt, try another worker.
-            self._abandon(decision, worker, att)
+            self._abandon(adm, worker, att)
             if retry is None:
                 retry = _Retry()
             retry.tried.append(worker.id)
             retry.errors.append(f"{worker.id}: {att.error}")
             if not att.unreachable:
                 retry.last_refusal = att
-        return self._no_worker(built, retry, "every attempt failed", decision, t0)
+        return self._no_worker(built, retry, "every attempt failed", adm, t0)
 
     def _first_byte_timeout(self, decision: Decision, built: BuiltRequest) -> float | None:
         """How long this attempt may wait for its first body byte (None: no limit).
@@ -449,6 +449,7 @@ class Proxy:
         self,
         request: web.Request,
         built: BuiltRequest,
+        adm: Admission,
         worker: Worker,
         path: str,
         progress: Attempt,
@@ -483,7 +484,7 @@ class Proxy:
                     None, 502, error="closed the stream before sending data", unreachable=True
                 )
             ttft = st.clock() - t_send
-            st.ledger.on_first_token(built.routing.request_id)
+            st.dispatch.first_token(adm)
             out = web.StreamResponse(status=200, headers=hdrs)
             out.content_type = resp.content_type or "text/event-stream"
             out.headers["Cache-Control"] = "no-cache"
@@ -548,14 +549,12 @@ class Proxy:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _abandon(self, decision: Decision, worker: Worker, att: Attempt) -> None:
+    def _abandon(self, adm: Admission, worker: Worker, att: Attempt) -> None:
         st = self.st
-        st.ledger.on_completed(decision.context.request.request_id)
-        if not worker.removed:
-            # Abandoned before its first byte (refused, unreachable, broken):
-            # nothing was prefilled there, so the routing is taken back and
-            # the retry elsewhere leaves no phantom prefix on this worker.
-            st.router.on_rejected(decision, st.clock())
+        # Abandoned before its first byte (refused, unreachable, broken):
+        # nothing was prefilled there, so the routing is taken back and the
+        # retry elsewhere leaves no phantom prefix on this worker.
+        st.dispatch.reject(adm, st.clock())
         if att.unreachable:
             st.registry.mark_failed(worker, att.error or "unreachable")
         elif att.suspect:
@@ -565,33 +564,36 @@ class Proxy:
     def _finish(
         self,
         built: BuiltRequest,
-        decision: Decision,
+        adm: Admission,
         worker: Worker,
         att: Attempt,
         t0: float,
         retry: _Retry | None,
     ) -> None:
         st = self.st
+        dispatch = st.dispatch
+        decision = adm.decision
         now = st.clock()
-        st.ledger.on_completed(built.routing.request_id)
         if att.suspect:  # the stream stalled after its first byte
             st.registry.mark_suspect(worker, att.error or "stalled")
         prompt, cached = usage_figures(att.usage)
         ok = att.ok
-        if not worker.removed:
-            if ok and cached is not None:
-                miss = st.router.on_completed(decision, Outcome(cached, att.ttft_s, True), now)
+        # A removed worker's admission settles without feedback (the dispatcher
+        # knows); its prefix is not noted as served either.
+        if ok and cached is not None:
+            miss = dispatch.complete(adm, Outcome(cached, att.ttft_s, True), now)
+            if not worker.removed:
                 last = st.note_served(worker.id, decision.prefix_key, now)
                 if miss and last is not None:
                     st.metrics.eviction_observed(now - last)
-            elif att.no_prefill:
-                st.router.on_rejected(decision, now)
-            else:
-                # No report of reuse (or a failure): nothing to confirm or correct.
-                st.router.on_completed(decision, Outcome(0, att.ttft_s, ok=False), now)
+        elif att.no_prefill:
+            dispatch.reject(adm, now)
+        else:
+            # No report of reuse (or a failure): nothing to confirm or correct.
+            dispatch.complete(adm, Outcome(0, att.ttft_s, ok=False), now)
         if ok and prompt:
             if built.text_chars:
-                st.router.hasher.estimator.observe(built.text_chars, prompt)
+                dispatch.observe_prompt_tokens(built.text_chars, prompt)
             if cached is not None:
                 st.metrics.usage(
                     built.model,
@@ -652,7 +654,7 @@ class Proxy:
         built: BuiltRequest,
         retry: _Retry | None,
         no_worker: str | NoWorkerAvailable,
-        decision: Decision | None,
+        adm: Admission | None,
         t0: float,
     ) -> web.StreamResponse:
         """The answer when no (further) worker can take the request.
@@ -695,6 +697,7 @@ class Proxy:
                     headers={"Retry-After": self.retry_after, **hdrs},
                 )
             )
+        decision = adm.decision if adm is not None else None
         tier = decision.tier if decision is not None else "none"
         self.st.metrics.request_done("", tier, resp.status)
         if decision is not None:  # attempts were made: none is lost silently

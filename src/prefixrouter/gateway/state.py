@@ -1,7 +1,9 @@
 """Everything one gateway process holds, built from a configuration.
 
-One :class:`GatewayState` per application: the routing core (router and
-in-flight ledger), the worker registry, the metrics, the decision log, the
+One :class:`GatewayState` per application: the routing core (a
+:class:`~prefixrouter.core.dispatch.Dispatcher` over the router and the
+in-flight ledger, the only way the gateway changes routing state), the worker
+registry, the metrics, the decision log, the
 request builder and the tenancy rules. Handlers reach it through
 ``app[STATE]``; nothing is global, so tests can run several gateways in one
 process.
@@ -17,8 +19,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.hashing import BlockHasher, TokenEstimator
-from prefixrouter.core.load import InflightLedger
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
@@ -41,8 +43,7 @@ class GatewayState:
     """The live state of one gateway (see the module docstring)."""
 
     config: GatewayConfig
-    router: Router
-    ledger: InflightLedger
+    dispatch: Dispatcher
     registry: WorkerRegistry
     metrics: GatewayMetrics
     decisions: DecisionLog
@@ -104,10 +105,10 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     )
     policy = create_policy(config.policy.name, config.policy.params)
     router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens)
-    ledger = InflightLedger()
-    registry = WorkerRegistry(config, router, ledger, time.monotonic)
+    dispatch = Dispatcher(router, r.mode)
+    registry = WorkerRegistry(config, dispatch, time.monotonic)
     metrics = GatewayMetrics(config.metrics.warm_fraction)
-    metrics.attach_live(registry.gauges, lambda: router.index.evicted_entries)
+    metrics.attach_live(registry.gauges, lambda: dispatch.evicted_entries)
     dl = config.decision_log
     decisions = DecisionLog(dl.path, dl.ring_size, dl.flush_interval_s)
     tok = tokenizer if tokenizer is not None else _load_tokenizer(config)
@@ -115,13 +116,12 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     tenancy = Tenancy(config)
     events = None
     if config.kv_events.endpoint is not None:
-        events = KvEventSubscriber(config.kv_events.endpoint, router, time.monotonic)
+        events = KvEventSubscriber(config.kv_events.endpoint, dispatch, time.monotonic)
         registry.attach_events(events, lambda w: _event_namespace(w, builder, tenancy))
         metrics.registry.register(KvEventCollector(events))
     return GatewayState(
         config=config,
-        router=router,
-        ledger=ledger,
+        dispatch=dispatch,
         registry=registry,
         metrics=metrics,
         decisions=decisions,

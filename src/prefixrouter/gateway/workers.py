@@ -10,7 +10,8 @@ worker is healthy:
    configuration lists them;
 3. scrapes ``/metrics`` for the engine's queue (running, waiting), KV usage and
    KV size (vLLM's ``vllm:cache_config_info`` labels ``block_size`` and
-   ``num_gpu_blocks``) and mirrors the KV room in the router's index.
+   ``num_gpu_blocks``) and mirrors the KV room in the router's index
+   (:meth:`Dispatcher.mirror_capacity`, the formula the simulator uses too).
 
 A failed check (or a request that could not reach the worker) takes the worker
 out of routing once ``health.unhealthy_after`` checks in a row failed; it is
@@ -28,10 +29,10 @@ timeout instead of after its next poll. No request is routed to a frozen
 engine in the meantime, and its index entries are untouched.
 
 **The index through an outage.** A worker marked down keeps its index
-entries, demoted to speculative (:meth:`Router.worker_down`): an engine that
+entries, demoted to speculative (:meth:`Dispatcher.worker_down`): an engine that
 was frozen, overloaded or cut off still has its cache, so wiping it after one
 health timeout under load would throw away its warm prefixes. The entries are
-cleared (:meth:`Router.worker_restarted`) only when the engine shows it is a
+cleared (:meth:`Dispatcher.worker_restarted`) only when the engine shows it is a
 new process: its ``process_start_time_seconds`` changed, or its prefix-cache
 counters (``vllm:prefix_cache_queries_total``) went backwards; the KV-event
 feed clears them on a sequence reset. An engine that reports neither (no
@@ -56,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +64,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from prefixrouter.core.load import InflightLedger
-from prefixrouter.core.router import Router
+from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.types import WorkerId, WorkerView
 from prefixrouter.gateway.config import GatewayConfig, WorkerConfig
 from prefixrouter.gateway.metrics import WorkerGauges
@@ -246,21 +245,19 @@ class WorkerRegistry:
 
     Args:
         config: The gateway configuration (health, poll and proxy settings).
-        router: The routing core (capacity mirror, forgetting removed workers).
-        ledger: The in-flight ledger (load figures, drain progress).
+        dispatch: The routing core (in-flight figures and drain progress,
+            capacity mirror, workers down, restarted and removed).
         clock: The gateway's monotonic clock.
     """
 
     def __init__(
         self,
         config: GatewayConfig,
-        router: Router,
-        ledger: InflightLedger,
+        dispatch: Dispatcher,
         clock: Callable[[], float],
     ) -> None:
         self.config = config
-        self.router = router
-        self.ledger = ledger
+        self.dispatch = dispatch
         self.clock = clock
         self.workers: dict[WorkerId, Worker] = {}
         self._routable: list[Worker] = []
@@ -384,9 +381,10 @@ class WorkerRegistry:
         self._rebuild()
         start = self.clock()
         deadline = start + timeout_s
-        while self.ledger.load(worker_id).in_flight > 0 and self.clock() < deadline:
+        load = self.dispatch.load(worker_id)
+        while load.in_flight > 0 and self.clock() < deadline:
             await asyncio.sleep(0.02)
-        left = self.ledger.load(worker_id).in_flight
+        left = load.in_flight
         await self._remove(w)
         return {
             "id": worker_id,
@@ -404,8 +402,7 @@ class WorkerRegistry:
             w.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await w.task
-        self.router.remove_worker(w.id)
-        self.ledger.drop_worker(w.id)
+        self.dispatch.remove_worker(w.id)
         if self.events is not None:
             self.events.remove_worker(w.id)
 
@@ -425,7 +422,7 @@ class WorkerRegistry:
 
     def views(self) -> list[WorkerView]:
         """The routable workers' views with fresh in-flight figures (not draining)."""
-        fill = self.ledger.fill
+        fill = self.dispatch.fill
         for w in self._routable:
             fill(w.view)
             if w.foreign:
@@ -450,7 +447,7 @@ class WorkerRegistry:
             WorkerGauges(
                 w.id,
                 w.healthy and not w.suspect and not w.draining,
-                self.ledger.load(w.id).in_flight,
+                self.dispatch.load(w.id).in_flight,
                 w.engine.kv_usage,
                 w.engine.waiting,
             )
@@ -487,7 +484,7 @@ class WorkerRegistry:
         worker) and an engine that only paused goes on where it left off.
         """
         w.healthy = False
-        demoted = self.router.worker_down(w.id, self.clock())
+        demoted = self.dispatch.worker_down(w.id, self.clock())
         log.info("worker %s down: %d index entries kept as speculative", w.id, demoted)
         self._rebuild()
 
@@ -503,7 +500,7 @@ class WorkerRegistry:
             log.warning("worker %s restarted (its KV events said so first)", w.id)
             return
         log.warning("worker %s restarted: its index entries are cleared", w.id)
-        self.router.worker_restarted(w.id, self.clock())
+        self.dispatch.worker_restarted(w.id, self.clock())
         if self.events is not None:
             self.events.forget_engine(w.id)
 
@@ -653,7 +650,7 @@ class WorkerRegistry:
         if wc.kv_capacity_blocks is None and stats.num_blocks:
             view.kv_capacity_blocks = stats.num_blocks
         view.kv_used_blocks = round(stats.kv_usage * view.kv_capacity_blocks)
-        ours = self.ledger.load(w.id).in_flight
+        ours = self.dispatch.load(w.id).in_flight
         w.foreign = max(0, round(stats.running + stats.waiting) - ours)
         self._align_token_blocks(view.block_size)
         self._mirror_capacity(w)
@@ -662,31 +659,16 @@ class WorkerRegistry:
         # Token mode without a configured block size follows the engines', so
         # the router's block boundaries are the engine's.
         r = self.config.routing
-        hasher = self.router.hasher
-        if r.mode == "token" and r.block_size is None and hasher.block_size != engine_block_size:
-            from dataclasses import replace
-
-            self.router.hasher = replace(hasher, block_size=engine_block_size)
+        if r.mode == "token" and r.block_size is None:
+            self.dispatch.set_block_size(engine_block_size)
 
     def _mirror_capacity(self, w: Worker) -> None:
-        """Mirror the KV room for cached prefixes in the index, in index blocks.
+        """Mirror the KV room for cached prefixes in the index (once the KV size is known).
 
-        Like :meth:`Router.sync_capacity`, but converted to the router's block
-        unit: in text mode an index block stands for ``chunk_chars /
-        chars_per_token`` tokens, not the engine's block size.
+        The ledger's figures are filled in first, so the formula
+        (:func:`~prefixrouter.core.dispatch.prefix_room_blocks`) sees the
+        requests in flight as they are now, beside the engine's last poll.
         """
-        v = w.view
         if w.config.kv_capacity_blocks is None and not w.engine.num_blocks:
             return  # capacity unknown: keep the index default
-        hasher = self.router.hasher
-        if self.config.routing.mode == "token":
-            index_block_tokens = float(hasher.block_size)
-        else:
-            index_block_tokens = hasher.chunk_chars / hasher.estimator.chars_per_token
-        # Running requests pin blocks; their prompt blocks are cached prefixes
-        # too, so only the rest (output, partial blocks) takes room from them.
-        block = max(1, v.block_size)
-        prompt_blocks = (v.context_tokens + v.queued_prompt_tokens) // block
-        pinned_other = max(0, v.kv_used_blocks - prompt_blocks)
-        room_tokens = max(1, v.kv_capacity_blocks - pinned_other) * block
-        self.router.set_worker_capacity(w.id, max(1, math.floor(room_tokens / index_block_tokens)))
+        self.dispatch.mirror_capacity((self.dispatch.fill(w.view),))

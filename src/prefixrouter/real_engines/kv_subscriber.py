@@ -54,8 +54,8 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
 from prefixrouter.real_engines.kv_events import (
     END_SEQ,
@@ -147,19 +147,19 @@ class KvEventSubscriber:
 
     Args:
         endpoint: The address to bind (``tcp://127.0.0.1:5557``).
-        router: The routing core whose index the events update.
+        dispatch: The routing core's dispatcher (events, gaps and resets go to it).
         clock: The gateway's clock (event application time).
     """
 
     def __init__(
         self,
         endpoint: str,
-        router: Router,
+        dispatch: Dispatcher,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.endpoint = endpoint
-        self.router = router
+        self.dispatch = dispatch
         self.clock = clock
         self.wall_clock = wall_clock
         self.started_wall = wall_clock()
@@ -255,10 +255,10 @@ class KvEventSubscriber:
         if status is SeqStatus.RESTART:
             stats.restarts += 1
             feed.translator.clear()
-            self.router.apply(AllBlocksCleared(feed.worker_id), now)
+            self.dispatch.apply_event(AllBlocksCleared(feed.worker_id), now)
         elif status is SeqStatus.GAP:
             stats.gaps += 1
-            demoted = self.router.index.demote_events(feed.worker_id, now)
+            demoted = self.dispatch.events_gap(feed.worker_id, now)
             log.warning(
                 "KV event gap on %s (expected %s, got %d): %d entries now speculative",
                 feed.worker_id,
@@ -278,7 +278,7 @@ class KvEventSubscriber:
     def _apply(self, feed: WorkerFeed, events: Any, now: float, trusted: bool = True) -> None:
         stats = feed.stats
         translate = feed.translator.translate
-        apply = self.router.apply
+        apply = self.dispatch.apply_event
         for raw in events:
             event = translate(raw)
             if event is None:

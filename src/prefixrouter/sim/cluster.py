@@ -7,13 +7,16 @@ instances:
 
 * **arrival** at ``t``: the prompt is hashed once (the router and the engine
   share the hashes), the router sees a :class:`WorkerView` per engine (load
-  from the router's own in-flight ledger, as the live gateway has; KV usage
-  from the engine, as a metrics poll would give), decides, is told
-  ``on_routed``, and the engine gets the request;
-* **engine wakeup**: the engine advances; each first token updates the ledger;
-  each completion feeds the router ``on_completed`` with the engine's cached
-  tokens and the observed TTFT; KV events go to ``Router.apply`` when the run
-  enables them.
+  from the in-flight ledger, as the live gateway has; KV usage from the
+  engine, as a metrics poll would give), the capacity mirror is refreshed
+  from them, and the :class:`~prefixrouter.core.dispatch.Dispatcher` admits
+  the request (route, record, count in flight); the engine gets it;
+* **engine wakeup**: the engine advances; each first token is noted; each
+  completion is fed back (``Dispatcher.complete``) with the engine's cached
+  tokens and the observed TTFT; KV events go to ``Dispatcher.apply_event``
+  when the run enables them.
+
+The gateway drives the same dispatcher with the same calls.
 
 The clock is the event heap's: entries are ``(time, kind, sequence, ...)``, so
 simultaneous events run in a fixed order (engine outputs before arrivals) and
@@ -27,12 +30,19 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixrouter.core.hashing import BlockHasher, PromptBlocks
-from prefixrouter.core.load import InflightLedger
+from prefixrouter.core.dispatch import Admission, Dispatcher
+from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.policy import Outcome, Policy
-from prefixrouter.core.router import Decision, Router
+from prefixrouter.core.router import Router
 from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
-from prefixrouter.sim.engine import Completed, EngineModel, EngineRequest, FirstToken, KvEventOut
+from prefixrouter.sim.engine import (
+    Completed,
+    EngineModel,
+    EngineOutput,
+    EngineRequest,
+    FirstToken,
+    KvEventOut,
+)
 from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.workload import SimRequest, Workload
 
@@ -149,20 +159,26 @@ class Simulation:
                 f"workload {workload.name} uses {workload.block_size}-token blocks, "
                 f"profile {config.profile.name} {block_size}"
             )
-        self.router = Router(policy, hasher=BlockHasher(block_size=block_size))
-        self.ledger = InflightLedger()
+        self.dispatch = Dispatcher(Router(policy, hasher=BlockHasher(block_size=block_size)))
         kv_blocks = config.kv_blocks
         self.engines = [
             EngineModel(WorkerId(f"w{i:02d}"), config.profile, kv_blocks, config.kv_events)
             for i in range(config.workers)
         ]
-        for eng in self.engines:
-            self.router.set_worker_capacity(eng.worker_id, eng.kv_capacity_blocks)
+        self._engine_of = {eng.worker_id: i for i, eng in enumerate(self.engines)}
+        self.dispatch.mirror_capacity(self._views())
         self._on_progress = on_progress
+        # One run's state (reset by run()).
+        self._records: list[RequestRecord] = []
+        self._by_id: dict[str, tuple[RequestRecord, Admission]] = {}
+        self._logged: list[dict[str, object]] = []
+        self._done = 0
+        self._heap: list[tuple[float, int, int, int, int]] = []  # time, kind, seq, engine, epoch
+        self._seq = 0
 
     def _views(self) -> list[WorkerView]:
         prof = self.config.profile
-        fill = self.ledger.fill
+        fill = self.dispatch.fill
         return [
             fill(
                 WorkerView(
@@ -178,100 +194,101 @@ class Simulation:
         ]
 
     def run(self) -> SimRun:
-        """Simulate until every request has completed."""
+        """Simulate until every request has completed.
+
+        The event loop: the earliest engine wakeup runs first unless an
+        arrival comes before it (a tie goes to the engine); a wakeup whose
+        ``epoch`` is stale is dropped.
+        """
         requests = self.workload.requests
-        records: list[RequestRecord] = []
-        by_id: dict[str, tuple[RequestRecord, Decision]] = {}
-        engine_of = {eng.worker_id: i for i, eng in enumerate(self.engines)}
-        heap: list[tuple[float, int, int, int, int]] = []  # time, kind, seq, engine, epoch
-        seq = 0
-        router, ledger = self.router, self.ledger
-        kv_events = self.config.kv_events
-        log_left = self.config.decision_log
-        logged: list[dict[str, object]] = []
+        self._records, self._by_id, self._logged, self._done = [], {}, [], 0
+        heap = self._heap = []
+        self._seq = 0
         now = 0.0
         next_arrival = 0
-        done = 0
-
-        def schedule(i: int) -> None:
-            nonlocal seq
-            eng = self.engines[i]
-            t = eng.next_wakeup()
-            if t is not None:
-                seq += 1
-                heapq.heappush(heap, (t, _WAKEUP, seq, i, eng.epoch))
-
         while next_arrival < len(requests) or heap:
             if heap and (
                 next_arrival >= len(requests) or heap[0][0] <= requests[next_arrival].arrival
             ):
                 now, _, _, i, epoch = heapq.heappop(heap)
                 eng = self.engines[i]
-                if epoch != eng.epoch:
-                    continue
-                for out in eng.advance(now):
-                    if isinstance(out, FirstToken):
-                        rec, _ = by_id[out.request_id]
-                        rec.first_token = out.time
-                        rec.cached_tokens = out.cached_tokens
-                        rec.queue_wait_s = out.queue_wait_s
-                        rec.kv_wait_s = out.kv_wait_s
-                        ledger.on_first_token(rec.request_id)  # type: ignore[arg-type]
-                    elif isinstance(out, Completed):
-                        rec, decision = by_id.pop(out.request_id)
-                        rec.completed = out.time
-                        ledger.on_completed(decision.context.request.request_id)
-                        outcome = Outcome(rec.cached_tokens, rec.ttft_s)
-                        router.on_completed(decision, outcome, out.time)
-                        done += 1
-                        if self._on_progress is not None:
-                            self._on_progress(done)
-                    elif isinstance(out, KvEventOut) and kv_events:
-                        router.apply(out.event, out.time)
-                schedule(i)
+                if epoch == eng.epoch:
+                    self._outputs(eng.advance(now))
+                    self._schedule(i)
                 continue
-
             sreq = requests[next_arrival]
             next_arrival += 1
             now = sreq.arrival
-            rreq = routing_request(sreq)
-            blocks: PromptBlocks = router.blocks_for(rreq)
-            views = self._views()
-            router.sync_capacity(views)
-            decision = router.route(rreq, views, now, blocks)
-            router.on_routed(decision, now)
-            if log_left > 0:
-                logged.append(decision.to_dict())
-                log_left -= 1
-            prompt = blocks.prompt_tokens
-            uncached = prompt - decision.predicted_cached_tokens
-            ledger.on_routed(
-                rreq.request_id, decision.worker_id, uncached, prompt, sreq.output_tokens
-            )
-            rec = RequestRecord(
-                request_id=sreq.request_id,
-                arrival=now,
-                prompt_tokens=prompt,
-                output_tokens=sreq.output_tokens,
-                prefix_class=str(sreq.prefix_class),
-                group=sreq.group,
-                worker=decision.worker_id,
-                tier=decision.tier,
-                warm_abandoned=decision.warm_abandoned,
-                predicted_cached_tokens=decision.predicted_cached_tokens,
-            )
-            records.append(rec)
-            by_id[sreq.request_id] = (rec, decision)
-            i = engine_of[decision.worker_id]
-            eng = self.engines[i]
-            # Wakeups at or before `now` were processed first (heap order), as
-            # EngineModel.submit requires.
-            eng.submit(
-                EngineRequest(sreq.request_id, blocks.hashes, prompt, sreq.output_tokens, now), now
-            )
-            schedule(i)
+            self._arrive(sreq, now)
+        kv_events = self.config.kv_events
+        return SimRun(
+            self.dispatch.policy_name, self._records, self._stats(), now, kv_events, self._logged
+        )
 
-        stats = [
+    def _arrive(self, sreq: SimRequest, now: float) -> None:
+        """An arrival: mirror the KV room, admit the request, hand it to its engine."""
+        dispatch = self.dispatch
+        views = self._views()
+        dispatch.mirror_capacity(views)
+        adm = dispatch.admit(routing_request(sreq), views, now)
+        decision = adm.decision
+        if len(self._logged) < self.config.decision_log:
+            self._logged.append(decision.to_dict())
+        prompt = adm.blocks.prompt_tokens
+        rec = RequestRecord(
+            request_id=sreq.request_id,
+            arrival=now,
+            prompt_tokens=prompt,
+            output_tokens=sreq.output_tokens,
+            prefix_class=str(sreq.prefix_class),
+            group=sreq.group,
+            worker=decision.worker_id,
+            tier=decision.tier,
+            warm_abandoned=decision.warm_abandoned,
+            predicted_cached_tokens=decision.predicted_cached_tokens,
+        )
+        self._records.append(rec)
+        self._by_id[sreq.request_id] = (rec, adm)
+        i = self._engine_of[decision.worker_id]
+        # Wakeups at or before `now` were processed first (heap order), as
+        # EngineModel.submit requires.
+        self.engines[i].submit(
+            EngineRequest(sreq.request_id, adm.blocks.hashes, prompt, sreq.output_tokens, now), now
+        )
+        self._schedule(i)
+
+    def _outputs(self, outputs: list[EngineOutput]) -> None:
+        """An engine step's outputs: first tokens and completions fed back, KV events applied."""
+        dispatch = self.dispatch
+        for out in outputs:
+            if isinstance(out, FirstToken):
+                rec, adm = self._by_id[out.request_id]
+                rec.first_token = out.time
+                rec.cached_tokens = out.cached_tokens
+                rec.queue_wait_s = out.queue_wait_s
+                rec.kv_wait_s = out.kv_wait_s
+                dispatch.first_token(adm)
+            elif isinstance(out, Completed):
+                rec, adm = self._by_id.pop(out.request_id)
+                rec.completed = out.time
+                dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
+                self._done += 1
+                if self._on_progress is not None:
+                    self._on_progress(self._done)
+            elif isinstance(out, KvEventOut) and self.config.kv_events:
+                dispatch.apply_event(out.event, out.time)
+
+    def _schedule(self, i: int) -> None:
+        """Push engine ``i``'s next wakeup (if it has one) on the event heap."""
+        eng = self.engines[i]
+        t = eng.next_wakeup()
+        if t is not None:
+            self._seq += 1
+            heapq.heappush(self._heap, (t, _WAKEUP, self._seq, i, eng.epoch))
+
+    def _stats(self) -> list[WorkerStats]:
+        records = self._records
+        return [
             WorkerStats(
                 worker=eng.worker_id,
                 busy_time_s=eng.busy_time,
@@ -284,4 +301,3 @@ class Simulation:
             )
             for eng in self.engines
         ]
-        return SimRun(self.router.policy.name, records, stats, now, kv_events, logged)

@@ -1,0 +1,236 @@
+"""The dispatcher: admissions, their settlement, the capacity mirror and worker and engine facts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from prefixrouter.core import (
+    BlockHasher,
+    BlockStored,
+    Dispatcher,
+    EntrySource,
+    Outcome,
+    RequestId,
+    Router,
+    RoutingRequest,
+    TokenEstimator,
+    WorkerId,
+    WorkerView,
+    prefix_room_blocks,
+)
+from prefixrouter.core.types import CacheNamespace
+from prefixrouter.errors import NoWorkerAvailable
+from tests.core.conftest import request, tokens, workers
+
+W0, W1 = WorkerId("w0"), WorkerId("w1")
+DOC = tokens(1, 16 * 20)  # 20 blocks of 16 tokens
+
+
+def dispatcher(policy: str = "round_robin", **kw: Any) -> Dispatcher:
+    return Dispatcher(Router(policy, **kw))
+
+
+def counting_hashes(d: Dispatcher) -> list[RoutingRequest]:
+    """Record every request the router hashes."""
+    hashed: list[RoutingRequest] = []
+    blocks_for = d.router.blocks_for
+
+    def spy(req: RoutingRequest) -> Any:
+        hashed.append(req)
+        return blocks_for(req)
+
+    d.router.blocks_for = spy  # type: ignore[method-assign]
+    return hashed
+
+
+# ---------------------------------------------------------------- admissions
+
+
+def test_admit_routes_records_the_routing_and_counts_it_in_flight() -> None:
+    d = dispatcher()
+    adm = d.admit(request("r", DOC, max_tokens=50), workers(2), 0.0)
+    assert adm.worker in (W0, W1) and adm.request.request_id == "r"
+    assert len(adm.blocks.hashes) == 20 and adm.decision.prompt_tokens == 320
+    assert d.index_blocks(adm.worker) == 20  # speculative placement
+    load = d.load(adm.worker)
+    assert (load.in_flight, load.pending_prefill_tokens, load.queued_prompt_tokens) == (1, 320, 320)
+    view = d.fill(WorkerView(adm.worker))
+    assert view.in_flight == 1 and view.queued_prompt_tokens == 320
+
+
+def test_a_retry_reuses_the_hashes_and_avoids_every_worker_tried() -> None:
+    d = dispatcher()
+    hashed = counting_hashes(d)
+    ws = workers(3)
+    first = d.admit(request("r", DOC), ws, 0.0)
+    d.reject(first, 0.1)
+    second = d.retry(first, ws, 0.2)
+    assert second.blocks is first.blocks and len(hashed) == 1  # hashed once
+    assert second.worker != first.worker and second.tried == (first.worker,)
+    d.reject(second, 0.3)
+    third = d.retry(second, ws, 0.4)
+    assert third.worker not in (first.worker, second.worker)
+    assert third.tried == (first.worker, second.worker) and len(hashed) == 1
+    d.reject(third, 0.5)
+    with pytest.raises(NoWorkerAvailable):
+        d.retry(third, ws, 0.6)  # every worker tried
+    assert all(d.load(w.worker_id).in_flight == 0 for w in ws)
+
+
+def test_a_retry_needs_the_previous_attempt_settled() -> None:
+    d = dispatcher()
+    first = d.admit(request("r", DOC), workers(2), 0.0)
+    with pytest.raises(ValueError, match="settle"):
+        d.retry(first, workers(2), 0.1)
+
+
+def test_precomputed_blocks_are_routed_without_hashing_again() -> None:
+    d = dispatcher()
+    req = request("r", DOC)
+    blocks = d.hash(req)
+    hashed = counting_hashes(d)
+    adm = d.admit(req, workers(2), 0.0, blocks)
+    assert adm.blocks is blocks and hashed == []
+
+
+def test_a_request_id_in_flight_is_refused_before_anything_changes() -> None:
+    d = dispatcher()
+    adm = d.admit(request("r", DOC), workers(1), 0.0)
+    d.complete(adm, Outcome(0, 0.01), 0.5)
+    first = d.admit(request("same", DOC), workers(1), 1.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        d.admit(request("same", tokens(9, 160)), workers(1), 1.0)
+    assert d.index_blocks(W0) == 20  # the refused request placed nothing
+    assert d.load(W0).in_flight == 1
+    d.reject(first, 2.0)
+
+
+def test_reject_takes_the_routing_back() -> None:
+    d = dispatcher()
+    adm = d.admit(request("r", DOC), workers(1), 0.0)
+    d.reject(adm, 0.1)
+    assert d.index_blocks(W0) == 0 and d.load(W0).in_flight == 0
+    assert adm.settled
+
+
+def test_complete_confirms_and_reports_a_miss() -> None:
+    d = dispatcher("prefixrouter")
+    adm = d.admit(request("a", DOC), workers(1), 0.0)
+    assert not d.complete(adm, Outcome(0, 0.05), 1.0)  # predicted cold, cold: no miss
+    m = d.router.index.match(adm.blocks.hashes, 1.0)
+    assert m[W0].blocks == 20 and m[W0].source is EntrySource.CONFIRMED
+    again = d.admit(request("b", DOC), workers(1), 2.0)
+    assert again.decision.predicted_cached_tokens > 0
+    assert d.complete(again, Outcome(0, 0.05), 3.0)  # predicted warm, the engine missed
+    assert d.load(W0).in_flight == 0
+
+
+def test_an_admission_settles_once() -> None:
+    d = dispatcher()
+    adm = d.admit(request("r", DOC), workers(1), 0.0)
+    d.complete(adm, Outcome(320, 0.01), 1.0)
+    held = d.index_blocks(W0)
+    d.reject(adm, 2.0)  # too late: nothing taken back
+    assert not d.complete(adm, Outcome(0, 0.01), 2.0)
+    assert d.index_blocks(W0) == held and d.load(W0).in_flight == 0
+
+
+def test_the_first_token_moves_the_prompt_from_queued_to_context() -> None:
+    d = dispatcher()
+    adm = d.admit(request("r", DOC, max_tokens=40), workers(1), 0.0)
+    d.first_token(adm)
+    d.first_token(adm)  # noted once
+    load = d.load(W0)
+    assert adm.first_token
+    assert (load.queued_prompt_tokens, load.context_tokens, load.decoding) == (0, 320, 1)
+    assert load.decode_tokens_remaining == 40
+    d.complete(adm, Outcome(0, 0.01), 1.0)
+    assert (load.in_flight, load.context_tokens, load.decoding) == (0, 0, 0)
+
+
+def test_a_removed_workers_admissions_feed_nothing_back() -> None:
+    d = dispatcher()
+    adm = d.admit(request("r", DOC), workers(1), 0.0)
+    late = d.admit(request("s", tokens(2, 64)), workers(1), 0.0)
+    assert d.remove_worker(W0) == ["r", "s"]
+    assert d.index_blocks(W0) == 0
+    assert not d.complete(adm, Outcome(320, 0.01), 1.0)
+    d.reject(late, 1.0)
+    assert d.index_blocks(W0) == 0 and d.load(W0).in_flight == 0  # no entries of a gone worker
+
+
+# ---------------------------------------------------------------- capacity
+
+
+def test_the_mirror_leaves_room_for_running_requests_output() -> None:
+    d = dispatcher()
+    d.router.index.on_routed(W0, d.hash(request("doc", tokens(1, 1600))).hashes, 0.0)
+    view = WorkerView(W0, kv_capacity_blocks=120, block_size=16)
+    d.mirror_capacity([view])
+    assert d.index_capacity(W0) == 120 and d.index_blocks(W0) == 100
+    # 60 blocks in use, 20 of them running prompts: 40 blocks of output and
+    # partial blocks leave room for 80 blocks of cached prefixes
+    d.mirror_capacity([replace(view, kv_used_blocks=60, context_tokens=20 * 16)])
+    assert d.index_capacity(W0) == 80 and d.index_blocks(W0) == 80
+    assert d.router.index.match(d.hash(request("q", tokens(1, 1600))).hashes, 0.0)[W0].blocks == 80
+
+
+def test_queued_prompts_are_left_out_of_the_prefix_blocks() -> None:
+    view = WorkerView(W0, kv_capacity_blocks=1000, kv_used_blocks=500, block_size=16)
+    assert prefix_room_blocks(view, 16.0) == 500  # nothing known in flight: all other
+    decoding = replace(view, context_tokens=400 * 16)
+    assert prefix_room_blocks(decoding, 16.0) == 900  # their prompts are cached prefixes
+    # a queued prompt holds no block of the 500 in use: the room is not grown for it
+    queued = replace(view, queued_prompt_tokens=400 * 16)
+    assert prefix_room_blocks(queued, 16.0) == 500
+    assert prefix_room_blocks(replace(decoding, kv_used_blocks=0), 16.0) == 1000  # never more
+
+
+def test_text_mode_mirrors_in_character_chunk_blocks() -> None:
+    hasher = BlockHasher(chunk_chars=256, estimator=TokenEstimator(4.0))
+    d = Dispatcher(Router("round_robin", hasher), mode="text")
+    assert d.index_block_tokens() == 64.0  # 256 characters at 4 per token
+    d.mirror_capacity([WorkerView(W0, kv_capacity_blocks=1000, block_size=16)])
+    assert d.index_capacity(W0) == 250  # 16,000 tokens in 64-token chunks
+    token = Dispatcher(Router("round_robin", hasher), mode="token")
+    token.mirror_capacity([WorkerView(W0, kv_capacity_blocks=1000, block_size=16)])
+    assert token.index_capacity(W0) == 1000
+
+
+# ---------------------------------------------------------------- worker and engine facts
+
+
+def test_worker_down_restarted_and_event_gaps() -> None:
+    d = dispatcher()
+    doc = d.hash(request("doc", DOC)).hashes
+    d.apply_event(BlockStored(W0, list(doc)), 0.0)
+    d.apply_event(BlockStored(W1, list(doc)), 0.0)
+    assert d.events_gap(W0, 1.0) == 20
+    m = d.router.index.match(doc, 1.0)
+    assert m[W0].source is EntrySource.SPECULATIVE and m[W1].source is EntrySource.EVENT
+    assert d.worker_down(W1, 2.0) == 20
+    d.worker_restarted(W0, 3.0)
+    assert d.index_blocks(W0) == 0 and d.index_blocks(W1) == 20
+
+
+def test_untrusted_events_enter_as_speculative() -> None:
+    d = dispatcher()
+    doc = d.hash(request("doc", DOC)).hashes
+    d.apply_event(BlockStored(W0, list(doc)), 0.0, trusted=False)
+    assert d.router.index.match(doc, 0.0)[W0].source is EntrySource.SPECULATIVE
+
+
+def test_characters_per_token_and_block_size_observations() -> None:
+    d = dispatcher()
+    assert d.chars_per_token == 4.0
+    d.observe_prompt_tokens(3000, 1000)  # 3 characters per token, weight 0.1
+    assert d.chars_per_token == pytest.approx(3.9)
+    estimator = d.router.hasher.estimator
+    d.set_block_size(32)
+    assert d.block_size == 32 and d.router.hasher.estimator is estimator  # learning kept
+    req = RoutingRequest(RequestId("r"), CacheNamespace("m"), tokens=DOC)
+    assert len(d.hash(req).hashes) == 10
+    assert d.policy_name == "round_robin" and d.evicted_entries == 0
