@@ -41,7 +41,6 @@ import os
 import re
 import subprocess
 import sys
-from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
