@@ -78,7 +78,7 @@ def demo(
                 f"{s['ttft_mean_ms']:.0f} ms",
                 f"{s['cached_share']:.1%}",
                 f"{s['prefill_tokens']:,}",
-                style="bold" if s["router"] == "prefixrouter" else None,
+                style="bold" if s["router"] == "prefix_aware" else None,
             )
         console.print(table)
         plot_runs(runs, plot)

@@ -6,7 +6,7 @@ Steps:
    model behind a vLLM-compatible API, real tokenizer) on free loopback ports,
    with a small KV cache so that not every replica can hold every prefix;
 2. for each router (our gateway with ``round_robin``, then with
-   ``prefixrouter``): reset the engines' prefix caches, start the gateway,
+   ``prefix_aware``): reset the engines' prefix caches, start the gateway,
    replay the built-in workload (:mod:`prefixrouter.demo.workload`) at its
    offsets with a bounded streaming client, stop the gateway;
 3. print TTFT p50/p99, cached-token share and prefill tokens side by side and
@@ -35,7 +35,7 @@ from prefixrouter.demo.fleet import Fleet, Server
 from prefixrouter.demo.workload import DemoRequest, build_workload
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV
 
-ROUTERS = ("round_robin", "prefixrouter")
+ROUTERS = ("round_robin", "prefix_aware")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +149,7 @@ async def serve_forever(
     """
     env = {ADMIN_KEY_ENV: admin_api_key} if admin_api_key else None
     gateway = fleet.start(
-        "gateway", "prefixrouter.gateway", _gateway_args(engines, "prefixrouter"), env=env
+        "gateway", "prefixrouter.gateway", _gateway_args(engines, "prefix_aware"), env=env
     )
     await fleet.wait_healthy([gateway])
     return gateway
