@@ -226,28 +226,29 @@ class PrefixAwarePolicy(Policy):
         p = self.params
         output = max(1, ctx.request.max_tokens)
         cls = p.long if output >= p.long_output_tokens else p.short
+        # 1. Scorer, then 2. the candidate filter (the cold quota).
         scored, warm = score_candidates(ctx, candidates, p, cls, output)
         out = tuple(scored)
         eligible = cold_quota_filter(candidates, warm, p.cold_reserved_share)
         best = _argmin(scored, eligible)
         warm_ok = warm if len(eligible) == len(scored) else [i for i in warm if i in eligible]
+        if not warm:
+            return self._select_cold(ctx, candidates, scored, best, out)
         if not warm_ok:
-            if not warm:
-                return self._select_cold(ctx, candidates, scored, best, out)
             w = candidates[warm[0]]
             reason = (
                 f"cold quota: warm workers hold {w.in_flight} of {w.max_slots} slots; "
                 "lowest predicted TTFT among workers with room"
             )
             return _selection(scored, warm, 0, Choice(best, reason), 0, out)
-
+        # 3. Picker: among the eligible warm workers holding the deepest prefix.
         deepest, holders = deepest_holders(scored, warm_ok)
         picked = tie_band_picker(
             scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders)
         )
-        # Settled: the engine confirmed a copy (not only our routing; see hot_prefix_rule).
+        # 4. The rules, in order; each may leave the picker's choice.
         held = ctx.matches.get(scored[picked].worker_id)
-        settled = held is not None and held.source is not _SPECULATIVE
+        settled = held is not None and held.source is not _SPECULATIVE  # the engine has it
         choice = hot_prefix_rule(
             scored,
             eligible,
@@ -256,13 +257,14 @@ class PrefixAwarePolicy(Policy):
             cls,
             lambda: self._replicas_needed(ctx, candidates[picked], scored[picked], output),
         )
-        if choice is None and picked == best:
-            choice = Choice(picked, "lowest predicted cost")
-        elif choice is None:
-            pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
-            choice = max_wait_rule(scored, picked, best, cls) or warm_margin_rule(
-                scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
-            )
+        if choice is None:
+            if picked == best:  # the best score overall: nothing to weigh
+                choice = Choice(picked, "lowest predicted cost")
+            else:
+                pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
+                choice = max_wait_rule(scored, picked, best, cls) or warm_margin_rule(
+                    scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
+                )
         return _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
 
     def _select_cold(
