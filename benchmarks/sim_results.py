@@ -50,8 +50,8 @@ def build(name: str, seed: int, mooncake_limit: int) -> Workload:
 
 def verdict(report: dict[str, Any]) -> dict[str, Any]:
     """Ours against the best baseline on mean and p99 TTFT, and prefill against the bound."""
-    ours = next(r for r in report["results"] if r["policy"] == "prefixrouter")
-    base = [r for r in report["results"] if r["policy"] != "prefixrouter"]
+    ours = next(r for r in report["results"] if r["policy"] == "prefix_aware")
+    base = [r for r in report["results"] if r["policy"] != "prefix_aware"]
     best_mean = min(base, key=lambda r: r["ttft_ms"]["mean"])
     best_p99 = min(base, key=lambda r: r["ttft_ms"]["p99"])
     bound = report["lower_bound_prefill_tokens"]
@@ -152,7 +152,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         for r in sorted(rep["results"], key=lambda r: r["ttft_ms"]["mean"]):
             t, e = r["ttft_ms"], r["e2e_ms"]
             share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0
-            name = f"**{r['policy']}**" if r["policy"] == "prefixrouter" else r["policy"]
+            name = f"**{r['policy']}**" if r["policy"] == "prefix_aware" else r["policy"]
             lines.append(
                 f"| {name} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p90'])} | "
                 f"{_ms(t['p99'])} | {_ms(e['mean'])} | {_ms(e['p99'])} | {share:.1%} | "
