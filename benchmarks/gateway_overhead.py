@@ -8,7 +8,7 @@ Setup, all on loopback:
   ``prompt_tokens_details.cached_tokens``), plus ``/health``, ``/v1/models``
   and vLLM ``/metrics``;
 * **gateway**: ``python -m prefixrouter.gateway`` in its own process, routing
-  in text mode with the ``prefixrouter`` policy over the three engines, no
+  in text mode with the ``prefix_aware`` policy over the three engines, no
   decision-log file (the admin ring only);
 * **load**: this process, :mod:`prefixrouter.bench.loadgen` (a minimal
   HTTP/1.1 keep-alive client on raw asyncio protocols, uvloop), so the

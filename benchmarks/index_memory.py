@@ -1,14 +1,15 @@
 """Router memory under a stream of unique prompts: flat, or growing with rate x TTL?
 
-Drives the real :class:`~prefixrouter.core.router.Router` the way the gateway
-does, without HTTP: text mode (the gateway's default), worker views filled
-from the in-flight ledger, ``route`` then ``on_routed``, and after
-``--service-s`` of virtual time the engine's report (``on_completed`` with 0
-cached tokens, which confirms the prompt's blocks, and the token estimator
-taught as ``Proxy._finish`` does). Every prompt is unique (16 KiB by default:
+Drives the real :class:`~prefixrouter.core.router.Router` through the
+:class:`~prefixrouter.core.dispatch.Dispatcher`, as the gateway does, without
+HTTP: text mode (the gateway's default), worker views filled from the
+dispatcher's in-flight ledger, ``admit``, and after ``--service-s`` of virtual
+time the engine's report (``complete`` with 0 cached tokens, which confirms
+the prompt's blocks, and the token estimator taught as ``Proxy._finish``
+does). Every prompt is unique (16 KiB by default:
 64 index blocks) and arrives at ``--rate`` per second on a virtual clock, with
 the default speculative TTL of 120 s. With ``--reject-every K`` every K-th
-request is answered 400 instead (``Router.on_rejected``, where the code has it).
+request is answered 400 instead (``Dispatcher.reject``).
 
 Every ``--every`` prompts it records the process RSS (after ``gc.collect()``)
 and the sizes of the structures that could grow: index entries, live
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import resource
 import sys
@@ -59,8 +61,6 @@ from rich.table import Table
 
 from prefixrouter.core import (
     CacheNamespace,
-    Decision,
-    InflightLedger,
     Outcome,
     RequestId,
     Router,
@@ -68,6 +68,7 @@ from prefixrouter.core import (
     WorkerId,
     WorkerView,
 )
+from prefixrouter.core.dispatch import Admission, Dispatcher
 
 
 def rss_bytes() -> int:
@@ -81,7 +82,11 @@ def rss_bytes() -> int:
 
 
 def sizes(router: Router) -> dict[str, int]:
-    """The sizes of the router's growing structures (private ones read where needed)."""
+    """The sizes of the router's growing structures.
+
+    A diagnostic of the core's private structures (the expiry heap, the
+    policy's demand table): it reads them where no view exposes them.
+    """
     index = router.index
     demand = getattr(router.policy, "_demand", {})
     spec = getattr(index, "speculative_entries", None)
@@ -98,28 +103,30 @@ def sizes(router: Router) -> dict[str, int]:
 def run(args: argparse.Namespace, on_step: Any = None) -> list[dict[str, Any]]:
     """Route ``args.prompts`` unique prompts; one record per checkpoint."""
     router = Router()
-    ledger = InflightLedger()
+    dispatch = Dispatcher(router, mode="text")
     ns = CacheNamespace("llama-3-8b")
     workers = [WorkerId(f"w{i:02d}") for i in range(args.workers)]
-    for w in workers:
-        router.set_worker_capacity(w, args.capacity_blocks)
-    views = [WorkerView(w, max_slots=256) for w in workers]
+    # The index mirrors --capacity-blocks index blocks per worker: the engine's
+    # KV size that the dispatcher's one formula turns into that many.
+    engine_blocks = math.ceil(args.capacity_blocks * dispatch.index_block_tokens() / 16)
+    views = [
+        WorkerView(w, max_slots=256, kv_capacity_blocks=engine_blocks, block_size=16)
+        for w in workers
+    ]
+    dispatch.mirror_capacity(views)
     filler = ("The quick brown fox jumps over the lazy dog, again and again. " * 300)[
         : args.prompt_chars
     ]
-    rejected = getattr(router, "on_rejected", None)
-    pending: deque[tuple[float, Decision]] = deque()  # completions, in time order
+    pending: deque[tuple[float, Admission]] = deque()  # completions, in time order
     records: list[dict[str, Any]] = []
     t_wall = time.perf_counter()
 
     def complete_until(now: float) -> None:
         while pending and pending[0][0] <= now:
-            t, d = pending.popleft()
-            rid = d.context.request.request_id
-            ledger.on_first_token(rid)
-            ledger.on_completed(rid)
-            router.on_completed(d, Outcome(0, 0.2, True), t)
-            router.hasher.estimator.observe(args.prompt_chars, d.prompt_tokens)
+            t, admission = pending.popleft()
+            dispatch.first_token(admission)
+            dispatch.complete(admission, Outcome(0, 0.2, True), t)
+            dispatch.observe_prompt_tokens(args.prompt_chars, admission.decision.prompt_tokens)
 
     for i in range(args.prompts):
         now = i / args.rate
@@ -127,18 +134,12 @@ def run(args: argparse.Namespace, on_step: Any = None) -> list[dict[str, Any]]:
         text = f"{i:012d}" + filler[12:]  # unique from its first block on
         req = RoutingRequest(RequestId(f"r{i}"), ns, text=text, max_tokens=128)
         for v in views:
-            ledger.fill(v)
-        d = router.route(req, views, now)
-        router.on_routed(d, now)
-        ledger.on_routed(req.request_id, d.worker_id, d.prompt_tokens, d.prompt_tokens, 128)
+            dispatch.fill(v)
+        admission = dispatch.admit(req, views, now)
         if args.reject_every and i % args.reject_every == args.reject_every - 1:
-            ledger.on_completed(req.request_id)  # answered 400 at once
-            if rejected is not None:
-                rejected(d, now)
-            else:
-                router.on_completed(d, Outcome(0, None, ok=False), now)
+            dispatch.reject(admission, now)  # answered 400 at once
         else:
-            pending.append((now + args.service_s, d))
+            pending.append((now + args.service_s, admission))
         done = i + 1
         if done % args.every == 0 or done == args.prompts:
             gc.collect()

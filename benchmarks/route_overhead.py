@@ -1,5 +1,9 @@
 """Time one ``Router.route`` call: the router's own overhead per request.
 
+``route`` changes no state, so it is timed on the Router itself; the index is
+filled through the :class:`~prefixrouter.core.dispatch.Dispatcher` (chains
+placed as untrusted KV events: speculative entries, as routings leave).
+
 Setup: 16 workers with mixed load, 100,000 blocks already in the index (50
 long documents spread over the workers), then the median of ``--repeat``
 ``route`` calls, hashing included, for
@@ -34,6 +38,8 @@ from prefixrouter.core import (
     WorkerId,
     WorkerView,
 )
+from prefixrouter.core.dispatch import Dispatcher
+from prefixrouter.core.events import BlockStored
 from prefixrouter.stats import percentile
 
 WORKERS = 16
@@ -63,12 +69,22 @@ def _median_ms(fn: object, repeat: int) -> float:
     return percentile(times, 0.5) * 1e3
 
 
-def _fill_index(router: Router, make: object, count: int) -> None:
-    """Route ``count`` distinct prompts from ``make(i)`` round the workers."""
+def _store(dispatch: Dispatcher, worker: str, hashes: object) -> None:
+    """Place a chain on ``worker`` as speculative entries (an untrusted KV event)."""
+    event = BlockStored(WorkerId(worker), hashes)  # type: ignore[arg-type]
+    dispatch.apply_event(event, 0.0, trusted=False)
+
+
+def _indexed(dispatch: Dispatcher) -> int:
+    return sum(dispatch.index_blocks(WorkerId(f"w{w:02d}")) for w in range(WORKERS))
+
+
+def _fill_index(dispatch: Dispatcher, make: object, count: int) -> None:
+    """Place ``count`` distinct prompts from ``make(i)`` round the workers."""
     i = 0
-    while len(router.index) < INDEXED_BLOCKS and i < count:
+    while _indexed(dispatch) < INDEXED_BLOCKS and i < count:
         req = make(i)  # type: ignore[operator]
-        router.index.on_routed(WorkerId(f"w{i % WORKERS:02d}"), router.blocks_for(req).hashes, 0.0)
+        _store(dispatch, f"w{i % WORKERS:02d}", dispatch.hash(req).hashes)
         i += 1
 
 
@@ -76,15 +92,16 @@ def bench_token_mode(repeat: int) -> float:
     rng = random.Random(1)
     ns = CacheNamespace("llama-3-8b")
     router = Router()
+    dispatch = Dispatcher(router, mode="token")
     docs = [array("I", (rng.randrange(128_000) for _ in range(32_768))) for _ in range(4)]
 
     def make(i: int) -> RoutingRequest:
         toks = docs[i % 4] if i < 4 else array("I", rng.choices(range(128_000), k=32_768))
         return RoutingRequest(RequestId(f"fill{i}"), ns, tokens=toks)
 
-    _fill_index(router, make, 200)
+    _fill_index(dispatch, make, 200)
     doc = docs[1][:30_000]
-    router.index.on_routed(WorkerId("w07"), router.blocks_for(make(1)).hashes[:1875], 0.0)
+    _store(dispatch, "w07", dispatch.hash(make(1)).hashes[:1875])
     prompt = doc + array("I", rng.choices(range(128_000), k=2_768))
     req = RoutingRequest(RequestId("q"), ns, tokens=prompt, max_tokens=256)
     ws = _workers(rng)
@@ -97,6 +114,7 @@ def bench_text_mode(repeat: int) -> float:
     rng = random.Random(2)
     ns = CacheNamespace("llama-3-8b")
     router = Router()
+    dispatch = Dispatcher(router, mode="text")
     letters = "abcdefghijklmnopqrstuvwxyz     \n"
 
     def text(n: int) -> str:
@@ -108,7 +126,7 @@ def bench_text_mode(repeat: int) -> float:
         body = docs[i % 4] if i < 4 else text(131_072)
         return RoutingRequest(RequestId(f"fill{i}"), ns, text=body)
 
-    _fill_index(router, make, 400)
+    _fill_index(dispatch, make, 400)
     prompt = docs[1][:120_000] + text(11_072)
     req = RoutingRequest(RequestId("q"), ns, text=prompt, max_tokens=256)
     ws = _workers(rng)

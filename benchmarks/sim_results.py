@@ -57,8 +57,8 @@ def build(name: str, seed: int, mooncake_limit: int) -> Workload:
 
 def verdict(report: dict[str, Any]) -> dict[str, Any]:
     """Ours against the best baseline on mean and p99 TTFT, and prefill against the bound."""
-    ours = next(r for r in report["results"] if r["policy"] == "prefixrouter")
-    base = [r for r in report["results"] if r["policy"] != "prefixrouter"]
+    ours = next(r for r in report["results"] if r["policy"] == "prefix_aware")
+    base = [r for r in report["results"] if r["policy"] != "prefix_aware"]
     best_mean = min(base, key=lambda r: r["ttft_ms"]["mean"])
     best_p99 = min(base, key=lambda r: r["ttft_ms"]["p99"])
     bound = report["lower_bound_prefill_tokens"]
@@ -131,7 +131,7 @@ def _share(r: dict[str, Any]) -> str:
 
 
 def mode_table(reports: list[dict[str, Any]]) -> list[str]:
-    """Text mode beside token mode: prefixrouter's and round robin's figures per scenario, load."""
+    """Text mode beside token mode: prefix_aware's and round robin's figures per scenario, load."""
     token = {(r["scenario"], r["load"]): r for r in reports if mode_of(r) == "token"}
     pairs = [(token.get((r["scenario"], r["load"])), r) for r in reports if mode_of(r) == "text"]
     if not pairs:
@@ -145,16 +145,16 @@ def mode_table(reports: list[dict[str, Any]]) -> list[str]:
         "system part as the system message), rendered to ChatML and hashed in",
         "256-character chunks, with prompt tokens estimated from characters per",
         "token learned from the engine's `prompt_tokens` (start 4.0; the cpt column",
-        "is prefixrouter's estimate at the end). The engines are the same in both",
+        "is prefix_aware's estimate at the end). The engines are the same in both",
         "modes (token blocks), so only routing differs. Each cell: token → text.",
         "",
-        "| scenario | load | prefixrouter mean | p99 | cached | round_robin mean | p99 | "
+        "| scenario | load | prefix_aware mean | p99 | cached | round_robin mean | p99 | "
         "cached | cpt |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for tok, txt in pairs:
         cells: list[str] = []
-        for policy in ("prefixrouter", "round_robin"):
+        for policy in ("prefix_aware", "round_robin"):
             b = _by_policy(txt, policy)
             a = _by_policy(tok, policy) if tok is not None else None
             if b is None:
@@ -166,7 +166,7 @@ def mode_table(reports: list[dict[str, Any]]) -> list[str]:
                 _share,
             ):
                 cells.append(f"{fmt(a)} → {fmt(b)}" if a is not None else fmt(b))
-        ours = _by_policy(txt, "prefixrouter")
+        ours = _by_policy(txt, "prefix_aware")
         cpt = ours.get("chars_per_token") if ours is not None else None
         lines.append(
             f"| {txt['scenario']} | {txt['load']:.1f} | {' | '.join(cells)} | {cpt:.2f} |"
@@ -236,7 +236,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         for r in sorted(rep["results"], key=lambda r: r["ttft_ms"]["mean"]):
             t, e = r["ttft_ms"], r["e2e_ms"]
             share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0
-            name = f"**{r['policy']}**" if r["policy"] == "prefixrouter" else r["policy"]
+            name = f"**{r['policy']}**" if r["policy"] == "prefix_aware" else r["policy"]
             lines.append(
                 f"| {name} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p90'])} | "
                 f"{_ms(t['p99'])} | {_ms(e['mean'])} | {_ms(e['p99'])} | {share:.1%} | "

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--scenario", default="system-prompt")
-    ap.add_argument("--policy", default="prefixrouter")
+    ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 

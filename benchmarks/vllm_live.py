@@ -9,8 +9,8 @@ block size 32, pinned to cores 0 and 1, KV events and render endpoints on), the
 engines' prefix caches reset between runs (``POST /reset_prefix_cache``):
 
 * ``round_robin``: our gateway, round robin;
-* ``prefixrouter+events``: our gateway, token mode, KV events;
-* ``prefixrouter-no-events``: our gateway, token mode, learning from its own
+* ``prefix_aware+events``: our gateway, token mode, KV events;
+* ``prefix_aware-no-events``: our gateway, token mode, learning from its own
   routing and the engines' ``cached_tokens`` only;
 * ``sglang-cache_aware`` and ``vllm-cache_aware``: the peers from PyPI
   (``scripts/install_peers.sh``), skipped with the install command if absent.
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         paths[name].write_text(yaml.safe_dump(cfg))
     specs = [
         ROUTERS["round_robin"],
-        RouterSpec("prefixrouter+events", "gateway", "prefixrouter", paths["events"]),
-        RouterSpec("prefixrouter-no-events", "gateway", "prefixrouter", paths["no-events"]),
+        RouterSpec("prefix_aware+events", "gateway", "prefix_aware", paths["events"]),
+        RouterSpec("prefix_aware-no-events", "gateway", "prefix_aware", paths["no-events"]),
         ROUTERS["sglang-cache_aware"],
         ROUTERS["vllm-cache_aware"],
     ]

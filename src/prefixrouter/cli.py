@@ -68,14 +68,18 @@ def main(
 
 
 def _policy_list(spec: str) -> list[str]:
-    from prefixrouter.core.policy import policy_names
+    from prefixrouter.core.policy import alias_note, canonical_policy_name, policy_names
 
     if spec == "all":
         return policy_names()
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise fail("--policies: give 'all' or a comma-separated list of policy names")
-    return names
+    for name in names:
+        note = alias_note(name)
+        if note is not None:
+            err_console.print(f"[bold yellow]note:[/] --policies: {note}", highlight=False)
+    return [canonical_policy_name(n) for n in names]
 
 
 def _results_table(report: dict[str, Any]) -> Table:
@@ -107,7 +111,7 @@ def _results_table(report: dict[str, Any]) -> Table:
         t = r["ttft_ms"]
         share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
         ratio = r["prefill_tokens"] / bound if bound else float("nan")
-        style = "bold" if r["policy"] == "prefixrouter" else None
+        style = "bold" if r["policy"] == "prefix_aware" else None
         table.add_row(
             r["policy"],
             _ms(t["mean"]),
@@ -297,9 +301,10 @@ def _load_workload(
 @app.command("policies")
 def list_policies() -> None:
     """List the routing policies and their parameters with defaults."""
-    from prefixrouter.core.policy import POLICIES, policy_names
+    from prefixrouter.core.policy import ALIASES, POLICIES, policy_names
 
-    table = Table(title="routing policies")
+    aliases = ", ".join(f"{old} = {new}" for old, new in ALIASES.items())
+    table = Table(title="routing policies", caption=f"deprecated names: {aliases}")
     table.add_column("policy")
     table.add_column("parameters (defaults)")
     for name in policy_names():

@@ -42,33 +42,33 @@ def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_c
     no_peers = tmp_path / "no-peers"
     no_peers.mkdir()
     run = _bench(
-        [*TINY, "--routers", "round_robin,prefixrouter,sglang-cache_aware,vllm-cache_aware",
+        [*TINY, "--routers", "round_robin,prefix_aware,sglang-cache_aware,vllm-cache_aware",
          "--peers-dir", str(no_peers), "--overhead", "--overhead-seconds", "0.5"],
         tmp_path, tokenizer_cache,
     )  # fmt: skip
     scenario, overhead = run["doc"]
     assert scenario["scenario"] == "doc-qa" and overhead["scenario"] == "overhead"
     rows = _by_router(scenario["results"])
-    for name in ("round_robin", "prefixrouter"):
+    for name in ("round_robin", "prefix_aware"):
         r = rows[name]
         assert r["ok"] == r["requests"] == 24
         assert set(r["ttft_ms"]) == set(r["e2e_ms"]) == {"mean", "p50", "p90", "p99"}
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
         assert r["throughput_rps"] > 0 and 0 <= r["cached_token_share"] <= 1
         assert len(r["per_worker_requests"]) == 4 and sum(r["per_worker_requests"]) == 24
-    # Round robin copies every document to every engine; prefixrouter keeps them apart.
-    assert rows["prefixrouter"]["cached_token_share"] > rows["round_robin"]["cached_token_share"]
+    # Round robin copies every document to every engine; prefix_aware keeps them apart.
+    assert rows["prefix_aware"]["cached_token_share"] > rows["round_robin"]["cached_token_share"]
     # Missing peers: reported as skipped with the command that installs them, not dropped.
     assert "pip install sglang-router==0.3.2" in rows["sglang-cache_aware"]["skipped"]
     assert "pip install vllm-router==0.1.17" in rows["vllm-cache_aware"]["skipped"]
     assert "skipping sglang-cache_aware" in run["stderr"]
     over = _by_router(overhead["results"])
-    for name in ("round_robin", "prefixrouter"):
+    for name in ("round_robin", "prefix_aware"):
         o = over[name]
         assert o["errors"] == 0 and o["rps_max"] > 0 and o["cpu_ms_per_request"] > 0
         assert {"added_p50_ms", "added_p99_ms"} <= set(o)
     assert "skipped" in over["vllm-cache_aware"]
-    assert "prefixrouter" in run["stdout"] and "overhead over a direct call" in run["stdout"]
+    assert "prefix_aware" in run["stdout"] and "overhead over a direct call" in run["stdout"]
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_c
     [
         (["--scenario", "nope"], "unknown scenario 'nope'"),
         (["--scenario", "mooncake-conversation"], "unknown scenario"),
-        (["--routers", "prefixrouter,nginx"], "unknown router 'nginx'"),
+        (["--routers", "prefix_aware,nginx"], "unknown router 'nginx'"),
         (["--routers", ","], "comma-separated"),
         (["--profile", "a100"], "unknown engine profile"),
         (["--scale", "2"], "scale"),

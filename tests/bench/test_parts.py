@@ -23,19 +23,19 @@ from prefixrouter.errors import ConfigError
 
 def test_parse_routers() -> None:
     assert [r.name for r in parse_routers("all")] == list(ROUTERS)
-    assert [r.name for r in parse_routers("prefixrouter, round_robin")] == [
-        "prefixrouter",
+    assert [r.name for r in parse_routers("prefix_aware, round_robin")] == [
+        "prefix_aware",
         "round_robin",
     ]
     with pytest.raises(ConfigError, match="known: all, round_robin"):
-        parse_routers("prefixrouter,nginx")
+        parse_routers("prefix_aware,nginx")
     with pytest.raises(ConfigError):
         parse_routers(" , ")
 
 
 def test_missing_peer_is_skipped_with_its_install_command(tmp_path: Path) -> None:
     sglang, vllm = ROUTERS["sglang-cache_aware"], ROUTERS["vllm-cache_aware"]
-    assert skip_reason(ROUTERS["prefixrouter"], tmp_path) is None
+    assert skip_reason(ROUTERS["prefix_aware"], tmp_path) is None
     why = skip_reason(sglang, tmp_path)
     assert why is not None and "pip install sglang-router==0.3.2" in why
     assert "scripts/install_peers.sh" in why
@@ -57,7 +57,7 @@ def test_router_commands(tmp_path: Path) -> None:
     workers = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     kw = {"port": 9, "workers": workers, "peers_dir": tmp_path, "prometheus_port": 7,
           "tokenizer_dir": tmp_path / "tok"}  # fmt: skip
-    ours = router_command(ROUTERS["prefixrouter"], **kw)  # type: ignore[arg-type]
+    ours = router_command(ROUTERS["prefix_aware"], **kw)  # type: ignore[arg-type]
     assert ours[1:3] == ["-m", "prefixrouter.gateway"] and ours.count("--worker") == 2
     sg = router_command(ROUTERS["sglang-round_robin"], **kw)  # type: ignore[arg-type]
     assert sg[0] == str(tmp_path / "sglang-router" / "bin" / "python")

@@ -32,7 +32,7 @@ def test_list_names_every_scenario_on_one_line_each() -> None:
 def _simulate(tmp_path: Path, name: str) -> dict:  # type: ignore[type-arg]
     out = tmp_path / f"{name}.json"
     args = ["simulate", "--scenario", "gsp", "--requests", "120", "--workers", "4"]
-    args += ["--load", "0.7", "--policies", "prefixrouter,round_robin", "--seed", "5"]
+    args += ["--load", "0.7", "--policies", "prefix_aware,round_robin", "--seed", "5"]
     args += ["--json", str(out)]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -42,7 +42,7 @@ def _simulate(tmp_path: Path, name: str) -> dict:  # type: ignore[type-arg]
 def test_json_report_schema_and_byte_identical_reruns(tmp_path: Path) -> None:
     a = _simulate(tmp_path, "a")
     assert {"scenario", "workers", "seed", "lower_bound_prefill_tokens", "results"} <= set(a)
-    assert [r["policy"] for r in a["results"]] == ["prefixrouter", "round_robin"]
+    assert [r["policy"] for r in a["results"]] == ["prefix_aware", "round_robin"]
     for r in a["results"]:
         assert set(r) >= RESULT_KEYS
         assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
@@ -63,10 +63,19 @@ def test_plot_is_written(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_deprecated_policy_name_runs_the_policy_under_its_name(tmp_path: Path) -> None:
+    out = tmp_path / "old.json"
+    args = ["simulate", "--scenario", "gsp", "--requests", "30", "--workers", "2"]
+    res = runner.invoke(app, [*args, "--policies", "prefixrouter", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "'prefixrouter' is deprecated, use 'prefix_aware'" in res.output
+    assert [r["policy"] for r in json.loads(out.read_text())["results"]] == ["prefix_aware"]
+
+
 def test_unknown_names_give_one_line_errors() -> None:
     for args, needle in (
         (["--scenario", "nope"], "unknown scenario 'nope'"),
-        (["--policies", "prefixrouter,bogus"], "unknown policy 'bogus'"),
+        (["--policies", "prefix_aware,bogus"], "unknown policy 'bogus'"),
         (["--profile", "h9000"], "unknown engine profile 'h9000'"),
     ):
         res = runner.invoke(app, ["simulate", *args])

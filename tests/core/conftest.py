@@ -15,6 +15,7 @@ from prefixrouter.core import (
     WorkerId,
     WorkerView,
 )
+from prefixrouter.core.events import BlockStored
 
 NS = CacheNamespace("model-a")
 
@@ -51,3 +52,15 @@ def send(
 def with_loads(*loads: int) -> list[WorkerView]:
     """One worker per figure, with that many requests in flight."""
     return [replace(w, in_flight=n) for w, n in zip(workers(len(loads)), loads, strict=True)]
+
+
+def warm(router: Router, worker: WorkerId, toks: object, now: float = 0.0) -> None:
+    """Make ``worker`` hold ``toks`` as if a request had been routed there."""
+    req = request(f"warm-{worker}-{now}", toks)  # type: ignore[arg-type]
+    router.index.on_routed(worker, router.blocks_for(req).hashes, now)
+
+
+def hold(router: Router, worker: WorkerId, toks: object, now: float = 0.0) -> None:
+    """Make ``worker`` hold ``toks`` for sure (the engine said so in a KV event)."""
+    req = request(f"held-{worker}-{now}", toks)  # type: ignore[arg-type]
+    router.apply(BlockStored(worker, router.blocks_for(req).hashes), now)

@@ -117,7 +117,7 @@ def test_reject_takes_the_routing_back() -> None:
 
 
 def test_complete_confirms_and_reports_a_miss() -> None:
-    d = dispatcher("prefixrouter")
+    d = dispatcher("prefix_aware")
     adm = d.admit(request("a", DOC), workers(1), 0.0)
     assert not d.complete(adm, Outcome(0, 0.05), 1.0)  # predicted cold, cold: no miss
     m = d.router.index.match(adm.blocks.hashes, 1.0)

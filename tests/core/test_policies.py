@@ -3,16 +3,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prefixrouter.core import Router, policy_names
-from prefixrouter.core.policy import POLICIES
+from prefixrouter.core.policy import ALIASES, POLICIES, alias_note, canonical_policy_name
 from tests.core.conftest import request, tokens, workers
 
 
 def test_registry_lists_ours_first_and_the_cache_blind_baselines() -> None:
     names = policy_names()
-    assert names[0] == "prefixrouter"
+    assert names[0] == "prefix_aware"
     assert {"round_robin", "least_loaded"} <= set(names)
     for name in names:
         assert POLICIES[name].name == name
+    assert not set(ALIASES) & set(names)  # deprecated names are not listed
+
+
+def test_a_deprecated_name_resolves_to_the_registered_one_with_a_note() -> None:
+    assert canonical_policy_name("prefixrouter") == "prefix_aware"
+    assert canonical_policy_name("round_robin") == "round_robin"
+    assert canonical_policy_name("nope") == "nope"  # create_policy names the unknown one
+    assert alias_note("prefixrouter") == (
+        "policy name 'prefixrouter' is deprecated, use 'prefix_aware' (same policy)"
+    )
+    assert alias_note("prefix_aware") is None and alias_note("nope") is None
+    assert set(ALIASES.values()) <= set(policy_names())
 
 
 def test_round_robin_cycles_in_worker_order_and_select_is_pure() -> None:

@@ -33,8 +33,8 @@ def test_demo_runs_both_routers_and_writes_a_plot(tmp_path: Path, tokenizer_cach
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    rows = {ln.split()[1]: ln for ln in lines if "round_robin" in ln or "prefixrouter" in ln}
-    assert set(rows) == {"round_robin", "prefixrouter"}
+    rows = {ln.split()[1]: ln for ln in lines if "round_robin" in ln or "prefix_aware" in ln}
+    assert set(rows) == {"round_robin", "prefix_aware"}
     for row in rows.values():
         assert "24/24" in row  # every request answered through each router
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,27 @@ def test_every_option_has_a_default(tmp_path: Path) -> None:
     empty.write_text("")
     assert load_config(empty) == GatewayConfig()
     cfg = GatewayConfig()
-    assert cfg.server.port == 8080 and cfg.policy.name == "prefixrouter"
+    assert cfg.server.port == 8080 and cfg.policy.name == "prefix_aware"
     assert cfg.routing.mode == "text" and cfg.decision_log.path is None
+
+
+def test_the_deprecated_policy_name_is_the_same_policy_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("policy: {name: prefixrouter, params: {min_match_tokens: 32}}\n")
+    with caplog.at_level(logging.WARNING, logger="prefixrouter.gateway"):
+        cfg = build_config(path, None, 8080, "127.0.0.1", None, "prefix_aware")
+    assert cfg.policy.name == "prefix_aware" and cfg.policy.params == {"min_match_tokens": 32}
+    assert "policy.name: policy name 'prefixrouter' is deprecated" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prefixrouter.gateway"):
+        # --policy with the old name names the file's policy: its parameters stay
+        cfg = build_config(path, None, 8080, "127.0.0.1", None, "prefixrouter")
+        assert cfg.policy.name == "prefix_aware" and cfg.policy.params == {"min_match_tokens": 32}
+        assert "--policy: policy name 'prefixrouter' is deprecated" in caplog.text
+        cfg = build_config(None, None, 8080, "127.0.0.1", None, "prefixrouter")
+        assert cfg.policy.name == "prefix_aware"
 
 
 def test_errors_name_file_line_and_field(tmp_path: Path) -> None:
@@ -99,13 +119,13 @@ def test_cli_options_override_the_file(tmp_path: Path) -> None:
     path.write_text(
         "server: {port: 9000}\n"
         "workers: [{url: 'http://127.0.0.1:8001'}]\n"
-        "policy: {name: prefixrouter, params: {}}\n"
+        "policy: {name: prefix_aware, params: {}}\n"
     )
-    cfg = build_config(path, ["http://127.0.0.1:8002"], 8080, "127.0.0.1", None, "prefixrouter")
+    cfg = build_config(path, ["http://127.0.0.1:8002"], 8080, "127.0.0.1", None, "prefix_aware")
     assert [w.id for w in cfg.workers] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert cfg.server.port == 9000  # default CLI value leaves the file's
     cfg = build_config(path, None, 7000, "127.0.0.1", tmp_path / "d.jsonl", "round_robin")
     assert cfg.server.port == 7000 and cfg.policy.name == "round_robin"
     assert cfg.decision_log.path == tmp_path / "d.jsonl"
     with pytest.raises(ConfigError, match=r"workers\.0\.url"):
-        build_config(None, ["localhost:1"], 8080, "127.0.0.1", None, "prefixrouter")
+        build_config(None, ["localhost:1"], 8080, "127.0.0.1", None, "prefix_aware")

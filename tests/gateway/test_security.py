@@ -132,7 +132,7 @@ def test_the_admin_key_is_required_bearer_in_any_case() -> None:
 def test_serve_takes_the_admin_key_from_the_option_or_the_environment(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("server: {admin_api_key: from-file}\n")
-    args = (None, 8080, "127.0.0.1", None, "prefixrouter")
+    args = (None, 8080, "127.0.0.1", None, "prefix_aware")
     assert build_config(path, *args).server.admin_api_key == "from-file"
     assert build_config(path, *args, "from-option").server.admin_api_key == "from-option"
     assert build_config(None, *args).server.admin_api_key is None

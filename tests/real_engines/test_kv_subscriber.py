@@ -48,7 +48,7 @@ def store(hashes: list[int], parent: int | None, tokens: list[int]) -> list[obje
 
 @asynccontextmanager
 async def feed() -> AsyncIterator[tuple[KvEventSubscriber, zmq.asyncio.Socket, Router]]:
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", Dispatcher(router), lambda: 10.0)
     sub.add_worker(W, "kv@w0", lambda lora, salt: SEED)
     await sub.start()
@@ -122,7 +122,7 @@ async def test_gap_demotes_entries_and_restart_clears_them() -> None:
 def test_restart_whose_first_messages_were_lost_clears_the_worker() -> None:
     # ZMQ's slow joiner: a restarted engine's publisher reconnects and its
     # first messages (seq 0) are gone; the feed resumes at a lower number.
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber("tcp://127.0.0.1:1", Dispatcher(router), lambda: 10.0)
     sub.add_worker(W, "t", lambda lora, salt: SEED)
     sub.handle(frames("t", 0, [store([1, 2, 3, 4], None, TOKENS)]))
@@ -159,7 +159,7 @@ async def replay_feed(
     in (recorded in ``requests``), one [id, b"", topic, seq, payload] per
     buffered batch from ``start`` on out, then [id, b"", b"", END_SEQ, b""].
     """
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", Dispatcher(router), lambda: 10.0)
     replay_ep = f"tcp://127.0.0.1:{free_port()}"
     sub.add_worker(W, "kv@w0", lambda lora, salt: SEED, replay_endpoint=replay_ep)
@@ -226,7 +226,7 @@ async def test_replayed_clears_and_removals_do_not_undo_newer_live_events() -> N
 
 
 async def test_topics_are_exclusive_and_removal_stops_a_feed() -> None:
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber("tcp://127.0.0.1:1", Dispatcher(router), lambda: 0.0)
     sub.add_worker(W, "t", lambda lora, salt: SEED)
     with pytest.raises(KeyError):
@@ -238,7 +238,7 @@ async def test_topics_are_exclusive_and_removal_stops_a_feed() -> None:
 
 
 def test_untranslatable_blocks_are_counted_and_exported() -> None:
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber("tcp://127.0.0.1:1", Dispatcher(router), lambda: 10.0)
     sub.add_worker(W, "t", lambda lora, salt: SEED if salt is None else None)
     sub.handle(frames("t", 0, [store([3, 4], 2, TOKENS[8:])]))  # parent never heard
@@ -259,7 +259,7 @@ def test_replay_replies_of_both_vllm_layouts_parse() -> None:
 
 
 def test_backlog_from_before_the_subscriber_started_is_speculative() -> None:
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BS))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
     sub = KvEventSubscriber(
         "tcp://127.0.0.1:1", Dispatcher(router), lambda: 10.0, wall_clock=lambda: 1000.0
     )

@@ -92,7 +92,7 @@ def test_captured_chains_translate_to_our_hashes_of_the_same_tokens() -> None:
 
 
 def test_captured_feed_through_the_subscriber() -> None:
-    router = Router(create_policy("prefixrouter"), BlockHasher(block_size=32))
+    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=32))
     sub = KvEventSubscriber("tcp://127.0.0.1:1", Dispatcher(router), lambda: 5.0)
     topics = sorted({frames[0].decode() for _, frames in messages()})
     for t in topics:

@@ -166,7 +166,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
     with VllmFleet(2, options, setup=setup, log_dir=tmp / "logs") as engines, Fleet() as procs:
         engines.start()
         cluster = VllmCluster(setup, engines, endpoint, procs, tmp)
-        cluster.gateway = cluster.start_gateway("prefixrouter", events=True, name="main")
+        cluster.gateway = cluster.start_gateway("prefix_aware", events=True, name="main")
         yield cluster
 
 

@@ -136,12 +136,12 @@ def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
     rr = vllm.start_gateway("round_robin", events=False, name="rr")
     results = {}
     try:
-        for name, url in (("round_robin", rr.url), ("prefixrouter", gw.url)):
+        for name, url in (("round_robin", rr.url), ("prefix_aware", gw.url)):
             vllm.reset_caches()
             t0 = time.monotonic()
             out = asyncio.run(doc_qa(url, seeds, questions=8, gap_s=0.5))
             records = None
-            if name == "prefixrouter":
+            if name == "prefix_aware":
                 records = asyncio.run(decisions(gw, [r["id"] for r in out]))
             print_placement(name, out, records)
             ttfts = [r["ttft_s"] for r in out]
@@ -156,10 +156,10 @@ def test_c_doc_qa_ttft_beats_round_robin(vllm: VllmCluster) -> None:
             )
     finally:
         vllm.stop_gateway(rr)
-    ratio = results["prefixrouter"][0] / results["round_robin"][0]
-    print(f"TTFT ratio prefixrouter / round robin: {ratio:.2f}")
-    assert results["prefixrouter"][1] > results["round_robin"][1]
-    assert results["prefixrouter"][1] >= 0.8  # the ceiling is 7/8: each document's first ask
+    ratio = results["prefix_aware"][0] / results["round_robin"][0]
+    print(f"TTFT ratio prefix_aware / round robin: {ratio:.2f}")
+    assert results["prefix_aware"][1] > results["round_robin"][1]
+    assert results["prefix_aware"][1] >= 0.8  # the ceiling is 7/8: each document's first ask
     assert ratio < 1.0
 
 
@@ -253,7 +253,7 @@ def test_f_metrics_and_replay_socket_of_a_real_engine(vllm: VllmCluster) -> None
         # socket for everything it buffered, through a subscriber of our own
         # (not bound where the engines publish).
         await post_chat(engine.url, chat(document(601, 1000), "Replay?"))
-        router = Router(create_policy("prefixrouter"), BlockHasher(block_size=BLOCK))
+        router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BLOCK))
         sub = KvEventSubscriber(f"tcp://127.0.0.1:{free_port()}", Dispatcher(router), lambda: 0.0)
         seed = CacheNamespace("tiny").seed
         feed = sub.add_worker(

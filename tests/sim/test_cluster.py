@@ -38,7 +38,7 @@ def _doc_workload(n_docs: int, per_doc: int, doc_tokens: int, gap: float) -> Wor
 
 def test_every_request_completes_and_the_ledger_drains() -> None:
     wl = _doc_workload(4, 20, 8_000, 0.05)
-    sim = Simulation(wl, ClusterConfig(4, PROFILE), "prefixrouter")
+    sim = Simulation(wl, ClusterConfig(4, PROFILE), "prefix_aware")
     run = sim.run()
     assert len(run.records) == 80 and all(
         r.completed > r.first_token > r.arrival for r in run.records
@@ -50,7 +50,7 @@ def test_every_request_completes_and_the_ledger_drains() -> None:
 
 def test_prefix_routing_reuses_documents_and_predictions_match_engine() -> None:
     wl = _doc_workload(3, 20, 8_000, 0.05)  # 3 documents: round robin spreads each over 4
-    ours = Simulation(wl, ClusterConfig(4, PROFILE, kv_events=True), "prefixrouter").run()
+    ours = Simulation(wl, ClusterConfig(4, PROFILE, kv_events=True), "prefix_aware").run()
     rr = Simulation(wl, ClusterConfig(4, PROFILE), "round_robin").run()
     s_ours, s_rr = summarize(ours), summarize(rr)
     # each document is prefilled about once instead of once per replica
@@ -71,8 +71,8 @@ def test_lower_bound_counts_first_seen_blocks_only() -> None:
 def test_same_seed_same_report_and_policies_see_the_same_requests() -> None:
     wl = get_scenario("gsp").build(3, 200).scaled(20.0)
     cfg = ClusterConfig(4, PROFILE)
-    a = summarize(Simulation(wl, cfg, "prefixrouter").run())
-    b = summarize(Simulation(wl, cfg, "prefixrouter").run())
+    a = summarize(Simulation(wl, cfg, "prefix_aware").run())
+    b = summarize(Simulation(wl, cfg, "prefix_aware").run())
     assert a == b
     c = summarize(Simulation(wl, cfg, "round_robin").run())
     assert c["prompt_tokens"] == a["prompt_tokens"] and c["requests"] == a["requests"]

@@ -68,7 +68,7 @@ BLOCK = 16
 SLOTS = 256
 # Which prompt each request carries: a document (0, 1, 2) or a unique prompt (-1).
 PATTERN = [0, 1, 0, -1, -1, 0, 2, 1, -1, 0, 2, -1, 1, 0]
-POLICY = "prefixrouter"  # the gateway's default policy
+POLICY = "prefix_aware"  # the gateway's default policy
 
 
 def _workload() -> Workload:

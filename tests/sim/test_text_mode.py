@@ -140,7 +140,7 @@ def _workload() -> Workload:
 def test_text_mode_routes_on_text_and_learns_chars_per_token() -> None:
     wl = _workload()
     cfg = ClusterConfig(4, PROFILE, mode="text", decision_log=5)
-    sim = Simulation(wl, cfg, "prefixrouter")
+    sim = Simulation(wl, cfg, "prefix_aware")
     assert sim.dispatch.mode == "text" and sim.dispatch.chars_per_token == 4.0
     run = sim.run()
     # learned from the engine's prompt_tokens: the mapping's characters per
@@ -151,7 +151,7 @@ def test_text_mode_routes_on_text_and_learns_chars_per_token() -> None:
     assert abs(run.chars_per_token - target) < 0.02 * target
     assert summarize(run)["chars_per_token"] == round(run.chars_per_token, 4)
     # the engine kept its token truth: prompt tokens as in token mode
-    token_run = Simulation(wl, ClusterConfig(4, PROFILE), "prefixrouter").run()
+    token_run = Simulation(wl, ClusterConfig(4, PROFILE), "prefix_aware").run()
     assert [r.prompt_tokens for r in run.records] == [r.prompt_tokens for r in token_run.records]
     assert "chars_per_token" not in summarize(token_run)
     # text mode estimates a prompt's tokens; the first decision used the initial 4.0
@@ -173,7 +173,7 @@ def test_estimate_converges_from_a_bad_start() -> None:
 def test_same_seed_same_output_in_both_modes() -> None:
     wl = get_scenario("system-prompt").build(1, 120)
     for mode in ("text", "token"):
-        p = plan(wl, PROFILE, ["prefixrouter", "round_robin"], workers=4, load=0.8, mode=mode)
+        p = plan(wl, PROFILE, ["prefix_aware", "round_robin"], workers=4, load=0.8, mode=mode)
         assert run_plan(p)[0] == run_plan(p)[0]
 
 
@@ -192,7 +192,7 @@ runner = CliRunner()
 def _simulate(tmp_path: Path, *extra: str) -> dict:  # type: ignore[type-arg]
     out = tmp_path / "r.json"
     args = ["simulate", "--scenario", "system-prompt", "--requests", "60", "--workers", "4"]
-    args += ["--policies", "prefixrouter", "--json", str(out), *extra]
+    args += ["--policies", "prefix_aware", "--json", str(out), *extra]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     return json.loads(out.read_text())  # type: ignore[no-any-return]

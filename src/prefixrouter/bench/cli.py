@@ -77,7 +77,7 @@ def bench(
     routers: Annotated[
         str,
         typer.Option(
-            help="'all' or a comma-separated list of round_robin, prefixrouter, "
+            help="'all' or a comma-separated list of round_robin, prefix_aware, "
             "sglang-cache_aware, sglang-round_robin, vllm-cache_aware."
         ),
     ] = "all",

@@ -26,7 +26,7 @@ from prefixrouter.bench.live import ScenarioRun
 
 COLORS = {
     "round_robin": "tab:blue",
-    "prefixrouter": "black",
+    "prefix_aware": "black",
     "sglang-cache_aware": "tab:orange",
     "sglang-round_robin": "tab:green",
     "vllm-cache_aware": "tab:red",
@@ -65,7 +65,7 @@ def scenario_table(report: dict[str, Any]) -> Table:
             f"{r['throughput_rps']:.2f}",
             f"{r['cached_token_share']:.1%}",
             " ".join(str(n) for n in r["per_worker_requests"]),
-            style="bold" if r["router"] == "prefixrouter" else None,
+            style="bold" if r["router"] == "prefix_aware" else None,
         )  # fmt: skip
     return table
 
@@ -92,7 +92,7 @@ def overhead_table(rows: Sequence[dict[str, Any]], rate: float) -> Table:
             f"{r['cpu_ms_per_request']:.3f} ms",
             f"{r['engine_cpu_ms_per_request']:.3f} ms",
             str(r["errors"]),
-            style="bold" if r["router"] == "prefixrouter" else None,
+            style="bold" if r["router"] == "prefix_aware" else None,
         )
     return table
 
@@ -131,7 +131,7 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
             ttft = sorted(x.ttft_s * 1e3 for x in r.results if x.ok and x.ttft_s >= 0)
             if ttft:
                 ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-                width = 2.5 if r.spec.name == "prefixrouter" else 1.5
+                width = 2.5 if r.spec.name == "prefix_aware" else 1.5
                 ax_cdf.step(ttft, ys, where="post", label=r.spec.name, color=color, lw=width)
         ax_cdf.set_xscale("log")
         ax_cdf.set_xlabel("TTFT (ms, log)")
@@ -221,7 +221,7 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
                 lines.append(f"| {r['router']} | {why} | | | | | | | | | |")
                 continue
             t, e = r["ttft_ms"], r["e2e_ms"]
-            name = f"**{r['router']}**" if r["router"] == "prefixrouter" else r["router"]
+            name = f"**{r['router']}**" if r["router"] == "prefix_aware" else r["router"]
             lines.append(
                 f"| {name} | {r['ok']}/{r['requests']} | {_md_ms(t['mean'])} | "
                 f"{_md_ms(t['p50'])} | {_md_ms(t['p90'])} | {_md_ms(t['p99'])} | "

@@ -3,7 +3,7 @@
 Five routers, each started as its own process on loopback in front of the same
 workers:
 
-* ``round_robin`` and ``prefixrouter``: our gateway (``python -m
+* ``round_robin`` and ``prefix_aware``: our gateway (``python -m
   prefixrouter.gateway``) with that policy, default configuration (text mode);
 * ``sglang-cache_aware`` and ``sglang-round_robin``: sglang-router (PyPI
   ``sglang-router==0.3.2``), ``python -m sglang_router.launch_router``, its own
@@ -96,7 +96,7 @@ ROUTERS: dict[str, RouterSpec] = {
     r.name: r
     for r in (
         RouterSpec("round_robin", "gateway", "round_robin"),
-        RouterSpec("prefixrouter", "gateway", "prefixrouter"),
+        RouterSpec("prefix_aware", "gateway", "prefix_aware"),
         RouterSpec("sglang-cache_aware", "sglang", "cache_aware"),
         RouterSpec("sglang-round_robin", "sglang", "round_robin"),
         RouterSpec("vllm-cache_aware", "vllm", "cache_aware"),

@@ -90,7 +90,7 @@ def prefix_room_blocks(view: WorkerView, index_block_tokens: float) -> int:
     A driver that cannot see first tokens (the gateway for a non-streamed
     answer, an endpoint picker) counts its running prompts as non-prefix until
     they complete: the same safe side, by more. In the simulator, counting
-    queued prompts instead made the ``prefixrouter`` policy's mean TTFT on
+    queued prompts instead made the ``prefix_aware`` policy's mean TTFT on
     ``llmd-customers`` 5 % worse and its p99 20 % worse.
 
     Args:

@@ -10,6 +10,12 @@ A policy is one class in one file under :mod:`prefixrouter.core.policies`:
   own (a round-robin cursor, a peer's character tree);
 * one line to register it: the ``@register`` decorator.
 
+A policy has one name. A name it had before stays accepted as a deprecated
+alias (:data:`ALIASES`): :func:`create_policy` resolves it silently (the core
+does no I/O), and the edges that read names from users (the gateway's
+configuration, the command line) resolve it with :func:`canonical_policy_name`
+and say so with :func:`alias_note`.
+
 The router computes what every policy may need once per request into the
 :class:`RoutingContext` (the prompt's block hashes and the index match per
 worker: "match once, score many") and filters candidates before any policy
@@ -166,6 +172,12 @@ P = TypeVar("P", bound=type[Policy])
 
 POLICIES: dict[str, type[Policy]] = {}
 
+DEFAULT_POLICY = "prefix_aware"
+"""The policy a router, the gateway and the simulator use unless told otherwise."""
+
+ALIASES: dict[str, str] = {"prefixrouter": "prefix_aware"}
+"""Deprecated policy names -> the registered name each stands for."""
+
 
 def register(cls: P) -> P:
     """Class decorator: make a policy available by its ``name``."""
@@ -188,7 +200,7 @@ def params_from_mapping(
     Args:
         params_cls: The params dataclass.
         raw: Field name -> value.
-        where: Prefix for error messages (e.g. ``policy prefixrouter``).
+        where: Prefix for error messages (e.g. ``policy prefix_aware``).
         base: The instance whose values are the defaults (``params_cls()`` if None).
     """
     fields = {f.name: f for f in dataclasses.fields(params_cls)}
@@ -219,9 +231,27 @@ def params_from_mapping(
     return dataclasses.replace(defaults, **values)
 
 
+def canonical_policy_name(name: str) -> str:
+    """The registered name ``name`` stands for: a deprecated alias's target, else ``name``."""
+    return ALIASES.get(name, name)
+
+
+def alias_note(name: str) -> str | None:
+    """One line for the user when ``name`` is a deprecated alias; None for any other name."""
+    target = ALIASES.get(name)
+    if target is None:
+        return None
+    return f"policy name {name!r} is deprecated, use {target!r} (same policy)"
+
+
 def create_policy(name: str, raw_params: Mapping[str, Any] | None = None) -> Policy:
-    """Instantiate a registered policy with its defaults overridden by ``raw_params``."""
+    """Instantiate a registered policy with its defaults overridden by ``raw_params``.
+
+    ``name`` may be a deprecated alias (:data:`ALIASES`); the policy built is
+    the one it stands for, under its registered name.
+    """
     _load_builtin_policies()
+    name = canonical_policy_name(name)
     cls = POLICIES.get(name)
     if cls is None:
         raise UnknownNameError("policy", name, list(POLICIES))
@@ -230,9 +260,9 @@ def create_policy(name: str, raw_params: Mapping[str, Any] | None = None) -> Pol
 
 
 def policy_names() -> list[str]:
-    """Names of every registered policy, ours first, then alphabetical."""
+    """Names of every registered policy, ours first, then alphabetical (no aliases)."""
     _load_builtin_policies()
-    return sorted(POLICIES, key=lambda n: (n != "prefixrouter", n))
+    return sorted(POLICIES, key=lambda n: (n != DEFAULT_POLICY, n))
 
 
 def _load_builtin_policies() -> None:

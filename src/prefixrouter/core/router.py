@@ -161,7 +161,7 @@ class Router:
     """The routing core: one per gateway process or simulated cluster.
 
     Args:
-        policy: A policy instance or a registered name (default ``prefixrouter``).
+        policy: A policy instance or a registered name (default ``prefix_aware``).
         hasher: Block hashing settings (block size, text chunk size, estimator).
         index_params: Prefix-index settings.
         cost_params: Cost-model calibration settings.
@@ -170,7 +170,7 @@ class Router:
 
     def __init__(
         self,
-        policy: Policy | str = "prefixrouter",
+        policy: Policy | str = "prefix_aware",
         hasher: BlockHasher | None = None,
         index_params: IndexParams | None = None,
         cost_params: CostParams | None = None,

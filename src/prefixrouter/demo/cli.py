@@ -87,7 +87,7 @@ def demo(
                 f"{ttft['mean']:.0f} ms",
                 f"{s['client_cached_share']:.1%}",
                 f"{s['prefill_tokens']:,}",
-                style="bold" if s["router"] == "prefixrouter" else None,
+                style="bold" if s["router"] == "prefix_aware" else None,
             )
         console.print(table)
         plot_runs([scenario], [], plot)

@@ -2,7 +2,7 @@
 
 The demo is :func:`prefixrouter.bench.live.run_scenario` with:
 
-* **routers**: our gateway with ``round_robin``, then with ``prefixrouter``
+* **routers**: our gateway with ``round_robin``, then with ``prefix_aware``
   (:data:`ROUTERS`);
 * **workload**: the built-in doc-QA and system-prompt traffic
   (:mod:`prefixrouter.demo.workload`), as a
@@ -41,7 +41,7 @@ from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import Fleet, Server
 from prefixrouter.harness.replay import ReplayResult
 
-ROUTERS = ("round_robin", "prefixrouter")
+ROUTERS = ("round_robin", "prefix_aware")
 """The bench routers the demo compares, in order."""
 
 CONCURRENCY = 64
@@ -138,7 +138,7 @@ async def serve_forever(
     env = {ADMIN_KEY_ENV: admin_api_key} if admin_api_key else None
     port = free_port()
     cmd = router_command(
-        BENCH_ROUTERS["prefixrouter"], port=port, workers=[e.url for e in engines],
+        BENCH_ROUTERS["prefix_aware"], port=port, workers=[e.url for e in engines],
         peers_dir=default_peers_dir(), prometheus_port=0, tokenizer_dir=None,
     )  # fmt: skip
     gateway = fleet.start_command("gateway", cmd, port, env=env)

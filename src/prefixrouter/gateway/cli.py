@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -26,13 +27,16 @@ from typing import Annotated
 
 import typer
 
+from prefixrouter.core.policy import alias_note, canonical_policy_name
 from prefixrouter.errors import PrefixRouterError
 from prefixrouter.gateway.config import GatewayConfig, WorkerConfig, config_from_dict, load_config
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_POLICY = "prefixrouter"
+DEFAULT_POLICY = "prefix_aware"
 ADMIN_KEY_ENV = "PREFIXROUTER_ADMIN_API_KEY"
+
+log = logging.getLogger("prefixrouter.gateway")
 
 
 def build_config(
@@ -59,8 +63,12 @@ def build_config(
         data["server"]["host"] = host
     if decision_log is not None:
         data["decision_log"]["path"] = decision_log
-    if policy != data["policy"]["name"] and (policy != DEFAULT_POLICY or config is None):
-        data["policy"] = {"name": policy, "params": {}}
+    name = canonical_policy_name(policy)  # a deprecated alias names the same policy
+    if name != data["policy"]["name"] and (policy != DEFAULT_POLICY or config is None):
+        data["policy"] = {"name": name, "params": {}}
+    note = alias_note(policy)
+    if note is not None:
+        log.warning("--policy: %s", note)
     if admin_api_key:
         data["server"]["admin_api_key"] = admin_api_key
     source = str(config) if config is not None else "command line"

@@ -1,7 +1,7 @@
 """Typed, validated configuration of the gateway (YAML in, errors that name the field).
 
 Every option has a default, so an empty file (or no file) is a valid
-configuration: a gateway on 127.0.0.1:8080 with the ``prefixrouter`` policy,
+configuration: a gateway on 127.0.0.1:8080 with the ``prefix_aware`` policy,
 text-mode hashing and no workers (add them with ``--worker`` or the admin API).
 
 Shape of the YAML file (all keys optional)::
@@ -39,6 +39,7 @@ list points at its own line.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -52,6 +53,8 @@ from prefixrouter.core.hashing import (
 )
 from prefixrouter.errors import ConfigError, PrefixRouterError
 from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
+
+log = logging.getLogger("prefixrouter.gateway")
 
 EngineKind = Literal["vllm", "sglang", "llamacpp", "openai"]
 PosInt = Annotated[int, Field(gt=0)]
@@ -227,8 +230,19 @@ class LimitsConfig(_Model):
 class PolicyConfig(_Model):
     """The routing policy: a registered name and its raw parameters."""
 
-    name: str = "prefixrouter"
+    name: str = "prefix_aware"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _resolve_alias(cls, name: str) -> str:
+        # A deprecated name still works; the configuration holds the registered one.
+        from prefixrouter.core.policy import alias_note, canonical_policy_name
+
+        note = alias_note(name)
+        if note is not None:
+            log.warning("policy.name: %s", note)
+        return canonical_policy_name(name)
 
     @model_validator(mode="after")
     def _check_policy(self) -> PolicyConfig:

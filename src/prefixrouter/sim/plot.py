@@ -32,7 +32,7 @@ def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> N
         ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
         style: dict[str, object] = (
             {"linewidth": 2.6, "color": "black"}
-            if run.policy == "prefixrouter"
+            if run.policy == "prefix_aware"
             else {
                 "color": palette[(2 * k) % 20 + (k // 10) % 2],
                 "linestyle": "-" if k < 10 else "--",
@@ -49,7 +49,7 @@ def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> N
     results = report["results"]
     names = [r["policy"] for r in results]
     prefill = [r["prefill_tokens"] / 1e6 for r in results]
-    colors = ["black" if n == "prefixrouter" else "tab:blue" for n in names]
+    colors = ["black" if n == "prefix_aware" else "tab:blue" for n in names]
     ax_bar.barh(names, prefill, color=colors)
     bound = report["lower_bound_prefill_tokens"] / 1e6
     ax_bar.axvline(bound, color="tab:red", linestyle="--", label=f"lower bound {bound:.2f} M")

@@ -1,6 +1,6 @@
 """Routing policies, one module each; importing this package registers them all.
 
-Ours: ``prefixrouter`` (:mod:`.prefix_aware`). Cache-blind baselines:
+Ours: ``prefix_aware`` (:mod:`.prefix_aware`). Cache-blind baselines:
 ``round_robin``, ``least_loaded``. The peers' policies (PEERS.md) live beside them.
 """
 

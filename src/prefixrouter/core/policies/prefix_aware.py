@@ -1,4 +1,7 @@
-"""``prefixrouter``: route where the first token comes soonest, counting cached prefill.
+"""``prefix_aware``: route where the first token comes soonest, counting cached prefill.
+
+One policy, one name: module ``prefix_aware``, registry name ``prefix_aware``
+(``prefixrouter`` is its deprecated alias), class :class:`PrefixAwarePolicy`.
 
 Per candidate ``w`` the cost model (:mod:`prefixrouter.core.cost`) predicts
 the TTFT terms (queue wait, prefill of the uncached part, decode impact,
@@ -20,60 +23,48 @@ A candidate is *warm* when the index says it holds at least
 ``min_match_tokens`` of the prompt with confidence at least ``min_confidence``
 (an affinity whose trust decayed after unexplained misses is scored as cold).
 
-**Tie band**: identical engines' predictions differ by their calibration
-scales, so scores within the candidates' calibration disagreement
-(``highest / lowest scale - 1``, at most ``tie_band_rel``) of the best count
-as equal, and among those the fewest requests in flight wins (then the lowest
-score). With one candidate, or scales that agree, the lowest score wins. It
-picks among the workers holding the deepest prefix, and among all workers for
-a prefix never seen.
+:meth:`PrefixAwarePolicy.select` is a composition of named steps, carved as
+llm-d's scheduler carves filters, scorers and a picker; each step is a small
+pure function whose docstring states its rule:
+
+1. **scorer** (:func:`score_candidates`): every candidate's cost terms and
+   score, and which candidates are warm. It runs first: the filter below
+   applies only when some candidate is warm, and the decision record shows
+   every candidate's figures, filtered or not.
+2. **candidate filter** (:func:`cold_quota_filter`): the cold quota keeps a
+   share of each worker's slots for requests that follow no cached prefix.
+3. **picker** (:func:`deepest_holders`, :func:`tie_band_picker`): the best
+   of the warm workers holding the deepest prefix; scores within the tie band
+   count as equal, and among those the fewest in flight wins.
+4. **rules**, in order, each of which may leave the picker's choice:
+   :func:`hot_prefix_rule` (warm another replica for a prefix in demand), then,
+   when the picker's choice is not the lowest score overall,
+   :func:`max_wait_rule` (never queue too long for a warm cache) and
+   :func:`warm_margin_rule` (keep the warm worker while it is nearly as good).
+
+With no warm worker the cold path (``_select_cold``) runs instead:
+:func:`cold_pool_rule`, then the picker among all workers for a prefix never
+seen, or :func:`rendezvous_home` for one seen before that no cache holds any
+more. Under the cold quota, when every warm worker is out of room, the lowest
+score among the workers with room wins.
 
 Tiers (the one recorded is the chosen worker's):
 
-1. ``exact``: a warm worker holding the deepest prefix any warm worker holds;
+1. ``exact``: a warm worker holding the deepest prefix any eligible warm worker holds;
 2. ``partial``: a warm worker holding less;
 3. ``cold``: a worker with no usable prefix;
-4. ``cold_pool``: a worker of the configured ``cold_pool`` (below).
+4. ``cold_pool``: a worker of the configured ``cold_pool``.
 
-Which worker:
-
-* **some worker is warm**: the best of those holding the deepest prefix
-  (within the tie band, the fewest in flight), unless a rule below leaves
-  it: then the lowest score (margin, maximum wait) or, for a hot prefix, the
-  best other worker; either may hold part of the prefix (``partial``) or
-  none (``cold``). Under the cold quota every choice is among the workers
-  with room.
-* **none is warm**: the best worker of the ``cold_pool``, when one is
-  configured and that worker's score is within the margin of the best (so
-  replicas that hold expensive hot prefixes keep serving them). Else a prefix
-  never seen (or ``home_by_hash`` off) goes to the lowest score within the
-  tie band, and a prefix seen before that no cache holds any more to its
-  rendezvous-hash home among the workers within the margin of the best.
-
-Rules on top of the score, in order:
-
-* **hot prefix**: the demand of the prefix the best warm worker holds (its
-  request rate times the engine time per request on a replica that holds it)
-  needs more replicas than hold it, at ``hot_prefix_utilization`` each: the
-  best other worker is warmed now instead of growing the warm queues. Not while
-  the prefix is held only speculatively (its first copy is still being
-  prefilled): a second copy would only prefill it again meanwhile. Demand is
-  counted per prefix of 1, 2, 4, 8, ... blocks, so a session's history is told
-  apart from the system prompt every session shares; a burst is seen from the last
-  ``burst_samples`` arrivals, before the decayed rate has grown. The demand
-  table is bounded by what the index holds: once it doubles (past
-  ``min_tracked_prefixes``), the prefixes no worker holds any more are
-  dropped (a prefix evicted everywhere before that counts as never seen), and
-  ``max_tracked_prefixes`` caps it (oldest first). A request the engine did no
-  prefill for (``on_rejected``) is taken out of the counts again.
-* **maximum wait**: warm preference never makes a request wait behind more
-  than ``max_warm_wait_s`` of queue (``warm_abandoned``).
-* **warm margin**: the best warm worker is kept while its score is within
-  ``warm_margin_rel`` of the best candidate's TTFT plus ``warm_margin_abs_s``
-  of the best score, scaled by how full the best candidate's cache is.
-* **cold quota**: a request that follows a cached prefix may not take a
-  worker's last ``cold_reserved_share`` of sequence slots while another
-  worker has room, so a continuous hot stream leaves room for unique requests.
+Demand per prefix (read by the hot-prefix rule and the cold path) is the
+policy's only state, kept by its hooks: counted per prefix of 1, 2, 4, 8, ...
+blocks, so a session's history is told apart from the system prompt every
+session shares; a burst is seen from the last ``burst_samples`` arrivals,
+before the decayed rate has grown. The demand table is bounded by what the
+index holds: once it doubles (past ``min_tracked_prefixes``), the prefixes no
+worker holds any more are dropped (a prefix evicted everywhere before that
+counts as never seen), and ``max_tracked_prefixes`` caps it (oldest first). A
+request the engine did no prefill for (``on_rejected``) is taken out of the
+counts again.
 
 Parameters per output class live in :class:`OutputClassParams`; requests with
 ``max_tokens >= long_output_tokens`` use ``long``.
@@ -83,11 +74,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
+from prefixrouter.core.index import PrefixIndex
 from prefixrouter.core.policy import (
     CandidateScore,
     Policy,
@@ -122,8 +114,8 @@ class OutputClassParams:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixRouterParams:
-    """Parameters of the ``prefixrouter`` policy.
+class PrefixAwareParams:
+    """Parameters of the ``prefix_aware`` policy.
 
     Attributes:
         short: Thresholds for short answers.
@@ -198,15 +190,30 @@ class _Demand:
     recent: deque[float]
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A step's verdict: which candidate, and why.
+
+    Attributes:
+        index: The chosen candidate's position in the candidate list.
+        reason: One sentence for the decision record.
+        abandoned: Warm preference was given up for the maximum wait.
+    """
+
+    index: int
+    reason: str
+    abandoned: bool = False
+
+
 @register
-class PrefixRouterPolicy(Policy):
+class PrefixAwarePolicy(Policy):
     """Lowest predicted TTFT with bounded warm preference (the default policy)."""
 
-    name = "prefixrouter"
-    Params = PrefixRouterParams
-    params: PrefixRouterParams
+    name = "prefix_aware"
+    Params = PrefixAwareParams
+    params: PrefixAwareParams
 
-    def __init__(self, params: PrefixRouterParams | None = None) -> None:
+    def __init__(self, params: PrefixAwareParams | None = None) -> None:
         super().__init__(params)
         # Demand per prefix, keyed by the block hash that ends it; see on_routed.
         self._demand: dict[int, _Demand] = {}
@@ -215,234 +222,85 @@ class PrefixRouterPolicy(Policy):
     # ----------------------------------------------------------------- select
 
     def select(self, ctx: RoutingContext, candidates: Sequence[WorkerView]) -> Selection:
+        """Scorer, candidate filter, picker, then the rules (see the module docstring)."""
         p = self.params
-        req = ctx.request
-        blocks = ctx.blocks
-        prompt = blocks.prompt_tokens
-        output = max(1, req.max_tokens)
+        output = max(1, ctx.request.max_tokens)
         cls = p.long if output >= p.long_output_tokens else p.short
-        # Engines recompute the last token of a fully cached prompt, so at most
-        # the whole blocks before it can be reused.
-        bt = blocks.block_tokens
-        reusable_cap = int((prompt - 1) // bt * bt) if prompt else 0
-
-        # The loop runs once per candidate on every request: what it reads of
-        # the params, the context and the index is bound to locals first.
-        scored: list[CandidateScore] = []
-        warm_any: list[int] = []  # the warm candidates' indices, in order
-        matches = ctx.matches
-        index = ctx.index
-        predict = ctx.cost.predict
-        min_match, min_conf = p.min_match_tokens, p.min_confidence
-        decode_weight, eviction_weight = cls.decode_weight, p.eviction_weight
-        n_blocks = len(blocks.hashes)
-        for i, w in enumerate(candidates):
-            wid = w.worker_id
-            m = matches.get(wid)
-            if m is None:
-                held, matched, conf = 0, 0, 0.0
-            else:
-                held, conf = m.blocks, m.confidence
-                matched = int(held * bt)  # blocks.tokens_for(held), capped:
-                if reusable_cap < matched:
-                    matched = reusable_cap
-            warm = matched >= min_match and conf >= min_conf
-            # Storing the blocks w lacks evicts as many cached ones once its cache is full.
-            lacking = n_blocks - held - index.free_blocks(wid)
-            evicted = int(lacking * bt) if lacking > 0 else 0  # blocks.tokens_for(lacking)
-            if warm:
-                terms = predict(w, prompt, matched, conf, output, evicted)
-                warm_any.append(i)
-            else:
-                terms = predict(w, prompt, 0, 0.0, output, evicted)
-            score = (
-                terms.ttft_s + decode_weight * terms.decode_s + eviction_weight * terms.eviction_s
-            )
-            scored.append(CandidateScore(wid, matched, conf, terms, score))
-
-        candidates_out = tuple(scored)
-        everyone = range(len(scored))
-        # Cold quota: a request that follows a cached prefix may not take a
-        # worker's last `cold_reserved_share` of slots while a worker with room
-        # for it exists, so a continuous hot stream leaves room for cold requests.
-        eligible: Sequence[int] = everyone
-        if warm_any and p.cold_reserved_share > 0:
-            limit_share = 1.0 - p.cold_reserved_share
-            with_room = [
-                i for i, w in enumerate(candidates) if w.in_flight < limit_share * w.max_slots
-            ]
-            # (When every candidate has room, `everyone` stands for them all.)
-            if with_room and len(with_room) < len(scored):
-                eligible = with_room
-        best_i = _argmin(scored, eligible)
-        warm_idx = [i for i in warm_any if i in eligible] if eligible is not everyone else warm_any
-
-        if not warm_idx:
-            if warm_any:
-                c = scored[best_i]
-                w = candidates[warm_any[0]]
-                reason = (
-                    f"cold quota: warm workers hold {w.in_flight} of {w.max_slots} slots; "
-                    "lowest predicted TTFT among workers with room"
-                )
-                return Selection(c.worker_id, "cold", reason, 0, candidates_out)
-            return self._select_cold(ctx, candidates, scored, best_i, candidates_out)
-
-        deepest = max([scored[i].matched_tokens for i in warm_idx])
-        # The workers holding the deepest prefix: leaving them for anyone else
-        # (cold, or holding a shorter prefix) recomputes part of the prompt.
-        exact_idx = [i for i in warm_idx if scored[i].matched_tokens >= deepest]
-        bw = _spread(scored, candidates, exact_idx, p.tie_band_rel, _argmin(scored, exact_idx))
-        best, best_warm = scored[best_i], scored[bw]
-        abandoned = False
-        assert best_warm.terms is not None
-        other_idx = [i for i in eligible if i not in exact_idx]
-        ci = _argmin(scored, other_idx) if other_idx else -1
-        other_terms = scored[ci].terms if ci >= 0 else None
-        rate, needed = 0.0, 0
-        held_match = ctx.matches.get(best_warm.worker_id)
-        # While the only copies of the prefix are still being prefilled (known
-        # from routing alone, not yet confirmed by the engine), a second copy
-        # would pay the same prefill again while the first finishes: queueing
-        # behind the first copy is the cheaper wait.
-        settled = held_match is not None and held_match.source is not _SPECULATIVE
-        if settled and other_terms is not None and other_terms.queue_wait_s <= cls.max_warm_wait_s:
-            rate, needed = self._replicas_needed(ctx, candidates[bw], best_warm, output)
-        if needed > len(exact_idx):
-            # Hot prefix: its demand needs more replicas than hold it. Warm the
-            # best other one now rather than queue on those that hold it.
-            assert ci >= 0
-            chosen = ci
+        # 1. Scorer, then 2. the candidate filter (the cold quota).
+        scored, warm = score_candidates(ctx, candidates, p, cls, output)
+        out = tuple(scored)
+        eligible = cold_quota_filter(candidates, warm, p.cold_reserved_share)
+        best = _argmin(scored, eligible)
+        warm_ok = warm if len(eligible) == len(scored) else [i for i in warm if i in eligible]
+        if not warm:
+            return self._select_cold(ctx, candidates, scored, best, out)
+        if not warm_ok:
+            w = candidates[warm[0]]
             reason = (
-                f"hot prefix: {rate:.1f} req/s needs {needed} replicas, "
-                f"{len(exact_idx)} hold it; warming {scored[ci].worker_id}"
+                f"cold quota: warm workers hold {w.in_flight} of {w.max_slots} slots; "
+                "lowest predicted TTFT among workers with room"
             )
-        elif bw == best_i:
-            chosen = bw
-            reason = "lowest predicted cost"
-        else:
-            # Leaving the deepest prefix copies it: a lasting cost, while
-            # a difference in decode batches evens out within one request's
-            # lifetime. So this comparison weighs decode by the class's
-            # `switch_decode_weight` (0 for short answers), not `decode_weight`.
-            pressure = max(p.min_margin_share, _cache_pressure(ctx, best.worker_id))
-            warm_switch = self._switch_score(best_warm, cls)
-            cold_switch = self._switch_score(best, cls)
-            assert best.terms is not None
-            limit = cold_switch + pressure * (
-                best.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s
-            )
-            if (
-                best_warm.terms.queue_wait_s > cls.max_warm_wait_s
-                and best.terms.queue_wait_s <= cls.max_warm_wait_s
-                and best.terms.ttft_s < best_warm.terms.ttft_s
-            ):
-                # Only when leaving actually avoids the wait and brings the
-                # first token sooner: under overload every queue is long, and
-                # a copy would only add prefill work.
-                chosen, abandoned = best_i, True
-                wait_ms = best_warm.terms.queue_wait_s * 1e3
-                reason = (
-                    f"left warm {best_warm.worker_id}: queue wait {wait_ms:.0f} ms"
-                    f" > max {cls.max_warm_wait_s * 1e3:.0f} ms"
-                )
-            elif warm_switch <= limit:
-                chosen = bw
-                reason = (
-                    f"warm within margin: {warm_switch * 1e3:.0f} ms <= "
-                    f"{limit * 1e3:.0f} ms (best cold {best.worker_id} {cold_switch * 1e3:.0f} ms)"
-                )
+            return _selection(scored, warm, 0, Choice(best, reason), 0, out)
+        # 3. Picker: among the eligible warm workers holding the deepest prefix.
+        deepest, holders = deepest_holders(scored, warm_ok)
+        picked = tie_band_picker(
+            scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders)
+        )
+        # 4. The rules, in order; each may leave the picker's choice.
+        held = ctx.matches.get(scored[picked].worker_id)
+        settled = held is not None and held.source is not _SPECULATIVE  # the engine has it
+        choice = hot_prefix_rule(
+            scored,
+            eligible,
+            holders,
+            settled,
+            cls,
+            lambda: self._replicas_needed(ctx, candidates[picked], scored[picked], output),
+        )
+        if choice is None:
+            if picked == best:  # the best score overall: nothing to weigh
+                choice = Choice(picked, "lowest predicted cost")
             else:
-                chosen = best_i
-                reason = (
-                    f"warm {best_warm.worker_id} predicted {warm_switch * 1e3:.0f} ms, "
-                    f"beyond margin of {best.worker_id} {cold_switch * 1e3:.0f} ms"
+                pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
+                choice = max_wait_rule(scored, picked, best, cls) or warm_margin_rule(
+                    scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
                 )
-        c = scored[chosen]
-        if chosen in warm_any:
-            tier = "exact" if c.matched_tokens >= deepest else "partial"
-            cached = c.matched_tokens
-            reason = f"{reason}; {cached} of {prompt} tokens cached"
-        else:
-            tier, cached = "cold", 0
-        return Selection(c.worker_id, tier, reason, cached, candidates_out, abandoned)
+        return _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
 
     def _select_cold(
         self,
         ctx: RoutingContext,
         candidates: Sequence[WorkerView],
         scored: list[CandidateScore],
-        best_i: int,
+        best: int,
         out: tuple[CandidateScore, ...],
     ) -> Selection:
-        pool = self.params.cold_pool
-        if pool:
-            pool_idx = [i for i, w in enumerate(candidates) if w.pool == pool]
-            if pool_idx:
-                pi = _argmin(scored, pool_idx)
-                cls = self.params.short
-                limit = self._margin_limit(scored[best_i], cls, 1.0)
-                if scored[pi].score <= limit:
-                    return Selection(
-                        scored[pi].worker_id,
-                        "cold_pool",
-                        f"no reusable prefix anywhere: cold pool {pool!r}",
-                        0,
-                        out,
-                    )
-        if (
-            not self.params.home_by_hash
-            or not ctx.blocks.hashes
-            or ctx.blocks.hashes[0] not in self._demand
-        ):
-            # A prefix never seen: any worker is as good as its prediction, and
-            # predictions of near-identical candidates differ by calibration
-            # noise: within the tie band the fewest requests in flight decides,
-            # so a burst of unique requests spreads (see _spread).
-            everyone = range(len(scored))  # none is warm, so best_i is the best of all
-            pick = _spread(scored, candidates, everyone, self.params.tie_band_rel, best_i)
+        """No worker is warm: the cold pool, else the picker or the prefix's home.
+
+        A prefix never seen (or ``home_by_hash`` off): any worker is as good
+        as its prediction, so the picker decides among all of them (a burst of
+        unique requests spreads by requests in flight). A prefix seen before
+        that no cache holds any more goes to its :func:`rendezvous_home`.
+        """
+        p = self.params
+        if p.cold_pool:
+            pooled = cold_pool_rule(scored, candidates, best, p.cold_pool, p.short)
+            if pooled is not None:
+                reason = f"no reusable prefix anywhere: cold pool {p.cold_pool!r}"
+                return Selection(scored[pooled].worker_id, "cold_pool", reason, 0, out)
+        hashes = ctx.blocks.hashes
+        if not p.home_by_hash or not hashes or hashes[0] not in self._demand:
+            # None is warm, so `best` is the best of all.
+            pick = tie_band_picker(scored, candidates, range(len(scored)), p.tie_band_rel, best)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
-            if pick != best_i:
+            if pick != best:
                 reason = "no reusable prefix anywhere: fewest in flight among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
-        # A prefix seen before that no cache holds any more (evicted
-        # everywhere) goes to its home among the workers within the margin of
-        # the best, by rendezvous hashing of its first block: the same worker
-        # each time, so prefixes partition across caches instead of scattering
-        # over all of them (the scattering is what makes caches thrash under
-        # pressure). A prefix never seen before is handled above (tie band).
-        limit = self._margin_limit(scored[best_i], self.params.short, 1.0)
-        near = [i for i in range(len(scored)) if scored[i].score <= limit]
-        first = ctx.blocks.hashes[0]
-        home = max(near, key=lambda i: _rendezvous(first, scored[i].worker_id))
-        return Selection(
-            scored[home].worker_id,
-            "cold",
-            f"no reusable prefix anywhere: its home among {len(near)} within margin",
-            0,
-            out,
-        )
+        home, near = rendezvous_home(scored, best, hashes[0], p.short)
+        reason = f"no reusable prefix anywhere: its home among {near} within margin"
+        return Selection(scored[home].worker_id, "cold", reason, 0, out)
 
-    def _switch_score(self, c: CandidateScore, cls: OutputClassParams) -> float:
-        """The score used to compare a warm worker with a cold one (see select)."""
-        t = c.terms
-        assert t is not None
-        return (
-            t.ttft_s
-            + cls.switch_decode_weight * t.decode_s
-            + self.params.eviction_weight * t.eviction_s
-        )
-
-    @staticmethod
-    def _margin_limit(best: CandidateScore, cls: OutputClassParams, pressure: float) -> float:
-        """The highest score a warm worker may have and still be preferred.
-
-        The relative part of the margin applies to the best candidate's
-        predicted TTFT, not its whole score, so weighing decode time does not
-        widen it; ``pressure`` in [0, 1] scales the whole margin.
-        """
-        ttft = best.terms.ttft_s if best.terms is not None else best.score
-        return best.score + pressure * (ttft * cls.warm_margin_rel + cls.warm_margin_abs_s)
+    # ----------------------------------------------------------------- demand
 
     def _replicas_needed(
         self, ctx: RoutingContext, worker: WorkerView, warm: CandidateScore, output: int
@@ -569,34 +427,112 @@ class PrefixRouterPolicy(Policy):
         return steady
 
 
-def _cache_pressure(ctx: RoutingContext, worker: WorkerId) -> float:
-    """How full ``worker``'s cache would be with this prompt added, in [0, 1] (per the index).
+# --------------------------------------------------------------------- scorer
 
-    The warm margin is the price of copying a prefix into another cache: a
-    worker with room takes the copy without evicting anything (no margin, so
-    cold replicas warm up in parallel, as round robin would); a full one would
-    evict other prefixes (the whole margin).
+
+def score_candidates(
+    ctx: RoutingContext,
+    candidates: Sequence[WorkerView],
+    params: PrefixAwareParams,
+    cls: OutputClassParams,
+    output: int,
+) -> tuple[list[CandidateScore], list[int]]:
+    """Scorer: every candidate's cost terms and score, and which candidates are warm.
+
+    ``score = ttft + decode_weight * decode + eviction_weight * eviction``
+    (module docstring), with ``decode_weight`` the output class's. A candidate
+    is warm when it holds at least ``min_match_tokens`` reusable tokens with
+    confidence at least ``min_confidence``; any other is predicted as if it
+    held nothing, so a distrusted affinity pays the whole prefill. Engines
+    recompute the last token of a fully cached prompt, so only the whole
+    blocks before it are reusable. ``eviction`` is predicted from the blocks
+    the candidate lacks beyond its free ones: storing them evicts as many.
+
+    Returns:
+        The scores in candidate order, and the warm candidates' indices in order.
     """
+    blocks = ctx.blocks
+    prompt = blocks.prompt_tokens
+    bt = blocks.block_tokens
+    reusable_cap = int((prompt - 1) // bt * bt) if prompt else 0
+    # The loop runs once per candidate on every request: what it reads of
+    # the params, the context and the index is bound to locals first.
+    scored: list[CandidateScore] = []
+    warm_any: list[int] = []
+    matches = ctx.matches
     index = ctx.index
-    capacity = index.capacity(worker)
-    if capacity <= 0:
-        return 1.0
-    return min(1.0, (index.blocks_of(worker) + len(ctx.blocks.hashes)) / capacity)
+    predict = ctx.cost.predict
+    min_match, min_conf = params.min_match_tokens, params.min_confidence
+    decode_weight, eviction_weight = cls.decode_weight, params.eviction_weight
+    n_blocks = len(blocks.hashes)
+    for i, w in enumerate(candidates):
+        wid = w.worker_id
+        m = matches.get(wid)
+        if m is None:
+            held, matched, conf = 0, 0, 0.0
+        else:
+            held, conf = m.blocks, m.confidence
+            matched = int(held * bt)  # blocks.tokens_for(held), capped:
+            if reusable_cap < matched:
+                matched = reusable_cap
+        warm = matched >= min_match and conf >= min_conf
+        lacking = n_blocks - held - index.free_blocks(wid)
+        evicted = int(lacking * bt) if lacking > 0 else 0  # blocks.tokens_for(lacking)
+        if warm:
+            terms = predict(w, prompt, matched, conf, output, evicted)
+            warm_any.append(i)
+        else:
+            terms = predict(w, prompt, 0, 0.0, output, evicted)
+        score = terms.ttft_s + decode_weight * terms.decode_s + eviction_weight * terms.eviction_s
+        scored.append(CandidateScore(wid, matched, conf, terms, score))
+    return scored, warm_any
 
 
-def _rendezvous(block: int, worker: WorkerId) -> int:
-    """Highest-random-weight score of (prefix, worker): stable across processes."""
-    return int(xxhash.xxh3_64_intdigest(worker.encode("utf-8"), block & 0xFFFF_FFFF_FFFF_FFFF))
+# ----------------------------------------------------------- candidate filter
 
 
-def _spread(
+def cold_quota_filter(
+    candidates: Sequence[WorkerView], warm: Sequence[int], share: float
+) -> Sequence[int]:
+    """Candidate filter, the cold quota: the indices of the candidates this request may take.
+
+    A request that follows a cached prefix (some candidate is ``warm``) may
+    not take a worker's last ``share`` of sequence slots while another worker
+    has room for it, so a continuous hot stream leaves room for the unique
+    requests that would otherwise queue behind it. With no warm candidate, a
+    share of 0, or room on every worker or on none, every candidate stays
+    (``range(len(candidates))``).
+    """
+    everyone = range(len(candidates))
+    if not warm or share <= 0:
+        return everyone
+    limit_share = 1.0 - share
+    with_room = [i for i, w in enumerate(candidates) if w.in_flight < limit_share * w.max_slots]
+    return with_room if with_room and len(with_room) < len(candidates) else everyone
+
+
+# --------------------------------------------------------------------- picker
+
+
+def deepest_holders(scored: Sequence[CandidateScore], warm: Sequence[int]) -> tuple[int, list[int]]:
+    """The deepest prefix any of ``warm`` holds (tokens), and those of them holding it.
+
+    The picker picks among these: leaving them for anyone else (cold, or
+    holding a shorter prefix) recomputes part of the prompt, which only a
+    rule may decide to pay for.
+    """
+    deepest = max([scored[i].matched_tokens for i in warm])
+    return deepest, [i for i in warm if scored[i].matched_tokens >= deepest]
+
+
+def tie_band_picker(
     scored: Sequence[CandidateScore],
     candidates: Sequence[WorkerView],
-    indices: Sequence[int] | range,
+    indices: Sequence[int],
     band: float,
     best: int,
 ) -> int:
-    """The best of ``indices``, where scores within a tie band of the best count as equal.
+    """Picker: the best of ``indices``, where scores within a tie band of the best count as equal.
 
     ``best`` is the index of the lowest score among ``indices`` (:func:`_argmin`;
     the cold path knows it already).
@@ -607,7 +543,8 @@ def _spread(
     whose scale happens to be lowest until its queue shows. The tie band is
     how far the candidates' calibration scales disagree, at most ``band``
     (relative); among candidates whose scores are within it of the best, the
-    one with the fewest requests in flight wins, then the lowest score.
+    one with the fewest requests in flight wins, then the lowest score. With
+    one candidate, or scales that agree, the lowest score wins.
     """
     # The band is the calibration disagreement among these candidates, capped:
     # when every worker's scale agrees (a fleet whose profile is right, or the
@@ -633,7 +570,214 @@ def _spread(
     return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
 
 
-def _argmin(scored: Sequence[CandidateScore], indices: Sequence[int] | range) -> int:
+# ---------------------------------------------------------------------- rules
+
+
+def hot_prefix_rule(
+    scored: Sequence[CandidateScore],
+    eligible: Sequence[int],
+    holders: Sequence[int],
+    settled: bool,
+    cls: OutputClassParams,
+    demand: Callable[[], tuple[float, int]],
+) -> Choice | None:
+    """Rule 1, hot prefix: warm another replica when the prefix needs more than hold it.
+
+    ``demand()`` is the prefix's request rate and the replicas it needs at
+    ``hot_prefix_utilization`` each (``PrefixAwarePolicy._replicas_needed``).
+    When that is more than the ``holders``, the lowest score among the
+    eligible candidates that do not hold the prefix is warmed now, instead of
+    growing the warm queues. Not while the copy is not ``settled`` (held only
+    speculatively: its first prefill may still be running, and a second copy
+    would pay the same prefill again meanwhile, so queueing behind the first
+    is the cheaper wait), and not when that other worker's own queue is past
+    the maximum wait; ``demand`` is then not computed at all.
+    """
+    if not settled:
+        return None
+    others = [i for i in eligible if i not in holders]
+    if not others:
+        return None
+    other = _argmin(scored, others)
+    terms = scored[other].terms
+    if terms is None or terms.queue_wait_s > cls.max_warm_wait_s:
+        return None
+    rate, needed = demand()
+    if needed <= len(holders):
+        return None
+    reason = (
+        f"hot prefix: {rate:.1f} req/s needs {needed} replicas, "
+        f"{len(holders)} hold it; warming {scored[other].worker_id}"
+    )
+    return Choice(other, reason)
+
+
+def max_wait_rule(
+    scored: Sequence[CandidateScore], warm: int, best: int, cls: OutputClassParams
+) -> Choice | None:
+    """Rule 2, maximum wait: leave the ``warm`` choice when its queue is past ``max_warm_wait_s``.
+
+    Warm preference never makes a request wait behind more than
+    ``max_warm_wait_s`` of queue; the ``best`` score is chosen instead, and
+    the decision marked ``warm_abandoned``. Only when leaving actually avoids
+    the wait (the best's queue is within it) and brings the first token
+    sooner: under overload every queue is long, and a copy would only add
+    prefill work.
+    """
+    w, b = scored[warm].terms, scored[best].terms
+    assert w is not None and b is not None
+    limit = cls.max_warm_wait_s
+    if w.queue_wait_s > limit and b.queue_wait_s <= limit and b.ttft_s < w.ttft_s:
+        reason = (
+            f"left warm {scored[warm].worker_id}: queue wait {w.queue_wait_s * 1e3:.0f} ms"
+            f" > max {limit * 1e3:.0f} ms"
+        )
+        return Choice(best, reason, abandoned=True)
+    return None
+
+
+def warm_margin_rule(
+    scored: Sequence[CandidateScore],
+    warm: int,
+    best: int,
+    cls: OutputClassParams,
+    pressure: float,
+    eviction_weight: float,
+) -> Choice:
+    """Rule 3, warm margin: keep the ``warm`` choice while it is within a margin of the ``best``.
+
+    Kept while ``switch(warm) <= switch(best) + pressure * (ttft(best) *
+    warm_margin_rel + warm_margin_abs_s)``, else the best is chosen. Leaving
+    the deepest prefix copies it: a lasting cost, while a difference in
+    decode batches evens out within one request's lifetime, so both sides
+    are compared by :func:`switch_score` (decode weighed by the class's
+    ``switch_decode_weight``, 0 for short answers, not ``decode_weight``).
+    The relative part applies to the best's TTFT, not its whole score, so
+    weighing decode does not widen it. ``pressure`` in [0, 1] is how full the
+    best's cache would be (:func:`cache_pressure`, at least
+    ``min_margin_share``): a copy into a cache with room evicts nothing.
+    """
+    w, b = scored[warm], scored[best]
+    assert b.terms is not None
+    warm_switch = switch_score(w, cls, eviction_weight)
+    cold_switch = switch_score(b, cls, eviction_weight)
+    limit = cold_switch + pressure * (b.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s)
+    if warm_switch <= limit:
+        reason = (
+            f"warm within margin: {warm_switch * 1e3:.0f} ms <= "
+            f"{limit * 1e3:.0f} ms (best cold {b.worker_id} {cold_switch * 1e3:.0f} ms)"
+        )
+        return Choice(warm, reason)
+    reason = (
+        f"warm {w.worker_id} predicted {warm_switch * 1e3:.0f} ms, "
+        f"beyond margin of {b.worker_id} {cold_switch * 1e3:.0f} ms"
+    )
+    return Choice(best, reason)
+
+
+def switch_score(c: CandidateScore, cls: OutputClassParams, eviction_weight: float) -> float:
+    """The score that compares a warm worker with a cold one (see :func:`warm_margin_rule`)."""
+    t = c.terms
+    assert t is not None
+    return t.ttft_s + cls.switch_decode_weight * t.decode_s + eviction_weight * t.eviction_s
+
+
+def cache_pressure(index: PrefixIndex, worker: WorkerId, blocks: int) -> float:
+    """How full ``worker``'s cache would be with ``blocks`` more, in [0, 1] (per the index).
+
+    The warm margin is the price of copying a prefix into another cache: a
+    worker with room takes the copy without evicting anything (no margin, so
+    cold replicas warm up in parallel, as round robin would); a full one would
+    evict other prefixes (the whole margin).
+    """
+    capacity = index.capacity(worker)
+    if capacity <= 0:
+        return 1.0
+    return min(1.0, (index.blocks_of(worker) + blocks) / capacity)
+
+
+def margin_limit(best: CandidateScore, cls: OutputClassParams, pressure: float) -> float:
+    """The highest score that counts as within the margin of ``best``.
+
+    The relative part of the margin applies to the best candidate's
+    predicted TTFT, not its whole score, so weighing decode time does not
+    widen it; ``pressure`` in [0, 1] scales the whole margin.
+    """
+    ttft = best.terms.ttft_s if best.terms is not None else best.score
+    return best.score + pressure * (ttft * cls.warm_margin_rel + cls.warm_margin_abs_s)
+
+
+# ------------------------------------------------------------------ cold path
+
+
+def cold_pool_rule(
+    scored: Sequence[CandidateScore],
+    candidates: Sequence[WorkerView],
+    best: int,
+    pool: str,
+    cls: OutputClassParams,
+) -> int | None:
+    """Cold path, cold pool: the best worker of ``pool``, if within the margin of the ``best``.
+
+    With no warm worker, a configured pool takes the cold requests, so the
+    replicas that hold expensive hot prefixes keep serving them; only while
+    the pool's best score is within the (full) margin of the best of all, so
+    a busy pool does not make cold requests wait. None: no such worker.
+    """
+    pool_idx = [i for i, w in enumerate(candidates) if w.pool == pool]
+    if not pool_idx:
+        return None
+    pi = _argmin(scored, pool_idx)
+    return pi if scored[pi].score <= margin_limit(scored[best], cls, 1.0) else None
+
+
+def rendezvous_home(
+    scored: Sequence[CandidateScore], best: int, first_block: int, cls: OutputClassParams
+) -> tuple[int, int]:
+    """Cold path, a prefix seen before that no cache holds any more: its home.
+
+    Among the candidates within the (full) margin of the ``best``, the one
+    with the highest rendezvous hash of the prefix's first block: the same
+    worker each time, so prefixes partition across caches instead of
+    scattering over all of them (the scattering is what makes caches thrash
+    under pressure). A prefix never seen goes to the picker instead.
+
+    Returns:
+        The home's index and how many candidates were within the margin.
+    """
+    limit = margin_limit(scored[best], cls, 1.0)
+    near = [i for i in range(len(scored)) if scored[i].score <= limit]
+    home = max(near, key=lambda i: _rendezvous(first_block, scored[i].worker_id))
+    return home, len(near)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _selection(
+    scored: Sequence[CandidateScore],
+    warm: Sequence[int],
+    deepest: int,
+    choice: Choice,
+    prompt: int,
+    out: tuple[CandidateScore, ...],
+) -> Selection:
+    """The Selection for ``choice``: its tier, and the tokens a warm choice reuses."""
+    c = scored[choice.index]
+    if choice.index in warm:
+        cached = c.matched_tokens
+        tier = "exact" if cached >= deepest else "partial"
+        reason = f"{choice.reason}; {cached} of {prompt} tokens cached"
+        return Selection(c.worker_id, tier, reason, cached, out, choice.abandoned)
+    return Selection(c.worker_id, "cold", choice.reason, 0, out, choice.abandoned)
+
+
+def _rendezvous(block: int, worker: WorkerId) -> int:
+    """Highest-random-weight score of (prefix, worker): stable across processes."""
+    return int(xxhash.xxh3_64_intdigest(worker.encode("utf-8"), block & 0xFFFF_FFFF_FFFF_FFFF))
+
+
+def _argmin(scored: Sequence[CandidateScore], indices: Sequence[int]) -> int:
     """Index of the lowest score; ties go to the earliest (deterministic)."""
     best = -1
     best_score = math.inf

@@ -1,0 +1,646 @@
+"""The ``prefix_aware`` policy, step by step: scorer, candidate filter, picker, rules.
+
+Each section tests one step of :mod:`prefixrouter.core.policies.prefix_aware`:
+first the step function on hand-built figures (the rule itself), then the
+router on the default profile (the rule inside a real decision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixrouter.core import (
+    BlockHash,
+    Decision,
+    InflightLedger,
+    Outcome,
+    PrefixIndex,
+    RequestId,
+    Router,
+    RoutingRequest,
+    WorkerId,
+    WorkerView,
+    create_policy,
+)
+from prefixrouter.core.cost import CostTerms
+from prefixrouter.core.policies.prefix_aware import (
+    OutputClassParams,
+    PrefixAwareParams,
+    PrefixAwarePolicy,
+    cache_pressure,
+    cold_pool_rule,
+    cold_quota_filter,
+    deepest_holders,
+    hot_prefix_rule,
+    margin_limit,
+    max_wait_rule,
+    rendezvous_home,
+    score_candidates,
+    switch_score,
+    tie_band_picker,
+    warm_margin_rule,
+)
+from prefixrouter.core.policy import CandidateScore
+from tests.core.conftest import NS, hold, request, tokens, warm, workers
+
+W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
+SHORT = OutputClassParams(warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0)
+
+
+def fill_cache(router: Router, worker: WorkerId, blocks: int = 2_000, now: float = 0.0) -> None:
+    """Make ``worker``'s cache full of other prefixes (a copy would evict them)."""
+    router.index.set_capacity(worker, blocks)
+    warm(router, worker, tokens(10_000 + int(worker[1:]), blocks * 16), now)
+
+
+def candidate(decision: object, worker: WorkerId) -> object:
+    return next(c for c in decision.candidates if c.worker_id == worker)  # type: ignore[attr-defined]
+
+
+def calibrate(router: Router, worker: WorkerId, factor: float) -> None:
+    """Teach the cost model that ``worker`` runs ``factor`` times its profile."""
+    for _ in range(300):
+        router.cost.observe(worker, CostTerms(0.0, 1.0, 0.0, 0.0, 0.0), factor)
+
+
+def scored(
+    worker: str,
+    ttft: float,
+    *,
+    queue: float = 0.0,
+    decode: float = 0.0,
+    eviction: float = 0.0,
+    scale: float = 1.0,
+    matched: int = 0,
+    score: float | None = None,
+) -> CandidateScore:
+    """A hand-built candidate: TTFT ``ttft`` of which ``queue`` is queue wait; score = TTFT."""
+    terms = CostTerms(queue, ttft - queue, 0.0, 0.0, decode, eviction, scale)
+    return CandidateScore(WorkerId(worker), matched, 1.0, terms, ttft if score is None else score)
+
+
+def never(*_: object) -> tuple[float, int]:
+    raise AssertionError("demand must not be computed")
+
+
+# ------------------------------------------------------ scorer: the cost terms
+
+
+def test_scorer_scores_every_candidate_and_marks_the_warm_ones() -> None:
+    r = Router()
+    doc = tokens(1, 3_000)
+    warm(r, W0, doc)  # all of the prompt: only the blocks before its last token count
+    warm(r, W1, doc[:48])  # below min_match_tokens (64): not warm
+    ws = workers(3)
+    ctx = r.route(request("q", doc), ws, 1.0).context
+    p = PrefixAwareParams()
+    scores, warm_idx = score_candidates(ctx, ws, p, p.short, 128)
+    assert warm_idx == [0]
+    assert [s.matched_tokens for s in scores] == [2_992, 48, 0]
+    for s in scores:
+        t = s.terms
+        assert t is not None
+        assert s.score == t.ttft_s + p.short.decode_weight * t.decode_s + 0.5 * t.eviction_s
+    # a cold candidate is predicted as holding nothing, whatever it matched
+    assert scores[1].terms.prefill_s == scores[2].terms.prefill_s  # type: ignore[union-attr]
+    assert scores[0].terms.prefill_s < scores[2].terms.prefill_s  # type: ignore[union-attr]
+    strict = replace(p, min_match_tokens=4_000)
+    assert score_candidates(ctx, ws, strict, p.short, 128)[1] == []
+
+
+def test_scorer_charges_the_eviction_a_copy_would_cause() -> None:
+    r = Router()
+    ws = workers(2)
+    fill_cache(r, W1, blocks=200)  # w1's cache is full of other prefixes
+    ctx = r.route(request("q", tokens(1, 1_600)), ws, 1.0).context
+    p = PrefixAwareParams()
+    (s0, s1), _ = score_candidates(ctx, ws, p, p.short, 128)
+    assert s0.terms.eviction_s == 0.0  # type: ignore[union-attr]  # room to spare
+    assert s1.terms.eviction_s > 0.0  # type: ignore[union-attr]  # 100 blocks evicted
+    assert s1.score > s0.score
+
+
+def test_exact_hit_wins_when_loads_are_equal() -> None:
+    r = Router()
+    doc = tokens(1, 30_000)
+    warm(r, W1, doc)
+    d = r.route(request("q", doc[:30_000] + tokens(9, 100)), workers(3), 1.0)
+    assert d.worker_id == W1 and d.tier == "exact"
+    assert d.predicted_cached_tokens == 30_000 - 30_000 % 16
+
+
+def test_partial_hit_of_24k_of_30k_beats_no_hit() -> None:
+    r = Router()
+    doc = tokens(1, 30_000)
+    warm(r, W0, doc[:24_000])
+    warm(r, W2, doc)  # the full prefix, but on a worker with a long queue
+    ws = workers(3)
+    ws[2] = replace(ws[2], pending_prefill_tokens=400_000)
+    d = r.route(request("q", doc), ws, 1.0)
+    assert d.worker_id == W0 and d.tier == "partial"
+    assert d.predicted_cached_tokens == 24_000
+    c0, c1 = candidate(d, W0), candidate(d, W1)
+    assert c0.terms.prefill_s < c1.terms.prefill_s / 3  # type: ignore[attr-defined]
+
+
+def test_savings_are_absolute_not_a_percentage() -> None:
+    r = Router()
+    small, big = tokens(1, 2_100), tokens(2, 100_000)
+    warm(r, W0, small[:2_000])
+    warm(r, W0, big[:2_000])
+    ws = workers(2)
+    saved = []
+    for toks in (small, big):
+        d = r.route(request("q", toks), ws, 1.0)
+        assert d.worker_id == W0 and d.predicted_cached_tokens == 2_000
+        c0, c1 = candidate(d, W0), candidate(d, W1)
+        saved.append(c1.terms.prefill_s - c0.terms.prefill_s)  # type: ignore[attr-defined]
+    # 2,000 of 2,100 and 2,000 of 100,000 save the same prefill time
+    assert saved[0] == pytest.approx(saved[1], rel=1e-9)
+    assert saved[0] > 0
+
+
+def test_distrusted_affinity_is_scored_cold() -> None:
+    r = Router()
+    doc = tokens(1, 4_000)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=600)
+    q = request("q", doc + tokens(3, 100))
+    warm(r, W0, doc)
+    assert r.route(q, ws, 1.0).worker_id == W0
+    hashes = r.blocks_for(q).hashes
+    for i in range(2):  # the engine twice reports far fewer cached tokens than predicted
+        r.index.on_completed(W0, hashes, 16.0, 4_000, 0, 2.0 + i)
+        warm(r, W0, doc, 2.5 + i)
+    assert r.index.trust(W0, 5.0) < 0.5
+    d = r.route(q, ws, 5.0)
+    assert d.tier == "cold" and d.predicted_cached_tokens == 0
+    assert candidate(d, W0).confidence < 0.5  # type: ignore[attr-defined]
+
+
+def test_long_generations_spread_differently_from_short_answers() -> None:
+    r = Router()
+    doc = tokens(1, 6_000)
+    warm(r, W0, doc)
+    ws = workers(2)
+    # the warm worker runs a big decode batch
+    ws[0] = replace(ws[0], decoding=100, context_tokens=500_000, decode_tokens_remaining=50_000)
+    short = r.route(request("s", doc + tokens(2, 100), max_tokens=8), ws, 1.0)
+    long = r.route(request("l", doc + tokens(3, 100), max_tokens=2_000), ws, 1.0)
+    assert short.worker_id == W0 and short.tier == "exact"
+    assert long.worker_id == W1 and long.tier == "cold"
+
+
+def test_calibration_learns_the_observed_ratio() -> None:
+    r = Router()
+    calibrate(r, W0, 2.0)  # observed TTFTs twice what the profile predicts
+    assert abs(r.cost.scale(W0) - 2.0) < 0.01
+    d = r.route(request("c", tokens(5, 2_000)), workers(1), 1.0)
+    assert candidate(d, W0).terms.scale == r.cost.scale(W0)  # type: ignore[attr-defined]
+
+
+# -------------------------------------------- candidate filter: the cold quota
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "warm_idx", "share", "expected"),
+    [
+        ((6, 2, 0), [0], 0.25, [1, 2]),  # w0 is at its last quarter of 8 slots
+        ((5, 2, 0), [0], 0.25, [0, 1, 2]),  # 5 < 6: room everywhere
+        ((6, 6, 7), [0], 0.25, [0, 1, 2]),  # no worker has room: the quota does not apply
+        ((6, 2, 0), [], 0.25, [0, 1, 2]),  # no warm candidate: nothing to keep room from
+        ((8, 2, 0), [0], 0.0, [0, 1, 2]),  # no quota
+    ],
+)
+def test_cold_quota_filter_keeps_the_last_share_of_slots(
+    in_flight: tuple[int, ...], warm_idx: list[int], share: float, expected: list[int]
+) -> None:
+    ws = [WorkerView(WorkerId(f"w{i}"), max_slots=8, in_flight=n) for i, n in enumerate(in_flight)]
+    assert list(cold_quota_filter(ws, warm_idx, share)) == expected
+
+
+def test_cold_quota_sends_a_hot_request_elsewhere_when_warm_workers_are_full() -> None:
+    r = Router()
+    doc = tokens(1, 3_000)
+    warm(r, W0, doc)
+    ws = [WorkerView(W0, max_slots=10, in_flight=9), WorkerView(W1, max_slots=10)]
+    d = r.route(request("q", doc + tokens(2, 40)), ws, 1.0)
+    assert d.worker_id == W1 and d.tier == "cold" and d.reason.startswith("cold quota")
+
+
+def test_cold_quota_keeps_slots_for_unique_requests_in_a_hot_stream() -> None:
+    def run(share: float) -> tuple[dict[WorkerId, int], list[int]]:
+        policy = create_policy("prefix_aware", {"cold_reserved_share": share})
+        r, ledger = Router(policy), InflightLedger()
+        hot = tokens(1, 3_000)
+        warm(r, W0, hot)
+        free_slots_seen = []
+        hot_per_worker: dict[WorkerId, int] = {}
+        for i in range(12):
+            unique = i % 3 == 2
+            toks = tokens(1000 + i, 800) if unique else hot + tokens(500 + i, 40)
+            ws = [ledger.fill(WorkerView(WorkerId(f"w{k}"), max_slots=8)) for k in range(3)]
+            d = r.route(request(f"r{i}", toks), ws, float(i))
+            chosen = next(w for w in ws if w.worker_id == d.worker_id)
+            if unique:
+                free_slots_seen.append(chosen.max_slots - chosen.in_flight)
+            else:
+                hot_per_worker[d.worker_id] = hot_per_worker.get(d.worker_id, 0) + 1
+            r.on_routed(d, float(i))
+            ledger.on_routed(d.context.request.request_id, d.worker_id, 40, 3_040, 128)
+        return hot_per_worker, free_slots_seen
+
+    hot, free = run(0.25)
+    assert max(hot.values()) <= 6  # hot requests left a slot in reserve on every worker
+    assert all(f >= 1 for f in free)  # every unique request found a free slot
+    no_quota, _ = run(0.0)
+    assert no_quota[W0] > 6  # without the quota the hot stream takes the warm worker's slots
+
+
+# ------------------------------ picker: the tie band among the deepest holders
+
+
+def test_deepest_holders_are_the_warm_candidates_with_the_longest_prefix() -> None:
+    cs = [scored("w0", 1.0, matched=320), scored("w1", 1.0, matched=640), scored("w2", 1.0)]
+    cs.append(scored("w3", 1.0, matched=640))
+    assert deepest_holders(cs, [0, 1, 3]) == (640, [1, 3])
+    assert deepest_holders(cs, [0]) == (320, [0])
+
+
+@pytest.mark.parametrize(
+    ("scales", "band", "expected"),
+    [
+        ((1.0, 1.0), 0.1, 0),  # scales agree: the lowest score wins
+        ((1.0, 1.08), 0.1, 1),  # 8% apart: w1 (5% slower, fewer in flight) ties and wins
+        ((1.0, 1.03), 0.1, 0),  # 3% apart: the band is 3%, w1 is outside it
+        ((1.0, 1.5), 0.04, 0),  # the band is capped at 4%
+        ((1.0, 1.5), 0.1, 1),
+    ],
+)
+def test_tie_band_picker_takes_the_fewest_in_flight_among_near_equal(
+    scales: tuple[float, float], band: float, expected: int
+) -> None:
+    cs = [scored("w0", 1.0, scale=scales[0]), scored("w1", 1.05, scale=scales[1])]
+    ws = [WorkerView(W0, in_flight=3), WorkerView(W1, in_flight=1)]
+    assert tie_band_picker(cs, ws, [0, 1], band, 0) == expected
+    assert tie_band_picker(cs, ws, [0], band, 0) == 0  # one candidate: itself
+
+
+def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
+    cs = [scored("w0", 1.0), scored("w1", 1.04, scale=1.1), scored("w2", 1.02)]
+    ws = workers(3, in_flight=2)
+    assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 0
+    ws[2] = replace(ws[2], in_flight=1)
+    assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 2
+
+
+def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> None:
+    r = Router()
+    calibrate(r, W0, 0.92)  # identical engines whose calibrations disagree by ~9%
+    ws = workers(2)
+    # w0 already has three requests that have not started, but its optimistic
+    # calibration predicts it faster. A burst of unique prompts should still
+    # not pile onto w0.
+    ws[0] = replace(ws[0], in_flight=3)
+    near = r.route(request("u1", tokens(900, 2_000)), ws, 1.0)
+    w0, w1 = candidate(near, W0), candidate(near, W1)
+    assert w0.score < w1.score  # type: ignore[attr-defined]
+    assert near.worker_id == W1 and near.tier == "cold" and "fewest in flight" in near.reason
+    # With calibrations that agree, predictions are trusted as they are: w0
+    # queues three requests, w1 decodes some that are not ours, w0 predicts
+    # faster and gets it.
+    ws[1] = replace(ws[1], decoding=4, context_tokens=40_000)
+    agreed = Router().route(request("u2", tokens(901, 2_000)), ws, 1.0)
+    assert candidate(agreed, W0).score < candidate(agreed, W1).score  # type: ignore[attr-defined]
+    assert agreed.worker_id == W0
+    # Far outside the margin, the prediction still decides.
+    ws[1] = replace(ws[1], pending_prefill_tokens=200_000)
+    far = r.route(request("u2", tokens(901, 2_000)), ws, 1.0)
+    assert far.worker_id == W0
+
+
+def test_workers_holding_the_prefix_share_it_by_requests_in_flight() -> None:
+    r = Router()
+    calibrate(r, W0, 0.92)
+    prompt = tokens(1, 3_000)
+    ws = workers(2)
+    for w in (W0, W1):
+        hold(r, w, prompt)
+    # Both hold the system prompt; w0's optimistic calibration predicts it
+    # faster although three of our requests already wait there.
+    ws[0] = replace(ws[0], in_flight=3)
+    d = r.route(request("s", prompt + tokens(2, 40)), ws, 1.0)
+    w0, w1 = candidate(d, W0), candidate(d, W1)
+    assert w0.score < w1.score  # type: ignore[attr-defined]
+    assert d.worker_id == W1 and d.tier == "exact"
+    # With the tie band off the lowest prediction wins.
+    strict = Router(create_policy("prefix_aware", {"tie_band_rel": 0.0}))
+    calibrate(strict, W0, 0.92)
+    for w in (W0, W1):
+        hold(strict, w, prompt)
+    assert strict.route(request("s", prompt + tokens(2, 40)), ws, 1.0).worker_id == W0
+
+
+# ---------------------------------------------------------- rule 1: hot prefix
+
+
+def test_hot_prefix_rule_warms_the_best_other_worker_when_demand_needs_it() -> None:
+    cs = [scored("w0", 2.0), scored("w1", 1.5, queue=1.0), scored("w2", 1.2, queue=0.5)]
+    demand = lambda: (40.0, 2)  # noqa: E731
+    choice = hot_prefix_rule(cs, [0, 1, 2], [0], True, SHORT, demand)
+    assert choice is not None and choice.index == 2 and not choice.abandoned
+    assert choice.reason == "hot prefix: 40.0 req/s needs 2 replicas, 1 hold it; warming w2"
+    assert hot_prefix_rule(cs, [0, 1, 2], [0, 2], True, SHORT, demand) is None  # 2 hold it
+    assert hot_prefix_rule(cs, [0, 1, 2], [0], True, SHORT, lambda: (0.1, 1)) is None
+
+
+def test_hot_prefix_rule_waits_for_a_settled_copy_and_a_free_other_worker() -> None:
+    cs = [scored("w0", 2.0), scored("w1", 6.0, queue=5.0)]
+    # only speculatively held: no demand read
+    assert hot_prefix_rule(cs, [0, 1], [0], False, SHORT, never) is None
+    # the other worker queues past the maximum wait (4 s): no demand read
+    assert hot_prefix_rule(cs, [0, 1], [0], True, SHORT, never) is None
+    # nobody else is eligible (the cold quota left only the holder)
+    assert hot_prefix_rule(cs, [0], [0], True, SHORT, never) is None
+
+
+def test_hot_prefix_warms_a_second_replica() -> None:
+    doc = tokens(1, 8_000)
+
+    def route_under_demand(requests_per_s: float, settled: bool = True) -> Decision:
+        r = Router()
+        warm(r, W0, doc)
+        ws = workers(2)
+        ws[0] = replace(ws[0], pending_prefill_tokens=9_000)  # warm, but queued
+        # a stream of this prefix at the given rate feeds the demand estimate
+        for i in range(300):
+            t = i / requests_per_s
+            d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
+            r.policy.on_routed(d.context, W0)
+        now = 300 / requests_per_s
+        if settled:
+            hold(r, W0, doc, now)  # the engine has it (first copy prefilled)
+        else:
+            warm(r, W0, doc, now)  # only routed there: its first prefill may be running
+        fill_cache(r, W1, 20_000, now)  # and w1 busy with other prefixes
+        return r.route(request("x", doc + tokens(7, 50)), ws, now)
+
+    calm, hot = route_under_demand(0.2), route_under_demand(50.0)
+    assert calm.worker_id == W0 and "hot prefix" not in calm.reason
+    assert hot.worker_id == W1 and "hot prefix" in hot.reason
+    # The same demand while the only copy is still unconfirmed: no second copy yet.
+    early = route_under_demand(50.0, settled=False)
+    assert early.worker_id == W0 and "hot prefix" not in early.reason
+
+
+# -------------------------------------------------------- rule 2: maximum wait
+
+
+@pytest.mark.parametrize(
+    ("warm_queue", "best_queue", "best_ttft", "leaves"),
+    [
+        (5.0, 0.0, 1.0, True),  # past 4 s; leaving avoids it and is sooner
+        (3.0, 0.0, 1.0, False),  # within the maximum wait
+        (5.0, 4.5, 4.8, False),  # the other queue is past it too (overload)
+        (5.0, 0.0, 6.0, False),  # leaving would not bring the first token sooner
+    ],
+)
+def test_max_wait_rule_leaves_a_warm_queue_past_the_limit(
+    warm_queue: float, best_queue: float, best_ttft: float, leaves: bool
+) -> None:
+    cs = [
+        scored("w0", warm_queue + 0.5, queue=warm_queue),
+        scored("w1", best_ttft, queue=best_queue),
+    ]
+    choice = max_wait_rule(cs, 0, 1, SHORT)
+    if not leaves:
+        assert choice is None
+        return
+    assert choice is not None and choice.index == 1 and choice.abandoned
+    assert choice.reason == "left warm w0: queue wait 5000 ms > max 4000 ms"
+
+
+@pytest.mark.parametrize(
+    ("pending", "abandoned", "reason"),
+    [
+        (60_000, False, "beyond margin"),  # ~3 s queue: under the max wait, but too slow
+        (200_000, True, "max"),  # ~10 s queue: past the max wait for warm preference
+    ],
+)
+def test_cold_wins_when_the_warm_queue_is_too_long(
+    pending: int, abandoned: bool, reason: str
+) -> None:
+    r = Router()
+    doc = tokens(1, 8_000)
+    warm(r, W0, doc)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=pending)
+    d = r.route(request("q", doc + tokens(5, 200)), ws, 1.0)
+    assert d.worker_id == W1 and d.tier == "cold"
+    assert d.warm_abandoned is abandoned and reason in d.reason
+
+
+# --------------------------------------------------------- rule 3: warm margin
+
+
+@pytest.mark.parametrize(
+    ("warm_ttft", "pressure", "kept"),
+    [
+        (1.30, 1.0, True),  # 1.30 <= 1.0 + 1.0 * (1.0 * 0.25 + 0.05) = 1.30
+        (1.31, 1.0, False),
+        (1.15, 0.5, True),  # half the margin: limit 1.15
+        (1.16, 0.5, False),
+    ],
+)
+def test_warm_margin_rule_keeps_warm_within_the_margin(
+    warm_ttft: float, pressure: float, kept: bool
+) -> None:
+    cs = [scored("w0", warm_ttft), scored("w1", 1.0)]
+    choice = warm_margin_rule(cs, 0, 1, SHORT, pressure, 0.5)
+    assert choice.index == (0 if kept else 1) and not choice.abandoned
+    assert ("warm within margin" in choice.reason) is kept
+
+
+def test_warm_margin_rule_weighs_decode_by_the_switch_weight() -> None:
+    # the warm worker decodes a big batch: 1 s more decode, weighed 0 for short answers
+    cs = [scored("w0", 1.1, decode=2.0), scored("w1", 1.0, decode=1.0)]
+    assert switch_score(cs[0], SHORT, 0.5) == pytest.approx(1.1)
+    assert warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5).index == 0
+    weighs_decode = replace(SHORT, switch_decode_weight=1.0)
+    assert switch_score(cs[0], weighs_decode, 0.5) == pytest.approx(3.1)
+    assert warm_margin_rule(cs, 0, 1, weighs_decode, 1.0, 0.5).index == 1
+
+
+def test_cache_pressure_is_how_full_the_cache_would_be() -> None:
+    index = PrefixIndex()
+    index.set_capacity(W0, 1_000)
+    assert cache_pressure(index, W0, 250) == 0.25
+    assert cache_pressure(index, W0, 5_000) == 1.0  # capped
+    index.on_routed(W0, [BlockHash(h) for h in range(500)], 0.0)  # what it holds counts
+    assert cache_pressure(index, W0, 250) == 0.75
+
+
+def test_margin_limit_scales_with_the_best_ttft_not_its_score() -> None:
+    best = scored("w1", 1.0, score=3.0)  # decode weighed into the score
+    assert margin_limit(best, SHORT, 1.0) == pytest.approx(3.0 + 0.25 + 0.05)
+    assert margin_limit(best, SHORT, 0.5) == pytest.approx(3.0 + 0.15)
+
+
+@pytest.mark.parametrize(("cold_cache_full", "expected"), [(True, W0), (False, W1)])
+def test_warm_wins_within_the_margin_when_a_copy_would_evict(
+    cold_cache_full: bool, expected: WorkerId
+) -> None:
+    r = Router()
+    doc = tokens(1, 1_000)
+    warm(r, W0, doc)
+    if cold_cache_full:
+        fill_cache(r, W1)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=3_500)  # a short queue on the warm worker
+    d = r.route(request("q", doc + tokens(5, 2_000)), ws, 1.0)
+    c0, c1 = candidate(d, W0), candidate(d, W1)
+    assert c0.score > c1.score  # type: ignore[attr-defined]  # pure cost says cold...
+    # ...the margin keeps it warm when copying the prefix to w1 would evict others,
+    # and vanishes when w1's cache has room (replicas warm up in parallel)
+    assert d.worker_id == expected
+    if cold_cache_full:
+        assert "warm within margin" in d.reason
+
+
+# --------------------------------------- cold path: cold pool, rendezvous home
+
+
+def test_cold_pool_rule_takes_the_pool_only_within_the_margin() -> None:
+    ws = [WorkerView(W0), WorkerView(W1), WorkerView(WorkerId("c0"), pool="cold")]
+    cs = [scored("w0", 1.0), scored("w1", 1.1), scored("c0", 1.2)]
+    assert cold_pool_rule(cs, ws, 0, "cold", SHORT) == 2  # 1.2 <= 1.3
+    cs[2] = scored("c0", 1.4)
+    assert cold_pool_rule(cs, ws, 0, "cold", SHORT) is None  # a busy pool: not worth the wait
+    assert cold_pool_rule(cs, ws, 0, "batch", SHORT) is None  # no such pool
+
+
+def test_rendezvous_home_is_stable_and_among_the_near_workers() -> None:
+    cs = [scored(f"w{i}", 1.0 + 0.01 * i) for i in range(4)]
+    homes = {b: rendezvous_home(cs, 0, b, SHORT)[0] for b in range(64)}
+    assert set(homes.values()) == {0, 1, 2, 3}  # prefixes partition over the workers
+    assert all(rendezvous_home(cs, 0, b, SHORT)[0] == h for b, h in homes.items())
+    cs[3] = scored("w3", 2.0)  # outside the margin: never a home
+    assert rendezvous_home(cs, 0, 7, SHORT)[1] == 3
+    assert all(rendezvous_home(cs, 0, b, SHORT)[0] != 3 for b in range(64))
+
+
+def test_a_prefix_seen_before_and_evicted_everywhere_goes_home() -> None:
+    r = Router()
+    doc = tokens(1, 2_000)
+    ws = workers(4)
+    first = r.route(request("a", doc), ws, 0.0)
+    r.on_routed(first, 0.0)  # counted in the demand: seen before
+    r.index.clear_worker(first.worker_id)  # and evicted
+    again = [r.route(request(f"b{i}", doc), ws, 1.0) for i in range(3)]
+    assert {d.tier for d in again} == {"cold"} and len({d.worker_id for d in again}) == 1
+    assert "its home among 4 within margin" in again[0].reason
+
+
+def test_cold_pool_takes_cold_requests_and_warm_ones_stay_warm() -> None:
+    policy = create_policy("prefix_aware", {"cold_pool": "cold"})
+    r = Router(policy)
+    doc = tokens(1, 10_000)
+    warm(r, W0, doc)
+    ws = [*workers(2), WorkerView(WorkerId("c0"), pool="cold")]
+    cold = r.route(request("u", tokens(77, 3_000)), ws, 1.0)
+    assert cold.worker_id == "c0" and cold.tier == "cold_pool"
+    hot = r.route(request("h", doc + tokens(2, 100)), ws, 1.0)
+    assert hot.worker_id == W0 and hot.tier == "exact"
+
+
+# --------------------------------------------- demand, determinism, parameters
+
+
+def test_the_deprecated_name_builds_the_same_policy() -> None:
+    old = create_policy("prefixrouter", {"min_match_tokens": 32})
+    assert isinstance(old, PrefixAwarePolicy) and old.name == "prefix_aware"
+    assert old.params == replace(PrefixAwareParams(), min_match_tokens=32)
+    assert Router("prefixrouter").route(request("q", tokens(1, 100)), workers(2), 0.0).policy == (
+        "prefix_aware"
+    )
+
+
+def test_demand_survives_a_clock_that_steps_back() -> None:
+    r = Router()
+    doc = tokens(1, 2_000)
+    for t in (5.0, 1.0e9, 3.0):  # math.exp overflowed on the step back
+        d = r.route(request(f"c{t}", doc + tokens(2, 10)), workers(2), t)
+        r.on_routed(d, t)
+    assert isinstance(r.policy, PrefixAwarePolicy)
+    assert r.policy.prefix_rate(r.blocks_for(request("q", doc)).hashes[0], 3.0) > 0
+
+
+def test_a_rejected_routing_is_taken_back_in_the_index_and_the_demand() -> None:
+    router = Router()
+    policy = router.policy
+    assert isinstance(policy, PrefixAwarePolicy)
+    ws = workers(2)
+    doc = tokens(1, 2048)
+    served = router.route(request("doc", doc), ws, 0.0)
+    router.on_routed(served, 0.0)
+    router.on_completed(served, Outcome(0, 0.1), 0.5)  # the engine holds the document
+    before = (len(router.index), dict(policy._demand), router.index.speculative_entries)
+    rates = {k: policy.prefix_rate(k, 5.0) for k in policy._demand}
+    # a request past the context length: it shares the document and extends it
+    too_long = request("long", [*doc, *tokens(2, 40_000)])
+    d = router.route(too_long, ws, 1.0)
+    assert d.worker_id == served.worker_id and d.predicted_cached_tokens > 0
+    router.on_routed(d, 1.0)
+    router.on_rejected(d, 1.2)  # the engine answered 400: no prefill
+    assert (len(router.index), dict(policy._demand), router.index.speculative_entries) == before
+    assert {k: policy.prefix_rate(k, 5.0) for k in policy._demand} == pytest.approx(rates)
+    retry = router.route(request("long-retry", [*doc, *tokens(2, 40_000)]), ws, 2.0)
+    assert retry.predicted_cached_tokens == served.prompt_tokens  # the document only
+    # a new prefix refused outright leaves nothing: its retry is routed as never seen
+    new = request("new", tokens(3, 4096))
+    d = router.route(new, ws, 3.0)
+    router.on_routed(d, 3.0)
+    router.on_rejected(d, 3.0)
+    again = router.route(request("new-retry", tokens(3, 4096)), ws, 4.0)
+    assert again.predicted_cached_tokens == 0 and again.tier == "cold"
+    assert router.blocks_for(new).hashes[0] not in policy._demand
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 5_000)), max_size=12),
+    st.integers(0, 3),
+    st.integers(1, 4_000),
+)
+def test_same_inputs_same_decision(
+    history: list[tuple[int, int, int]], doc_id: int, max_tokens: int
+) -> None:
+    def build() -> tuple[Router, list[WorkerView]]:
+        r = Router()
+        ws = workers(3)
+        for i, (w, d, pending) in enumerate(history):
+            warm(r, WorkerId(f"w{w}"), tokens(d, 2_000), float(i))
+            ws[w] = replace(ws[w], pending_prefill_tokens=pending)
+        return r, ws
+
+    q = RoutingRequest(RequestId("q"), NS, tokens=tokens(doc_id, 2_100), max_tokens=max_tokens)
+    (r1, ws1), (r2, ws2) = build(), build()
+    assert r1.route(q, ws1, 50.0).to_dict() == r2.route(q, ws2, 50.0).to_dict()
+
+
+def test_params_validation_names_the_field() -> None:
+    from prefixrouter.errors import ConfigError, UnknownNameError
+
+    with pytest.raises(ConfigError, match="warm_margin_rell"):
+        create_policy("prefix_aware", {"short": {"warm_margin_rell": 1}})
+    with pytest.raises(ConfigError, match="'min_match_tokens' must be int"):
+        create_policy("prefix_aware", {"min_match_tokens": "many"})
+    with pytest.raises(UnknownNameError, match=r"known: .*round_robin"):
+        create_policy("nope")
+    p = create_policy("prefix_aware", {"long": {"decode_weight": 2}}).params
+    assert isinstance(p, PrefixAwareParams) and p.long.decode_weight == 2.0
+    assert p.long.warm_margin_rel == PrefixAwareParams().long.warm_margin_rel
