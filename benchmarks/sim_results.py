@@ -3,16 +3,23 @@
 Usage::
 
     python benchmarks/sim_results.py [--out benchmarks] [--loads 0.6,0.9]
-        [--scenarios a,b,...] [--mooncake-limit 3000] [--seed 0]
+        [--scenarios a,b,...] [--modes token,text] [--mooncake-limit 3000] [--seed 0]
 
-For each scenario and load it simulates every registered policy on the same
-requests and fleet (``prefixrouter.sim.runner``), then writes
+For each scenario, load and routing mode (``token``: the router hashes token
+ids; ``text``: the gateway's default, chat bodies hashed in character chunks,
+see ``prefixrouter.sim.text``) it simulates every registered policy on the
+same requests and fleet (``prefixrouter.sim.runner``), then writes
 
 * ``RESULTS.md``: a summary (ours against the best baseline per scenario and
   load) and one table per scenario and load;
-* ``results/<scenario>-<load>.json``: the same report ``prefixrouter simulate
-  --json`` writes;
-* ``results/<scenario>-<load>.png``: TTFT distributions and prefill per policy.
+* ``results/<scenario>-<load>.json`` (token mode) and
+  ``results/<scenario>-<load>-text.json`` (text mode): the same report
+  ``prefixrouter simulate --json`` writes;
+* ``results/<stem>.png``: TTFT distributions and prefill per policy.
+
+A mode left out of ``--modes`` is not simulated: its JSON files already in
+``results/`` (if any) go into ``RESULTS.md`` as they are, so one mode can be
+rerun alone.
 
 Load is a fraction of the fleet's capacity with ideal prefix reuse (see
 ``prefixrouter.sim.runner``); the Mooncake trace is time-scaled to the same
@@ -66,6 +73,19 @@ def verdict(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+MODES = ("token", "text")
+
+
+def stem(name: str, load: float, mode: str) -> str:
+    """The file stem of one report: token mode keeps the names it had before modes existed."""
+    return f"{name}-{load:.1f}" + ("" if mode == "token" else f"-{mode}")
+
+
+def mode_of(report: dict[str, Any]) -> str:
+    """A report's routing mode (no ``mode`` key: token, as ``simulate --json`` writes)."""
+    return str(report.get("mode", "token"))
+
+
 def _ms(v: float) -> str:
     return f"{v / 1e3:.2f} s" if v >= 10_000 else f"{v:.0f} ms"
 
@@ -78,6 +98,8 @@ def _gain(ours: float, best: float) -> str:
 
 
 NOTES = Path(__file__).with_name("results_notes.md")
+TEXT_NOTES = Path(__file__).with_name("text_mode_notes.md")
+"""Where text mode loses to token mode and why (written from these figures), appended."""
 LIVE = Path(__file__).with_name("live_results.md")
 """The live comparison with the real peer routers (``prefixrouter bench``), appended."""
 VLLM = Path(__file__).with_name("vllm_results.md")
@@ -100,6 +122,62 @@ PERCENTILES = (
 """The percentile definition, stated under the introduction (``prefixrouter.stats``)."""
 
 
+def _by_policy(report: dict[str, Any], policy: str) -> dict[str, Any] | None:
+    return next((r for r in report["results"] if r["policy"] == policy), None)
+
+
+def _share(r: dict[str, Any]) -> str:
+    return f"{r['cached_tokens'] / r['prompt_tokens']:.1%}" if r["prompt_tokens"] else "n/a"
+
+
+def mode_table(reports: list[dict[str, Any]]) -> list[str]:
+    """Text mode beside token mode: prefix_aware's and round robin's figures per scenario, load."""
+    token = {(r["scenario"], r["load"]): r for r in reports if mode_of(r) == "token"}
+    pairs = [(token.get((r["scenario"], r["load"])), r) for r in reports if mode_of(r) == "text"]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "## Text mode beside token mode",
+        "",
+        "Text mode is the gateway's default: the router sees each request as the chat",
+        "body a client sends (`prefixrouter.sim.text`: one word per token id, the",
+        "system part as the system message), rendered to ChatML and hashed in",
+        "256-character chunks, with prompt tokens estimated from characters per",
+        "token learned from the engine's `prompt_tokens` (start 4.0; the cpt column",
+        "is prefix_aware's estimate at the end). The engines are the same in both",
+        "modes (token blocks), so only routing differs. Each cell: token → text.",
+        "",
+        "| scenario | load | prefix_aware mean | p99 | cached | round_robin mean | p99 | "
+        "cached | cpt |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for tok, txt in pairs:
+        cells: list[str] = []
+        for policy in ("prefix_aware", "round_robin"):
+            b = _by_policy(txt, policy)
+            a = _by_policy(tok, policy) if tok is not None else None
+            if b is None:
+                cells += ["n/a"] * 3
+                continue
+            for fmt in (
+                lambda r: _ms(r["ttft_ms"]["mean"]),
+                lambda r: _ms(r["ttft_ms"]["p99"]),
+                _share,
+            ):
+                cells.append(f"{fmt(a)} → {fmt(b)}" if a is not None else fmt(b))
+        ours = _by_policy(txt, "prefix_aware")
+        cpt = ours.get("chars_per_token") if ours is not None else None
+        lines.append(
+            f"| {txt['scenario']} | {txt['load']:.1f} | {' | '.join(cells)} | {cpt:.2f} |"
+            if cpt is not None
+            else f"| {txt['scenario']} | {txt['load']:.1f} | {' | '.join(cells)} | n/a |"
+        )
+    if TEXT_NOTES.exists():
+        lines += ["", TEXT_NOTES.read_text(encoding="utf-8").strip()]
+    return lines
+
+
 def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
     took = f" in {elapsed_s / 60:.0f} minutes" if elapsed_s > 0 else ""
     lines = [
@@ -116,14 +194,17 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         "",
         "## Summary",
         "",
-        "Gain = how much lower prefixrouter's TTFT is than the best baseline's",
-        "(a different baseline may be best on mean and on p99).",
+        "Token mode (the router hashes token ids, as the gateway's `routing.mode:",
+        "token`). Gain = how much lower prefixrouter's TTFT is than the best",
+        "baseline's (a different baseline may be best on mean and on p99).",
         "",
         "| scenario | load | ours mean | best baseline mean | gain | ours p99 | "
         "best baseline p99 | gain | prefill ×bound |",
         "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: |",
     ]
     for rep in reports:
+        if mode_of(rep) != "token":
+            continue
         v = verdict(rep)
         lines.append(
             f"| {rep['scenario']} | {rep['load']:.1f} | {_ms(v['ours_mean'])} | "
@@ -134,15 +215,18 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         )
     if NOTES.exists():
         lines += ["", NOTES.read_text(encoding="utf-8").strip()]
+    lines += mode_table(reports)
     for rep in reports:
+        mode = mode_of(rep)
+        suffix = "" if mode == "token" else f", {mode} mode"
         lines += [
             "",
-            f"## {rep['scenario']} at load {rep['load']:.1f}",
+            f"## {rep['scenario']} at load {rep['load']:.1f}{suffix}",
             "",
             f"{rep['workers']} workers, {rep['rate_rps']:.2f} req/s, "
             f"{rep['results'][0]['requests']} requests, KV {rep['kv_blocks']} blocks per "
             f"worker; bound {rep['lower_bound_prefill_tokens']:,} prefill tokens. "
-            f"![plot](results/{rep['scenario']}-{rep['load']:.1f}.png)",
+            f"![plot](results/{stem(rep['scenario'], rep['load'], mode)}.png)",
             "",
             "| policy | TTFT mean | p50 | p90 | p99 | e2e mean | e2e p99 | cached | "
             "prefill ×bound | evictions | imbalance | warm left |",
@@ -172,6 +256,7 @@ def main() -> None:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--mooncake-limit", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default=",".join(MODES), help="routing modes to simulate")
     ap.add_argument(
         "--markdown-only",
         action="store_true",
@@ -180,23 +265,22 @@ def main() -> None:
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     names = [n for n in args.scenarios.split(",") if n]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r}; known: {', '.join(MODES)}")
     policies = policy_names()
     profile = get_profile(PROFILE)
     out_dir = args.out / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     command = "python benchmarks/sim_results.py"
+    if args.modes != ",".join(MODES) and not args.markdown_only:
+        command += f" --modes {args.modes}` (the other mode's figures from `results/`"
     if args.markdown_only:
-        reports = [
-            orjson.loads((out_dir / f"{n}-{load:.1f}.json").read_bytes())
-            for n in names
-            for load in loads
-        ]
-        (args.out / "RESULTS.md").write_text(markdown(reports, command, 0.0), encoding="utf-8")
-        console.print(f"wrote {args.out / 'RESULTS.md'}")
-        return
+        modes = []
     started = time.monotonic()
-    reports: list[dict[str, Any]] = []
+    fresh: dict[str, dict[str, Any]] = {}
     with Progress(
         TextColumn("[bold]{task.description:<40}"),
         BarColumn(),
@@ -204,13 +288,16 @@ def main() -> None:
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        overall = progress.add_task("scenario x load x policy", total=len(names) * len(loads))
+        total = len(names) * len(loads) * len(modes)
+        overall = progress.add_task("scenario x load x mode", total=total)
         for name in names:
+            if not modes:
+                break
             workload = build(name, args.seed, args.mooncake_limit)
             bound = lower_bound_prefill_tokens(workload)
-            for load in loads:
-                p = plan(workload, profile, policies, load=load)
-                task = progress.add_task(f"{name} @ {load}", total=len(policies))
+            for load, mode in ((x, m) for x in loads for m in modes):
+                p = plan(workload, profile, policies, load=load, mode=mode)
+                task = progress.add_task(f"{name} @ {load} {mode}", total=len(policies))
                 results, runs = run_plan(
                     p, on_start=lambda _n, _t, task=task: progress.advance(task)
                 )
@@ -223,18 +310,27 @@ def main() -> None:
                     "load": load,
                     "rate_rps": p.rate,
                     "kv_events": False,
+                    **({"mode": mode} if mode != "token" else {}),
                     "lower_bound_prefill_tokens": bound,
                     "results": results,
                 }
-                stem = f"{name}-{load:.1f}"
-                (out_dir / f"{stem}.json").write_bytes(
+                key = stem(name, load, mode)
+                (out_dir / f"{key}.json").write_bytes(
                     orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n"
                 )
-                plot_report(report, runs, out_dir / f"{stem}.png")
-                reports.append(report)
+                plot_report(report, runs, out_dir / f"{key}.png")
+                fresh[key] = report
                 progress.remove_task(task)
                 progress.advance(overall)
     elapsed = time.monotonic() - started
+    reports: list[dict[str, Any]] = []
+    for name, load, mode in ((n, x, m) for m in MODES for n in names for x in loads):
+        key = stem(name, load, mode)
+        path = out_dir / f"{key}.json"
+        if key in fresh:
+            reports.append(fresh[key])
+        elif path.exists():  # a mode not rerun: its last results as they are
+            reports.append(orjson.loads(path.read_bytes()))
     (args.out / "RESULTS.md").write_text(markdown(reports, command, elapsed), encoding="utf-8")
     console.print(f"wrote {args.out / 'RESULTS.md'} and {out_dir}/")
 

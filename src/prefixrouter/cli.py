@@ -168,8 +168,16 @@ def simulate(
         str, typer.Option(help="'all' or a comma-separated list of policies.")
     ] = "all",
     kv_events: Annotated[
-        bool, typer.Option("--kv-events", help="Feed engine KV events to the router.")
+        bool,
+        typer.Option("--kv-events", help="Feed engine KV events to the router (token mode)."),
     ] = False,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="How the router sees prompts: text (chat bodies in character chunks, "
+            "the gateway's default) or token (token ids in engine blocks)."
+        ),
+    ] = "text",
     seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
@@ -187,6 +195,13 @@ def simulate(
         for name, spec in SCENARIOS.items():
             console.print(f"{name:<{width}}  {spec.summary}", highlight=False)
         return
+    if mode not in ("text", "token"):
+        raise fail(f"--mode: expected 'text' or 'token', got {mode!r}")
+    if kv_events and mode != "token":
+        raise fail(
+            "--kv-events needs --mode token: engine KV events name token blocks, "
+            "which text-mode hashes (character chunks) never match"
+        )
     try:
         workload = _load_workload(
             scenario, trace, trace_format, requests, seed, arrival, rate_scale
@@ -206,6 +221,7 @@ def simulate(
             load=load,
             rate=rate,
             kv_events=kv_events,
+            mode="text" if mode == "text" else "token",
         )
     except (PrefixRouterError, KeyError, ValueError, OSError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
@@ -238,6 +254,8 @@ def simulate(
         "load": p.load,
         "rate_rps": p.rate,
         "kv_events": kv_events,
+        # Token-mode reports keep the keys they had before modes existed (no key: token).
+        **({"mode": "text"} if mode == "text" else {}),
         "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
         "results": results,
     }

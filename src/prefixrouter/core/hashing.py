@@ -39,6 +39,8 @@ _xxh3 = xxhash.xxh3_64_intdigest
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CHUNK_CHARS = 256
 DEFAULT_CHARS_PER_TOKEN = 4.0
+DEFAULT_MAX_PROMPT_TOKENS = 131_072
+"""The gateway's bound on the tokens of a prompt that are hashed (``routing.max_prompt_tokens``)."""
 
 
 @dataclass(slots=True)

@@ -46,6 +46,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prefixrouter.core.hashing import (
+    DEFAULT_CHARS_PER_TOKEN,
+    DEFAULT_CHUNK_CHARS,
+    DEFAULT_MAX_PROMPT_TOKENS,
+)
 from prefixrouter.errors import ConfigError, PrefixRouterError
 from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
 
@@ -273,15 +278,15 @@ class RoutingConfig(_Model):
 
     mode: Literal["text", "token"] = "text"
     tokenizer: Path | None = None
-    chunk_chars: PosInt = 256
+    chunk_chars: PosInt = DEFAULT_CHUNK_CHARS
     block_size: PosInt | None = None
-    chars_per_token: PosFloat = 4.0
+    chars_per_token: PosFloat = DEFAULT_CHARS_PER_TOKEN
     template_version: str = ""
     tokenizer_revision: str = ""
     prefix_key_tokens: PosInt = 1024
     default_max_tokens: PosInt = 256
     document_chars: PosInt = 4000
-    max_prompt_tokens: PosInt = 131_072
+    max_prompt_tokens: PosInt = DEFAULT_MAX_PROMPT_TOKENS
 
 
 class TenantRule(_Model):

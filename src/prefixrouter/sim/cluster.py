@@ -18,6 +18,22 @@ instances:
 
 The gateway drives the same dispatcher with the same calls.
 
+**Two routing modes** (:attr:`ClusterConfig.mode`), as the gateway has:
+
+* ``token``: the router hashes the prompt's token ids in engine blocks, and
+  the engine shares those hashes (one hashing per request);
+* ``text`` (the gateway's default, and ``prefixrouter simulate``'s): the
+  request becomes the chat body a client would send
+  (:mod:`prefixrouter.sim.text`), built and hashed through the gateway's
+  request path (character chunks of the rendered ChatML, the gateway's
+  defaults: 256-character chunks, 4.0 characters per token to start,
+  131,072 prompt tokens hashed at most), and each completion teaches the
+  characters-per-token estimate with the engine's ``prompt_tokens``
+  (``Dispatcher.observe_prompt_tokens``, as the gateway's proxy does). The
+  engine keeps its exact token-level model: it hashes the token ids in its
+  own blocks. KV events are token blocks, which text-mode hashes never
+  match, so a text-mode run refuses ``kv_events``.
+
 The clock is the event heap's: entries are ``(time, kind, sequence, ...)``, so
 simultaneous events run in a fixed order (engine outputs before arrivals) and
 two runs with the same inputs produce identical records. Stale engine wakeups
@@ -28,10 +44,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from prefixrouter.core.dispatch import Admission, Dispatcher
-from prefixrouter.core.hashing import BlockHasher
+from prefixrouter.core.dispatch import Admission, Dispatcher, RoutingMode
+from prefixrouter.core.hashing import (
+    DEFAULT_CHARS_PER_TOKEN,
+    DEFAULT_CHUNK_CHARS,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    BlockHasher,
+    TokenEstimator,
+    hash_token_blocks,
+)
 from prefixrouter.core.policy import Outcome, Policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
@@ -44,6 +67,7 @@ from prefixrouter.sim.engine import (
     KvEventOut,
 )
 from prefixrouter.sim.profiles import EngineProfile
+from prefixrouter.sim.text import TextRenderer, text_routing_request
 from prefixrouter.sim.workload import SimRequest, Workload
 
 _WAKEUP, _ARRIVAL = 0, 1
@@ -107,6 +131,7 @@ class SimRun:
     end_time: float
     kv_events: bool
     decisions_logged: list[dict[str, object]] = field(default_factory=list)
+    chars_per_token: float | None = None  # text mode: the estimate learned by the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +144,7 @@ class ClusterConfig:
         kv_blocks: Per-replica KV blocks (None: the profile's).
         kv_events: Feed the engines' KV events to the router (exact index).
         decision_log: Keep the first N decisions as dicts (for inspection).
+        mode: How the router sees prompts: ``token`` ids or ``text`` (module docstring).
     """
 
     workers: int
@@ -126,6 +152,25 @@ class ClusterConfig:
     kv_blocks: int | None = None
     kv_events: bool = False
     decision_log: int = 0
+    mode: RoutingMode = "token"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("text", "token"):
+            raise ValueError(f"unknown routing mode {self.mode!r}: expected 'text' or 'token'")
+        if self.kv_events and self.mode != "token":
+            raise ValueError(
+                "KV events need token mode: engine events name token blocks, which "
+                "text-mode hashes (character chunks) never match; use --mode token"
+            )
+
+
+def text_hasher() -> BlockHasher:
+    """Text mode's hasher with the gateway's defaults (``routing`` in its configuration)."""
+    return BlockHasher(
+        chunk_chars=DEFAULT_CHUNK_CHARS,
+        estimator=TokenEstimator(DEFAULT_CHARS_PER_TOKEN),
+        max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS,
+    )
 
 
 def routing_request(req: SimRequest) -> RoutingRequest:
@@ -150,7 +195,9 @@ class Simulation:
         policy: Policy | str,
         *,
         on_progress: Callable[[int], None] | None = None,
+        renderer: TextRenderer | None = None,
     ) -> None:
+        """``renderer``: text mode's bodies (share one across runs of one workload)."""
         self.workload = workload
         self.config = config
         block_size = config.profile.block_size
@@ -159,7 +206,14 @@ class Simulation:
                 f"workload {workload.name} uses {workload.block_size}-token blocks, "
                 f"profile {config.profile.name} {block_size}"
             )
-        self.dispatch = Dispatcher(Router(policy, hasher=BlockHasher(block_size=block_size)))
+        self.mode = config.mode
+        self._renderer: TextRenderer | None = None
+        if self.mode == "text":
+            hasher = replace(text_hasher(), block_size=block_size)
+            self._renderer = renderer or TextRenderer(workload.requests)
+        else:
+            hasher = BlockHasher(block_size=block_size)
+        self.dispatch = Dispatcher(Router(policy, hasher=hasher), self.mode)
         kv_blocks = config.kv_blocks
         self.engines = [
             EngineModel(WorkerId(f"w{i:02d}"), config.profile, kv_blocks, config.kv_events)
@@ -170,7 +224,8 @@ class Simulation:
         self._on_progress = on_progress
         # One run's state (reset by run()).
         self._records: list[RequestRecord] = []
-        self._by_id: dict[str, tuple[RequestRecord, Admission]] = {}
+        # request id -> (record, admission, prompt characters in text mode)
+        self._by_id: dict[str, tuple[RequestRecord, Admission, int]] = {}
         self._logged: list[dict[str, object]] = []
         self._done = 0
         self._heap: list[tuple[float, int, int, int, int]] = []  # time, kind, seq, engine, epoch
@@ -221,8 +276,15 @@ class Simulation:
             now = sreq.arrival
             self._arrive(sreq, now)
         kv_events = self.config.kv_events
+        cpt = self.dispatch.chars_per_token if self.mode == "text" else None
         return SimRun(
-            self.dispatch.policy_name, self._records, self._stats(), now, kv_events, self._logged
+            self.dispatch.policy_name,
+            self._records,
+            self._stats(),
+            now,
+            kv_events,
+            self._logged,
+            cpt,
         )
 
     def _arrive(self, sreq: SimRequest, now: float) -> None:
@@ -230,11 +292,21 @@ class Simulation:
         dispatch = self.dispatch
         views = self._views()
         dispatch.mirror_capacity(views)
-        adm = dispatch.admit(routing_request(sreq), views, now)
+        renderer = self._renderer
+        if renderer is None:  # token mode: the engine shares the router's hashes
+            adm = dispatch.admit(routing_request(sreq), views, now)
+            chars = 0
+            engine_hashes, prompt = adm.blocks.hashes, adm.blocks.prompt_tokens
+        else:  # text mode: the router sees text, the engine its token blocks
+            request, chars = text_routing_request(sreq, renderer)
+            adm = dispatch.admit(request, views, now)
+            prompt = sreq.prompt_tokens
+            engine_hashes = hash_token_blocks(
+                sreq.namespace.seed, sreq.tokens(), self.config.profile.block_size
+            )
         decision = adm.decision
         if len(self._logged) < self.config.decision_log:
             self._logged.append(decision.to_dict())
-        prompt = adm.blocks.prompt_tokens
         rec = RequestRecord(
             request_id=sreq.request_id,
             arrival=now,
@@ -248,12 +320,12 @@ class Simulation:
             predicted_cached_tokens=decision.predicted_cached_tokens,
         )
         self._records.append(rec)
-        self._by_id[sreq.request_id] = (rec, adm)
+        self._by_id[sreq.request_id] = (rec, adm, chars)
         i = self._engine_of[decision.worker_id]
         # Wakeups at or before `now` were processed first (heap order), as
         # EngineModel.submit requires.
         self.engines[i].submit(
-            EngineRequest(sreq.request_id, adm.blocks.hashes, prompt, sreq.output_tokens, now), now
+            EngineRequest(sreq.request_id, engine_hashes, prompt, sreq.output_tokens, now), now
         )
         self._schedule(i)
 
@@ -262,16 +334,18 @@ class Simulation:
         dispatch = self.dispatch
         for out in outputs:
             if isinstance(out, FirstToken):
-                rec, adm = self._by_id[out.request_id]
+                rec, adm, _ = self._by_id[out.request_id]
                 rec.first_token = out.time
                 rec.cached_tokens = out.cached_tokens
                 rec.queue_wait_s = out.queue_wait_s
                 rec.kv_wait_s = out.kv_wait_s
                 dispatch.first_token(adm)
             elif isinstance(out, Completed):
-                rec, adm = self._by_id.pop(out.request_id)
+                rec, adm, chars = self._by_id.pop(out.request_id)
                 rec.completed = out.time
                 dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
+                if chars:  # text mode learns characters per token, as the gateway does
+                    dispatch.observe_prompt_tokens(chars, rec.prompt_tokens)
                 self._done += 1
                 if self._on_progress is not None:
                     self._on_progress(self._done)

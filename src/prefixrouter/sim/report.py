@@ -75,7 +75,7 @@ def summarize(run: SimRun) -> dict[str, Any]:
     cached = sum(r.cached_tokens for r in done)
     busy = [w.busy_time_s for w in run.workers]
     mean_busy = math.fsum(busy) / len(busy) if busy else 0.0
-    return {
+    out: dict[str, Any] = {
         "policy": run.policy,
         "requests": len(run.records),
         "completed": len(done),
@@ -98,3 +98,6 @@ def summarize(run: SimRun) -> dict[str, Any]:
         "kv_wait_ms_total": round(sum(r.kv_wait_s for r in done) * 1e3, 1),
         "per_worker_requests": {w.worker: w.requests for w in run.workers},
     }
+    if run.chars_per_token is not None:  # text mode only: token-mode reports keep their keys
+        out["chars_per_token"] = round(run.chars_per_token, 4)
+    return out

@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, SimRun, Simulation
 from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.report import first_seen_prefill, summarize
+from prefixrouter.sim.text import TextRenderer
 from prefixrouter.sim.workload import Workload
 
 REFERENCE_BATCH = 32
@@ -61,6 +63,7 @@ class RunPlan:
     rate: float | None  # requests per second; None for fixed-time traces
     load: float | None
     kv_events: bool = False
+    mode: RoutingMode = "token"
 
 
 def plan(
@@ -73,15 +76,17 @@ def plan(
     load: float | None = None,
     rate: float | None = None,
     kv_events: bool = False,
+    mode: RoutingMode = "token",
 ) -> RunPlan:
     """Resolve defaults and the arrival rate; returns the plan with a scaled workload."""
     n = workers or workload.default_workers
     kv = kv_blocks if kv_blocks is not None else workload.default_kv_blocks
+    ClusterConfig(n, profile, kv, kv_events, mode=mode)  # fail early on a bad mode
     for name in policies:
         create_policy(name)  # fail early, naming the policy
     if workload.fixed_times:
         if load is None and rate is None:
-            return RunPlan(workload, profile, n, kv, policies, None, None, kv_events)
+            return RunPlan(workload, profile, n, kv, policies, None, None, kv_events, mode)
         # A trace keeps its own burstiness; only its clock is stretched so its
         # mean rate is the one asked for.
         if rate is None:
@@ -91,12 +96,20 @@ def plan(
         factor = (len(workload.requests) / span) / rate
         requests = [replace(r, arrival=r.arrival * factor) for r in workload.requests]
         return RunPlan(
-            replace(workload, requests=requests), profile, n, kv, policies, rate, load, kv_events
+            replace(workload, requests=requests),
+            profile,
+            n,
+            kv,
+            policies,
+            rate,
+            load,
+            kv_events,
+            mode,
         )
     if rate is None:
         load = 0.6 if load is None else load
         rate = load * capacity_rps(workload, profile, n)
-    return RunPlan(workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events)
+    return RunPlan(workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode)
 
 
 def run_plan(
@@ -108,11 +121,14 @@ def run_plan(
     """Simulate every policy of the plan; returns their summaries and raw runs."""
     results: list[dict[str, Any]] = []
     runs: list[SimRun] = []
-    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, p.kv_events)
+    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, p.kv_events, mode=p.mode)
+    # Text mode: one renderer for every policy, so each shared segment is rendered once.
+    renderer = TextRenderer(p.workload.requests) if p.mode == "text" else None
     for name in p.policies:
         if on_start is not None:
             on_start(name, len(p.workload.requests))
-        run = Simulation(p.workload, config, name, on_progress=on_progress).run()
+        sim = Simulation(p.workload, config, name, on_progress=on_progress, renderer=renderer)
+        run = sim.run()
         runs.append(run)
         results.append(summarize(run))
     return results, runs
