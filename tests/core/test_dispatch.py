@@ -178,14 +178,15 @@ def test_the_mirror_leaves_room_for_running_requests_output() -> None:
     assert d.router.index.match(d.hash(request("q", tokens(1, 1600))).hashes, 0.0)[W0].blocks == 80
 
 
-def test_queued_prompts_are_left_out_of_the_prefix_blocks() -> None:
+def test_prompts_sent_and_not_decoding_count_as_prefix_blocks() -> None:
     view = WorkerView(W0, kv_capacity_blocks=1000, kv_used_blocks=500, block_size=16)
     assert prefix_room_blocks(view, 16.0) == 500  # nothing known in flight: all other
     decoding = replace(view, context_tokens=400 * 16)
     assert prefix_room_blocks(decoding, 16.0) == 900  # their prompts are cached prefixes
-    # a queued prompt holds no block of the 500 in use: the room is not grown for it
+    # a prompt sent and not decoding yet is being prefilled (or waits): its
+    # blocks, once held, are cached prefixes too, not room taken from them
     queued = replace(view, queued_prompt_tokens=400 * 16)
-    assert prefix_room_blocks(queued, 16.0) == 500
+    assert prefix_room_blocks(queued, 16.0) == 900
     assert prefix_room_blocks(replace(decoding, kv_used_blocks=0), 16.0) == 1000  # never more
 
 

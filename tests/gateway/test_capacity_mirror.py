@@ -27,10 +27,13 @@ def test_the_registry_mirrors_with_the_dispatchers_formula_and_fresh_ledger_figu
     unit = dispatch.index_block_tokens()
     assert unit == 64.0
     expected = prefix_room_blocks(dispatch.fill(w.view), unit)
-    # 10,000 tokens decoding (625 blocks) leave none of the 500 used as other;
-    # the queued prompt holds no block and grows nothing
+    # 10,000 tokens decoding (625 blocks) leave none of the 500 used as other
     assert dispatch.index_capacity(w.id) == expected == 1000 * 16 // 64
-    dispatch.complete(adm, Outcome(0, 0.1), 1.0)  # done: its blocks count as other again
+    dispatch.complete(adm, Outcome(0, 0.1), 1.0)
+    registry._mirror_capacity(w)
+    # the prompt sent and not decoding yet (prefilling, as far as the gateway
+    # can tell) still accounts for the 500 in use
+    assert dispatch.index_capacity(w.id) == 1000 * 16 // 64
+    dispatch.reject(queued, 1.0)  # nothing in flight: the 500 used are other
     registry._mirror_capacity(w)
     assert dispatch.index_capacity(w.id) == 500 * 16 // 64
-    dispatch.reject(queued, 1.0)
