@@ -211,8 +211,8 @@ class LimitsConfig(_Model):
             5 ms). Large bodies are parsed on a thread, and the event loop,
             which gives the GIL up at every socket wait, waited up to a whole
             interval for it at every read: with eight 7.8 MB bodies arriving,
-            /health's p99 was 640-760 ms at 5 ms and 55-120 ms at 0.5 ms
-            (``benchmarks/downstream_limits.py``).
+            /health's p99 while they were parsed was 585-760 ms at 5 ms and
+            55-80 ms at 0.5 ms (``benchmarks/downstream_limits.py``).
     """
 
     header_timeout_s: PosFloat = 30.0
