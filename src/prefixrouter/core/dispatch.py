@@ -75,21 +75,22 @@ def prefix_room_blocks(view: WorkerView, index_block_tokens: float) -> int:
         other = max(0, kv_used_blocks - (context_tokens + queued_prompt_tokens) // block)
         room  = max(1, kv_capacity_blocks - other) * block      (tokens)
 
-    Why included: a driver cannot tell a request the engine is prefilling
-    from one that waits in its queue (both are "sent, no first token"), and
-    a prefilling prompt holds its blocks from the moment it is scheduled. On
-    long prompts prefill is most of a request's time in flight, so leaving
-    these prompts out counted them as non-prefix blocks: the mirror shrank by
-    the documents being prefilled, the index forgot prefixes the engine held,
-    and the policy replicated documents it did not need to. On real vLLM
+    Why included: a driver cannot tell a request the engine is prefilling from
+    one that waits in its queue (both are "sent, no first token"), and a
+    prefilling prompt holds its blocks from the moment it is scheduled. On long
+    prompts prefill is most of a request's time in flight, so leaving these
+    prompts out counted them as non-prefix blocks: the mirror shrank by the
+    documents being prefilled, the index forgot prefixes the engine held, and
+    the policy replicated documents it did not need to. On real vLLM
     (``tests/real_vllm``, doc-QA: four 8,000-token documents on two engines)
-    the cached share fell from 87 % to 74.7 %, 81.0 % and one run below
-    80 %, in three runs of four. The error this formula keeps is the other way: prompts that truly wait hold
-    no block, so under a long queue the mirror is larger than the engine's
-    room and a prefix the engine evicted can be predicted warm once (the miss
-    is then seen on completion and corrects the index). In the simulator,
-    leaving them out was 5 % better on ``llmd-customers``'s mean TTFT (a
-    queue-heavy rate ladder) and otherwise alike; the real engine decides.
+    the cached share fell from 87 % to 74.7 %, 81.0 % and one run below 80 %,
+    in three runs of four. The error this formula keeps is the other way:
+    prompts that truly wait hold no block, so under a long queue the mirror is
+    larger than the engine's room and a prefix the engine evicted can be
+    predicted warm once (the miss is then seen on completion and corrects the
+    index). In the simulator, leaving them out was 5 % better on
+    ``llmd-customers``'s mean TTFT (a queue-heavy rate ladder) and otherwise
+    alike; the real engine decides.
 
     Args:
         view: The worker, with the engine's KV figures and the ledger's.
