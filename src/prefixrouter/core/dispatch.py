@@ -38,6 +38,17 @@ method here, called from its own adapter. The dispatcher is not thread-safe:
 every state-changing call comes from one thread (the gateway's event loop);
 only :meth:`Dispatcher.hash` may run elsewhere (it reads, never writes).
 
+**Peers.** With ``record_facts=True`` every change another gateway replica
+must mirror is appended, as a :mod:`~prefixrouter.core.facts` value, to an
+outbox the driver drains (:meth:`Dispatcher.drain_facts`) and publishes. A
+replica applies what it hears with :meth:`Dispatcher.apply_peer`, which drives
+the same router calls as its own requests: a peer's routing places speculative
+entries, feeds the policy's demand and counts in flight on its worker; the
+peer's rejection withdraws it; its completion confirms the chain (or corrects a
+miss). :meth:`Dispatcher.peer_gone` settles, without feedback, everything a
+peer that stopped (or restarted under a new epoch) still had in flight, so no
+worker looks busy forever.
+
 Pure like the rest of ``core``: no I/O, no clock reads (times are arguments),
 no asyncio.
 """
@@ -50,15 +61,57 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from prefixrouter.core.events import KvEvent
+from prefixrouter.core.facts import (
+    Fact,
+    FirstTokenFact,
+    NamespaceFields,
+    RoutedFact,
+    SettledFact,
+    Settlement,
+    WorkerChange,
+    WorkerFact,
+)
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.load import InflightLedger, WorkerLoad
-from prefixrouter.core.policy import Outcome
+from prefixrouter.core.policy import Outcome, RoutingContext
 from prefixrouter.core.router import Decision, Router
-from prefixrouter.core.types import RequestId, RoutingRequest, WorkerId, WorkerView
+from prefixrouter.core.types import (
+    CacheNamespace,
+    RequestId,
+    RoutingRequest,
+    WorkerId,
+    WorkerView,
+)
 
 RoutingMode = Literal["text", "token"]
 """How prompts are hashed: ``token`` (engine blocks of token ids) or ``text``
 (character chunks, tokens estimated)."""
+
+
+_PEER = "peer:"
+"""Prefix of the ledger ids of peers' routings (never recorded again)."""
+_MAX_NAMESPACES = 4096
+"""Namespaces of peers' facts kept built (tenants x models x adapters)."""
+
+
+def _routed_fact(decision: Decision) -> RoutedFact:
+    ctx = decision.context
+    request, blocks = ctx.request, ctx.blocks
+    ns = request.namespace
+    return RoutedFact(
+        request_id=request.request_id,
+        worker=decision.worker_id,
+        namespace=NamespaceFields(
+            ns.model_revision, ns.tokenizer_revision, ns.adapter_id, ns.template_version, ns.tenant
+        ),
+        model=request.model,
+        prefix_key=ctx.prefix_key,
+        hashes=blocks.hashes,
+        block_tokens=blocks.block_tokens,
+        prompt_tokens=decision.prompt_tokens,
+        predicted_cached_tokens=decision.predicted_cached_tokens,
+        max_tokens=request.max_tokens,
+    )
 
 
 def prefix_room_blocks(view: WorkerView, index_block_tokens: float) -> int:
@@ -115,12 +168,14 @@ class Admission:
         tried: Workers of this request's earlier attempts (a retry avoids them).
         first_token: The engine's first token was noted (:meth:`Dispatcher.first_token`).
         settled: Rejected or completed; nothing more is fed back for it.
+        origin: The peer whose routing this is (``""``: this replica's own).
     """
 
     decision: Decision
     tried: tuple[WorkerId, ...] = ()
     first_token: bool = False
     settled: bool = False
+    origin: str = ""
 
     @property
     def request(self) -> RoutingRequest:
@@ -145,12 +200,20 @@ class Dispatcher:
         router: The routing core (policy, hasher, index, cost model).
         mode: How the driver's requests are hashed; it sets the unit of the
             capacity mirror (see :meth:`index_block_tokens`).
+        record_facts: Append a fact for peers to the outbox on every change
+            they must mirror (see the module docstring).
     """
 
-    def __init__(self, router: Router, mode: RoutingMode = "token") -> None:
+    def __init__(
+        self, router: Router, mode: RoutingMode = "token", *, record_facts: bool = False
+    ) -> None:
         self._router = router
         self._ledger = InflightLedger()
         self.mode: RoutingMode = mode
+        self._outbox: list[Fact] | None = [] if record_facts else None
+        # origin -> its routings applied here and not settled yet, by its request id.
+        self._peer_open: dict[str, dict[RequestId, Admission]] = {}
+        self._namespaces: dict[NamespaceFields, CacheNamespace] = {}
 
     # ------------------------------------------------------------- read-only views
 
@@ -272,6 +335,8 @@ class Dispatcher:
             request.max_tokens,
         )
         router.on_routed(decision, now)
+        if self._outbox is not None:
+            self._outbox.append(_routed_fact(decision))
         return Admission(decision, tried)
 
     def first_token(self, admission: Admission) -> None:
@@ -279,7 +344,10 @@ class Dispatcher:
         if admission.settled or admission.first_token:
             return
         admission.first_token = True
-        self._ledger.on_first_token(admission.request.request_id)
+        rid = admission.request.request_id
+        self._ledger.on_first_token(rid)
+        if self._outbox is not None and not admission.origin:
+            self._outbox.append(FirstTokenFact(rid))
 
     def reject(self, admission: Admission, now: float) -> None:
         """The engine did no prefill for this attempt: take its routing back.
@@ -289,6 +357,7 @@ class Dispatcher:
         """
         if self._settle(admission):
             self._router.on_rejected(admission.decision, now)
+            self._record_settled(admission, Settlement.REJECTED, 0)
 
     def complete(self, admission: Admission, outcome: Outcome, now: float) -> bool:
         """Feed back the engine's answer. Returns True if it was a cache miss.
@@ -299,7 +368,14 @@ class Dispatcher:
         """
         if not self._settle(admission):
             return False
-        return self._router.on_completed(admission.decision, outcome, now)
+        miss = self._router.on_completed(admission.decision, outcome, now)
+        settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
+        self._record_settled(admission, settlement, outcome.actual_cached_tokens)
+        return miss
+
+    def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
+        if self._outbox is not None and not admission.origin:
+            self._outbox.append(SettledFact(admission.request.request_id, settlement, cached))
 
     def _settle(self, admission: Admission) -> bool:
         """Mark settled and release the ledger; False if nothing is to be fed back.
@@ -339,10 +415,14 @@ class Dispatcher:
 
         Returns how many were demoted.
         """
+        if self._outbox is not None:
+            self._outbox.append(WorkerFact(worker, WorkerChange.DOWN))
         return self._router.worker_down(worker, now)
 
     def worker_restarted(self, worker: WorkerId, now: float) -> None:
         """The worker's engine is a new process with an empty cache: forget its entries."""
+        if self._outbox is not None:
+            self._outbox.append(WorkerFact(worker, WorkerChange.RESTARTED))
         self._router.worker_restarted(worker, now)
 
     def remove_worker(self, worker: WorkerId) -> list[RequestId]:
@@ -353,6 +433,131 @@ class Dispatcher:
         """
         self._router.remove_worker(worker)
         return self._ledger.drop_worker(worker)
+
+    # ------------------------------------------------------------- peers
+
+    def drain_facts(self) -> list[Fact]:
+        """The facts recorded since the last drain, oldest first (empty if not recording)."""
+        out = self._outbox
+        if not out:
+            return []
+        self._outbox = []
+        return out
+
+    def apply_peer(self, origin: str, fact: Fact, now: float) -> bool:
+        """Apply a fact another replica recorded, at this replica's ``now``.
+
+        ``origin`` names the peer and its epoch (one process lifetime): a
+        restarted peer is another origin. The caller drops facts for workers
+        it does not know. A peer's routing enters like one of our own: it
+        places speculative entries on the worker, counts toward the policy's
+        demand and in flight on the worker (as ``PEER origin/request``), and
+        waits for its settlement. Facts applied here are never recorded again.
+
+        Returns:
+            False if the fact could not be applied: a settlement or first token
+            of a routing this replica never heard (it joined after it, or the
+            routing aged out of the stream), or a routing heard twice.
+        """
+        if isinstance(fact, RoutedFact):
+            return self._apply_peer_routed(origin, fact, now)
+        if isinstance(fact, WorkerFact):
+            if fact.change is WorkerChange.DOWN:
+                self._router.worker_down(fact.worker, now)
+            else:
+                self._router.worker_restarted(fact.worker, now)
+            return True
+        open_ = self._peer_open.get(origin)
+        admission = open_.get(fact.request_id) if open_ is not None else None
+        if admission is None or open_ is None:
+            return False
+        if isinstance(fact, FirstTokenFact):
+            self.first_token(admission)
+            return True
+        del open_[fact.request_id]
+        if fact.settlement is Settlement.REJECTED:
+            self.reject(admission, now)
+        else:
+            ok = fact.settlement is Settlement.COMPLETED
+            self.complete(admission, Outcome(fact.actual_cached_tokens, None, ok=ok), now)
+        return True
+
+    def _apply_peer_routed(self, origin: str, fact: RoutedFact, now: float) -> bool:
+        open_ = self._peer_open.setdefault(origin, {})
+        if fact.request_id in open_:
+            return False
+        request_id = RequestId(f"{_PEER}{origin}/{fact.request_id}")
+        namespace = self._namespaces.get(fact.namespace)
+        if namespace is None:
+            fields = fact.namespace
+            namespace = CacheNamespace(
+                fields.model_revision,
+                fields.tokenizer_revision,
+                fields.adapter_id,
+                fields.template_version,
+                fields.tenant,
+            )
+            if len(self._namespaces) >= _MAX_NAMESPACES:
+                self._namespaces.clear()  # a bounded cache: rebuilding one is cheap
+            self._namespaces[fact.namespace] = namespace
+        request = RoutingRequest(
+            request_id,
+            namespace,
+            text="",
+            prompt_tokens=fact.prompt_tokens,
+            max_tokens=fact.max_tokens,
+            model=fact.model,
+        )
+        router = self._router
+        blocks = PromptBlocks(fact.hashes, fact.block_tokens, fact.prompt_tokens)
+        ctx = RoutingContext(request, blocks, {}, now, fact.prefix_key, router.cost, router.index)
+        decision = Decision(
+            request_id=request_id,
+            namespace=namespace.key,
+            prefix_key=fact.prefix_key,
+            prefix_class="",
+            policy=router.policy.name,
+            worker_id=fact.worker,
+            tier="peer",
+            reason=f"routed by {origin}",
+            predicted_cached_tokens=fact.predicted_cached_tokens,
+            prompt_tokens=fact.prompt_tokens,
+            candidates=(),
+            filtered={},
+            warm_abandoned=False,
+            now=now,
+            context=ctx,
+        )
+        prompt = fact.prompt_tokens
+        self._ledger.on_routed(
+            request_id,
+            fact.worker,
+            max(0, prompt - fact.predicted_cached_tokens),
+            prompt,
+            fact.max_tokens,
+        )
+        router.on_routed(decision, now)
+        open_[fact.request_id] = Admission(decision, origin=origin)
+        return True
+
+    def peer_gone(self, origin: str) -> int:
+        """A peer stopped (no heartbeat) or restarted: settle what it had open here.
+
+        Its routings stay in the index (the engines did get those requests);
+        their in-flight counts go, since nobody will report their end.
+        Returns how many routings were open.
+        """
+        open_ = self._peer_open.pop(origin, None)
+        if not open_:
+            return 0
+        for admission in open_.values():
+            self._settle(admission)
+        return len(open_)
+
+    def peer_inflight(self, origin: str) -> int:
+        """Routings of ``origin`` applied here and not settled yet."""
+        open_ = self._peer_open.get(origin)
+        return len(open_) if open_ is not None else 0
 
     # ------------------------------------------------------------- engine facts
 

@@ -1,0 +1,118 @@
+"""Facts between dispatchers: one replica's routings, answers and worker changes applied by another."""
+
+from __future__ import annotations
+
+from prefixrouter.core import Dispatcher, Outcome, Router, WorkerId
+from prefixrouter.core.facts import (
+    FirstTokenFact,
+    RoutedFact,
+    SettledFact,
+    Settlement,
+    WorkerChange,
+    WorkerFact,
+)
+from prefixrouter.core.types import CacheNamespace, EntrySource
+from tests.core.conftest import request, tokens, workers
+
+W0, W1 = WorkerId("w0"), WorkerId("w1")
+DOC = tokens(1, 16 * 20)  # 20 blocks of 16 tokens
+
+
+def replica(policy: str = "prefix_aware") -> Dispatcher:
+    return Dispatcher(Router(policy), record_facts=True)
+
+
+def relay(src: Dispatcher, dst: Dispatcher, origin: str = "a@1", now: float = 0.0) -> list[bool]:
+    return [dst.apply_peer(origin, fact, now) for fact in src.drain_facts()]
+
+
+def test_a_peers_routing_makes_the_document_warm_on_its_worker() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    assert relay(a, b) == [True]
+    # B never saw the request, yet predicts it warm (speculative) on A's worker.
+    again = b.admit(request("r2", DOC), workers(2), 1.0)
+    assert again.worker == adm.worker
+    assert again.decision.predicted_cached_tokens > 0
+    assert b.load(adm.worker).in_flight == 2  # the peer's request counts in flight here
+
+
+def test_a_peers_completion_confirms_the_chain_and_ends_its_in_flight_count() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.first_token(adm)
+    a.complete(adm, Outcome(0, 0.1), 0.5)
+    facts = a.drain_facts()
+    assert [type(f) for f in facts] == [RoutedFact, FirstTokenFact, SettledFact]
+    assert [b.apply_peer("a@1", f, 1.0) for f in facts] == [True, True, True]
+    assert b.load(adm.worker).in_flight == 0
+    entry = b.router.index.entry(adm.worker, adm.blocks.hashes[-1])
+    assert entry is not None and entry.source is EntrySource.CONFIRMED
+    assert a.drain_facts() == [] and b.drain_facts() == []  # applied facts are not re-recorded
+
+
+def test_a_peers_rejection_takes_its_routing_back() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.reject(adm, 0.1)
+    assert relay(a, b) == [True, True]
+    assert b.index_blocks(adm.worker) == 0
+    assert b.load(adm.worker).in_flight == 0
+
+
+def test_a_gone_peers_in_flight_counts_expire_but_its_placements_stay() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    relay(a, b)
+    assert b.peer_inflight("a@1") == 1
+    assert b.peer_gone("a@1") == 1
+    assert b.load(adm.worker).in_flight == 0
+    assert b.index_blocks(adm.worker) == 20  # the engine did get the request
+    # A late settlement of the gone peer changes nothing.
+    a.complete(adm, Outcome(320, 0.1), 1.0)
+    assert relay(a, b) == [False]
+
+
+def test_facts_of_one_origin_never_settle_another_origins_routing() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    (routed,) = a.drain_facts()
+    assert b.apply_peer("a@1", routed, 0.0)
+    assert not b.apply_peer("a@1", routed, 0.0)  # heard twice: applied once
+    rejected = SettledFact(adm.request.request_id, Settlement.REJECTED, 0)
+    assert not b.apply_peer("a@2", rejected, 1.0)  # a restarted A's facts: another origin
+    assert b.load(adm.worker).in_flight == 1 and b.index_blocks(adm.worker) == 20
+
+
+def test_another_tenants_facts_never_make_a_prefix_warm() -> None:
+    a, b = replica(), replica()
+    alice = CacheNamespace("m", tenant="tenant:alice")
+    a.admit(request("r1", DOC, ns=alice), workers(2), 0.0)
+    relay(a, b)
+    bob = b.admit(request("r2", DOC, ns=CacheNamespace("m", tenant="tenant:bob")), workers(2), 1.0)
+    assert bob.decision.predicted_cached_tokens == 0
+
+
+def test_worker_changes_are_recorded_and_applied() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, 0.1), 0.5)
+    relay(a, b)
+    a.worker_down(adm.worker, 2.0)
+    a.worker_restarted(adm.worker, 3.0)
+    facts = a.drain_facts()
+    assert facts == [
+        WorkerFact(adm.worker, WorkerChange.DOWN),
+        WorkerFact(adm.worker, WorkerChange.RESTARTED),
+    ]
+    b.apply_peer("a@1", facts[0], 2.0)
+    entry = b.router.index.entry(adm.worker, adm.blocks.hashes[0])
+    assert entry is not None and entry.source is EntrySource.SPECULATIVE
+    b.apply_peer("a@1", facts[1], 3.0)
+    assert b.index_blocks(adm.worker) == 0
+
+
+def test_a_dispatcher_not_recording_keeps_no_outbox() -> None:
+    d = Dispatcher(Router("prefix_aware"))
+    d.admit(request("r1", DOC), workers(2), 0.0)
+    assert d.drain_facts() == []
