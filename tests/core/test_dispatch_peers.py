@@ -1,4 +1,4 @@
-"""Facts between dispatchers: one replica's routings, answers and worker changes applied by another."""
+"""Facts between dispatchers: a replica's routings, answers and worker changes, at a peer."""
 
 from __future__ import annotations
 

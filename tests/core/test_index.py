@@ -237,7 +237,7 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
         # capacity and the global cap hold after every call
         assert len(idx) <= 20
         # the speculative count is exact, and bounds the expiry heap
-        live = [e for ww in (A, B, WorkerId("c")) for e in idx._lru.get(ww, {}).values()]
+        live = [e for ww in (A, B, WorkerId("c")) for _, e in idx.entries(ww)]
         speculative = sum(1 for e in live if e.source is EntrySource.SPECULATIVE)
         assert idx.speculative_entries == speculative
         assert idx.expiry_items <= 2 * speculative + 64
@@ -428,8 +428,33 @@ def test_the_expiry_heap_stays_bounded_by_the_live_speculative_entries() -> None
         peak = max(peak, idx.expiry_items)
     assert len(idx) == 400
     assert idx.speculative_entries == sum(
-        1 for w in workers for h, e in idx._lru[w].items() if e.source is EntrySource.SPECULATIVE
+        1 for w in workers for _, e in idx.entries(w) if e.source is EntrySource.SPECULATIVE
     )
     # 160,000 entries were placed; the heap holds about what the index does
     assert peak <= 2 * 400 + 64 + 8
     assert idx.expiry_items <= 2 * idx.speculative_entries + 64
+
+
+def test_entries_are_invisible_to_the_cyclic_garbage_collector() -> None:
+    """A full collection walks every tracked object: entries must not be among them.
+
+    With entries as class instances, an index of 1.6 million entries paused
+    the process 0.72 s per full collection. Speculative, confirmed and
+    event entries, their holder sets and the expiry heap's items must all
+    leave the collector's lists.
+    """
+    import gc
+
+    idx = PrefixIndex(IndexParams(default_capacity_blocks=100_000))
+    gc.collect()
+    before = len(gc.get_objects())
+    for r in range(40):  # 40 x 500 blocks: 20,000 entries of every source
+        chain = [BlockHash(r * 1_000 + i) for i in range(500)]
+        idx.on_routed(A if r % 2 else B, chain, float(r))
+        if r % 4 == 0:
+            idx.on_completed(B, chain, 16.0, 0, 0, float(r))
+        elif r % 4 == 2:
+            idx.apply(BlockStored(B, tuple(chain)), float(r))
+    gc.collect()
+    assert len(idx) == 20_000 and idx.speculative_entries >= 5_000
+    assert len(gc.get_objects()) - before < 200
