@@ -236,7 +236,12 @@ class Worker:
                 "max_slots": self.view.max_slots,
             },
             "kv_events": (
-                self.feed.stats.to_dict(self.feed.translator) if self.feed is not None else None
+                {
+                    **self.feed.stats.to_dict(self.feed.translator),
+                    "connect": self.feed.publisher,  # None: the engine connects to us
+                }
+                if self.feed is not None
+                else None
             ),
         }
 
