@@ -129,10 +129,22 @@ def test_worker_defaults_follow_the_engine_kind() -> None:
     assert (openai.health_path, openai.metrics_path) == ("/v1/models", "")
 
 
-@pytest.mark.parametrize("name", ["vllm.yaml", "vllm-kv-events.yaml", "sglang.yaml", "openai.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm.yaml",
+        "vllm-kv-events.yaml",
+        "vllm-kv-events-replicas.yaml",
+        "sglang.yaml",
+        "openai.yaml",
+    ],
+)
 def test_examples_are_valid(name: str) -> None:
     cfg = load_config(EXAMPLES / name)
     assert cfg.workers
+    if name == "vllm-kv-events-replicas.yaml":
+        assert cfg.kv_events_on and cfg.kv_events.endpoint is None
+        assert all(w.kv_events_connect for w in cfg.workers)
 
 
 def test_cli_options_override_the_file(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from prefixrouter.real_engines.kv_subscriber import (
     KvEventSubscriber,
     parse_replay_reply,
 )
-from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher
+from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher, binds
 
 BS = 4
 SEED = 555
@@ -478,3 +478,11 @@ async def test_a_publisher_is_one_workers_and_removal_disconnects_it() -> None:
         await wait_for(lambda: stats.last_seq == 1)
         # One connection, not two: each message was heard once.
         assert (stats.messages, stats.restarts, stats.gaps) == (2, 0, 0)
+
+
+def test_the_simulated_engine_binds_where_vllm_binds() -> None:
+    # vLLM 0.32's ZmqEventPublisher._is_bind_endpoint, case by case.
+    for endpoint in ("tcp://*:5557", "tcp://[::]:5557", "ipc:///tmp/kv", "inproc://kv"):
+        assert binds(endpoint), endpoint
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://engine-0:5557"):
+        assert not binds(endpoint), endpoint
