@@ -10,6 +10,7 @@ same checks run against real vLLM engines in ``tests/real_vllm``.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -267,6 +268,16 @@ async def until_every_gateway_hears(r: Replicas, engine: int) -> None:
     raise AssertionError(f"the gateways never heard engine {engine}")
 
 
+async def until_every_gateway_sees_healthy(r: Replicas, worker: str) -> None:
+    """Poll every gateway's worker list until ``worker`` is healthy there (bounded)."""
+    for _ in range(200):
+        states = [(await workers(g.url))[worker]["healthy"] for g in r.gateways]
+        if all(states):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"a gateway never saw {worker} healthy again")
+
+
 async def ask_at(url: str, body: dict[str, Any]) -> str:
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -298,7 +309,7 @@ async def warm_on_both(r: Replicas, doc: str) -> str:
         await until_stored(url, worker, feeds[worker]["stored_events"])
     second = await ask_at(b, chat(doc, "Second?"))
     (rec_b,) = await decisions(b, [second])
-    assert rec_b["selected_worker"] == worker
+    assert rec_b["selected_worker"] == worker, json.dumps(rec_b)  # with why, if not
     assert rec_b["actual_cached_tokens"] > 500
     assert rec_b["predicted_cached_tokens"] == rec_b["actual_cached_tokens"]
     return worker
@@ -331,6 +342,9 @@ def test_every_replica_hears_every_engine_and_reconnects_after_a_restart(
             (w,) = [w for wid, w in (await workers(g.url)).items() if wid == worker]
             # The sequence reset, or the new process_start_time, told each gateway.
             assert w["kv_events"]["restarts"] + w["restarts"] >= 1
+        # A gateway's health check may have seen the engine down while it
+        # restarted: until it sees it back up, it routes around it.
+        await until_every_gateway_sees_healthy(replicas, worker)
         # What the restarted engine caches now reaches both replicas again.
         for seed in range(8, 28):  # until a new document goes to the restarted engine
             if await warm_on_both(replicas, document(seed)) == worker:
