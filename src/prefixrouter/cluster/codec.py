@@ -23,7 +23,8 @@ Layout (little-endian)::
 
 The envelope (who sent it, when, under which configuration) is
 :mod:`~prefixrouter.cluster.envelope`'s. :func:`encode_facts` splits a batch
-into messages that each stay under a byte budget (NATS refuses a payload over
+into messages that each stay under a byte budget (give or take the strings
+of its last fact) (NATS refuses a payload over
 the server's ``max_payload``, 1 MiB by default) and under the string table's
 65,535 entries. Counts that could exceed 32 bits are clamped to them (a
 prompt of four billion tokens is not one the gateway accepts).
@@ -160,8 +161,11 @@ def encode_facts(facts: Iterable[Fact], max_bytes: int = DEFAULT_MAX_BYTES) -> l
     out: list[bytes] = []
     batch = _Batch()
     for fact in facts:
-        # Nine strings at most per fact: start a new message before the table can overflow.
-        if batch.facts and (batch.size >= max_bytes or len(batch.strings) > _MAX_STRINGS - 9):
+        # A fact's records (its strings are not counted: short, and often written already);
+        # nine strings at most per fact: a new message before the table can overflow.
+        need = _ROUTED.size + 8 * len(fact.hashes) if isinstance(fact, RoutedFact) else 8
+        full = batch.size + need > max_bytes or len(batch.strings) > _MAX_STRINGS - 9
+        if batch.facts and full:
             out.append(batch.bytes())
             batch = _Batch()
         batch.add(fact)

@@ -121,7 +121,7 @@ class ClusterNode:
             options.replica_id, self.epoch, fingerprint.value, options.peer_ttl_s
         )
         self.stats = ClusterStats()
-        self.link = NatsLink(options.link, self._on_facts, self._on_heartbeat, self._on_connected)
+        self.link = NatsLink(options.link, self.on_facts, self.on_heartbeat, self._on_connected)
         self.error: str | None = None
         self.failed = asyncio.Event()
         self._checked = False
@@ -158,7 +158,7 @@ class ClusterNode:
     async def stop(self) -> None:
         """Publish what is left, then stop the tasks and the link."""
         with contextlib.suppress(Exception):
-            await self._flush()
+            await self.flush()
         tasks = [*self._tasks, *([self._check_task] if self._check_task else [])]
         for task in tasks:
             task.cancel()
@@ -177,9 +177,10 @@ class ClusterNode:
         window = self.options.batch_window_s
         while True:
             await asyncio.sleep(window)
-            await self._flush()
+            await self.flush()
 
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
+        """Drain the dispatcher's outbox and publish it (dropped and counted if no link)."""
         facts = self.dispatcher.drain_facts()
         if not facts:
             return
@@ -203,7 +204,8 @@ class ClusterNode:
 
     # ------------------------------------------------------------- apply
 
-    def _on_facts(self, data: bytes, replayed: bool) -> None:
+    def on_facts(self, data: bytes, replayed: bool) -> None:
+        """Apply one facts message heard from the stream (``replayed``: live, not the replay)."""
         t0 = time.thread_time()
         st = self.stats
         try:
@@ -253,7 +255,8 @@ class ClusterNode:
 
     # ------------------------------------------------------------- heartbeats
 
-    def _heartbeat_body(self, hello: bool) -> bytes:
+    def heartbeat_message(self, hello: bool) -> bytes:
+        """This replica's heartbeat (``hello``: it is starting, peers answer at once)."""
         body = orjson.dumps({"fields": dict(self.fingerprint.fields), "hello": hello})
         head = self._envelope(HEARTBEAT)
         head = Envelope(HEARTBEAT, head.replica, head.epoch, head.fingerprint, time.time())
@@ -265,11 +268,18 @@ class ClusterNode:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._heartbeat_now.wait(), interval)
             self._heartbeat_now.clear()
-            await self.link.publish_heartbeat(self._heartbeat_body(hello=False))
-            for origin in self.registry.expire(self.clock()):
-                self._peer_gone(origin, f"silent for {self.options.peer_ttl_s:g} s")
+            await self.link.publish_heartbeat(self.heartbeat_message(hello=False))
+            self.sweep()
 
-    def _on_heartbeat(self, data: bytes) -> None:
+    def sweep(self) -> list[str]:
+        """End the lives of peers silent for ``peer_ttl_s``; return their origins."""
+        gone = self.registry.expire(self.clock())
+        for origin in gone:
+            self._peer_gone(origin, f"silent for {self.options.peer_ttl_s:g} s")
+        return gone
+
+    def on_heartbeat(self, data: bytes) -> None:
+        """A peer's heartbeat: liveness, a hello to answer, or a configuration that differs."""
         try:
             head, body = env_mod.unpack(data)
             info = orjson.loads(bytes(body))
@@ -312,7 +322,7 @@ class ClusterNode:
 
     async def _on_connected(self, up: bool) -> None:
         if up:
-            await self.link.publish_heartbeat(self._heartbeat_body(hello=True))
+            await self.link.publish_heartbeat(self.heartbeat_message(hello=True))
             if self._check_task is None:
                 self._check_task = asyncio.get_running_loop().create_task(
                     self._compatibility_window(), name="cluster-check"
