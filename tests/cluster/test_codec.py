@@ -124,3 +124,15 @@ def test_a_short_or_foreign_envelope_is_refused() -> None:
 def test_epochs_of_later_starts_are_larger() -> None:
     first = envelope.new_epoch()
     assert envelope.new_epoch() >= first > 0
+
+
+def test_a_sender_knows_its_own_messages_without_unpacking_them() -> None:
+    mine = Envelope(FACTS, "a", 5, 9, 0.0)
+    key = envelope.sender_key(mine)
+    assert envelope.is_from(envelope.pack(Envelope(FACTS, "a", 5, 9, 123.0), b"x"), key)
+    for other in (
+        Envelope(FACTS, "a", 6, 9, 0.0),  # another life
+        Envelope(FACTS, "ab", 5, 9, 0.0),  # another replica
+        Envelope(FACTS, "a", 5, 8, 0.0),  # another configuration
+    ):
+        assert not envelope.is_from(envelope.pack(other, b"x"), key)

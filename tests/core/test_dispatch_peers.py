@@ -1,4 +1,4 @@
-"""Facts between dispatchers: one replica's routings, answers and worker changes applied by another."""
+"""Facts between dispatchers: a replica's routings, answers and worker changes, at a peer."""
 
 from __future__ import annotations
 
@@ -116,3 +116,20 @@ def test_a_dispatcher_not_recording_keeps_no_outbox() -> None:
     d = Dispatcher(Router("prefix_aware"))
     d.admit(request("r1", DOC), workers(2), 0.0)
     assert d.drain_facts() == []
+
+
+def test_the_first_fact_of_a_batch_tells_the_listener_once() -> None:
+    a = replica()
+    calls: list[int] = []
+    a.on_first_fact(lambda: calls.append(1))
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.first_token(adm)
+    a.complete(adm, Outcome(0, 0.1), 0.5)
+    assert len(calls) == 1  # one batch: told once, when the outbox was empty
+    assert len(a.drain_facts()) == 3
+    a.worker_down(adm.worker, 1.0)
+    assert len(calls) == 2
+    a.on_first_fact(None)
+    a.drain_facts()
+    a.worker_restarted(adm.worker, 2.0)
+    assert len(calls) == 2

@@ -226,17 +226,17 @@ def _decode(view: memoryview) -> list[Fact]:
                     strings[mr], strings[tr], strings[ad], strings[tv], strings[te]
                 )
             append(
-                RoutedFact(
-                    request_id=RequestId(strings[rid]),
-                    worker=WorkerId(strings[worker]),
-                    namespace=ns,
-                    model=strings[model],
-                    prefix_key=strings[pk],
-                    hashes=cast("tuple[BlockHash, ...]", tuple(hashes)),
-                    block_tokens=bt,
-                    prompt_tokens=pt,
-                    predicted_cached_tokens=pc,
-                    max_tokens=mt,
+                RoutedFact(  # positional: the fields' order (cheaper than keywords)
+                    RequestId(strings[rid]),
+                    WorkerId(strings[worker]),
+                    ns,
+                    strings[model],
+                    strings[pk],
+                    cast("tuple[BlockHash, ...]", tuple(hashes)),
+                    bt,
+                    pt,
+                    pc,
+                    mt,
                 )
             )
         elif tag == TAG_FIRST:

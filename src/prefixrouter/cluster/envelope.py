@@ -67,6 +67,24 @@ def pack(head: Envelope, body: bytes) -> bytes:
     return b"".join((fixed, replica, body))
 
 
+def sender_key(head: Envelope) -> tuple[bytes, bytes]:
+    """What :func:`is_from` compares: the bytes of a sender's version, kind, epoch and
+    fingerprint, and of its replica id with its length."""
+    fixed = _HEAD.pack(VERSION, head.kind, head.epoch, head.fingerprint, 0.0, 0)
+    replica = head.replica.encode("utf-8")
+    return fixed[:18], struct.pack("<H", len(replica)) + replica
+
+
+def is_from(data: bytes, key: tuple[bytes, bytes]) -> bool:
+    """Whether ``data`` was sent by the life :func:`sender_key` made ``key`` of.
+
+    Compares bytes without unpacking: a replica hears its own messages on the
+    stream and skips them, so this check is on the path of every message.
+    """
+    fixed, tail = key
+    return data[:18] == fixed and data[26 : 26 + len(tail)] == tail
+
+
 def unpack(data: bytes) -> tuple[Envelope, memoryview]:
     """The header and the body of a message.
 
