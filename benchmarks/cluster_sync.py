@@ -145,6 +145,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "requests": served,
                 "facts_published": a["cluster_facts_published"] - b["cluster_facts_published"],
                 "facts_applied": a["cluster_facts_applied"] - b["cluster_facts_applied"],
+                "messages_published": a["cluster_messages_published"]
+                - b["cluster_messages_published"],
                 "sync_cpu_ms_per_request": round(1e3 * sync / max(1, served), 4),
                 "lag_p50_ms": round(a.get("cluster_lag_p50_ms", 0.0), 3),
                 "lag_p99_ms": round(a.get("cluster_lag_p99_ms", 0.0), 3),

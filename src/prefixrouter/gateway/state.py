@@ -94,6 +94,7 @@ class GatewayState:
             lags = sorted(st.lags)
             out["cluster_sync_cpu_s"] = st.sync_cpu_s
             out["cluster_facts_published"] = st.published_facts
+            out["cluster_messages_published"] = st.published_messages
             out["cluster_facts_applied"] = st.applied_facts
             out["cluster_lag_samples"] = len(lags)
             if lags:
