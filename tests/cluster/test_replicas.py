@@ -198,6 +198,10 @@ def test_nats_stopped_and_restarted_routing_goes_on_and_catches_up(
             return ok and await metric(b.url, "prefixrouter_cluster_connected") == 1
 
         await until(reconnected, "both to reconnect")
+        # One line said NATS was gone (not one per failed reconnect), one that it is back.
+        lines = a.log_tail(1_000_000).splitlines()
+        assert sum("lost the connection to NATS" in line for line in lines) == 1, lines
+        assert sum("reconnected to NATS" in line for line in lines) == 1, lines
         # Catch-up: what a routed while NATS was away reaches b (a's client
         # buffered it; b's ordered consumer resumes from its last sequence).
         await synced(a.url, b.url)

@@ -101,6 +101,8 @@ class NatsLink:
         self._target: int | None = None  # the stream's last sequence when we subscribed
         self.replayed = False
         self.connected = False
+        self._closing = False
+        self._warned = False  # "cannot reach NATS" logged since the last connection
         self.stream = options.stream or stream_name(options.cluster)
 
     async def start(self) -> None:
@@ -109,6 +111,7 @@ class NatsLink:
 
     async def close(self) -> None:
         """Stop connecting, drop the subscriptions and close the connection."""
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -142,9 +145,10 @@ class NatsLink:
 
     async def _connect(self) -> None:
         opts = self.options
-        warned = False
         while True:
             try:
+                # nats-py retries a first connection too (every reconnect_s,
+                # forever); its error callback logs the first failure.
                 nc = await nats.connect(
                     opts.url,
                     connect_timeout=2,
@@ -160,15 +164,7 @@ class NatsLink:
                 )
                 break
             except (TimeoutError, OSError, NatsError) as exc:
-                if not warned:
-                    log.warning(
-                        "cluster: cannot reach NATS at %s (%s); routing on this replica's "
-                        "own view, retrying every %.1f s",
-                        opts.url,
-                        exc or type(exc).__name__,
-                        opts.reconnect_s,
-                    )
-                    warned = True
+                await self._error(exc)
                 await asyncio.sleep(opts.reconnect_s)
         self._nc = nc
         while True:
@@ -179,6 +175,7 @@ class NatsLink:
                 log.warning("cluster: cannot set up stream %s: %s; retrying", self.stream, exc)
                 await asyncio.sleep(opts.reconnect_s)
         self.connected = True
+        self._warned = False
         log.info("cluster: connected to NATS at %s (stream %s)", opts.url, self.stream)
         await self._on_connected(True)
 
@@ -230,8 +227,9 @@ class NatsLink:
         self._on_heartbeat(msg.data)
 
     async def _disconnected(self) -> None:
-        if self.connected:
+        if self.connected and not self._closing:
             self.connected = False
+            self._warned = True  # this line says it; reconnect failures stay quiet
             log.warning(
                 "cluster: lost the connection to NATS at %s; routing on this replica's own "
                 "view until it returns",
@@ -246,8 +244,20 @@ class NatsLink:
             with contextlib.suppress(NatsError, asyncio.TimeoutError, NotFoundError):
                 await self._ensure_stream(nc)
         self.connected = True
-        log.info("cluster: reconnected to NATS at %s; catching up", self.options.url)
+        self._warned = False
+        # A warning, as the loss was: the end of an outage is worth a line too.
+        log.warning("cluster: reconnected to NATS at %s; catching up", self.options.url)
         await self._on_connected(True)
 
     async def _error(self, exc: Any) -> None:
-        log.debug("cluster: NATS client error: %s", exc)
+        if not self.connected and not self._warned and not self._closing:
+            self._warned = True
+            log.warning(
+                "cluster: cannot reach NATS at %s (%s); routing on this replica's own view, "
+                "retrying every %.1f s",
+                self.options.url,
+                str(exc) or type(exc).__name__,
+                self.options.reconnect_s,
+            )
+        else:
+            log.debug("cluster: NATS client error: %s", exc)
