@@ -109,6 +109,8 @@ def test_a_replica_started_later_replays_then_routes_warm(
         text = doc(2)
         st, ha, _ = await post(a.url, chat(text + " Q1?"))
         assert st == 200
+        await until(lambda: metric(a.url, "prefixrouter_cluster_facts_published_total"), "a")
+        published = await metric(a.url, "prefixrouter_cluster_facts_published_total")
         c = start_replica(fleet, cfg, nats.url, "c")
         seen: list[int] = []
 
@@ -124,6 +126,8 @@ def test_a_replica_started_later_replays_then_routes_warm(
         # Listening before it was ready: /ready answered 503 at least once
         # (the fingerprint check alone lasts 1.5 heartbeats).
         assert 503 in seen, seen
+        # Ready means replayed: everything a published before c started is applied.
+        assert await metric(c.url, "prefixrouter_cluster_facts_applied_total") >= published
         status, _ = await get_status(c.url + "/health")
         assert status == 200
         st, hc, body = await post(c.url, chat(text + " Q2?"))  # its first request

@@ -108,7 +108,9 @@ def test_worker_defaults_follow_the_engine_kind() -> None:
     assert (openai.health_path, openai.metrics_path) == ("/v1/models", "")
 
 
-@pytest.mark.parametrize("name", ["vllm.yaml", "vllm-kv-events.yaml", "sglang.yaml", "openai.yaml"])
+@pytest.mark.parametrize(
+    "name", ["vllm.yaml", "vllm-kv-events.yaml", "sglang.yaml", "openai.yaml", "replicas.yaml"]
+)
 def test_examples_are_valid(name: str) -> None:
     cfg = load_config(EXAMPLES / name)
     assert cfg.workers
