@@ -151,3 +151,37 @@ def test_facts_drained_without_a_connection_are_dropped_and_counted() -> None:
         assert b.dispatcher.drain_facts() == []  # the outbox never grows without a link
 
     asyncio.run(body())
+
+
+def test_a_replica_that_lost_facts_starts_a_new_life() -> None:
+    async def body() -> None:
+        b = node()
+
+        async def takes(data: bytes) -> bool:
+            return True
+
+        b.link.publish_facts = takes  # type: ignore[method-assign]
+        b.dispatcher.admit(request("r1", DOC), workers(2), 0.0)
+        await b.flush()
+        first = b.origin
+        assert b.stats.published_facts == 1
+
+        async def refuses(data: bytes) -> bool:
+            return False
+
+        b.link.publish_facts = refuses  # type: ignore[method-assign]
+        b.dispatcher.admit(request("r2", DOC), workers(2), 1.0)
+        await b.flush()
+        assert b.stats.dropped == {"disconnected": 1}
+        assert b.origin != first  # peers end the old life: nothing of it stays open
+        # Its own messages under the new epoch are still its own.
+        _, facts, _ = peer_facts()
+        b.on_facts(message(facts, replica="b", epoch=b.epoch), replayed=True)
+        assert b.stats.applied_facts == 0
+        # Another drop with nothing published in this life keeps the epoch.
+        b.dispatcher.admit(request("r3", DOC), workers(2), 2.0)
+        second = b.origin
+        await b.flush()
+        assert b.origin == second
+
+    asyncio.run(body())

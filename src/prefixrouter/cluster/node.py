@@ -8,9 +8,11 @@ A :class:`ClusterNode` sits between the replica's
   empty outbox (the dispatcher tells it: no polling) it drains the outbox and
   publishes it as few messages as fit (:mod:`~prefixrouter.cluster.codec`),
   each in an :mod:`~prefixrouter.cluster.envelope`. Drained facts that no
-  connection takes are dropped and counted (``disconnected``): a peer that
-  misses them learns the placement from its own traffic, like a replica
-  without sync.
+  connection takes (nats-py buffers 2 MiB while it reconnects) are dropped
+  and counted (``disconnected``): a peer that misses them learns the
+  placement from its own traffic, like a replica without sync. A replica
+  that lost facts after publishing some starts a new epoch, so no peer keeps
+  one of its routings open for want of the lost settlement.
 * **Apply**: each message heard passes the
   :class:`~prefixrouter.cluster.registry.PeerRegistry` (own, stale epoch,
   other fingerprint: not applied), then each fact goes to
@@ -118,6 +120,8 @@ class ClusterNode:
         self.clock = clock
         self.observe_lag = observe_lag
         self.epoch = env_mod.new_epoch()
+        self._start_epoch = self.epoch  # which peers are older than this process
+        self._published_in_life = False
         self.registry = PeerRegistry(
             options.replica_id, self.epoch, fingerprint.value, options.peer_ttl_s
         )
@@ -206,12 +210,29 @@ class ClusterNode:
         st = self.stats
         if sent == len(messages):
             st.published_facts += len(facts)
-        elif not self.link.connected:
-            st.drop("disconnected", len(facts))
+            self._published_in_life = True
         else:
-            st.drop("publish_failed", len(facts))
+            st.drop("disconnected" if not self.link.connected else "publish_failed", len(facts))
+            if self._published_in_life:
+                self._new_life()
         st.published_messages += sent
         st.sync_cpu_s += time.thread_time() - t0
+
+    def _new_life(self) -> None:
+        """Publish under a new epoch from now on, after facts of this life were lost.
+
+        Peers may hold routings of this life open whose settlement was just
+        dropped: they would count in flight for as long as this replica
+        lives. A new epoch ends the old life at every peer (its open routings
+        are settled), and this life starts with nothing open anywhere.
+        Settlements of requests routed in the old life then arrive unmatched.
+        """
+        old = self.origin
+        self.epoch = env_mod.new_epoch()
+        self.registry.epoch = self.epoch
+        self._own = env_mod.sender_key(self._envelope(FACTS))
+        self._published_in_life = False
+        log.warning("cluster: facts of %s were lost; publishing as %s", old, self.origin)
 
     # ------------------------------------------------------------- apply
 
@@ -315,7 +336,7 @@ class ClusterNode:
 
     def _incompatible(self, head: Envelope, fields: dict[str, str]) -> None:
         names = ", ".join(self.fingerprint.differing(fields)) or "fingerprint"
-        if not self._checked and head.epoch < self.epoch and self.error is None:
+        if not self._checked and head.epoch < self._start_epoch and self.error is None:
             self.error = (
                 f"replica {self.options.replica_id!r} cannot join cluster "
                 f"{self.options.link.cluster!r}: its configuration differs from live peer "
