@@ -49,6 +49,10 @@ replica routes on its own view (``prefixrouter_cluster_connected`` is 0);
 when it returns, the ordered consumer resumes from the last sequence read
 and the replica catches up on what it missed, minus what aged out of the
 stream. Facts are not a consensus log: nothing is retried or acknowledged
-per message, and a fact lost to a full reconnect buffer only makes a peer
-learn that placement from its own traffic.
+per message. A fact lost to a full reconnect buffer makes a peer learn that
+placement from its own traffic, and the replica that lost it starts a new
+epoch, so no peer keeps one of its routings in flight for a settlement that
+will never come. A fact lost inside a NATS server that died before storing
+it is not detected: a routing it leaves open at a peer stays counted in
+flight until its origin restarts or goes silent.
 """
