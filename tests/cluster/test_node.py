@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
+
 from prefixrouter.cluster import envelope
 from prefixrouter.cluster.codec import encode_facts
-from prefixrouter.cluster.envelope import FACTS, Envelope
+from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope
 from prefixrouter.cluster.fingerprint import Fingerprint
 from prefixrouter.cluster.node import ClusterNode, NodeOptions
 from prefixrouter.cluster.transport import LinkOptions
@@ -53,6 +55,11 @@ def message(
     head = Envelope(FACTS, replica, epoch, Fingerprint.of(fields).value, time.time())
     (body,) = encode_facts(facts)
     return envelope.pack(head, body)
+
+
+def peer_heartbeat(replica: str = "a", epoch: int = 7) -> bytes:
+    head = Envelope(HEARTBEAT, replica, epoch, Fingerprint.of(FIELDS).value, time.time())
+    return envelope.pack(head, orjson.dumps({"fields": dict(Fingerprint.of(FIELDS).fields)}))
 
 
 def peer_facts() -> tuple[Dispatcher, list[Fact], WorkerId]:
@@ -113,6 +120,7 @@ def test_a_silent_peers_in_flight_counts_expire_after_the_ttl() -> None:
     assert b.sweep() == []
     clock.now += 2.0
     assert b.sweep() == ["a@7"]
+    assert b.stats.expired_routings == 0
     assert b.dispatcher.load(worker).in_flight == 0
     assert b.dispatcher.index_blocks(worker) == 20  # the placement stays
 
@@ -185,3 +193,17 @@ def test_a_replica_that_lost_facts_starts_a_new_life() -> None:
         assert b.origin == second
 
     asyncio.run(body())
+
+
+def test_a_live_peers_routing_whose_settlement_never_came_expires() -> None:
+    b = node(ttl=5.0)
+    _, facts, worker = peer_facts()
+    b.on_facts(message(facts), replayed=True)
+    clock = b.clock
+    assert isinstance(clock, Clock)
+    for _ in range(4):  # 1,200 s > max_open_s (900); the peer stays alive meanwhile
+        clock.now += 300.0
+        b.on_heartbeat(peer_heartbeat())
+        b.sweep()
+    assert b.stats.expired_routings == 1 and b.stats.peers_gone == 0
+    assert b.dispatcher.load(worker).in_flight == 0

@@ -52,7 +52,8 @@ stream. Facts are not a consensus log: nothing is retried or acknowledged
 per message. A fact lost to a full reconnect buffer makes a peer learn that
 placement from its own traffic, and the replica that lost it starts a new
 epoch, so no peer keeps one of its routings in flight for a settlement that
-will never come. A fact lost inside a NATS server that died before storing
-it is not detected: a routing it leaves open at a peer stays counted in
-flight until its origin restarts or goes silent.
+will never come. A settlement lost inside a NATS server that died before
+storing it is not detected; the routing it leaves open at a peer is settled
+once it has been open longer than any request may run at its origin
+(``proxy.request_timeout_s`` plus ``peer_ttl_s``).
 """

@@ -25,6 +25,10 @@ A :class:`ClusterNode` sits between the replica's
   ``peer_ttl_s``, or heard under a newer epoch, is gone:
   :meth:`Dispatcher.peer_gone` settles its open routings so its in-flight
   counts vanish (its placements stay: the engines did get those requests).
+* **Bound**: a peer routing still open ``max_open_s`` after it was applied
+  (longer than any request may run at its origin: the gateway passes its
+  ``proxy.request_timeout_s`` plus ``peer_ttl_s``) lost its settlement on
+  the way; each sweep settles those.
 * **Refuse**: for ``1.5 * heartbeat_s`` after its first connection (every
   live peer heartbeats in that time; a starting replica's hello makes them
   answer at once) a starting replica compares its fingerprint with each live
@@ -74,6 +78,7 @@ class NodeOptions:
     peer_ttl_s: float = 5.0
     batch_window_s: float = 0.002
     max_message_bytes: int = DEFAULT_MAX_BYTES
+    max_open_s: float = 900.0
 
 
 @dataclass
@@ -85,6 +90,7 @@ class ClusterStats:
     applied_facts: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     peers_gone: int = 0
+    expired_routings: int = 0
     sync_cpu_s: float = 0.0
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
 
@@ -305,10 +311,13 @@ class ClusterNode:
             self.sweep()
 
     def sweep(self) -> list[str]:
-        """End the lives of peers silent for ``peer_ttl_s``; return their origins."""
-        gone = self.registry.expire(self.clock())
+        """End the lives of peers silent for ``peer_ttl_s`` (return their origins), and
+        settle peer routings open longer than ``max_open_s`` (their settlement was lost)."""
+        now = self.clock()
+        gone = self.registry.expire(now)
         for origin in gone:
             self._peer_gone(origin, f"silent for {self.options.peer_ttl_s:g} s")
+        self.stats.expired_routings += self.dispatcher.peer_expire(now - self.options.max_open_s)
         return gone
 
     def on_heartbeat(self, data: bytes) -> None:

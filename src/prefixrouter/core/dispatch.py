@@ -572,6 +572,22 @@ class Dispatcher:
             self._settle(admission)
         return len(open_)
 
+    def peer_expire(self, before: float) -> int:
+        """Settle, without feedback, every peer routing applied here before ``before``.
+
+        The bound on a routing whose settlement was lost on the way (its
+        origin lives on, so :meth:`peer_gone` never comes): a driver passes
+        its clock minus the longest a request can be in flight at its origin.
+        Returns how many were settled.
+        """
+        n = 0
+        for open_ in self._peer_open.values():
+            old = [rid for rid, adm in open_.items() if adm.decision.now < before]
+            for rid in old:
+                self._settle(open_.pop(rid))
+            n += len(old)
+        return n
+
     def peer_inflight(self, origin: str) -> int:
         """Routings of ``origin`` applied here and not settled yet."""
         open_ = self._peer_open.get(origin)

@@ -261,6 +261,12 @@ class ClusterCollector(Collector):
             "Peer lives ended (silent past peer_ttl_s, or restarted under a new epoch).",
             value=float(st.peers_gone),
         )
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_expired_routings",
+            "Peer routings settled here because their settlement never came (open past "
+            "the origin's request timeout).",
+            value=float(st.expired_routings),
+        )
         yield GaugeMetricFamily(
             "prefixrouter_cluster_peers", "Live peer replicas.", value=len(node.registry.live())
         )
