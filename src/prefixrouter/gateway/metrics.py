@@ -38,7 +38,8 @@ replica's receipt, live messages only, not the replay),
 ``prefixrouter_cluster_facts_applied_total`` (rates with ``rate()``),
 ``prefixrouter_cluster_facts_dropped_total{reason}``,
 ``prefixrouter_cluster_sync_cpu_seconds_total`` (CPU spent encoding,
-publishing, decoding and applying), ``prefixrouter_cluster_peers``,
+publishing, decoding and applying), ``prefixrouter_cluster_peers_gone_total``,
+``prefixrouter_cluster_expired_routings_total``, ``prefixrouter_cluster_peers``,
 ``prefixrouter_cluster_connected`` (1 while NATS is reachable) and
 ``prefixrouter_cluster_ready``.
 
