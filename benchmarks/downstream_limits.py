@@ -29,7 +29,10 @@ subprocess of ``sys.executable`` and inherits the environment)::
     PYTHONPATH=OLD/src python benchmarks/downstream_limits.py
     PYTHONPATH=NEW/src python benchmarks/downstream_limits.py
 
-``--skip timeouts`` (or flood, bodies) leaves a phase out.
+``--skip timeouts`` (or flood, bodies) leaves a phase out. ``--against
+OLD/src`` runs the bodies phase with this tree and the other, alternately,
+``--rounds`` times each, and prints the median /health p99 of each and the
+ratio: side by side in one run, so the machine's other load falls on both.
 """
 
 from __future__ import annotations
@@ -256,12 +259,14 @@ def _pcts(xs: list[float]) -> str:
     return f"p50 {p50:.1f} ms  p99 {p99:.1f} ms  max {top:.1f} ms (n={len(xs)})"
 
 
-async def phase_bodies(port: int, clients: int, body_mb: float, seconds: float) -> None:
+async def phase_bodies(port: int, clients: int, body_mb: float, seconds: float) -> dict[str, float]:
+    """Prints the prober's figures; returns its p99 (ms) per load."""
     n = int(body_mb * 1e6 / 6.45)  # "123456," is about 6.45 bytes per id on average
     rng = random.Random(1)
     prompt = [rng.randrange(200_000) for _ in range(n)]
     idle = await _probe(port, time.monotonic() + 2.0)
     print(f"  /health without load: {_pcts(idle)}")
+    p99s = {"idle": nearest_rank(idle, 0.99) * 1e3}
     # "unserved": a model no worker serves, answered 404 once the body is
     # parsed and built (the request-building path alone); "tiny": routed and
     # forwarded too (the routing core's work on the prompt included).
@@ -276,6 +281,39 @@ async def phase_bodies(port: int, clients: int, body_mb: float, seconds: float) 
             f"  /health, {clients} x {len(body) / 1e6:.1f} MB bodies, {what}: {_pcts(lat)};"
             f" {done[0]} bodies answered"
         )
+        p99s[what] = nearest_rank(lat, 0.99) * 1e3
+    return p99s
+
+
+def side_by_side(against: str, rounds: int, argv: list[str]) -> None:
+    """Run the bodies phase with this tree and ``against``, alternately, ``rounds`` times each.
+
+    Alternating spreads whatever else the machine is doing over both trees;
+    prints each round's /health p99 and, per load, the median p99 of each
+    tree and their ratio.
+    """
+    here = str(Path(__file__).resolve().parent.parent / "src")
+    runs: dict[str, list[dict[str, float]]] = {"this tree": [], "--against": []}
+    for r in range(rounds):
+        for name, src in (("this tree", here), ("--against", against)):
+            cmd = [sys.executable, __file__, "--json-p99", "--skip", "timeouts", "--skip", "flood"]
+            out = subprocess.run(
+                [*cmd, *argv],
+                env={**os.environ, "PYTHONPATH": src},
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            p99s = orjson.loads(out.strip().splitlines()[-1])
+            runs[name].append(p99s)
+            print(f"round {r + 1} {name:10} /health p99 ms: {p99s}")
+    print(f"median /health p99 over {rounds} rounds (ms):")
+    for load in runs["this tree"][0]:
+        mine = sorted(x[load] for x in runs["this tree"])[rounds // 2]
+        theirs = sorted(x[load] for x in runs["--against"])[rounds // 2]
+        print(
+            f"  {load:28} this tree {mine:8.1f}   --against {theirs:8.1f}   {theirs / mine:5.2f}x"
+        )
 
 
 def main() -> None:
@@ -287,6 +325,11 @@ def main() -> None:
     ap.add_argument("--body-mb", type=float, default=7.8)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--skip", action="append", default=[])
+    ap.add_argument(
+        "--against", metavar="SRC", help="another checkout's src: bodies phase side by side"
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per tree with --against")
+    ap.add_argument("--json-p99", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="", help="extra gateway YAML (JSON) merged on top")
     ap.add_argument(
         "--kv-blocks",
@@ -295,6 +338,13 @@ def main() -> None:
         help="the engine's KV size in blocks, as configured (default: its metrics, 100,000)",
     )
     args = ap.parse_args()
+    if args.against:
+        passed = [f"--clients={args.clients}", f"--body-mb={args.body_mb}"]
+        passed += [f"--seconds={args.seconds}", f"--kv-blocks={args.kv_blocks}"]
+        side_by_side(
+            args.against, args.rounds, passed + ([f"--config={args.config}"] if args.config else [])
+        )
+        return
     _raise_own_fds()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     eport = free_port()
@@ -346,7 +396,9 @@ def main() -> None:
             asyncio.run(phase_flood(port, args.flood or args.gateway_fds + 200))
         if "bodies" not in args.skip:
             print("large bodies:")
-            asyncio.run(phase_bodies(port, args.clients, args.body_mb, args.seconds))
+            p99s = asyncio.run(phase_bodies(port, args.clients, args.body_mb, args.seconds))
+            if args.json_p99:
+                print(orjson.dumps(p99s).decode())
     finally:
         for p in (gw, engine):
             if p is not None:

@@ -40,9 +40,11 @@ def run_on(loop: str, main: Callable[[], Awaitable[None]]) -> None:
 
 
 @asynccontextmanager
-async def gateway(limits: dict[str, Any]) -> AsyncIterator[tuple[int, GatewayState]]:
-    """A gateway with ``limits`` in front of one fake engine; yields (port, state)."""
-    engine = TestServer(make_app(FakeEngine()))
+async def gateway(
+    limits: dict[str, Any], fake: FakeEngine | None = None
+) -> AsyncIterator[tuple[int, GatewayState]]:
+    """A gateway with ``limits`` in front of one fake engine (``fake``); yields (port, state)."""
+    engine = TestServer(make_app(fake or FakeEngine()))
     await engine.start_server()
     config = config_from_dict(
         {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from array import array
 from typing import Any
 
 import orjson
@@ -308,13 +309,13 @@ async def test_a_large_body_is_freed_on_the_parse_thread_once_answered(
 ) -> None:
     from prefixrouter.gateway import proxy as proxy_mod
 
-    dropped: list[tuple[str, int, int]] = []
+    dropped: list[tuple[str, int, Any]] = []
     drop = proxy_mod._drop_parsed
 
     def drop_spy(built: Any) -> None:
         tokens = built.routing.tokens
         drop(built)
-        dropped.append((threading.current_thread().name, len(built.body), len(tokens or ())))
+        dropped.append((threading.current_thread().name, len(built.body), tokens))
 
     monkeypatch.setattr(proxy_mod, "_drop_parsed", drop_spy)
     async with gateway({}) as (port, _state):
@@ -328,14 +329,50 @@ async def test_a_large_body_is_freed_on_the_parse_thread_once_answered(
             async with asyncio.timeout(BOUND_S):
                 while not dropped:
                     await asyncio.sleep(0.01)
-            ((thread, body_left, tokens_left),) = dropped
+            ((thread, body_left, tokens),) = dropped
             assert thread.startswith("prefixrouter-parse")
-            assert body_left == tokens_left == 0
+            # The ids were packed on the parse thread; the body's containers are emptied.
+            assert body_left == 0 and isinstance(tokens, array) and list(tokens) == ids
         dropped.clear()
         small = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
         assert (await _post(port, orjson.dumps(small)))[0] == 200
         await asyncio.sleep(0.05)
         assert dropped == []  # a small body is parsed and freed on the loop: no hand-off
+
+
+async def test_a_large_token_prompt_is_packed_and_forwarded_unchanged() -> None:
+    """Packed off the loop (no list of a million ints for the collector to walk).
+
+    A streamed request is re-serialized (the gateway asks for the usage
+    chunk): the engine must still get the client's ids, in order.
+    """
+    fake = FakeEngine()
+    async with gateway({}, fake) as (port, state):
+        ids = [7, 0, 2**32 - 1, *range(100_000, 100_000 + OFF_LOOP_BODY_BYTES // 6)]
+        packed: list[Any] = []
+        admit = state.dispatch.admit
+
+        def admit_spy(request: Any, *args: Any, **kwargs: Any) -> Any:
+            packed.append(request.tokens)
+            return admit(request, *args, **kwargs)
+
+        state.dispatch.admit = admit_spy  # type: ignore[method-assign]
+        for stream in (False, True):
+            raw = orjson.dumps({"model": "tiny", "prompt": ids, "max_tokens": 2, "stream": stream})
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+                + raw
+            )
+            async with asyncio.timeout(BOUND_S):
+                response = await reader.read()
+            writer.close()
+            assert response.split()[1] == b"200"
+            sent = fake.requests[-1]
+            assert sent["prompt"] == ids
+            assert sent.get("stream_options", {}).get("include_usage", False) is stream
+        assert len(packed) == 2 and all(isinstance(t, array) and t.typecode == "I" for t in packed)
 
 
 async def test_the_gateway_lowers_the_switch_interval_while_it_serves() -> None:

@@ -158,8 +158,8 @@ def test_a_short_outage_keeps_the_index_and_a_restart_clears_it() -> None:
             await _down_then_up(env, engine, w)
             # The same engine process came back: its entries were kept, speculative.
             assert index.blocks_of(w.id) == held
-            entries = index._lru[w.id].values()
-            assert all(e.source is EntrySource.SPECULATIVE for e in entries)
+            entries = index.entries(w.id)
+            assert entries and all(e.source is EntrySource.SPECULATIVE for _, e in entries)
             # A new process (another start time): its cache is empty, so are its entries.
             engine.start_time = 2000.0
             await _until(lambda: index.blocks_of(w.id) == 0, "the restart to clear the index")

@@ -83,3 +83,33 @@ async def test_reset_fails_loudly_when_an_engine_stays_busy() -> None:
             await reset_prefix_caches([url], drain_timeout_s=0.3)
     finally:
         await runner.cleanup()
+
+
+async def test_replay_spreads_requests_over_several_urls_round_robin() -> None:
+    from aiohttp.test_utils import TestServer
+
+    hits: list[tuple[int, str]] = []
+
+    def app(n: int) -> web.Application:
+        async def chat(request: web.Request) -> web.Response:
+            hits.append((n, (await request.json())["messages"][0]["content"]))
+            return web.json_response({"error": {"message": "no"}}, status=400)
+
+        a = web.Application()
+        a.router.add_post("/v1/chat/completions", chat)
+        return a
+
+    servers = [TestServer(app(0)), TestServer(app(1))]
+    for s in servers:
+        await s.start_server()
+    try:
+        reqs = [
+            ReplayRequest(0.01 * i, "x", "g", {"model": "m", "messages": [{"content": str(i)}]})
+            for i in range(5)
+        ]
+        results = await replay([str(s.make_url("")) for s in servers], reqs, concurrency=1)
+    finally:
+        for s in servers:
+            await s.close()
+    assert [r.status for r in results] == [400] * 5
+    assert sorted(hits, key=lambda h: h[1]) == [(i % 2, str(i)) for i in range(5)]

@@ -2,23 +2,40 @@
 
 Structure:
 
-* ``_holders``: block hash -> {worker -> entry}. One dict lookup per block
-  answers "who holds block i", which is all that :meth:`PrefixIndex.match` needs.
-* ``_lru``: worker -> ``OrderedDict`` of that worker's entries, least recently
-  used first. It mirrors the engine's KV capacity: inserting past the worker's
-  capacity evicts from the front, so the router forgets what the engine must
-  have evicted too.
+* ``_holders``: block hash -> {worker: None}, the workers holding it. One dict
+  lookup per block answers "who holds block i", which is all that
+  :meth:`PrefixIndex.match` needs.
+* ``_lru``: worker -> ``OrderedDict`` of that worker's entries, block hash ->
+  entry, least recently used first. It mirrors the engine's KV capacity:
+  inserting past the worker's capacity evicts from the front, so the router
+  forgets what the engine must have evicted too.
 * ``_expiry``: a heap of speculative entries by expiry time. Entries we only
   *think* are cached (we routed a request there) expire after
   ``speculative_ttl_s`` unless confirmed or refreshed. A refresh only moves
-  the entry's ``expires_at``; the heap item is re-pushed when it surfaces, so
-  a refresh costs nothing. Items of entries confirmed, evicted or removed
+  the entry's expiry time; the heap item is re-pushed when it surfaces, so
+  a refresh costs no heap work. Items of entries confirmed, evicted or removed
   since are dead; they are dropped when they surface or, sooner, when the
   heap holds more than ``2 x`` the live speculative entries plus
-  ``_EXPIRY_SLACK`` items: then it is rebuilt from its live items. Each
-  rebuild drops at least half the heap, so it costs amortized O(1) per push,
-  and the heap stays bounded by what the index holds, not by the request
-  rate times the TTL.
+  ``_EXPIRY_SLACK`` items: then it is rebuilt from its live items, and the
+  heap stays bounded by what the index holds, not by the request rate times
+  the TTL. The rebuild is incremental (see :meth:`PrefixIndex._compact_expiry`):
+  rebuilt at once, a heap of 1.6 million items stopped the router for half a
+  second.
+
+**Entries are plain tuples of numbers**, not objects: ``(source, expires_at,
+routings, ticket)`` for a speculative entry, and one shared constant for every
+confirmed and for every event entry (their fields never differ). Python's
+cyclic garbage collector tracks every instance of a class, and a full
+collection walks them all: with entries as objects, an index of 1.6 million
+entries paused the process for 0.72 s at each full collection, which the
+allocation rate of a busy router triggers again and again. A tuple of numbers
+is untracked after its first young collection and the ``{worker: None}``
+holder dicts are never tracked, so a full collection is cheap and rare. The
+price: an entry cannot be changed in place, so a change stores a new tuple
+(the ``OrderedDict`` keeps its position); identity is the ``ticket``, unique
+per speculative incarnation, which the heap items and :data:`Placement` carry.
+:meth:`PrefixIndex.entry` returns an :class:`IndexEntry` view for inspection.
+
 * ``_trust``: worker -> confidence in [min_trust, 1] and when it last changed.
   A miss (the engine reused far fewer tokens than predicted) drops the entries
   past the actual match and, unless the worker's cache is full (eviction
@@ -32,7 +49,9 @@ Invariants (checked by the property tests):
 
 * An entry exists in ``_holders[h][w]`` iff it exists in ``_lru[w][h]``.
 * ``len(_lru[w]) <= capacity(w)`` and the total entry count ``<= max_entries``.
-* ``len(_expiry) <= 2 * speculative_entries + _EXPIRY_SLACK``.
+* ``expiry_items <= 2 * speculative_entries + _EXPIRY_SLACK`` whenever no
+  rebuild is under way, and a rebuild ends within ``items / _DRAIN_STEP``
+  changes.
 * :meth:`match` never reports more blocks for a worker than the worker was
   given (by ``on_routed``, ``on_completed`` or an event).
 * **Prefix closure**: if a worker holds block ``i`` of a chain, it holds
@@ -50,12 +69,13 @@ its first block is the most recent: evicting the head would orphan the whole
 chain, as vLLM's free-block queue also avoids.
 
 **Withdrawal**: :meth:`on_routed` returns the speculative entries it placed
-or refreshed (a :data:`Placement`). When the engine did no prefill for that
-request (it refused it, or it was cut off before its first byte),
-:meth:`withdraw` takes the routing back: each speculative entry counts the
-routings that hold it (``IndexEntry.routings``), and an entry no routing holds
+or refreshed (a :data:`Placement`: their blocks and tickets). When the engine
+did no prefill for that request (it refused it, or it was cut off before its
+first byte), :meth:`withdraw` takes the routing back: each speculative entry
+counts the routings that hold it (``routings``), and an entry no routing holds
 any more is removed. An entry another routing still holds, one the engine
-confirmed or reported since, or one evicted and created again is kept.
+confirmed or reported since, or one evicted and created again (a new ticket)
+is kept.
 
 The index changes only through the explicit calls ``on_routed``, ``withdraw``,
 ``on_completed``, ``apply``, ``set_capacity``, ``remove_worker`` and ``expire``;
@@ -70,7 +90,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
-from typing import cast
+from typing import Final, cast
 
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
@@ -78,13 +98,15 @@ from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
 _INF = float("inf")
 _EXPIRY_SLACK = 64
 """Dead expiry-heap items tolerated beyond twice the live speculative entries."""
+_DRAIN_STEP = 4096
+"""Items one expiry-heap rebuild step moves, beyond twice the pushes it pays for (~1 ms)."""
 _exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 """Runs an iterator for its side effects, at C speed and without a new deque per call."""
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
 class IndexEntry:
-    """One (block, worker) fact.
+    """One (block, worker) fact, as :meth:`PrefixIndex.entry` reports it (a copy).
 
     Attributes:
         source: How we learned it (speculative < confirmed < event).
@@ -94,17 +116,24 @@ class IndexEntry:
             or refreshed it and was not withdrawn, plus one that is never
             withdrawn for anything else that made it speculative (an untrusted
             event, a demotion). :meth:`PrefixIndex.withdraw` removes an entry
-            whose holds reach 0.
+            whose holds reach 0. Zero for other sources.
     """
 
     source: EntrySource
     expires_at: float
     confidence: float
-    routings: int = 1
+    routings: int
 
 
-Placement = list[tuple[BlockHash, IndexEntry]]
-"""The speculative entries one :meth:`PrefixIndex.on_routed` call holds, with their blocks."""
+_Entry = tuple[int, float, int, int]
+"""An entry as stored: ``(source, expires_at, routings, ticket)`` (see the module doc)."""
+_SOURCE: Final = 0
+_EXPIRES: Final = 1
+_ROUTINGS: Final = 2
+_TICKET: Final = 3
+
+Placement = list[tuple[BlockHash, int]]
+"""The speculative entries one :meth:`PrefixIndex.on_routed` call holds: (block, ticket)."""
 
 
 @dataclass(slots=True)
@@ -153,12 +182,17 @@ class IndexParams:
     eviction_explains_fill: float = 0.75
 
 
-# The members as module constants: reading ``EntrySource.X`` goes through the
-# enum metaclass (about 40 ns, several times per block on the hot paths).
-_SPECULATIVE = EntrySource.SPECULATIVE
-_CONFIRMED = EntrySource.CONFIRMED
-_EVENT = EntrySource.EVENT
-_SOURCE_CONFIDENCE = {_CONFIRMED: 1.0, _EVENT: 1.0}
+# Sources as plain ints: an enum member is an object the collector tracks, and
+# a tuple holding one would stay tracked (see the module docstring).
+_SPECULATIVE = int(EntrySource.SPECULATIVE)
+_CONFIRMED = int(EntrySource.CONFIRMED)
+_EVENT = int(EntrySource.EVENT)
+_SOURCES = tuple(EntrySource)  # int -> member, for reports
+_CONFIRMED_ENTRY: _Entry = (_CONFIRMED, _INF, 0, 0)
+_EVENT_ENTRY: _Entry = (_EVENT, _INF, 0, 0)
+_STORED = {_CONFIRMED: _CONFIRMED_ENTRY, _EVENT: _EVENT_ENTRY}
+"""The one entry every confirmed (event) block shares. Tickets start at 1, so
+a speculative ticket never equals theirs."""
 
 
 class PrefixIndex:
@@ -166,13 +200,16 @@ class PrefixIndex:
 
     def __init__(self, params: IndexParams | None = None) -> None:
         self.params = params or IndexParams()
-        self._holders: dict[BlockHash, dict[WorkerId, IndexEntry]] = {}
-        self._lru: dict[WorkerId, OrderedDict[BlockHash, IndexEntry]] = {}
+        self._holders: dict[BlockHash, dict[WorkerId, None]] = {}
+        self._lru: dict[WorkerId, OrderedDict[BlockHash, _Entry]] = {}
         self._capacity: dict[WorkerId, int] = {}
         self._trust: dict[WorkerId, tuple[float, float]] = {}  # (value, when set)
-        # (time queued for, tie-breaker, worker, block, entry); one item per speculative entry.
-        self._expiry: list[tuple[float, int, WorkerId, BlockHash, IndexEntry]] = []
-        self._ticket = count()
+        # (time queued for, the entry's ticket, worker, block); one item per speculative entry.
+        self._expiry: list[tuple[float, int, WorkerId, BlockHash]] = []
+        # The heap being rebuilt into _expiry (a valid heap, drained from its end).
+        self._draining: list[tuple[float, int, WorkerId, BlockHash]] = []
+        self._pushed = 0  # items pushed since the last rebuild step (it pays for them)
+        self._ticket = count(1)
         self._entries = 0
         self._speculative = 0  # live speculative entries (bounds the expiry heap)
         self._holey: set[WorkerId] = set()  # workers whose entries may not be prefix-closed
@@ -198,8 +235,13 @@ class PrefixIndex:
 
     @property
     def expiry_items(self) -> int:
-        """Items in the expiry heap, dead ones included (at most ``2 x`` the live ones + slack)."""
-        return len(self._expiry)
+        """Items in the expiry heaps, dead ones included (see the invariants)."""
+        return len(self._expiry) + len(self._draining)
+
+    @property
+    def compacting(self) -> bool:
+        """An incremental rebuild of the expiry heap is under way."""
+        return bool(self._draining)
 
     def holds(self, block: BlockHash) -> bool:
         """Whether any worker holds ``block``."""
@@ -233,9 +275,21 @@ class PrefixIndex:
         return 1.0 - (1.0 - value) * math.exp(-(now - since) / self.params.trust_recovery_s)
 
     def entry(self, worker: WorkerId, block: BlockHash) -> IndexEntry | None:
-        """The entry for (block, worker), if any; for inspection and tests."""
+        """The entry for (block, worker), if any (a copy); for inspection and tests."""
         lru = self._lru.get(worker)
-        return lru.get(block) if lru is not None else None
+        stored = lru.get(block) if lru is not None else None
+        return None if stored is None else self._view(stored)
+
+    def entries(self, worker: WorkerId) -> list[tuple[BlockHash, IndexEntry]]:
+        """Every entry of ``worker``, least recently used first (copies); for inspection."""
+        lru = self._lru.get(worker)
+        view = self._view
+        return [] if lru is None else [(block, view(e)) for block, e in lru.items()]
+
+    def _view(self, stored: _Entry) -> IndexEntry:
+        source = stored[_SOURCE]
+        confidence = self.params.speculative_confidence if source == _SPECULATIVE else 1.0
+        return IndexEntry(_SOURCES[source], stored[_EXPIRES], confidence, stored[_ROUTINGS])
 
     def match(self, hashes: Sequence[BlockHash], now: float) -> dict[WorkerId, WorkerMatch]:
         """Per worker, the longest run of leading blocks of ``hashes`` it holds.
@@ -261,7 +315,7 @@ class PrefixIndex:
         Returns:
             worker -> :class:`WorkerMatch`.
         """
-        if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
+        if self._due(now):
             self.expire(now)
         if not hashes:
             return {}
@@ -272,6 +326,7 @@ class PrefixIndex:
         n = len(hashes)
         last = n - 1
         lrus, holey, trust = self._lru, self._holey, self.trust
+        spec_conf, sources = self.params.speculative_confidence, _SOURCES
         for worker in first:
             lru = lrus[worker]
             # Exponential then binary search for the first block not held:
@@ -299,9 +354,9 @@ class PrefixIndex:
                 # An engine event removed blocks from the middle of a chain:
                 # closure may not hold for this worker, so walk the run.
                 held = next(i for i, h in enumerate(hashes) if h not in lru)
-            deepest = lru[hashes[held - 1]]
-            conf = deepest.confidence * trust(worker, now)
-            result[worker] = WorkerMatch(held, conf, deepest.source)
+            source = lru[hashes[held - 1]][_SOURCE]
+            conf = (spec_conf if source == _SPECULATIVE else 1.0) * trust(worker, now)
+            result[worker] = WorkerMatch(held, conf, sources[source])
         return result
 
     # --------------------------------------------------------------- updates
@@ -326,7 +381,7 @@ class PrefixIndex:
             The speculative entries this routing holds (placed or refreshed),
             for :meth:`withdraw`; empty when the chain was confirmed already.
         """
-        if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
+        if self._due(now):
             self.expire(now)
         placed: Placement = []
         self._touch_chain(worker, hashes, now, _SPECULATIVE, placed)
@@ -351,13 +406,19 @@ class PrefixIndex:
             How many entries were removed.
         """
         lru = self._lru.get(worker)
+        if lru is None:
+            return 0
         removed = 0
-        for block, entry in placed:
-            if entry.source is not _SPECULATIVE:
-                continue  # confirmed or reported by the engine since: it holds the block
-            entry.routings -= 1
-            if entry.routings > 0 or lru is None or lru.get(block) is not entry:
-                continue  # still held by another routing, or already gone
+        for block, ticket in placed:
+            entry = lru.get(block)
+            # Gone, confirmed or reported by the engine since (a shared entry,
+            # ticket 0), or evicted and created again (another ticket): keep.
+            if entry is None or entry[_TICKET] != ticket:
+                continue
+            routings = entry[_ROUTINGS] - 1
+            if routings > 0:  # still held by another routing
+                lru[block] = (_SPECULATIVE, entry[_EXPIRES], routings, ticket)
+                continue
             del lru[block]
             self._forget(worker, block, entry)
             removed += 1
@@ -426,7 +487,7 @@ class PrefixIndex:
         if hashes:
             lru = self._lru.get(worker)
             deepest = lru.get(hashes[-1]) if lru is not None else None
-            if deepest is not None and deepest.source is not _SPECULATIVE:
+            if deepest is not None and deepest[_SOURCE] != _SPECULATIVE:
                 # Already confirmed as a whole (chains are confirmed from the
                 # head, and on_routed refreshed their recency moments ago).
                 return miss
@@ -464,18 +525,19 @@ class PrefixIndex:
         lru = self._lru.get(worker)
         if not lru:
             return 0
-        p = self.params
-        expires_at = now + p.speculative_ttl_s
+        expires_at = now + self.params.speculative_ttl_s
         demoted = 0
+        expiry, ticket = self._expiry, self._ticket
+        # Changed while iterating: assigning an existing key moves nothing.
         for block, entry in lru.items():
-            if entry.source is _EVENT:
-                entry.source = _SPECULATIVE
-                entry.confidence = p.speculative_confidence
-                entry.expires_at = expires_at
-                entry.routings += 1  # the event's hold: no routing's withdrawal removes it
-                heapq.heappush(self._expiry, (expires_at, next(self._ticket), worker, block, entry))
+            if entry is _EVENT_ENTRY:
+                # One hold, the event's: no routing's withdrawal removes it.
+                t = next(ticket)
+                lru[block] = (_SPECULATIVE, expires_at, 1, t)
+                heapq.heappush(expiry, (expires_at, t, worker, block))
                 demoted += 1
         self._speculative += demoted
+        self._pushed += demoted
         self._compact_expiry()
         return demoted
 
@@ -494,26 +556,25 @@ class PrefixIndex:
         lru = self._lru.get(worker)
         if not lru:
             return 0
-        p = self.params
-        expires_at = now + p.speculative_ttl_s
+        expires_at = now + self.params.speculative_ttl_s
         demoted = 0
         expiry, ticket = self._expiry, self._ticket
+        # Changed while iterating: assigning an existing key moves nothing.
         for block, entry in lru.items():
-            if entry.source is not _SPECULATIVE:
-                entry.source = _SPECULATIVE
-                entry.confidence = p.speculative_confidence
-                entry.expires_at = expires_at
+            if entry[_SOURCE] != _SPECULATIVE:
                 # The engine's hold (as in demote_events): withdrawing a routing
                 # must never remove a block the engine had reported or confirmed.
-                entry.routings += 1
-                heapq.heappush(expiry, (expires_at, next(ticket), worker, block, entry))
+                t = next(ticket)
+                lru[block] = (_SPECULATIVE, expires_at, 1, t)
+                heapq.heappush(expiry, (expires_at, t, worker, block))
                 demoted += 1
-            elif entry.expires_at < expires_at:
+            elif entry[_EXPIRES] < expires_at:
                 # One expiry for the whole worker keeps its chains prefix-closed
                 # (a demoted extension must not outlive a speculative prefix).
                 # Only a later time: the queued item surfaces first and re-queues.
-                entry.expires_at = expires_at
+                lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS], entry[_TICKET])
         self._speculative += demoted
+        self._pushed += demoted
         self._compact_expiry()
         return demoted
 
@@ -534,7 +595,9 @@ class PrefixIndex:
         for block in lru:
             self._detach(worker, block)
         self._entries -= len(lru)
-        self._speculative -= sum(1 for e in lru.values() if e.source is _SPECULATIVE)
+        # Every non-speculative entry is one of two shared tuples: count them in C.
+        held = list(lru.values())
+        self._speculative -= len(held) - held.count(_CONFIRMED_ENTRY) - held.count(_EVENT_ENTRY)
         self._compact_expiry()
 
     def remove_worker(self, worker: WorkerId) -> None:
@@ -545,166 +608,196 @@ class PrefixIndex:
         self._cleared_at.pop(worker, None)
 
     def expire(self, now: float) -> int:
-        """Remove speculative entries whose TTL has passed; returns how many."""
-        heap = self._expiry
-        removed = 0
-        while heap and heap[0][0] <= now:
-            _, _, worker, block, entry = heapq.heappop(heap)
-            lru = self._lru.get(worker)
-            # The entry may have been confirmed or removed since: then skip it.
-            if lru is None or lru.get(block) is not entry:
-                continue
-            if entry.source is not _SPECULATIVE:
-                continue
-            if entry.expires_at > now:
-                # Refreshed since it was queued: queue it again at its new time.
-                heapq.heappush(heap, (entry.expires_at, next(self._ticket), worker, block, entry))
-            else:
-                del lru[block]
-                self._forget(worker, block, entry)
-                removed += 1
+        """Remove speculative entries whose TTL has passed; returns how many.
+
+        Both heaps are drained of what is due (the one being rebuilt too), so
+        which entries expire when never depends on a rebuild.
+        """
+        removed = self._expire_from(self._draining, now) + self._expire_from(self._expiry, now)
         if removed:
             self._compact_expiry()
         return removed
 
     # -------------------------------------------------------------- internals
 
+    def _due(self, now: float) -> bool:
+        """Whether any queued item is due by ``now`` (cheap: the two heaps' roots)."""
+        heap, old = self._expiry, self._draining
+        return bool((heap and heap[0][0] <= now) or (old and old[0][0] <= now))
+
+    def _expire_from(self, heap: list[tuple[float, int, WorkerId, BlockHash]], now: float) -> int:
+        """Pop ``heap``'s due items: remove their entries, or re-queue the refreshed ones."""
+        removed = 0
+        while heap and heap[0][0] <= now:
+            _, ticket, worker, block = heapq.heappop(heap)
+            lru = self._lru.get(worker)
+            entry = lru.get(block) if lru is not None else None
+            # Confirmed, removed or created again since (another ticket): skip it.
+            if entry is None or lru is None or entry[_TICKET] != ticket:
+                continue
+            if entry[_EXPIRES] > now:
+                # Refreshed since it was queued: queue it again at its new time
+                # (always in the live heap, so a rebuild only ever shrinks).
+                heapq.heappush(self._expiry, (entry[_EXPIRES], ticket, worker, block))
+            else:
+                del lru[block]
+                self._forget(worker, block, entry)
+                removed += 1
+        return removed
+
     def _touch_chain(
         self,
         worker: WorkerId,
         hashes: Sequence[BlockHash],
         now: float,
-        source: EntrySource,
+        source: int,
         placed: Placement | None = None,
     ) -> None:
         """Store or refresh a chain on ``worker``, tail first; evict past the capacity.
 
         A speculative touch takes a hold on each speculative entry it places or
-        refreshes (``IndexEntry.routings``) and, given ``placed`` (a routing),
+        refreshes (the entry's ``routings``) and, given ``placed`` (a routing),
         records them there for :meth:`withdraw`; without it (an untrusted
-        event) the hold is never released.
+        event) the hold is never released. A stronger source replaces a
+        weaker one; a weaker one never replaces a stronger.
         """
         lru = self._lru.get(worker)
         if lru is None:
             lru = self._lru[worker] = OrderedDict()
-        p = self.params
-        speculative = source is _SPECULATIVE
-        expires_at = now + p.speculative_ttl_s if speculative else _INF
-        confidence = p.speculative_confidence if speculative else _SOURCE_CONFIDENCE[source]
+        speculative = source == _SPECULATIVE
         existing = list(map(lru.get, hashes))
-        # An IndexEntry is always truthy, so all() is `None not in existing`
-        # without a rich comparison per entry.
+        n = len(existing)
+        # A stored entry is a non-empty tuple, always truthy: all() is
+        # `None not in existing` without a comparison per entry.
         if all(existing):
+            held_entries = cast("list[_Entry]", existing)
             # Fast path (a hot prefix routed again): only recency and metadata
             # change. Tail first, so the chain's head ends up most recently used.
             _exhaust(map(lru.move_to_end, reversed(hashes)))
-            held_entries = cast("list[IndexEntry]", existing)
             if speculative:
-                # Nothing is weaker than speculative: only the TTL of the
-                # speculative entries moves (re-queued lazily by expire()).
-                for held in held_entries:
-                    if held.source is _SPECULATIVE:
-                        break
-                else:
-                    return  # all confirmed (a hot prefix): the usual case, decided first
+                confirmed = held_entries.count(_CONFIRMED_ENTRY)
+                if confirmed == n or confirmed + held_entries.count(_EVENT_ENTRY) == n:
+                    return  # all confirmed (a hot prefix): the usual case, decided in C
+                # Nothing is weaker than speculative: only the speculative
+                # entries change, a later expiry (re-queued lazily by expire())
+                # and one more hold.
+                expires_at = now + self.params.speculative_ttl_s
                 for block, held in zip(hashes, held_entries, strict=True):
-                    if held.source is _SPECULATIVE:
-                        held.expires_at = expires_at
-                        held.routings += 1
+                    if held[_SOURCE] == _SPECULATIVE:
+                        ticket = held[_TICKET]
+                        lru[block] = (_SPECULATIVE, expires_at, held[_ROUTINGS] + 1, ticket)
                         if placed is not None:
-                            placed.append((block, held))
+                            placed.append((block, ticket))
                 return
+            stored = _STORED[source]
+            if held_entries.count(stored) == n:
+                return  # already as strong: the usual case, decided in C
             upgraded = 0
-            for held in held_entries:
-                held_source = held.source
-                if held_source is source:
-                    continue  # already as strong: the usual case, decided first
-                if held_source is _SPECULATIVE:
-                    held.source, held.expires_at, held.confidence = source, _INF, confidence
-                    upgraded += 1
-                elif source > held_source:
-                    held.source, held.confidence = source, confidence
+            for block, held in zip(hashes, held_entries, strict=True):
+                held_source = held[_SOURCE]
+                if held_source < source:
+                    lru[block] = stored
+                    if held_source == _SPECULATIVE:
+                        upgraded += 1
             if upgraded:
                 self._speculative -= upgraded
                 self._compact_expiry()
             return
         # Tail first, so the chain's head ends up most recently used.
         holders, capacity = self._holders, self.capacity(worker)
-        move_to_end, expiry, ticket = lru.move_to_end, self._expiry, self._ticket
+        move_to_end, expiry, ticket_of = lru.move_to_end, self._expiry, self._ticket
+        stored = _STORED.get(source, _CONFIRMED_ENTRY)
+        expires_at = now + self.params.speculative_ttl_s if speculative else _INF
         added = 0
         speculative_delta = 0
         for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
             if entry is not None:
                 move_to_end(block)
-                if source >= entry.source:
-                    if entry.source is _SPECULATIVE and not speculative:
-                        entry.expires_at = _INF
+                held_source = entry[_SOURCE]
+                if speculative:
+                    if held_source == _SPECULATIVE:
+                        ticket = entry[_TICKET]
+                        lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS] + 1, ticket)
+                        if placed is not None:
+                            placed.append((block, ticket))
+                elif held_source < source:
+                    lru[block] = stored
+                    if held_source == _SPECULATIVE:
                         speculative_delta -= 1
-                    entry.source = source
-                    entry.confidence = max(entry.confidence, confidence)
-                if speculative and entry.source is _SPECULATIVE:
-                    entry.expires_at = expires_at  # re-queued lazily by expire()
-                    entry.routings += 1
-                    if placed is not None:
-                        placed.append((block, entry))
                 continue
-            entry = IndexEntry(source, expires_at, confidence)
-            lru[block] = entry
+            if speculative:
+                ticket = next(ticket_of)
+                lru[block] = (_SPECULATIVE, expires_at, 1, ticket)
+                heapq.heappush(expiry, (expires_at, ticket, worker, block))
+                if placed is not None:
+                    placed.append((block, ticket))
+            else:
+                lru[block] = stored
             slot = holders.get(block)
             if slot is None:
-                holders[block] = {worker: entry}
+                holders[block] = {worker: None}
             else:
-                slot[worker] = entry
+                slot[worker] = None
             added += 1
-            if speculative:
-                heapq.heappush(expiry, (expires_at, next(ticket), worker, block, entry))
-                if placed is not None:
-                    placed.append((block, entry))
         self._entries += added
-        self._speculative += (added if speculative else 0) + speculative_delta
+        if speculative:
+            self._speculative += added
+            self._pushed += added
+        self._speculative += speculative_delta
         # Evict after the chain is in: the chain is the most recent part of the
         # LRU, so other chains go first (and a chain longer than the capacity
         # loses its tail first).
         while len(lru) > capacity:
             self._evict_one(worker, lru)
-        while self._entries > p.max_entries:
+        max_entries = self.params.max_entries
+        while self._entries > max_entries:
             self._evict_global()
         self._compact_expiry()
 
     def _compact_expiry(self) -> None:
-        """Rebuild the expiry heap from its live items once dead ones dominate.
+        """Rebuild the expiry heap from its live items once dead ones dominate, a step at a time.
 
         Dead items (their entry was confirmed, evicted, removed or expired and
         created again) would otherwise stay until their time comes: at a high
         rate of unique prompts that is rate x blocks x TTL items, far more
         than the index holds. Past ``2 x`` the live speculative entries plus
-        ``_EXPIRY_SLACK``, the heap is filtered to one item per live entry and
-        re-heapified: O(heap) work that removes at least half the heap, so
-        amortized O(1) per push. Only housekeeping: which entries expire when
-        does not change.
+        ``_EXPIRY_SLACK``, the heap is set aside to be *drained* and a new one
+        started. Each call then moves a bounded number of items from the end of
+        the old heap to the new one, live ones only: ``_DRAIN_STEP`` plus
+        twice the items pushed since the last call, so the rebuild outpaces
+        the pushes, ends within ``items / _DRAIN_STEP`` calls, and no call
+        does more work than a constant times its own. Taking items from a
+        heap's end keeps it a heap, so :meth:`expire` keeps popping what is
+        due from both. A heap of up to ``_DRAIN_STEP`` items is rebuilt in
+        one call. Only housekeeping: which entries expire when does not
+        change. An item is live while its block's entry on its worker
+        carries its ticket, and each ticket is queued once.
         """
-        heap = self._expiry
-        if len(heap) <= 2 * self._speculative + _EXPIRY_SLACK:
-            return
-        lrus = self._lru
-        seen: set[int] = set()
-        live: list[tuple[float, int, WorkerId, BlockHash, IndexEntry]] = []
-        for item in heap:
-            _, _, worker, block, entry = item
-            if entry.source is not _SPECULATIVE or id(entry) in seen:
-                continue
-            lru = lrus.get(worker)
-            if lru is not None and lru.get(block) is entry:
-                seen.add(id(entry))
-                live.append(item)
-        heapq.heapify(live)
-        self._expiry = live
+        old = self._draining
+        if not old:
+            heap = self._expiry
+            if len(heap) <= 2 * self._speculative + _EXPIRY_SLACK:
+                self._pushed = 0
+                return
+            self._draining, self._expiry = heap, []
+            old = heap
+        budget = _DRAIN_STEP + 2 * self._pushed
+        self._pushed = 0
+        lrus, new = self._lru, self._expiry
+        keep, take = heapq.heappush, old.pop
+        for _ in range(min(budget, len(old))):
+            item = take()
+            lru = lrus.get(item[2])
+            if lru is not None:
+                entry = lru.get(item[3])
+                if entry is not None and entry[_TICKET] == item[1]:
+                    keep(new, item)
 
-    def _evict_one(self, worker: WorkerId, lru: OrderedDict[BlockHash, IndexEntry]) -> None:
+    def _evict_one(self, worker: WorkerId, lru: OrderedDict[BlockHash, _Entry]) -> None:
         block, entry = lru.popitem(last=False)
         self._detach(worker, block)
         self._entries -= 1
-        if entry.source is _SPECULATIVE:
+        if entry[_SOURCE] == _SPECULATIVE:
             self._speculative -= 1
         self.evicted_entries += 1
 
@@ -724,11 +817,11 @@ class PrefixIndex:
             if entry is not None:
                 self._forget(worker, block, entry)
 
-    def _forget(self, worker: WorkerId, block: BlockHash, entry: IndexEntry) -> None:
+    def _forget(self, worker: WorkerId, block: BlockHash, entry: _Entry) -> None:
         """An entry just taken out of ``worker``'s LRU leaves the holders and the counts."""
         self._detach(worker, block)
         self._entries -= 1
-        if entry.source is _SPECULATIVE:
+        if entry[_SOURCE] == _SPECULATIVE:
             self._speculative -= 1
 
     def _detach(self, worker: WorkerId, block: BlockHash) -> None:

@@ -5,8 +5,9 @@
 * ``POST /admin/workers``: add a worker; the body is a worker entry of the
   configuration (``{"url": ..., "id": ..., "kind": ...}``), validated the same
   way (400 naming the field, 409 for an existing id or a ``kv_events_topic``
-  another worker has). Answers after the first health check, with the
-  worker's state.
+  or ``kv_events_connect`` another worker has; 400 for ``kv_events_connect``
+  on a gateway started without KV events, which has no socket to connect).
+  Answers after the first health check, with the worker's state.
 * ``DELETE /admin/workers/{id}?timeout=S``: drain (no new requests), wait for
   its in-flight requests up to ``S`` seconds (default ``proxy.drain_timeout_s``),
   then remove.
@@ -168,7 +169,23 @@ class Admin:
                     f"kv_events_topic {topic!r} is used by worker {owner!r}",
                     param="kv_events_topic",
                 )
-            w = await self.st.registry.add(wc)
+            publisher = wc.kv_events_connect
+            if publisher is not None:
+                if self.st.events is None:
+                    raise BadRequest(
+                        "kv_events_connect: this gateway was started without KV events "
+                        "(set kv_events.endpoint or a configured worker's kv_events_connect)",
+                        param="kv_events_connect",
+                    )
+                if (owner := self.st.registry.publisher_owner(publisher)) is not None:
+                    raise Conflict(
+                        f"kv_events_connect {publisher!r} is used by worker {owner!r}",
+                        param="kv_events_connect",
+                    )
+            try:
+                w = await self.st.registry.add(wc)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="kv_events_connect") from None
         except GatewayError as exc:
             return error_response(exc)
         return _json(w.to_dict(0), 201)

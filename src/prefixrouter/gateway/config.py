@@ -12,7 +12,7 @@ Shape of the YAML file (all keys optional)::
                     max_headers}
     workers:       [{url, id, kind, pool, models, adapters, tenants, api_key,
                      block_size, kv_capacity_blocks, max_slots, health_path, metrics_path,
-                     kv_events_topic, kv_replay_endpoint}]
+                     kv_events_topic, kv_events_connect, kv_replay_endpoint}]
     policy:        {name, params}
     routing:       {mode: text|token, tokenizer, chunk_chars, block_size,
                     chars_per_token, template_version, tokenizer_revision,
@@ -92,9 +92,14 @@ class WorkerConfig(_Model):
         max_slots: Concurrent sequences the engine runs (``max_num_seqs``).
         health_path: Health endpoint; None = the kind's default.
         metrics_path: Prometheus endpoint; None = the kind's default, "" = none.
-        kv_events_topic: The topic of this engine's KV events on the gateway's
-            ``kv_events.endpoint`` (vLLM's ``--kv-events-config`` ``topic``);
-            None = the worker id. Used only when ``kv_events.endpoint`` is set.
+        kv_events_topic: The topic of this engine's KV events (vLLM's
+            ``--kv-events-config`` ``topic``); None = the worker id. Used only
+            when KV events are on (``kv_events.endpoint`` or ``kv_events_connect``).
+        kv_events_connect: The engine's own bound KV-event publisher
+            (``tcp://HOST:5557``; the engine's ``--kv-events-config`` has
+            ``"endpoint": "tcp://*:5557"``): the gateway connects to it, so
+            every gateway replica hears this engine. None = the engine connects
+            to the gateway's ``kv_events.endpoint`` (one gateway only).
         kv_replay_endpoint: The engine's KV-event replay socket (vLLM's
             ``replay_endpoint``), asked for missed batches after a gap.
     """
@@ -113,6 +118,7 @@ class WorkerConfig(_Model):
     health_path: str | None = None
     metrics_path: str | None = None
     kv_events_topic: str | None = None
+    kv_events_connect: str | None = None
     kv_replay_endpoint: str | None = None
 
     @field_validator("url")
@@ -126,6 +132,22 @@ class WorkerConfig(_Model):
         # A path prefix is allowed (an engine behind a reverse proxy); a host is not optional.
         if not value.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError("has no host")
+        return value
+
+    @field_validator("kv_events_connect", "kv_replay_endpoint")
+    @classmethod
+    def _check_connect_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.startswith(ZMQ_SCHEMES):
+            raise ValueError("must be a ZMQ address: tcp://HOST:PORT or ipc://PATH")
+        if "*" in value:
+            # The engine binds "tcp://*:P"; a subscriber must name a host to reach it.
+            raise ValueError("must name the engine's host (tcp://HOST:PORT), not a wildcard")
+        if value.startswith("tcp://"):
+            host, _, port = value.removeprefix("tcp://").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("must be tcp://HOST:PORT with a port from 1 to 65535")
         return value
 
     @model_validator(mode="after")
@@ -410,12 +432,18 @@ class MetricsConfig(_Model):
 class KvEventsConfig(_Model):
     """The engines' KV-event feed (vLLM's ZMQ publisher).
 
+    KV events are on when ``endpoint`` is set or a worker has
+    ``kv_events_connect`` (both may be used at once, per worker); otherwise
+    the index learns from routing and completions only.
+
     Attributes:
         endpoint: Where the gateway binds its SUB socket (``tcp://127.0.0.1:5557``);
             each vLLM engine *connects* its publisher there (``--kv-events-config
             '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
             "tcp://127.0.0.1:5557", "topic": "<worker's kv_events_topic>"}'``).
-            None = no events: the index learns from routing and completions only.
+            One gateway only: with several replicas, let each engine bind
+            (``"endpoint": "tcp://*:5557"``) and give each worker
+            ``kv_events_connect``. None = bind nothing.
         max_blocks_per_worker: Bound on each worker's engine-hash -> router-hash map.
     """
 
@@ -548,7 +576,22 @@ class GatewayConfig(_Model):
             if w.kv_events_topic in topics:
                 raise ValueError(f"workers: duplicate kv_events_topic {w.kv_events_topic!r}")
             topics.add(w.kv_events_topic)
+        publishers: set[str] = set()
+        for w in self.workers:
+            if w.kv_events_connect is None:
+                continue
+            if w.kv_events_connect in publishers:
+                # Two connections to one PUB socket would deliver each message twice.
+                raise ValueError(f"workers: duplicate kv_events_connect {w.kv_events_connect!r}")
+            publishers.add(w.kv_events_connect)
         return self
+
+    @property
+    def kv_events_on(self) -> bool:
+        """The gateway subscribes to KV events: it binds, or some worker's engine is connected."""
+        return self.kv_events.endpoint is not None or any(
+            w.kv_events_connect is not None for w in self.workers
+        )
 
     def tenant_rule(self, tenant: str) -> TenantRule:
         """The sharing rule of ``tenant`` (the default rule if it has none)."""

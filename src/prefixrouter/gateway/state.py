@@ -135,7 +135,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     builder = RequestBuilder(config, registry.adapters, tok)
     tenancy = Tenancy(config)
     events = None
-    if config.kv_events.endpoint is not None:
+    if config.kv_events_on:
         events = KvEventSubscriber(config.kv_events.endpoint, dispatch, time.monotonic)
         registry.attach_events(events, lambda w: _event_namespace(w, builder, tenancy))
         metrics.registry.register(KvEventCollector(events))

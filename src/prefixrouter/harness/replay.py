@@ -93,7 +93,7 @@ async def _one(
 
 
 async def replay(
-    base_url: str,
+    base_url: str | Sequence[str],
     requests: Sequence[ReplayRequest],
     *,
     concurrency: int = 64,
@@ -101,8 +101,16 @@ async def replay(
     on_done: Callable[[ReplayResult], None] | None = None,
     headers: dict[str, str] | None = None,
 ) -> list[ReplayResult]:
-    """Send ``requests`` at their offsets to ``base_url``; returns results in request order."""
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    """Send ``requests`` at their offsets to ``base_url``; returns results in request order.
+
+    Several base URLs (gateway replicas behind no load balancer) take the
+    requests round robin, request ``i`` to URL ``i mod n``, as a Kubernetes
+    Service spreads connections; ``concurrency`` bounds them all together.
+    """
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not bases:
+        raise ValueError("replay needs at least one base URL")
+    urls = [b.rstrip("/") + "/v1/chat/completions" for b in bases]
     limit = asyncio.Semaphore(concurrency)
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -110,14 +118,14 @@ async def replay(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
 
-        async def fire(req: ReplayRequest) -> ReplayResult:
+        async def fire(i: int, req: ReplayRequest) -> ReplayResult:
             delay = req.offset_s - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
             async with limit:
-                res = await _one(session, url, req, hdrs)
+                res = await _one(session, urls[i % len(urls)], req, hdrs)
             if on_done is not None:
                 on_done(res)
             return res
 
-        return list(await asyncio.gather(*(fire(r) for r in requests)))
+        return list(await asyncio.gather(*(fire(i, r) for i, r in enumerate(requests))))
