@@ -137,6 +137,7 @@ def test_worker_defaults_follow_the_engine_kind() -> None:
         "vllm-kv-events-replicas.yaml",
         "sglang.yaml",
         "openai.yaml",
+        "cluster.yaml",
     ],
 )
 def test_examples_are_valid(name: str) -> None:

@@ -107,6 +107,26 @@ class Admin:
         }
         return _json(body, 200 if healthy else 503)
 
+    async def ready(self, request: web.Request) -> web.Response:
+        """``GET /ready``: 200 once this gateway may take traffic, else 503.
+
+        A lone gateway is ready once started. A cluster replica is ready once it
+        has replayed its peers' facts up to where the stream stood when it
+        started, and its configuration was found compatible with the live
+        peers': before, it would route documents its peers hold cold.
+        """
+        node = self.st.cluster
+        if node is None:
+            return _json({"status": "ready"})
+        body = {
+            "status": "ready" if node.ready else "replaying",
+            "replica": node.origin,
+            "connected": node.connected,
+            "replayed": node.link.replayed,
+            "peers": [p.origin for p in node.registry.live()],
+        }
+        return _json(body, 200 if node.ready else 503)
+
     async def metrics(self, request: web.Request) -> web.Response:
         """``GET /metrics``: Prometheus text format."""
         resp = web.Response(body=self.st.metrics.exposition())

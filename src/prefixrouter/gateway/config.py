@@ -30,6 +30,8 @@ Shape of the YAML file (all keys optional)::
     decision_log:  {path, ring_size, flush_interval_s}
     metrics:       {warm_fraction, lint_observe}
     kv_events:     {endpoint, max_blocks_per_worker}
+    cluster:       {url, replica_id, name, stream, max_age_s, max_bytes, heartbeat_s,
+                    peer_ttl_s, batch_window_s}
 
 Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
 with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
@@ -456,6 +458,60 @@ class KvEventsConfig(_Model):
         return value
 
 
+class ClusterConfig(_Model):
+    """Active-active replicas sharing routing facts over NATS JetStream (:mod:`.cluster`).
+
+    Attributes:
+        url: The NATS server (``nats://HOST:PORT``, JetStream on); None = this
+            gateway is alone and behaves as without this section.
+        replica_id: This replica's id, stable across its restarts (a pod's
+            name); "" = ``HOSTNAME:PORT``. Two live replicas must not share one.
+        name: The cluster's name: subjects ``prefixrouter.NAME.*``; replicas
+            of one name share facts.
+        stream: The JetStream stream's name; "" = ``PREFIXROUTER_NAME``.
+        max_age_s: Facts older than this leave the stream (a starting replica
+            replays at most this much). Keep it at least as long as prefixes
+            stay in the engines' caches.
+        max_bytes: The stream's size bound (oldest facts dropped first).
+        heartbeat_s: Heartbeat interval.
+        peer_ttl_s: A peer silent this long is gone: its in-flight counts expire.
+        batch_window_s: Facts are published in one message per window.
+    """
+
+    url: str | None = None
+    replica_id: str = ""
+    name: str = "default"
+    stream: str = ""
+    max_age_s: PosFloat = 600.0
+    max_bytes: PosInt = 256 * 1024 * 1024
+    heartbeat_s: PosFloat = 1.0
+    peer_ttl_s: PosFloat = 5.0
+    batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("nats://", "tls://")):
+            raise ValueError("must be a NATS address: nats://HOST:PORT")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "_-" for c in value):
+            raise ValueError("must be letters, digits, '_' or '-' (it names NATS subjects)")
+        return value
+
+    @model_validator(mode="after")
+    def _ttl_above_heartbeat(self) -> ClusterConfig:
+        if self.peer_ttl_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"peer_ttl_s ({self.peer_ttl_s:g}) must be more than twice heartbeat_s "
+                f"({self.heartbeat_s:g}), or one late heartbeat ends a live peer"
+            )
+        return self
+
+
 class GatewayConfig(_Model):
     """The whole gateway configuration; every field has a default.
 
@@ -495,6 +551,7 @@ class GatewayConfig(_Model):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @field_validator("tenant_header")
     @classmethod
