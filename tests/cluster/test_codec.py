@@ -106,7 +106,7 @@ def test_trailing_bytes_and_unknown_tags_are_decode_errors() -> None:
 
 
 def test_the_envelope_round_trips_and_names_the_origin() -> None:
-    head = Envelope(FACTS, "replica-é", 1234567890123, 2**64 - 1, 1.7e9)
+    head = Envelope(FACTS, "replica-é", 1234567890123, 2**64 - 1, 1.7e9, 2**40 + 3)
     got, body = envelope.unpack(envelope.pack(head, b"payload"))
     assert got == head and bytes(body) == b"payload"
     assert got.origin == "replica-é@1234567890123"
@@ -129,7 +129,7 @@ def test_epochs_of_later_starts_are_larger() -> None:
 def test_a_sender_knows_its_own_messages_without_unpacking_them() -> None:
     mine = Envelope(FACTS, "a", 5, 9, 0.0)
     key = envelope.sender_key(mine)
-    assert envelope.is_from(envelope.pack(Envelope(FACTS, "a", 5, 9, 123.0), b"x"), key)
+    assert envelope.is_from(envelope.pack(Envelope(FACTS, "a", 5, 9, 123.0, 77), b"x"), key)
     for other in (
         Envelope(FACTS, "a", 6, 9, 0.0),  # another life
         Envelope(FACTS, "ab", 5, 9, 0.0),  # another replica

@@ -71,7 +71,7 @@ def peer_facts() -> tuple[Dispatcher, list[Fact], WorkerId]:
 def test_a_peers_routing_is_applied_and_predicts_warm_here() -> None:
     b = node()
     _, facts, worker = peer_facts()
-    b.on_facts(message(facts), replayed=True)
+    b.on_facts(message(facts), live=True)
     assert b.stats.applied_facts == 1 and b.stats.dropped == {}
     assert b.dispatcher.peer_inflight("a@7") == 1
     again = b.dispatcher.admit(request("r2", DOC), workers(2), 1.0)
@@ -82,13 +82,13 @@ def test_a_peers_routing_is_applied_and_predicts_warm_here() -> None:
 def test_own_facts_are_skipped_and_others_dropped_by_reason() -> None:
     b = node()
     _, facts, _ = peer_facts()
-    b.on_facts(message(facts, replica="b", epoch=b.epoch), replayed=True)  # its own
+    b.on_facts(message(facts, replica="b", epoch=b.epoch), live=True)  # its own
     assert b.stats.applied_facts == 0 and b.stats.dropped == {}
-    b.on_facts(message(facts, fields={**FIELDS, "routing.block_size": "32"}), replayed=True)
-    b.on_facts(message([WorkerFact(WorkerId("w9"), WorkerChange.DOWN)]), replayed=True)
-    b.on_facts(message(facts, epoch=9), replayed=True)  # a restarted: epoch 7 has ended
-    b.on_facts(message(facts, epoch=7), replayed=True)
-    b.on_facts(b"\x01", replayed=True)
+    b.on_facts(message(facts, fields={**FIELDS, "routing.block_size": "32"}), live=True)
+    b.on_facts(message([WorkerFact(WorkerId("w9"), WorkerChange.DOWN)]), live=True)
+    b.on_facts(message(facts, epoch=9), live=True)  # a restarted: epoch 7 has ended
+    b.on_facts(message(facts, epoch=7), live=True)
+    b.on_facts(b"\x01", live=True)
     assert b.stats.dropped == {
         "fingerprint": 1,
         "unknown_worker": 1,
@@ -105,14 +105,14 @@ def test_a_settlement_of_a_routing_never_heard_is_unmatched() -> None:
     adm = a.admit(request("r2", DOC), workers(2), 1.0)
     a.drain_facts()
     a.complete(adm, Outcome(320, 0.1), 2.0)
-    b.on_facts(message(a.drain_facts()), replayed=True)
+    b.on_facts(message(a.drain_facts()), live=True)
     assert b.stats.dropped == {"unmatched": 1}
 
 
 def test_a_silent_peers_in_flight_counts_expire_after_the_ttl() -> None:
     b = node(ttl=5.0)
     _, facts, worker = peer_facts()
-    b.on_facts(message(facts), replayed=True)
+    b.on_facts(message(facts), live=True)
     assert b.dispatcher.load(worker).in_flight == 1
     clock = b.clock
     assert isinstance(clock, Clock)
@@ -184,7 +184,7 @@ def test_a_replica_that_lost_facts_starts_a_new_life() -> None:
         assert b.origin != first  # peers end the old life: nothing of it stays open
         # Its own messages under the new epoch are still its own.
         _, facts, _ = peer_facts()
-        b.on_facts(message(facts, replica="b", epoch=b.epoch), replayed=True)
+        b.on_facts(message(facts, replica="b", epoch=b.epoch), live=True)
         assert b.stats.applied_facts == 0
         # Another drop with nothing published in this life keeps the epoch.
         b.dispatcher.admit(request("r3", DOC), workers(2), 2.0)
@@ -198,7 +198,7 @@ def test_a_replica_that_lost_facts_starts_a_new_life() -> None:
 def test_a_live_peers_routing_whose_settlement_never_came_expires() -> None:
     b = node(ttl=5.0)
     _, facts, worker = peer_facts()
-    b.on_facts(message(facts), replayed=True)
+    b.on_facts(message(facts), live=True)
     clock = b.clock
     assert isinstance(clock, Clock)
     for _ in range(4):  # 1,200 s > max_open_s (900); the peer stays alive meanwhile

@@ -2,7 +2,7 @@
 
 Each message a replica publishes starts with a fixed header::
 
-    u8 version, u8 kind, u64 epoch, u64 fingerprint, f64 sent_wall, u16 len, replica id
+    u8 version, u8 kind, u64 epoch, u64 fingerprint, f64 sent_wall, u64 seq, u16 len, replica id
 
 * ``kind``: :data:`FACTS` (a batch of :mod:`~prefixrouter.cluster.codec`
   facts follows) or :data:`HEARTBEAT` (a small JSON object follows: the
@@ -13,7 +13,13 @@ Each message a replica publishes starts with a fixed header::
   block hashes to agree (:mod:`~prefixrouter.cluster.fingerprint`);
 * ``sent_wall``: the sender's wall clock when it published, in Unix seconds;
   the receiver's wall clock minus it is the propagation lag (exact on one
-  machine, off by the clock offset across machines).
+  machine, off by the clock offset across machines);
+* ``seq``: the facts message's number in its sender's life (1, 2, ...; 0 on
+  heartbeats). A replica hears a message on the live subscription, on the
+  stream's replay or on both around the switch from one to the other
+  (:mod:`~prefixrouter.cluster.transport`); the receiver applies a life's
+  messages in increasing ``seq`` only, so none is applied twice, and a jump
+  tells it how many it missed.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import struct
 import time
 from dataclasses import dataclass
 
-VERSION = 1
+VERSION = 2
 FACTS = 1
 HEARTBEAT = 2
 
-_HEAD = struct.Struct("<BBQQdH")
+_HEAD = struct.Struct("<BBQQdQH")
+_TAIL = _HEAD.size - 2  # where the replica id's length starts
 
 
 class EnvelopeError(ValueError):
@@ -42,6 +49,7 @@ class Envelope:
     epoch: int
     fingerprint: int
     sent_wall: float
+    seq: int = 0
 
     @property
     def origin(self) -> str:
@@ -62,7 +70,7 @@ def pack(head: Envelope, body: bytes) -> bytes:
     """The message: the header, then ``body``."""
     replica = head.replica.encode("utf-8")
     fixed = _HEAD.pack(
-        VERSION, head.kind, head.epoch, head.fingerprint, head.sent_wall, len(replica)
+        VERSION, head.kind, head.epoch, head.fingerprint, head.sent_wall, head.seq, len(replica)
     )
     return b"".join((fixed, replica, body))
 
@@ -70,7 +78,7 @@ def pack(head: Envelope, body: bytes) -> bytes:
 def sender_key(head: Envelope) -> tuple[bytes, bytes]:
     """What :func:`is_from` compares: the bytes of a sender's version, kind, epoch and
     fingerprint, and of its replica id with its length."""
-    fixed = _HEAD.pack(VERSION, head.kind, head.epoch, head.fingerprint, 0.0, 0)
+    fixed = _HEAD.pack(VERSION, head.kind, head.epoch, head.fingerprint, 0.0, 0, 0)
     replica = head.replica.encode("utf-8")
     return fixed[:18], struct.pack("<H", len(replica)) + replica
 
@@ -82,7 +90,7 @@ def is_from(data: bytes, key: tuple[bytes, bytes]) -> bool:
     stream and skips them, so this check is on the path of every message.
     """
     fixed, tail = key
-    return data[:18] == fixed and data[26 : 26 + len(tail)] == tail
+    return data[:18] == fixed and data[_TAIL : _TAIL + len(tail)] == tail
 
 
 def unpack(data: bytes) -> tuple[Envelope, memoryview]:
@@ -93,7 +101,7 @@ def unpack(data: bytes) -> tuple[Envelope, memoryview]:
     """
     if len(data) < _HEAD.size:
         raise EnvelopeError(f"message of {len(data)} bytes has no envelope")
-    version, kind, epoch, fingerprint, sent, n = _HEAD.unpack_from(data, 0)
+    version, kind, epoch, fingerprint, sent, seq, n = _HEAD.unpack_from(data, 0)
     if version != VERSION:
         raise EnvelopeError(f"envelope version {version} (this replica speaks {VERSION})")
     end = _HEAD.size + n
@@ -101,4 +109,4 @@ def unpack(data: bytes) -> tuple[Envelope, memoryview]:
         raise EnvelopeError("replica id runs past the end")
     view = memoryview(data)
     replica = str(view[_HEAD.size : end], "utf-8")
-    return Envelope(kind, replica, epoch, fingerprint, sent), view[end:]
+    return Envelope(kind, replica, epoch, fingerprint, sent, seq), view[end:]

@@ -13,7 +13,8 @@ A :class:`ClusterNode` sits between the replica's
   placement from its own traffic, like a replica without sync. A replica
   that lost facts after publishing some starts a new epoch, so no peer keeps
   one of its routings open for want of the lost settlement.
-* **Apply**: each message heard passes the
+* **Apply**: each message heard is taken once, in its sender's order
+  (envelope ``seq``; see :meth:`ClusterNode.on_facts`), passes the
   :class:`~prefixrouter.cluster.registry.PeerRegistry` (own, stale epoch,
   other fingerprint: not applied), then each fact goes to
   :meth:`Dispatcher.apply_peer <prefixrouter.core.dispatch.Dispatcher.apply_peer>`
@@ -90,6 +91,8 @@ class ClusterStats:
     applied_facts: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     peers_gone: int = 0
+    duplicate_messages: int = 0
+    missed_messages: int = 0
     expired_routings: int = 0
     sync_cpu_s: float = 0.0
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
@@ -142,6 +145,10 @@ class ClusterNode:
         self._pending = asyncio.Event()
         self._warned: set[str] = set()
         self._own = env_mod.sender_key(self._envelope(FACTS))
+        self._seq = 0  # the last facts message numbered in this life
+        # origin -> the last message seq taken from it. Kept after a life ends
+        # (one int per peer life ever heard): a catch-up may re-read its messages.
+        self._heard: dict[str, int] = {}
 
     @property
     def origin(self) -> str:
@@ -208,10 +215,12 @@ class ClusterNode:
         t0 = time.thread_time()
         messages = encode_facts(facts, self.options.max_message_bytes)
         opts = self.options
-        head = Envelope(FACTS, opts.replica_id, self.epoch, self.fingerprint.value, time.time())
+        replica, fp, wall = opts.replica_id, self.fingerprint.value, time.time()
         sent = 0
         for body in messages:
+            head = Envelope(FACTS, replica, self.epoch, fp, wall, self._seq + 1)
             if await self.link.publish_facts(env_mod.pack(head, body)):
+                self._seq += 1
                 sent += 1
         st = self.stats
         if sent == len(messages):
@@ -237,15 +246,25 @@ class ClusterNode:
         self.epoch = env_mod.new_epoch()
         self.registry.epoch = self.epoch
         self._own = env_mod.sender_key(self._envelope(FACTS))
+        self._seq = 0
         self._published_in_life = False
         log.warning("cluster: facts of %s were lost; publishing as %s", old, self.origin)
 
     # ------------------------------------------------------------- apply
 
-    def on_facts(self, data: bytes, replayed: bool) -> None:
-        """Apply one facts message heard from the stream (``replayed``: live, not the replay)."""
+    def on_facts(self, data: bytes, live: bool) -> None:
+        """Apply one facts message (``live``: straight from the live subscription, so its
+        propagation lag is recorded; not a catch-up's or one held during it).
+
+        Each sender life's messages are taken in increasing envelope ``seq``
+        only: one heard again (the catch-up and the live subscription overlap
+        around a switch, and a catch-up after a reconnection re-reads a margin)
+        is skipped and counted (``duplicate_messages``), and a jump counts the
+        messages that never arrived (``missed_messages``: their facts are lost
+        to this replica, which learns those placements from its own traffic).
+        """
         if env_mod.is_from(data, self._own):
-            return  # this life's own message: skipped before any work (half of them at two)
+            return  # this life's own message (the catch-up reads them): skipped before any work
         t0 = time.thread_time()
         st = self.stats
         try:
@@ -255,6 +274,17 @@ class ClusterNode:
         except EnvelopeError:
             st.drop("malformed")
             return
+        seq = head.seq
+        if seq:  # 0: a sender that does not number its messages
+            origin = head.origin
+            last = self._heard.get(origin, 0)
+            if seq <= last:
+                st.duplicate_messages += 1
+                st.sync_cpu_s += time.thread_time() - t0
+                return
+            if last and seq > last + 1:
+                st.missed_messages += seq - last - 1
+            self._heard[origin] = seq
         now, wall = self.clock(), time.time()
         verdict = self.registry.admit(head, now, wall)
         for origin in verdict.gone:
@@ -269,7 +299,7 @@ class ClusterNode:
         if verdict.drop is not None:
             st.drop(verdict.drop, len(facts))
             return
-        if replayed:
+        if live:
             lag = max(0.0, wall - head.sent_wall)
             st.lags.append(lag)
             if self.observe_lag is not None:

@@ -1,37 +1,57 @@
-"""The NATS JetStream link of one replica: a bounded stream of facts, heartbeats, reconnects.
+"""The NATS link of one replica: live facts over core NATS, a bounded JetStream stream behind them.
 
 Subjects, for a cluster named ``C``:
 
 * ``prefixrouter.C.facts``: batches of facts. A JetStream stream
   (``PREFIXROUTER_C``, file storage, bounded by ``max_age_s`` and
-  ``max_bytes``, oldest dropped first) captures the subject, so a replica
-  that starts replays what its peers did before it. Replicas publish with
-  core NATS publish (no per-message acknowledgement to wait for: the server
-  stores what reaches it, in order) and every replica reads the stream with
-  an *ordered push consumer* from its first message: ephemeral, no acks,
-  flow-controlled, and recreated from the last sequence read when the
-  client sees a gap or the server's idle heartbeats stop (a NATS restart),
-  so a replica catches up by itself after an outage.
+  ``max_bytes``, oldest dropped first) captures the subject. Replicas publish
+  with core NATS publish (no per-message acknowledgement to wait for: the
+  server stores what reaches it, in order) and read it two ways:
+
+  - **live**, over a plain core-NATS subscription on a connection made with
+    ``no_echo`` (the server never sends a replica its own messages back). Per
+    message this is the cheapest path nats-py has: no JetStream metadata to
+    parse, no flow control, no consumer heartbeats;
+  - **catch-up**, over an ephemeral JetStream pull consumer (no acks), only
+    when the live subscription cannot have heard everything: at the first
+    connection (from the stream's first message: the *replay* a starting
+    replica does before it is ready) and after every reconnection (from
+    :data:`CATCH_UP_MARGIN_S` before the connection was lost). It reads up to
+    the stream's last sequence as it stood once the live subscription was in
+    place (or until nothing is pending), then the consumer is deleted.
+
 * ``prefixrouter.C.heartbeat``: heartbeats, core NATS only (not stored: a
   replayed heartbeat would say nothing about who is alive now).
 
-**Replayed.** When it subscribes, the link reads the stream's last sequence;
-it is :attr:`NatsLink.replayed` once it has read that far (or the stream was
-empty, or the consumer reports nothing pending). Readiness waits for it.
+**The switch-over.** During a catch-up the live subscription is already
+subscribed and its messages are held back; when the catch-up has read its
+last message, the held ones are passed on, then live messages go straight
+through. Around the switch a message may be heard twice (stored before the
+catch-up's end and heard live) and after a reconnection the catch-up re-reads
+the margin: the receiver applies each sender life's messages in increasing
+envelope ``seq`` only (:mod:`~prefixrouter.cluster.envelope`), so nothing is
+applied twice, and what the catch-up read before the held messages keeps each
+sender's order.
+
+**Replayed.** :attr:`NatsLink.replayed` turns true when the first catch-up
+ends. Readiness waits for it.
 
 **Faults.** The client reconnects forever (every ``reconnect_s``); while it
 is away publishes are buffered by nats-py up to its pending limit, past which
 they are dropped and counted by the caller. A first connection that fails is
 retried the same way in the background. ``on_connected(bool)`` reports every
-change.
+change. A catch-up that fails (JetStream not answering) is retried every
+``reconnect_s`` while live messages are held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +60,30 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, NotFoundError
 
 log = logging.getLogger("prefixrouter.cluster")
 
 OnMessage = Callable[[bytes, bool], None]
-"""A facts message and whether the link has replayed the stream by it."""
+"""A facts message and whether it came straight from the live subscription."""
+
+CATCH_UP_MARGIN_S = 2.0
+"""How far before a lost connection a catch-up starts reading: the messages
+stored just before the loss that were still on their way, and the clock
+offset between this host and the NATS server (what it re-reads is skipped by
+``seq``)."""
+
+FETCH_BATCH = 512
+"""Messages per catch-up fetch."""
 
 
 def stream_name(cluster: str) -> str:
@@ -64,7 +101,7 @@ class LinkOptions:
     max_age_s: float = 600.0
     max_bytes: int = 256 * 1024 * 1024
     reconnect_s: float = 0.5
-    idle_heartbeat_s: float = 1.0
+    fetch_timeout_s: float = 2.0
 
     @property
     def facts_subject(self) -> str:
@@ -80,7 +117,7 @@ class NatsLink:
 
     Args:
         options: Server, cluster and stream bounds.
-        on_facts: Called with each facts message, in stream order.
+        on_facts: Called with each facts message, in each sender's order.
         on_heartbeat: Called with each heartbeat message.
         on_connected: Called with True on every (re)connection, False on every loss.
     """
@@ -98,11 +135,16 @@ class NatsLink:
         self._on_connected = on_connected
         self._nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
-        self._target: int | None = None  # the stream's last sequence when we subscribed
+        self._catch_up_task: asyncio.Task[None] | None = None
         self.replayed = False
         self.connected = False
         self._closing = False
         self._warned = False  # "cannot reach NATS" logged since the last connection
+        self._holding = True  # live messages held back until a catch-up ends
+        self._held: list[bytes] = []
+        self._since: float | None = None  # wall time a catch-up reads from (None: the start)
+        self.catch_ups = 0  # catch-ups completed (the first is the replay)
+        self.caught_up_messages = 0  # messages the catch-ups read
         self.stream = options.stream or stream_name(options.cluster)
 
     async def start(self) -> None:
@@ -112,11 +154,12 @@ class NatsLink:
     async def close(self) -> None:
         """Stop connecting, drop the subscriptions and close the connection."""
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._catch_up_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._catch_up_task = None
         nc, self._nc = self._nc, None
         if nc is not None:
             with contextlib.suppress(Exception):
@@ -157,6 +200,7 @@ class NatsLink:
                     allow_reconnect=True,
                     ping_interval=5,
                     max_outstanding_pings=2,
+                    no_echo=True,  # never hear one's own messages live
                     disconnected_cb=self._disconnected,
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
@@ -167,12 +211,17 @@ class NatsLink:
                 await self._error(exc)
                 await asyncio.sleep(opts.reconnect_s)
         self._nc = nc
+        # Subscribed before the catch-up reads the stream's last sequence, so
+        # every message stored after that point is heard live.
+        await nc.subscribe(opts.heartbeat_subject, cb=self._heartbeat)
+        await nc.subscribe(opts.facts_subject, cb=self._live)
         while True:
             try:
-                await self._subscribe(nc)
+                await self._ensure_stream(nc)
+                await self._catch_up(nc)
                 break
             except (TimeoutError, NatsError) as exc:  # JetStream not up yet
-                log.warning("cluster: cannot set up stream %s: %s; retrying", self.stream, exc)
+                log.warning("cluster: cannot read stream %s: %s; retrying", self.stream, exc)
                 await asyncio.sleep(opts.reconnect_s)
         self.connected = True
         self._warned = False
@@ -196,38 +245,102 @@ class NatsLink:
         except BadRequestError:  # exists with other bounds: take this replica's
             await js.update_stream(config)
 
-    async def _subscribe(self, nc: Client) -> None:
-        await self._ensure_stream(nc)
-        js = nc.jetstream()
-        info = await js.stream_info(self.stream)
-        state = info.state
-        self._target = state.last_seq
-        if state.messages == 0:
-            self.replayed = True
-        await nc.subscribe(self.options.heartbeat_subject, cb=self._heartbeat)
-        await js.subscribe(
-            self.options.facts_subject,
-            stream=self.stream,
-            cb=self._facts,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-            idle_heartbeat=self.options.idle_heartbeat_s,
-        )
+    # ------------------------------------------------------------- catch-up
 
-    async def _facts(self, msg: Msg) -> None:
+    async def _catch_up(self, nc: Client) -> None:
+        """Read the stream from :attr:`_since` to its last sequence, then let live through.
+
+        Live messages are held from before this starts (the subscription is
+        in place, or the connection was lost) until it ends.
+        """
+        js = nc.jetstream()
+        self._holding = True
+        state = (await js.stream_info(self.stream)).state
+        target = state.last_seq
+        read = 0
+        if state.messages > 0:
+            since = self._since
+            config = ConsumerConfig(
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.ALL if since is None else DeliverPolicy.BY_START_TIME,
+                opt_start_time=None
+                if since is None
+                else datetime.datetime.fromtimestamp(since, datetime.UTC),
+                inactive_threshold=30.0,  # the server drops it if this replica dies meanwhile
+                mem_storage=True,
+            )
+            sub = await js.pull_subscribe(
+                self.options.facts_subject, stream=self.stream, config=config
+            )
+            consumer = ""
+            try:
+                info = await sub.consumer_info()
+                consumer, pending = info.name, info.num_pending or 0
+                while pending > 0:
+                    batch = await sub.fetch(
+                        min(FETCH_BATCH, pending), timeout=self.options.fetch_timeout_s
+                    )
+                    for msg in batch:
+                        self._on_facts(msg.data, False)
+                        read += 1
+                        meta = msg.metadata
+                        pending = meta.num_pending or 0
+                        if meta.sequence.stream >= target:
+                            pending = 0
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                if consumer:  # else inactive_threshold removes it
+                    with contextlib.suppress(Exception):
+                        await js.delete_consumer(self.stream, consumer)
+        # The switch: what was heard live meanwhile, in order, then live itself.
+        # No await from here on, so no live message slips in between.
+        held, self._held = self._held, []
+        self._holding = False
+        for data in held:
+            self._on_facts(data, False)
+        self.catch_ups += 1
+        self.caught_up_messages += read
         if not self.replayed:
-            meta = msg.metadata
-            target = self._target or 0
-            if meta.sequence.stream >= target or meta.num_pending == 0:
-                self.replayed = True
-                log.info("cluster: replayed the stream up to sequence %d", meta.sequence.stream)
-        self._on_facts(msg.data, self.replayed)
+            self.replayed = True
+            log.info("cluster: replayed the stream up to sequence %d (%d messages)", target, read)
+        elif read or held:
+            log.info("cluster: caught up on %d stored messages after the outage", read)
+
+    async def _catch_up_after_reconnect(self) -> None:
+        while not self._closing:
+            nc = self._nc
+            if nc is None or not nc.is_connected:
+                return  # lost again: the next reconnection starts another
+            try:
+                await self._catch_up(nc)
+                return
+            except (TimeoutError, NatsError) as exc:
+                log.warning("cluster: cannot catch up on stream %s: %s; retrying", self.stream, exc)
+                await asyncio.sleep(self.options.reconnect_s)
+
+    async def _live(self, msg: Msg) -> None:
+        if self._holding:
+            self._held.append(msg.data)
+        else:
+            self._on_facts(msg.data, True)
 
     async def _heartbeat(self, msg: Msg) -> None:
         self._on_heartbeat(msg.data)
 
+    def _mark_lost(self) -> None:
+        # From here until a catch-up ends, live messages are held; the
+        # catch-up starts reading a margin before now.
+        if not self._holding:
+            self._holding = True
+            self._since = time.time() - CATCH_UP_MARGIN_S
+
     async def _disconnected(self) -> None:
-        if self.connected and not self._closing:
+        if self._closing:
+            return
+        if self.replayed:
+            self._mark_lost()
+        if self.connected:
             self.connected = False
             self._warned = True  # this line says it; reconnect failures stay quiet
             log.warning(
@@ -243,6 +356,14 @@ class NatsLink:
             # A server that lost its store lost the stream: make it again.
             with contextlib.suppress(NatsError, asyncio.TimeoutError, NotFoundError):
                 await self._ensure_stream(nc)
+            if self.replayed:
+                self._mark_lost()  # in case no disconnection was reported
+                if self._catch_up_task is not None:
+                    self._catch_up_task.cancel()
+                # Not awaited here: nats-py awaits this callback in its reconnect path.
+                self._catch_up_task = asyncio.get_running_loop().create_task(
+                    self._catch_up_after_reconnect(), name="nats-catch-up"
+                )
         self.connected = True
         self._warned = False
         # A warning, as the loss was: the end of an outage is worth a line too.
