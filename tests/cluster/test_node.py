@@ -50,9 +50,13 @@ def node(replica: str = "b", fields: dict[str, str] = FIELDS, ttl: float = 5.0) 
 
 
 def message(
-    facts: list[Fact], replica: str = "a", epoch: int = 7, fields: dict[str, str] = FIELDS
+    facts: list[Fact],
+    replica: str = "a",
+    epoch: int = 7,
+    fields: dict[str, str] = FIELDS,
+    seq: int = 0,
 ) -> bytes:
-    head = Envelope(FACTS, replica, epoch, Fingerprint.of(fields).value, time.time())
+    head = Envelope(FACTS, replica, epoch, Fingerprint.of(fields).value, time.time(), seq)
     (body,) = encode_facts(facts)
     return envelope.pack(head, body)
 
@@ -207,3 +211,25 @@ def test_a_live_peers_routing_whose_settlement_never_came_expires() -> None:
         b.sweep()
     assert b.stats.expired_routings == 1 and b.stats.peers_gone == 0
     assert b.dispatcher.load(worker).in_flight == 0
+
+
+def test_a_message_heard_twice_or_late_is_applied_once_and_a_jump_counts_the_missed() -> None:
+    b = node()
+    a = Dispatcher(Router("prefix_aware"), record_facts=True)
+    msgs = []
+    for i in range(5):
+        a.admit(request(f"r{i}", DOC), workers(2), float(i))
+        msgs.append(message(a.drain_facts(), seq=i + 1))
+    b.on_facts(msgs[0], live=False)  # the catch-up reads 1 and 2 ...
+    b.on_facts(msgs[1], live=False)
+    b.on_facts(msgs[1], live=True)  # ... and the live subscription held 2 and 3
+    b.on_facts(msgs[2], live=True)
+    b.on_facts(msgs[0], live=True)  # late: older than what was taken
+    assert b.stats.applied_facts == 3 and b.stats.duplicate_messages == 2
+    assert b.stats.dropped == {}  # a duplicate is not a drop: its facts were applied
+    b.on_facts(msgs[4], live=True)  # 4 never came
+    assert b.stats.missed_messages == 1 and b.stats.applied_facts == 4
+    assert b.dispatcher.peer_inflight("a@7") == 4
+    # A new life numbers from 1 again; the old life's numbering does not hold it back.
+    b.on_facts(message(peer_facts()[1], epoch=8, seq=1), live=True)
+    assert b.dispatcher.peer_inflight("a@8") == 1 and b.stats.missed_messages == 1

@@ -207,7 +207,7 @@ def test_nats_stopped_and_restarted_routing_goes_on_and_catches_up(
         assert sum("lost the connection to NATS" in line for line in lines) == 1, lines
         assert sum("reconnected to NATS" in line for line in lines) == 1, lines
         # Catch-up: what a routed while NATS was away reaches b (a's client
-        # buffered it; b's ordered consumer resumes from its last sequence).
+        # buffered it; b catches up from the stream, then goes live again).
         await synced(a.url, b.url)
         st, hb, body = await post(b.url, chat(text + " Q2?"))
         assert st == 200 and hb["X-Prefixrouter-Worker"] == ha["X-Prefixrouter-Worker"]

@@ -147,6 +147,11 @@ class NatsLink:
         self.caught_up_messages = 0  # messages the catch-ups read
         self.stream = options.stream or stream_name(options.cluster)
 
+    @property
+    def live(self) -> bool:
+        """Live messages go straight through (no catch-up under way)."""
+        return not self._holding
+
     async def start(self) -> None:
         """Connect in the background (returns at once; see :attr:`connected`)."""
         self._task = asyncio.get_running_loop().create_task(self._connect(), name="nats-link")
