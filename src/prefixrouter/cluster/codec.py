@@ -4,14 +4,18 @@ Sync must cost little CPU per request (the target is 0.05 ms per request per
 replica for publish and apply together), and a request makes two or three
 facts, so the codec avoids the per-object work of JSON: a message is one
 :mod:`struct` header per fact and the block hashes of a routing as one
-``array('Q')`` copy, with the strings of the batch (worker ids, namespace
+``array('Q')`` copy (read back by one ``struct`` call straight into the
+tuple the fact holds), with the strings of the batch (worker ids, namespace
 fields, models, request ids) written once each in a string table and named by
-index. A batch of facts of one namespace pays for its namespace once.
+index. The table is one UTF-8 blob with the strings' lengths in code points,
+so the receiver decodes it with one call and cuts it by slicing. A batch of
+facts of one namespace pays for its namespace once, and a receiver builds
+each namespace's fields once (a small cache across messages).
 
 Layout (little-endian)::
 
-    message := u16 n_strings, {u16 len, utf-8 bytes} * n_strings,
-               u32 n_facts, fact * n_facts
+    message := u16 n_strings, u16 * n_strings (lengths in code points),
+               u32 blob_bytes, utf-8 blob, u32 n_facts, fact * n_facts
     fact    := u8 tag, then by tag:
       ROUTED   u16 request_id, u16 worker, u16 * 5 namespace fields, u16 model,
                u16 prefix_key, f64 block_tokens, u32 prompt_tokens,
@@ -36,7 +40,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 from prefixrouter.core.facts import (
     Fact,
@@ -48,7 +52,6 @@ from prefixrouter.core.facts import (
     WorkerChange,
     WorkerFact,
 )
-from prefixrouter.core.types import BlockHash, RequestId, WorkerId
 
 TAG_ROUTED, TAG_FIRST, TAG_SETTLED, TAG_WORKER = 1, 2, 3, 4
 
@@ -59,6 +62,9 @@ _FIRST = struct.Struct("<BH")
 _SETTLED = struct.Struct("<BHBI")
 _WORKER = struct.Struct("<BHB")
 _MAX_STRINGS = 0xFFFF
+_MAX_NAMESPACES = 1024  # the decoder's cache of namespace fields (cleared when full)
+_SETTLEMENTS = {int(v): v for v in Settlement}
+_CHANGES = {int(v): v for v in WorkerChange}
 _U32_MAX = 0xFFFFFFFF
 _SWAP = sys.byteorder != "little"  # array('Q') is native; the wire is little-endian
 
@@ -81,20 +87,20 @@ class _Batch:
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
-        self.strings: list[bytes] = []
+        self.strings: list[str] = []
         self.parts: list[bytes] = []
         self.facts = 0
-        self.size = 6  # the two counts
+        self.size = 10  # the three counts
 
     def s(self, value: str) -> int:
         i = self.index.get(value)
         if i is None:
-            raw = value.encode("utf-8")
-            if len(raw) > 0xFFFF:
-                raise ValueError(f"string of {len(raw)} bytes is too long for the wire")
+            if len(value) > 0xFFFF:
+                raise ValueError(f"string of {len(value)} characters is too long for the wire")
             i = self.index[value] = len(self.strings)
-            self.strings.append(raw)
-            self.size += 2 + len(raw)
+            self.strings.append(value)
+            # Bytes, not characters, count toward the budget; ASCII is one byte a character.
+            self.size += 2 + (len(value) if value.isascii() else len(value.encode("utf-8")))
         return i
 
     def add(self, fact: Fact) -> None:
@@ -143,10 +149,12 @@ class _Batch:
         self.facts += 1
 
     def bytes(self) -> bytes:
-        out = [_U16.pack(len(self.strings))]
-        for raw in self.strings:
-            out.append(_U16.pack(len(raw)))
-            out.append(raw)
+        strings = self.strings
+        lengths = array("H", [len(v) for v in strings])
+        if _SWAP:  # pragma: no cover - big-endian hosts only
+            lengths.byteswap()
+        blob = "".join(strings).encode("utf-8")
+        out = [_U16.pack(len(strings)), lengths.tobytes(), _U32.pack(len(blob)), blob]
         out.append(_U32.pack(self.facts))
         out.extend(self.parts)
         return b"".join(out)
@@ -187,52 +195,74 @@ def decode_facts(data: bytes | memoryview) -> list[Fact]:
         raise DecodeError(f"bad facts message: {exc}") from None
 
 
+_NAMESPACES: dict[tuple[str, ...], NamespaceFields] = {}
+_HASHES: dict[int, struct.Struct] = {}  # "<nQ" by n (block counts repeat: a small set)
+
+
+def _hashes(n: int) -> struct.Struct:
+    st = _HASHES.get(n)
+    if st is None:
+        if len(_HASHES) >= 4096:
+            _HASHES.clear()
+        st = _HASHES[n] = struct.Struct(f"<{n}Q")
+    return st
+
+
 def _decode(view: memoryview) -> list[Fact]:
     (n_strings,) = _U16.unpack_from(view, 0)
-    pos = 2
+    pos = 2 + 2 * n_strings
+    if pos > len(view):
+        raise ValueError("string lengths run past the end")
+    lengths = array("H")
+    lengths.frombytes(view[2:pos])
+    if _SWAP:  # pragma: no cover - big-endian hosts only
+        lengths.byteswap()
+    (n_bytes,) = _U32.unpack_from(view, pos)
+    pos += 4
+    end = pos + n_bytes
+    if end > len(view):
+        raise ValueError("string table runs past the end")
+    blob = str(view[pos:end], "utf-8")
+    pos = end
     strings: list[str] = []
-    for _ in range(n_strings):
-        (n,) = _U16.unpack_from(view, pos)
-        pos += 2
-        end = pos + n
-        if end > len(view):
-            raise ValueError("string table runs past the end")
-        strings.append(str(view[pos:end], "utf-8"))
-        pos = end
+    at = 0
+    for n in lengths:
+        strings.append(blob[at : at + n])
+        at += n
+    if at != len(blob):
+        raise ValueError("string lengths do not match the string table")
     (n_facts,) = _U32.unpack_from(view, pos)
     pos += 4
-    facts: list[Fact] = []
-    namespaces: dict[tuple[int, ...], NamespaceFields] = {}
+    # Built positionally from the table's str (RequestId and WorkerId are str at runtime).
+    facts: list[Any] = []
+    namespaces = _NAMESPACES
     append = facts.append
+    routed_size = _ROUTED.size
     for _ in range(n_facts):
         tag = view[pos]
         if tag == TAG_ROUTED:
             (_, rid, worker, mr, tr, ad, tv, te, model, pk, bt, pt, pc, mt, nh) = (
                 _ROUTED.unpack_from(view, pos)
             )
-            pos += _ROUTED.size
-            end = pos + 8 * nh
-            if end > len(view):
+            pos += routed_size
+            if pos + 8 * nh > len(view):
                 raise ValueError("block hashes run past the end")
-            hashes = array("Q")
-            hashes.frombytes(view[pos:end])
-            if _SWAP:  # pragma: no cover - big-endian hosts only
-                hashes.byteswap()
-            pos = end
-            key = (mr, tr, ad, tv, te)
+            hashes = _hashes(nh).unpack_from(view, pos)
+            pos += 8 * nh
+            key = (strings[mr], strings[tr], strings[ad], strings[tv], strings[te])
             ns = namespaces.get(key)
             if ns is None:
-                ns = namespaces[key] = NamespaceFields(
-                    strings[mr], strings[tr], strings[ad], strings[tv], strings[te]
-                )
+                if len(namespaces) >= _MAX_NAMESPACES:
+                    namespaces.clear()
+                ns = namespaces[key] = NamespaceFields(*key)
             append(
-                RoutedFact(  # positional: the fields' order (cheaper than keywords)
-                    RequestId(strings[rid]),
-                    WorkerId(strings[worker]),
+                RoutedFact(
+                    strings[rid],
+                    strings[worker],
                     ns,
                     strings[model],
                     strings[pk],
-                    cast("tuple[BlockHash, ...]", tuple(hashes)),
+                    hashes,
                     bt,
                     pt,
                     pc,
@@ -242,17 +272,17 @@ def _decode(view: memoryview) -> list[Fact]:
         elif tag == TAG_FIRST:
             (_, rid) = _FIRST.unpack_from(view, pos)
             pos += _FIRST.size
-            append(FirstTokenFact(RequestId(strings[rid])))
+            append(FirstTokenFact(strings[rid]))
         elif tag == TAG_SETTLED:
             (_, rid, settlement, cached) = _SETTLED.unpack_from(view, pos)
             pos += _SETTLED.size
-            append(SettledFact(RequestId(strings[rid]), Settlement(settlement), cached))
+            append(SettledFact(strings[rid], _SETTLEMENTS[settlement], cached))
         elif tag == TAG_WORKER:
             (_, worker, change) = _WORKER.unpack_from(view, pos)
             pos += _WORKER.size
-            append(WorkerFact(WorkerId(strings[worker]), WorkerChange(change)))
+            append(WorkerFact(strings[worker], _CHANGES[change]))
         else:
             raise ValueError(f"unknown fact tag {tag}")
     if pos != len(view):
         raise ValueError(f"{len(view) - pos} bytes after the last fact")
-    return facts
+    return cast("list[Fact]", facts)
