@@ -101,6 +101,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         await fleet.wait_healthy([engines], 30)
         cfg = Path(tmp) / "gw.yaml"
+        cluster: dict[str, float] = {"batch_window_s": args.batch_window}
+        if args.max_batch_window is not None:  # else the gateway's default (absent before it)
+            cluster["max_batch_window_s"] = args.max_batch_window
         cfg.write_bytes(
             orjson.dumps(
                 {
@@ -108,7 +111,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         {"url": f"http://127.0.0.1:{p}", "id": f"e{i}"} for i, p in enumerate(ports)
                     ],
                     "server": {"admin_api_key": ADMIN_KEY},
-                    "cluster": {"batch_window_s": args.batch_window},
+                    "cluster": cluster,
                 }
             )
         )
@@ -157,6 +160,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate_per_replica": args.rate,
         "seconds": args.seconds,
         "batch_window_s": args.batch_window,
+        "max_batch_window_s": args.max_batch_window,
         "replicas": per_replica,
         "process_cpu_ms_per_request": {k: round(v, 4) for k, v in proc.items()},
         "sync_process_cpu_ms_per_request": round(proc["clustered"] - proc["lone"], 4),
@@ -221,6 +225,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="load per pair, all rounds")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--batch-window", type=float, default=0.002, help="cluster.batch_window_s")
+    ap.add_argument(
+        "--max-batch-window", type=float, default=None, help="cluster.max_batch_window_s"
+    )
     ap.add_argument("--json", action="store_true", help="print JSON only")
     ap.add_argument("--hot-loop", type=int, default=0, metavar="N", help="in process, no network")
     ap.add_argument("--per-message", type=int, default=1, help="requests per message (hot loop)")

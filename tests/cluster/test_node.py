@@ -233,3 +233,14 @@ def test_a_message_heard_twice_or_late_is_applied_once_and_a_jump_counts_the_mis
     # A new life numbers from 1 again; the old life's numbering does not hold it back.
     b.on_facts(message(peer_facts()[1], epoch=8, seq=1), live=True)
     assert b.dispatcher.peer_inflight("a@8") == 1 and b.stats.missed_messages == 1
+
+
+def test_windows_double_while_facts_keep_coming_and_reset_after_a_quiet_spell() -> None:
+    b = node()  # 2 ms base, 4 ms at most
+    assert b.next_window(10.0) == 0.002  # quiet: a lone fact waits the short window
+    b.window_s = b.next_window(0.001)  # the next fact came 1 ms after the publish
+    assert b.window_s == 0.004
+    b.window_s = b.next_window(0.0)
+    assert b.window_s == 0.004  # capped
+    b.window_s = b.next_window(0.005)  # a gap longer than the window: quiet again
+    assert b.window_s == 0.002

@@ -31,7 +31,7 @@ Shape of the YAML file (all keys optional)::
     metrics:       {warm_fraction, lint_observe}
     kv_events:     {endpoint, max_blocks_per_worker}
     cluster:       {url, replica_id, name, stream, max_age_s, max_bytes, heartbeat_s,
-                    peer_ttl_s, batch_window_s}
+                    peer_ttl_s, batch_window_s, max_batch_window_s}
 
 Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
 with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
@@ -475,7 +475,10 @@ class ClusterConfig(_Model):
         max_bytes: The stream's size bound (oldest facts dropped first).
         heartbeat_s: Heartbeat interval.
         peer_ttl_s: A peer silent this long is gone: its in-flight counts expire.
-        batch_window_s: Facts are published in one message per window.
+        batch_window_s: Facts are published in one message per window; a
+            fact after a quiet spell waits this long.
+        max_batch_window_s: While facts keep coming, each window doubles up
+            to this (fewer messages per request; a fact waits at most this).
     """
 
     url: str | None = None
@@ -487,6 +490,7 @@ class ClusterConfig(_Model):
     heartbeat_s: PosFloat = 1.0
     peer_ttl_s: PosFloat = 5.0
     batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
+    max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.004
 
     @field_validator("url")
     @classmethod
