@@ -26,10 +26,14 @@ Layer: with ``sim``, ``real_engines`` and the other engines' drivers, below
 
 **Consistency model.** Eventually consistent, no coordination on the request
 path: a replica routes on its own view at once and publishes what it did;
-its peers apply it one propagation lag later (the batch window, 2 ms by
-default, plus NATS; ``prefixrouter_cluster_propagation_lag_seconds``). Each
-fact is applied once per origin, in the origin's order (one stream, one
-ordered consumer). What can go wrong within the lag:
+its peers apply it one propagation lag later (the batch window, 2 ms after a
+quiet spell and up to 4 ms under steady traffic by default, plus NATS;
+``prefixrouter_cluster_propagation_lag_seconds`` measures the NATS part).
+Each fact is applied once per origin, in the origin's order: live messages
+come over core NATS, the stream's over a catch-up consumer, and each
+origin's messages are numbered, so where the two overlap nothing is applied
+twice (:mod:`~prefixrouter.cluster.transport`). What can go wrong within the
+lag:
 
 * two replicas that see a *new* prefix within one lag of each other both
   find it cold and may send it to two different workers: the prefix is
@@ -46,9 +50,10 @@ exactly like one's own. A SIGKILLed peer's in-flight routings are settled
 without feedback after ``peer_ttl_s`` of silence; a restarted peer has a new
 epoch, which ends the old life at once. While NATS is unreachable each
 replica routes on its own view (``prefixrouter_cluster_connected`` is 0);
-when it returns, the ordered consumer resumes from the last sequence read
-and the replica catches up on what it missed, minus what aged out of the
-stream. Facts are not a consensus log: nothing is retried or acknowledged
+when it returns, the replica reads the stream from shortly before the loss
+(holding live messages meanwhile) and so catches up on what it missed, minus
+what aged out of the stream; a gap in a peer's numbering that the stream
+could not fill is counted (``prefixrouter_cluster_messages_missed_total``). Facts are not a consensus log: nothing is retried or acknowledged
 per message. A fact lost to a full reconnect buffer makes a peer learn that
 placement from its own traffic, and the replica that lost it starts a new
 epoch, so no peer keeps one of its routings in flight for a settlement that

@@ -39,7 +39,10 @@ replica's receipt, live messages only, not the replay),
 ``prefixrouter_cluster_facts_dropped_total{reason}``,
 ``prefixrouter_cluster_sync_cpu_seconds_total`` (CPU spent encoding,
 publishing, decoding and applying), ``prefixrouter_cluster_peers_gone_total``,
-``prefixrouter_cluster_expired_routings_total``, ``prefixrouter_cluster_peers``,
+``prefixrouter_cluster_expired_routings_total``,
+``prefixrouter_cluster_messages_heard_twice_total`` (skipped: a catch-up and the
+live subscription overlap), ``prefixrouter_cluster_messages_missed_total``
+(gaps in a peer's message numbers), ``prefixrouter_cluster_peers``,
 ``prefixrouter_cluster_connected`` (1 while NATS is reachable) and
 ``prefixrouter_cluster_ready``.
 
@@ -267,6 +270,16 @@ class ClusterCollector(Collector):
             "Peer routings settled here because their settlement never came (open past "
             "the origin's request timeout).",
             value=float(st.expired_routings),
+        )
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_messages_heard_twice",
+            "Peer messages skipped as already taken (a catch-up overlapping live ones).",
+            value=float(st.duplicate_messages),
+        )
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_messages_missed",
+            "Peer messages that never arrived (gaps in a peer life's message numbers).",
+            value=float(st.missed_messages),
         )
         yield GaugeMetricFamily(
             "prefixrouter_cluster_peers", "Live peer replicas.", value=len(node.registry.live())
