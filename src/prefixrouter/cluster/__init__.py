@@ -53,8 +53,9 @@ replica routes on its own view (``prefixrouter_cluster_connected`` is 0);
 when it returns, the replica reads the stream from shortly before the loss
 (holding live messages meanwhile) and so catches up on what it missed, minus
 what aged out of the stream; a gap in a peer's numbering that the stream
-could not fill is counted (``prefixrouter_cluster_messages_missed_total``). Facts are not a consensus log: nothing is retried or acknowledged
-per message. A fact lost to a full reconnect buffer makes a peer learn that
+could not fill is counted (``prefixrouter_cluster_messages_missed_total``).
+Facts are not a consensus log: nothing is retried or acknowledged per
+message. A fact lost to a full reconnect buffer makes a peer learn that
 placement from its own traffic, and the replica that lost it starts a new
 epoch, so no peer keeps one of its routings in flight for a settlement that
 will never come. A settlement lost inside a NATS server that died before
