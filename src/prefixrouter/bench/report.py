@@ -50,7 +50,7 @@ def scenario_table(report: dict[str, Any]) -> Table:
     # Gateway replicas: the fact propagation lag and each replica's CPU.
     replicated = any("replicas" in r for r in report["results"])
     if replicated:
-        cols += ["lag p50", "lag p99", "CPU/req per replica", "sync CPU/req"]
+        cols += ["lag p50", "lag p99", "CPU/req per replica", "sync CPU/req (all requests)"]
     for col in cols:
         table.add_column(
             col,
@@ -234,7 +234,9 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
             "",
         ]
         replicated = any("replicas" in r for r in rep["results"])
-        extra = " lag p50 | lag p99 | CPU/req per replica | sync CPU/req |" if replicated else ""
+        extra = (
+            " lag p50 | lag p99 | CPU/req per replica | sync CPU/req (all) |" if replicated else ""
+        )
         lines += [
             "| router | ok | TTFT mean | p50 | p90 | p99 | e2e p50 | e2e p99 | req/s | cached "
             "| requests per engine |" + extra,
