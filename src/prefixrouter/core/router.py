@@ -165,7 +165,9 @@ class Router:
         hasher: Block hashing settings (block size, text chunk size, estimator).
         index_params: Prefix-index settings.
         cost_params: Cost-model calibration settings.
-        prefix_key_tokens: Depth of the prefix key used for demand and logs.
+        prefix_key_tokens: Depth of the prefix key used for demand and logs
+            (text mode: as many characters as they take at the estimator's
+            prior, fixed, so a prefix keeps its key while the estimate learns).
     """
 
     def __init__(
@@ -322,8 +324,14 @@ class Router:
         if not hashes:
             return f"{request.namespace.seed:016x}"
         # The block at depth max(1, prefix_key_tokens / block) or the last one,
-        # with the min/max written out (this runs on every request).
-        depth = int(self.prefix_key_tokens // blocks.block_tokens)
-        depth = depth if depth > 1 else 1
+        # with the min/max written out (this runs on every request). In text
+        # mode the depth is a fixed number of characters (the estimator's
+        # prior): at the moving estimate a document got a new key each time
+        # the estimate crossed a chunk.
+        if request.tokens is None:
+            depth = self.hasher.text_key_blocks(self.prefix_key_tokens)
+        else:
+            depth = int(self.prefix_key_tokens // blocks.block_tokens)
+            depth = depth if depth > 1 else 1
         n = len(hashes)
         return f"{hashes[(n if n < depth else depth) - 1]:016x}"

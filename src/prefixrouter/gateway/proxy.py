@@ -597,7 +597,7 @@ class Proxy:
             dispatch.complete(adm, Outcome(0, att.ttft_s, ok=False), now)
         if ok and prompt:
             if built.text_chars:
-                dispatch.observe_prompt_tokens(built.text_chars, prompt)
+                dispatch.observe_prompt_tokens(built.text_chars, prompt, adm)
             if cached is not None:
                 st.metrics.usage(
                     built.model,
