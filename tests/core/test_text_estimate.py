@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -239,3 +240,28 @@ def test_one_prefix_key_per_document_whatever_the_estimate_does(tok: Tokenizer) 
     assert key("d", doc[:4000] + "a different document from here on" * 20) != first
     blocks = d.hash(RoutingRequest(RequestId("y"), NS, text=doc))
     assert first == f"{blocks.hashes[15]:016x}"
+
+
+def test_a_request_routed_before_the_first_answer_is_no_miss() -> None:
+    """Predicted at the prior, answered after the estimate learned: converted at what it knows."""
+    d = text_dispatcher()  # the prior: 4.0 characters per token
+    ws = views(2)
+    doc = "abcdefghij" * 2_000  # 20,000 characters that the engine counts 5 to a token
+
+    def admit(rid: str) -> Any:
+        text = doc + f" question {rid}"
+        return d.admit(RoutingRequest(RequestId(rid), NS, text=text), ws, 0.0), len(text)
+
+    (first, chars1), (second, chars2) = admit("a"), admit("b")  # both before any answer
+    assert second.worker == first.worker  # the routed, not yet prefilled, copy
+    predicted = second.decision.predicted_cached_tokens
+    actual = 4_000  # 20,000 characters / 5, in whole 16-token blocks
+    assert predicted == 78 * 64 and predicted - actual > 10 * 64  # over by 15 chunks: the prior
+    d.observe_prompt_tokens(chars1, chars1 // 5, first)
+    assert d.complete(first, Outcome(0, 0.5), 1.0) is False
+    d.observe_prompt_tokens(chars2, chars2 // 5, second)
+    assert d.complete(second, Outcome(actual, 0.1), 1.0) is False  # no miss: 78 chunks held
+    assert d.router.index.unexplained_misses == 0
+    third, _ = admit("c")
+    assert third.worker == first.worker
+    assert abs(third.decision.predicted_cached_tokens - actual) <= 0.05 * actual

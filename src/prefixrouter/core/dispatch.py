@@ -366,11 +366,22 @@ class Dispatcher:
 
         ``Outcome(0, ttft, ok=False)`` is an answer without a report of reuse
         (or a failure after the engine may have prefilled): the routing stays,
-        nothing is confirmed or corrected.
+        nothing is confirmed or corrected. Text mode: the engine's cached
+        tokens are converted into chunks at the current estimate of the
+        prompt's prefix, so call :meth:`observe_prompt_tokens` for the answer
+        first, and its own count is used too.
         """
         if not self._settle(admission):
             return False
-        miss = self._router.on_completed(admission.decision, outcome, now)
+        router = self._router
+        block_tokens = None
+        if self.mode == "text" and admission.blocks.hashes:
+            # The chunks at what the estimate knows now: a request routed
+            # before its prefix's first answer (at the prior) was predicted in
+            # tokens of the wrong size; its shortfall is no miss of the engine.
+            hasher = router.hasher
+            block_tokens = hasher.chunk_chars / hasher.estimator.for_prefix(admission.blocks.hashes)
+        miss = router.on_completed(admission.decision, outcome, now, block_tokens)
         settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
         self._record_settled(admission, settlement, outcome.actual_cached_tokens)
         return miss

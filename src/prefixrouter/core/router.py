@@ -269,17 +269,37 @@ class Router:
             self.index.withdraw(decision.worker_id, placed)
         self.policy.on_rejected(ctx, decision.worker_id)
 
-    def on_completed(self, decision: Decision, outcome: Outcome, now: float) -> bool:
-        """Feed back what the engine reported. Returns True if it was a cache miss."""
+    def on_completed(
+        self,
+        decision: Decision,
+        outcome: Outcome,
+        now: float,
+        block_tokens: float | None = None,
+    ) -> bool:
+        """Feed back what the engine reported. Returns True if it was a cache miss.
+
+        ``block_tokens``: tokens one of the request's blocks stands for as
+        known now, if that differs from the decision's (text mode: the
+        estimate may have learned since). The engine's cached tokens are then
+        converted into blocks at it, and the prediction (made in the
+        decision's units) is rescaled to match, so a shortfall that is only
+        the decision's wrong estimate is not taken for a miss.
+        """
         ctx = decision.context
         decision.placed = None  # finished: not withdrawn any more (and frees the entries)
         miss = False
         if outcome.ok:
+            then = ctx.blocks.block_tokens
+            predicted = decision.predicted_cached_tokens
+            if block_tokens is None or block_tokens == then:
+                block_tokens = then
+            else:
+                predicted = int(predicted * block_tokens / then)
             miss = self.index.on_completed(
                 decision.worker_id,
                 ctx.blocks.hashes,
-                ctx.blocks.block_tokens,
-                decision.predicted_cached_tokens,
+                block_tokens,
+                predicted,
                 outcome.actual_cached_tokens,
                 now,
                 decision.now,

@@ -344,9 +344,9 @@ class Simulation:
             elif isinstance(out, Completed):
                 rec, adm, chars = self._by_id.pop(out.request_id)
                 rec.completed = out.time
-                dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
-                if chars:  # text mode learns characters per token, as the gateway does
+                if chars:  # text mode learns characters per token first, as the gateway does
                     dispatch.observe_prompt_tokens(chars, rec.prompt_tokens, adm)
+                dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
                 self._done += 1
                 if self._on_progress is not None:
                     self._on_progress(self._done)
