@@ -116,3 +116,34 @@ def test_a_dispatcher_not_recording_keeps_no_outbox() -> None:
     d = Dispatcher(Router("prefix_aware"))
     d.admit(request("r1", DOC), workers(2), 0.0)
     assert d.drain_facts() == []
+
+
+def test_the_first_fact_of_a_batch_tells_the_listener_once() -> None:
+    a = replica()
+    calls: list[int] = []
+    a.on_first_fact(lambda: calls.append(1))
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.first_token(adm)
+    a.complete(adm, Outcome(0, 0.1), 0.5)
+    assert len(calls) == 1  # one batch: told once, when the outbox was empty
+    assert len(a.drain_facts()) == 3
+    a.worker_down(adm.worker, 1.0)
+    assert len(calls) == 2
+    a.on_first_fact(None)
+    a.drain_facts()
+    a.worker_restarted(adm.worker, 2.0)
+    assert len(calls) == 2
+
+
+def test_peer_routings_older_than_the_bound_expire_and_younger_stay() -> None:
+    a, b = replica(), replica()
+    old = a.admit(request("r1", DOC), workers(2), 0.0)
+    relay(a, b, now=0.0)
+    a.admit(request("r2", tokens(2, 16 * 4)), workers(2), 5.0)
+    relay(a, b, now=5.0)
+    assert b.peer_inflight("a@1") == 2
+    assert b.peer_expire(before=3.0) == 1  # r1's settlement never came
+    assert b.peer_inflight("a@1") == 1
+    assert b.index_blocks(old.worker) >= 20  # its placement stays
+    a.complete(old, Outcome(320, 0.1), 6.0)
+    assert relay(a, b, now=6.0) == [False]  # a late settlement changes nothing

@@ -73,6 +73,27 @@ def test_errors_name_file_line_and_field(tmp_path: Path) -> None:
         ({"proxy": {"max_attempts": 0}}, "proxy.max_attempts"),
         ({"workers": [{"url": "http://a:1", "kind": "tgi"}]}, "workers.0.kind"),
         ({"server": {"max_body_bytes": "big"}}, "server.max_body_bytes"),
+        (
+            {"workers": [{"url": "http://a:1", "kv_events_connect": "tcp://*:5557"}]},
+            "workers.0.kv_events_connect: must name the engine's host",
+        ),
+        (
+            {"workers": [{"url": "http://a:1", "kv_events_connect": "tcp://a"}]},
+            "workers.0.kv_events_connect: must be tcp://HOST:PORT",
+        ),
+        (
+            {"workers": [{"url": "http://a:1", "kv_replay_endpoint": "a:5558"}]},
+            "workers.0.kv_replay_endpoint: must be a ZMQ address",
+        ),
+        (
+            {
+                "workers": [
+                    {"url": "http://a:1", "kv_events_connect": "tcp://e:5557"},
+                    {"url": "http://b:1", "kv_events_connect": "tcp://e:5557"},
+                ]
+            },
+            "duplicate kv_events_connect 'tcp://e:5557'",
+        ),
     ],
 )
 def test_invalid_fields_are_named(data: dict[str, object], needle: str) -> None:
@@ -108,10 +129,23 @@ def test_worker_defaults_follow_the_engine_kind() -> None:
     assert (openai.health_path, openai.metrics_path) == ("/v1/models", "")
 
 
-@pytest.mark.parametrize("name", ["vllm.yaml", "vllm-kv-events.yaml", "sglang.yaml", "openai.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm.yaml",
+        "vllm-kv-events.yaml",
+        "vllm-kv-events-replicas.yaml",
+        "sglang.yaml",
+        "openai.yaml",
+        "cluster.yaml",
+    ],
+)
 def test_examples_are_valid(name: str) -> None:
     cfg = load_config(EXAMPLES / name)
     assert cfg.workers
+    if name == "vllm-kv-events-replicas.yaml":
+        assert cfg.kv_events_on and cfg.kv_events.endpoint is None
+        assert all(w.kv_events_connect for w in cfg.workers)
 
 
 def test_cli_options_override_the_file(tmp_path: Path) -> None:
@@ -129,3 +163,19 @@ def test_cli_options_override_the_file(tmp_path: Path) -> None:
     assert cfg.decision_log.path == tmp_path / "d.jsonl"
     with pytest.raises(ConfigError, match=r"workers\.0\.url"):
         build_config(None, ["localhost:1"], 8080, "127.0.0.1", None, "prefix_aware")
+
+
+def test_kv_events_are_on_when_the_gateway_binds_or_connects() -> None:
+    assert not config_from_dict({"workers": [{"url": "http://a:1"}]}).kv_events_on
+    binds = config_from_dict({"kv_events": {"endpoint": "tcp://127.0.0.1:5557"}})
+    assert binds.kv_events_on
+    connects = config_from_dict(
+        {
+            "workers": [
+                {"url": "http://a:1"},
+                {"url": "http://b:1", "kv_events_connect": "tcp://b:5557"},
+            ]
+        }
+    )
+    assert connects.kv_events_on and connects.kv_events.endpoint is None
+    assert connects.workers[1].kv_events_connect == "tcp://b:5557"

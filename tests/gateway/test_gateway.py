@@ -372,6 +372,52 @@ def test_admin_add_with_a_taken_kv_events_topic_is_409_and_changes_nothing() -> 
     run(body)
 
 
+def test_admin_add_with_kv_events_connect_checks_the_publisher() -> None:
+    """Connect mode over the admin API: a publisher is one worker's; no socket, no connect."""
+
+    async def body() -> None:
+        from prefixrouter.harness.ports import free_port
+
+        taken = f"tcp://127.0.0.1:{free_port()}"
+        connect = [{"kv_events_connect": taken}]
+        async with gateway_env(n=1, worker_options=connect) as env:
+            events = env.state.events
+            assert events is not None and events.endpoint is None  # connects, binds nothing
+            url = str(env.servers[0].make_url(""))
+
+            async def add(**worker: str) -> Any:
+                return await env.admin("POST", "/admin/workers", json={"url": url, **worker})
+
+            r = await add(id="a", kv_events_connect=taken)
+            assert r.status == 409
+            err = _error(await r.json())
+            assert err["param"] == "kv_events_connect" and "'w0'" in err["message"]
+            other = f"tcp://127.0.0.1:{free_port()}"
+            r = await add(id="b", kv_events_connect=other)
+            assert r.status == 201
+            assert {f.worker_id: f.publisher for f in events.feeds()} == {"w0": taken, "b": other}
+            r = await env.admin("DELETE", "/admin/workers/b?timeout=0")
+            assert r.status == 200
+            assert [f.worker_id for f in events.feeds()] == ["w0"]
+        async with gateway_env(n=1) as env:
+            assert env.state.events is None
+            r = await env.admin(
+                "POST",
+                "/admin/workers",
+                json={
+                    "url": str(env.servers[0].make_url("")),
+                    "id": "c",
+                    "kv_events_connect": taken,
+                },
+            )
+            assert r.status == 400
+            err = _error(await r.json())
+            assert err["param"] == "kv_events_connect" and "without KV events" in err["message"]
+            assert set(env.state.registry.workers) == {"w0"}
+
+    run(body)
+
+
 def test_tenant_isolation_and_cache_salt() -> None:
     async def body() -> None:
         overrides = {

@@ -2,13 +2,15 @@
 
 Real processes on loopback: two ``prefixrouter engine`` servers publishing KV
 events (ZMQ, vLLM's framing and map encoding) to the gateway's bound SUB
-socket, and the gateway in token mode. The same checks run against real vLLM
-engines in ``tests/real_vllm``.
+socket, and the gateway in token mode; then two engines that bind their
+publishers and two gateway replicas whose SUB sockets connect to both. The
+same checks run against real vLLM engines in ``tests/real_vllm``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -181,3 +183,172 @@ def test_salted_tenants_events_land_in_their_own_namespace(cluster: Cluster) -> 
         assert sum(f["stored_events"] for f in stats.values()) > 0
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+# ------------------------------------------------------------------ several gateway replicas
+
+
+@dataclass
+class Replicas:
+    """Two engines that bind their KV-event publishers and two gateways connected to both."""
+
+    fleet: Fleet
+    gateways: list[Server]
+    engines: list[Server]
+    engine_args: list[list[str]]
+
+
+def engine_args(i: int, pub_port: int) -> list[str]:
+    # "tcp://*:P": the engine binds, as vLLM does for an endpoint with "*".
+    return [
+        "--time-scale", "50", "--kv-blocks", str(KV_BLOCKS), "--block-size", "16",
+        "--engine-id", str(i), "--kv-events-endpoint", f"tcp://*:{pub_port}",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
+    tmp = tmp_path_factory.mktemp("replicas")
+    ports = [free_port() for _ in range(2)]
+    args = [engine_args(i, p) for i, p in enumerate(ports)]
+    with Fleet() as fleet:
+        engines = [
+            fleet.start(f"engine{i}", "prefixrouter.simulated_engine", a)
+            for i, a in enumerate(args)
+        ]
+        config = {
+            "workers": [
+                {
+                    "url": e.url,
+                    "id": f"e{i}",
+                    "kv_events_topic": f"kv@{i}",
+                    "kv_events_connect": f"tcp://127.0.0.1:{ports[i]}",
+                }
+                for i, e in enumerate(engines)
+            ],
+            "routing": {"mode": "token"},
+            "metrics_poll": {"interval_s": 0.2},
+            "health": {"backoff_initial_s": 0.1, "backoff_max_s": 0.5, "timeout_s": 1.0},
+            "decision_log": {"flush_interval_s": 0.05},
+            "server": dict(ADMIN_CONFIG),
+        }
+        path = tmp / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))  # one file: every replica has the same config
+        asyncio.run(fleet.wait_healthy(engines))
+        gateways = [
+            fleet.start(f"gateway{g}", "prefixrouter.gateway", ["--config", str(path)])
+            for g in range(2)
+        ]
+        asyncio.run(fleet.wait_healthy(gateways))
+        yield Replicas(fleet, gateways, engines, args)
+
+
+async def gateway_feeds(url: str) -> dict[str, dict[str, Any]]:
+    return {wid: w["kv_events"] for wid, w in (await workers(url)).items()}
+
+
+async def until_every_gateway_hears(r: Replicas, engine: int) -> None:
+    """Send small requests straight to an engine until every gateway heard its events.
+
+    A bound PUB socket drops what it publishes before a subscriber's
+    connection is up (at the gateway's start, or while it reconnects to a
+    restarted engine), so what is sent before that is lost; bounded retries.
+    """
+    worker = f"e{engine}"
+    before = [(await gateway_feeds(g.url))[worker]["messages"] for g in r.gateways]
+    async with aiohttp.ClientSession() as s:
+        for attempt in range(100):
+            body = chat(document(1000 + attempt, words=40), "warm-up")
+            async with s.post(r.engines[engine].url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.05)
+            now = [(await gateway_feeds(g.url))[worker]["messages"] for g in r.gateways]
+            if all(n > b for n, b in zip(now, before, strict=True)):
+                return
+    raise AssertionError(f"the gateways never heard engine {engine}")
+
+
+async def until_every_gateway_sees_restarted(r: Replicas, worker: str) -> None:
+    """Poll every gateway until it counted ``worker``'s restart and sees it healthy (bounded)."""
+    for _ in range(200):
+        views = [(await workers(g.url))[worker] for g in r.gateways]
+        if all(w["healthy"] and w["kv_events"]["restarts"] + w["restarts"] >= 1 for w in views):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"a gateway never saw {worker} restarted and healthy: {views}")
+
+
+async def ask_at(url: str, body: dict[str, Any]) -> str:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+        return r.headers["X-Request-Id"]
+
+
+async def until_stored(url: str, worker: str, before: int) -> None:
+    """Poll a gateway until its feed of ``worker`` applied more ``BlockStored`` than ``before``."""
+    for _ in range(100):
+        if (await gateway_feeds(url))[worker]["stored_events"] > before:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never heard {worker} store blocks")
+
+
+async def warm_on_both(r: Replicas, doc: str) -> str:
+    """Ask through gateway A; then B, which never saw that request, predicts it warm, exactly.
+
+    There is no replica-to-replica sync here: B learns of A's request only
+    from the engine's events, which both gateways' sockets hear.
+    """
+    a, b = (g.url for g in r.gateways)
+    before = [await gateway_feeds(url) for url in (a, b)]
+    first = await ask_at(a, chat(doc, "First?"))
+    (rec_a,) = await decisions(a, [first])
+    worker: str = rec_a["selected_worker"]
+    for url, feeds in zip((a, b), before, strict=True):
+        await until_stored(url, worker, feeds[worker]["stored_events"])
+    second = await ask_at(b, chat(doc, "Second?"))
+    (rec_b,) = await decisions(b, [second])
+    assert rec_b["selected_worker"] == worker, json.dumps(rec_b)  # with why, if not
+    assert rec_b["actual_cached_tokens"] > 500
+    assert rec_b["predicted_cached_tokens"] == rec_b["actual_cached_tokens"]
+    return worker
+
+
+def test_every_replica_hears_every_engine_and_reconnects_after_a_restart(
+    replicas: Replicas,
+) -> None:
+    async def body() -> None:
+        for i in range(2):
+            await until_every_gateway_hears(replicas, i)
+        worker = await warm_on_both(replicas, document(7))
+        for g in replicas.gateways:
+            feeds = await gateway_feeds(g.url)
+            assert feeds[worker]["connect"] is not None
+            assert all(f["gaps"] == 0 and f["decode_errors"] == 0 for f in feeds.values())
+
+        # The engine restarts on the same ports; both gateways' sockets reconnect.
+        index = int(worker[1:])
+        old = replicas.engines[index]
+        replicas.fleet.stop(old)
+        new = replicas.fleet.start(
+            f"engine{index}-again", "prefixrouter.simulated_engine", replicas.engine_args[index],
+            port=old.port,
+        )  # fmt: skip
+        replicas.engines[index] = new
+        await replicas.fleet.wait_healthy([new])
+        await until_every_gateway_hears(replicas, index)
+        # The sequence reset, or (when the new engine's first events were
+        # published before the socket reconnected, and the first one heard is
+        # a gap) the next health check's process_start_time, tells each
+        # gateway; one whose health check saw the engine down while it
+        # restarted routes around it until it sees it back up.
+        await until_every_gateway_sees_restarted(replicas, worker)
+        # What the restarted engine caches now reaches both replicas again.
+        for seed in range(8, 28):  # until a new document goes to the restarted engine
+            if await warm_on_both(replicas, document(seed)) == worker:
+                break
+        else:
+            raise AssertionError(f"no document went to {worker}")
+
+    asyncio.run(asyncio.wait_for(body(), 90))

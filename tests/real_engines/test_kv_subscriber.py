@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from prefixrouter.real_engines.kv_subscriber import (
     KvEventSubscriber,
     parse_replay_reply,
 )
-from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher
+from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher, binds
 
 BS = 4
 SEED = 555
@@ -294,3 +295,194 @@ def test_simulated_engines_publisher_drops_silently_when_nobody_listens() -> Non
         assert pub.seq == 100_010
     finally:
         pub.close()
+
+
+# ------------------------------------------------------------------ connect mode
+
+
+class BoundEngine:
+    """An engine's publisher as vLLM runs it with ``"endpoint": "tcp://*:P"``.
+
+    vLLM's ``ZmqEventPublisher`` *binds* its PUB socket (an endpoint with
+    ``*``) and its replay ROUTER socket, numbers batches from 0, keeps each
+    sent batch for replay, and answers ``[id, b"", start]`` with one
+    ``[id, b"", topic, seq, payload]`` per kept batch from ``start`` on and an
+    end marker. Bound on loopback here. ``lose=True`` numbers and keeps a
+    batch without sending it: the subscriber sees a gap.
+    """
+
+    def __init__(self, topic: str, pub_port: int, replay_port: int) -> None:
+        self.topic = topic.encode()
+        self.publisher = f"tcp://127.0.0.1:{pub_port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_requests: list[int] = []
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(self.publisher)
+        self.replay = self.ctx.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.bind(self.replay_endpoint)
+        self.server = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def publish(self, events: list[object], lose: bool = False) -> None:
+        seq, self.seq = self.seq, self.seq + 1
+        _, seq_frame, payload = frames("", seq, events)
+        self.buffer.append((seq, payload))
+        if not lose:
+            await self.pub.send_multipart([self.topic, seq_frame, payload])
+
+    async def _serve_replay(self) -> None:
+        while True:
+            ident, _, start_frame = await self.replay.recv_multipart()
+            start = int.from_bytes(start_frame, "big")
+            self.replay_requests.append(start)
+            for seq, payload in self.buffer:
+                if seq >= start:
+                    reply = [ident, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                    await self.replay.send_multipart(reply)
+            await self.replay.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    async def heard_by(self, subs: list[KvEventSubscriber]) -> None:
+        """Probe on an unknown topic until every subscriber hears this publisher.
+
+        A bound PUB socket drops what it sends before a subscriber's connection
+        and subscription have arrived (ZMQ's slow joiner).
+        """
+        start = [s.unknown_topics for s in subs]
+        for _ in range(300):
+            await self.pub.send_multipart(frames("probe", 0, []))
+            await asyncio.sleep(0.01)
+            if all(s.unknown_topics > n for s, n in zip(subs, start, strict=True)):
+                return
+        raise AssertionError("a subscriber never heard the publisher")
+
+    async def close(self) -> None:
+        if self.ctx.closed:
+            return
+        self.server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.server
+        self.pub.close()
+        self.replay.close()
+        self.ctx.term()
+
+
+@asynccontextmanager
+async def replicas(
+    n: int,
+) -> AsyncIterator[tuple[BoundEngine, list[KvEventSubscriber], list[Router]]]:
+    """An engine that binds, and ``n`` subscribers (as ``n`` gateway replicas) connected to it."""
+    pub_port, replay_port = free_port(), free_port()
+    engine = BoundEngine("kv@w0", pub_port, replay_port)
+    routers = [Router(create_policy("prefix_aware"), BlockHasher(block_size=BS)) for _ in range(n)]
+    subs = [KvEventSubscriber(None, Dispatcher(r), lambda: 10.0) for r in routers]
+    for sub in subs:
+        sub.add_worker(
+            W,
+            "kv@w0",
+            lambda lora, salt: SEED,
+            replay_endpoint=engine.replay_endpoint,
+            publisher=engine.publisher,
+        )
+        await sub.start()
+    try:
+        await engine.heard_by(subs)
+        yield engine, subs, routers
+    finally:
+        for sub in subs:
+            await sub.stop()
+        await engine.close()
+
+
+def sources(router: Router, blocks: list[int]) -> list[EntrySource | None]:
+    return [e.source if (e := router.index.entry(W, b)) is not None else None for b in blocks]
+
+
+async def test_two_replicas_connected_to_one_bound_publisher_apply_the_same_events() -> None:
+    async with replicas(2) as (engine, subs, routers):
+        await engine.publish([store([1, 2], None, TOKENS[:8])])
+        await engine.publish([store([3, 4], 2, TOKENS[8:]), store([21], None, OTHER[:4])])
+        await engine.publish([["BlockRemoved", [21], None]])
+        for router in routers:
+            await wait_for(lambda r=router: held(r) == 4)  # type: ignore[misc]
+        for sub, router in zip(subs, routers, strict=True):
+            stats = sub.feed(W).stats  # type: ignore[union-attr]
+            assert (stats.messages, stats.stored, stats.removed, stats.gaps) == (3, 3, 1, 0)
+            assert stats.last_seq == 2
+            assert sources(router, OURS) == [EntrySource.EVENT] * 4
+            assert router.index.entry(W, OTHERS[0]) is None
+        # Each replica's SUB socket holds its own connection: one stopping
+        # leaves the other's feed running.
+        await subs[0].stop()
+        await engine.publish([store([5], 4, OTHER[:4])])
+        chained = hash_token_blocks(OURS[3], OTHER[:4], BS)[0]
+        await wait_for(lambda: routers[1].index.entry(W, chained) is not None)
+
+
+async def test_engine_restart_is_a_sequence_reset_in_connect_mode() -> None:
+    async with replicas(1) as (engine, (sub,), (router,)):
+        for i in range(6):  # the old process got to seq 5
+            await engine.publish([store([1, 2, 3, 4], None, TOKENS)] if i == 0 else [])
+        await wait_for(lambda: sub.feed(W).stats.last_seq == 5)  # type: ignore[union-attr]
+        assert held(router) == 4
+        # The engine process dies and a new one binds the same addresses. The
+        # subscriber's socket reconnects by itself; the new process counts from 0.
+        pub_port = int(engine.publisher.rsplit(":", 1)[1])
+        replay_port = int(engine.replay_endpoint.rsplit(":", 1)[1])
+        await engine.close()
+        engine = BoundEngine("kv@w0", pub_port, replay_port)
+        try:
+            await engine.heard_by([sub])
+            await engine.publish([store([11, 12, 13, 14], None, OTHER)])
+            stats = sub.feed(W).stats  # type: ignore[union-attr]
+            await wait_for(lambda: stats.restarts == 1)
+            assert (stats.gaps, stats.last_seq) == (0, 0)
+            assert held(router) == 0  # the old process's blocks are gone
+            assert sources(router, OTHERS) == [EntrySource.EVENT] * 4
+            assert sub.feed(W).translator.own_hash(1) is None  # type: ignore[union-attr]
+            assert engine.replay_requests == []
+        finally:
+            await engine.close()
+
+
+async def test_a_gap_is_replayed_from_the_engine_in_connect_mode() -> None:
+    async with replicas(2) as (engine, subs, routers):
+        await engine.publish([store([1, 2], None, TOKENS[:8])])
+        await engine.publish([store([3, 4], 2, TOKENS[8:])], lose=True)  # seq 1 lost
+        await engine.publish([])
+        for sub, router in zip(subs, routers, strict=True):
+            stats = sub.feed(W).stats  # type: ignore[union-attr]
+            await wait_for(lambda s=stats: s.replayed == 1)  # type: ignore[misc]
+            assert (stats.gaps, stats.last_seq) == (1, 2)
+            # Blocks 1-2 were demoted at the gap; 3-4 came back through the replay.
+            assert sources(router, OURS) == [EntrySource.SPECULATIVE] * 4
+        assert engine.replay_requests == [1, 1]  # each replica asked for itself
+
+
+async def test_a_publisher_is_one_workers_and_removal_disconnects_it() -> None:
+    async with replicas(1) as (engine, (sub,), (router,)):
+        with pytest.raises(KeyError, match="publisher"):
+            sub.add_worker(
+                WorkerId("w1"), "kv@w1", lambda lora, salt: SEED, publisher=engine.publisher
+            )
+        sub.remove_worker(W)
+        sub.add_worker(W, "kv@w0", lambda lora, salt: SEED, publisher=engine.publisher)
+        await engine.heard_by([sub])
+        await engine.publish([store([1, 2, 3, 4], None, TOKENS)])
+        await wait_for(lambda: held(router) == 4)
+        await engine.publish([])
+        stats = sub.feed(W).stats  # type: ignore[union-attr]
+        await wait_for(lambda: stats.last_seq == 1)
+        # One connection, not two: each message was heard once.
+        assert (stats.messages, stats.restarts, stats.gaps) == (2, 0, 0)
+
+
+def test_the_simulated_engine_binds_where_vllm_binds() -> None:
+    # vLLM 0.32's ZmqEventPublisher._is_bind_endpoint, case by case.
+    for endpoint in ("tcp://*:5557", "tcp://[::]:5557", "ipc:///tmp/kv", "inproc://kv"):
+        assert binds(endpoint), endpoint
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://engine-0:5557"):
+        assert not binds(endpoint), endpoint

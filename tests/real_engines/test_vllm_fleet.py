@@ -125,6 +125,15 @@ def test_engine_command_flags_and_env(tmp_path: Path) -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_LOOPBACK_IP"] == "127.0.0.1"
 
+    # No router endpoint: the engine binds its own publisher, as vLLM does for "*".
+    binds = VllmOptions(kv_events=KvEventsOptions(topic="kv@{index}"))
+    argv3, _, topic3, replay3 = engine_command(
+        setup, binds, port=8124, index=2, core=None, publisher_port=9100
+    )
+    config = json.loads(argv3[argv3.index("--kv-events-config") + 1])
+    assert config["endpoint"] == "tcp://*:9100" and config["topic"] == "kv@2"
+    assert (topic3, replay3) == ("kv@2", None) and "replay_endpoint" not in config
+
     plain, env2, topic2, _ = engine_command(setup, VllmOptions(), port=1, index=0, core=None)
     assert plain[0] != "taskset" and "--kv-events-config" not in plain and topic2 is None
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env2

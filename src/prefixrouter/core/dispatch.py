@@ -56,7 +56,7 @@ no asyncio.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -212,6 +212,7 @@ class Dispatcher:
         self._ledger = InflightLedger()
         self.mode: RoutingMode = mode
         self._outbox: list[Fact] | None = [] if record_facts else None
+        self._on_first_fact: Callable[[], None] | None = None
         # origin -> its routings applied here and not settled yet, by its request id.
         self._peer_open: dict[str, dict[RequestId, Admission]] = {}
         self._namespaces: dict[NamespaceFields, CacheNamespace] = {}
@@ -338,7 +339,7 @@ class Dispatcher:
         )
         router.on_routed(decision, now)
         if self._outbox is not None:
-            self._outbox.append(_routed_fact(decision))
+            self._record(_routed_fact(decision))
         return Admission(decision, tried)
 
     def first_token(self, admission: Admission) -> None:
@@ -349,7 +350,7 @@ class Dispatcher:
         rid = admission.request.request_id
         self._ledger.on_first_token(rid)
         if self._outbox is not None and not admission.origin:
-            self._outbox.append(FirstTokenFact(rid))
+            self._record(FirstTokenFact(rid))
 
     def reject(self, admission: Admission, now: float) -> None:
         """The engine did no prefill for this attempt: take its routing back.
@@ -388,7 +389,7 @@ class Dispatcher:
 
     def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
         if self._outbox is not None and not admission.origin:
-            self._outbox.append(SettledFact(admission.request.request_id, settlement, cached))
+            self._record(SettledFact(admission.request.request_id, settlement, cached))
 
     def _settle(self, admission: Admission) -> bool:
         """Mark settled and release the ledger; False if nothing is to be fed back.
@@ -429,13 +430,13 @@ class Dispatcher:
         Returns how many were demoted.
         """
         if self._outbox is not None:
-            self._outbox.append(WorkerFact(worker, WorkerChange.DOWN))
+            self._record(WorkerFact(worker, WorkerChange.DOWN))
         return self._router.worker_down(worker, now)
 
     def worker_restarted(self, worker: WorkerId, now: float) -> None:
         """The worker's engine is a new process with an empty cache: forget its entries."""
         if self._outbox is not None:
-            self._outbox.append(WorkerFact(worker, WorkerChange.RESTARTED))
+            self._record(WorkerFact(worker, WorkerChange.RESTARTED))
         self._router.worker_restarted(worker, now)
 
     def remove_worker(self, worker: WorkerId) -> list[RequestId]:
@@ -448,6 +449,23 @@ class Dispatcher:
         return self._ledger.drop_worker(worker)
 
     # ------------------------------------------------------------- peers
+
+    def _record(self, fact: Fact) -> None:
+        out = self._outbox
+        if out is None:
+            return
+        if not out and self._on_first_fact is not None:
+            self._on_first_fact()
+        out.append(fact)
+
+    def on_first_fact(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener`` whenever a fact lands in an empty outbox (None: stop).
+
+        Lets a driver publish in batches without polling an empty outbox: it
+        schedules one drain per batch when told the first fact is in. The
+        listener runs inside the recording call; it must only schedule.
+        """
+        self._on_first_fact = listener
 
     def drain_facts(self) -> list[Fact]:
         """The facts recorded since the last drain, oldest first (empty if not recording)."""
@@ -566,6 +584,22 @@ class Dispatcher:
         for admission in open_.values():
             self._settle(admission)
         return len(open_)
+
+    def peer_expire(self, before: float) -> int:
+        """Settle, without feedback, every peer routing applied here before ``before``.
+
+        The bound on a routing whose settlement was lost on the way (its
+        origin lives on, so :meth:`peer_gone` never comes): a driver passes
+        its clock minus the longest a request can be in flight at its origin.
+        Returns how many were settled.
+        """
+        n = 0
+        for open_ in self._peer_open.values():
+            old = [rid for rid, adm in open_.items() if adm.decision.now < before]
+            for rid in old:
+                self._settle(open_.pop(rid))
+            n += len(old)
+        return n
 
     def peer_inflight(self, origin: str) -> int:
         """Routings of ``origin`` applied here and not settled yet."""

@@ -16,10 +16,11 @@ Structure:
   a refresh costs no heap work. Items of entries confirmed, evicted or removed
   since are dead; they are dropped when they surface or, sooner, when the
   heap holds more than ``2 x`` the live speculative entries plus
-  ``_EXPIRY_SLACK`` items: then it is rebuilt from its live items. Each
-  rebuild drops at least half the heap, so it costs amortized O(1) per push,
-  and the heap stays bounded by what the index holds, not by the request
-  rate times the TTL.
+  ``_EXPIRY_SLACK`` items: then it is rebuilt from its live items, and the
+  heap stays bounded by what the index holds, not by the request rate times
+  the TTL. The rebuild is incremental (see :meth:`PrefixIndex._compact_expiry`):
+  rebuilt at once, a heap of 1.6 million items stopped the router for half a
+  second.
 
 **Entries are plain tuples of numbers**, not objects: ``(source, expires_at,
 routings, ticket)`` for a speculative entry, and one shared constant for every
@@ -48,7 +49,9 @@ Invariants (checked by the property tests):
 
 * An entry exists in ``_holders[h][w]`` iff it exists in ``_lru[w][h]``.
 * ``len(_lru[w]) <= capacity(w)`` and the total entry count ``<= max_entries``.
-* ``len(_expiry) <= 2 * speculative_entries + _EXPIRY_SLACK``.
+* ``expiry_items <= 2 * speculative_entries + _EXPIRY_SLACK`` whenever no
+  rebuild is under way, and a rebuild ends within ``items / _DRAIN_STEP``
+  changes.
 * :meth:`match` never reports more blocks for a worker than the worker was
   given (by ``on_routed``, ``on_completed`` or an event).
 * **Prefix closure**: if a worker holds block ``i`` of a chain, it holds
@@ -95,6 +98,8 @@ from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
 _INF = float("inf")
 _EXPIRY_SLACK = 64
 """Dead expiry-heap items tolerated beyond twice the live speculative entries."""
+_DRAIN_STEP = 4096
+"""Items one expiry-heap rebuild step moves, beyond twice the pushes it pays for (~1 ms)."""
 _exhaust: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 """Runs an iterator for its side effects, at C speed and without a new deque per call."""
 
@@ -201,6 +206,9 @@ class PrefixIndex:
         self._trust: dict[WorkerId, tuple[float, float]] = {}  # (value, when set)
         # (time queued for, the entry's ticket, worker, block); one item per speculative entry.
         self._expiry: list[tuple[float, int, WorkerId, BlockHash]] = []
+        # The heap being rebuilt into _expiry (a valid heap, drained from its end).
+        self._draining: list[tuple[float, int, WorkerId, BlockHash]] = []
+        self._pushed = 0  # items pushed since the last rebuild step (it pays for them)
         self._ticket = count(1)
         self._entries = 0
         self._speculative = 0  # live speculative entries (bounds the expiry heap)
@@ -227,8 +235,13 @@ class PrefixIndex:
 
     @property
     def expiry_items(self) -> int:
-        """Items in the expiry heap, dead ones included (at most ``2 x`` the live ones + slack)."""
-        return len(self._expiry)
+        """Items in the expiry heaps, dead ones included (see the invariants)."""
+        return len(self._expiry) + len(self._draining)
+
+    @property
+    def compacting(self) -> bool:
+        """An incremental rebuild of the expiry heap is under way."""
+        return bool(self._draining)
 
     def holds(self, block: BlockHash) -> bool:
         """Whether any worker holds ``block``."""
@@ -302,7 +315,7 @@ class PrefixIndex:
         Returns:
             worker -> :class:`WorkerMatch`.
         """
-        if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
+        if self._due(now):
             self.expire(now)
         if not hashes:
             return {}
@@ -368,7 +381,7 @@ class PrefixIndex:
             The speculative entries this routing holds (placed or refreshed),
             for :meth:`withdraw`; empty when the chain was confirmed already.
         """
-        if self._expiry and self._expiry[0][0] <= now:  # expire(), unless nothing is due
+        if self._due(now):
             self.expire(now)
         placed: Placement = []
         self._touch_chain(worker, hashes, now, _SPECULATIVE, placed)
@@ -524,6 +537,7 @@ class PrefixIndex:
                 heapq.heappush(expiry, (expires_at, t, worker, block))
                 demoted += 1
         self._speculative += demoted
+        self._pushed += demoted
         self._compact_expiry()
         return demoted
 
@@ -560,6 +574,7 @@ class PrefixIndex:
                 # Only a later time: the queued item surfaces first and re-queues.
                 lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS], entry[_TICKET])
         self._speculative += demoted
+        self._pushed += demoted
         self._compact_expiry()
         return demoted
 
@@ -593,8 +608,25 @@ class PrefixIndex:
         self._cleared_at.pop(worker, None)
 
     def expire(self, now: float) -> int:
-        """Remove speculative entries whose TTL has passed; returns how many."""
-        heap = self._expiry
+        """Remove speculative entries whose TTL has passed; returns how many.
+
+        Both heaps are drained of what is due (the one being rebuilt too), so
+        which entries expire when never depends on a rebuild.
+        """
+        removed = self._expire_from(self._draining, now) + self._expire_from(self._expiry, now)
+        if removed:
+            self._compact_expiry()
+        return removed
+
+    # -------------------------------------------------------------- internals
+
+    def _due(self, now: float) -> bool:
+        """Whether any queued item is due by ``now`` (cheap: the two heaps' roots)."""
+        heap, old = self._expiry, self._draining
+        return bool((heap and heap[0][0] <= now) or (old and old[0][0] <= now))
+
+    def _expire_from(self, heap: list[tuple[float, int, WorkerId, BlockHash]], now: float) -> int:
+        """Pop ``heap``'s due items: remove their entries, or re-queue the refreshed ones."""
         removed = 0
         while heap and heap[0][0] <= now:
             _, ticket, worker, block = heapq.heappop(heap)
@@ -604,17 +636,14 @@ class PrefixIndex:
             if entry is None or lru is None or entry[_TICKET] != ticket:
                 continue
             if entry[_EXPIRES] > now:
-                # Refreshed since it was queued: queue it again at its new time.
-                heapq.heappush(heap, (entry[_EXPIRES], ticket, worker, block))
+                # Refreshed since it was queued: queue it again at its new time
+                # (always in the live heap, so a rebuild only ever shrinks).
+                heapq.heappush(self._expiry, (entry[_EXPIRES], ticket, worker, block))
             else:
                 del lru[block]
                 self._forget(worker, block, entry)
                 removed += 1
-        if removed:
-            self._compact_expiry()
         return removed
-
-    # -------------------------------------------------------------- internals
 
     def _touch_chain(
         self,
@@ -711,7 +740,10 @@ class PrefixIndex:
                 slot[worker] = None
             added += 1
         self._entries += added
-        self._speculative += (added if speculative else 0) + speculative_delta
+        if speculative:
+            self._speculative += added
+            self._pushed += added
+        self._speculative += speculative_delta
         # Evict after the chain is in: the chain is the most recent part of the
         # LRU, so other chains go first (and a chain longer than the capacity
         # loses its tail first).
@@ -723,32 +755,43 @@ class PrefixIndex:
         self._compact_expiry()
 
     def _compact_expiry(self) -> None:
-        """Rebuild the expiry heap from its live items once dead ones dominate.
+        """Rebuild the expiry heap from its live items once dead ones dominate, a step at a time.
 
         Dead items (their entry was confirmed, evicted, removed or expired and
         created again) would otherwise stay until their time comes: at a high
         rate of unique prompts that is rate x blocks x TTL items, far more
         than the index holds. Past ``2 x`` the live speculative entries plus
-        ``_EXPIRY_SLACK``, the heap is filtered to one item per live entry and
-        re-heapified: O(heap) work that removes at least half the heap, so
-        amortized O(1) per push. Only housekeeping: which entries expire when
-        does not change. An item is live while its block's entry on its
-        worker carries its ticket, and each ticket is queued once.
+        ``_EXPIRY_SLACK``, the heap is set aside to be *drained* and a new one
+        started. Each call then moves a bounded number of items from the end of
+        the old heap to the new one, live ones only: ``_DRAIN_STEP`` plus
+        twice the items pushed since the last call, so the rebuild outpaces
+        the pushes, ends within ``items / _DRAIN_STEP`` calls, and no call
+        does more work than a constant times its own. Taking items from a
+        heap's end keeps it a heap, so :meth:`expire` keeps popping what is
+        due from both. A heap of up to ``_DRAIN_STEP`` items is rebuilt in
+        one call. Only housekeeping: which entries expire when does not
+        change. An item is live while its block's entry on its worker
+        carries its ticket, and each ticket is queued once.
         """
-        heap = self._expiry
-        if len(heap) <= 2 * self._speculative + _EXPIRY_SLACK:
-            return
-        lrus = self._lru
-        live: list[tuple[float, int, WorkerId, BlockHash]] = []
-        keep = live.append
-        for item in heap:
+        old = self._draining
+        if not old:
+            heap = self._expiry
+            if len(heap) <= 2 * self._speculative + _EXPIRY_SLACK:
+                self._pushed = 0
+                return
+            self._draining, self._expiry = heap, []
+            old = heap
+        budget = _DRAIN_STEP + 2 * self._pushed
+        self._pushed = 0
+        lrus, new = self._lru, self._expiry
+        keep, take = heapq.heappush, old.pop
+        for _ in range(min(budget, len(old))):
+            item = take()
             lru = lrus.get(item[2])
             if lru is not None:
                 entry = lru.get(item[3])
                 if entry is not None and entry[_TICKET] == item[1]:
-                    keep(item)
-        heapq.heapify(live)
-        self._expiry = live
+                    keep(new, item)
 
     def _evict_one(self, worker: WorkerId, lru: OrderedDict[BlockHash, _Entry]) -> None:
         block, entry = lru.popitem(last=False)

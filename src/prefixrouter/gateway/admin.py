@@ -5,8 +5,9 @@
 * ``POST /admin/workers``: add a worker; the body is a worker entry of the
   configuration (``{"url": ..., "id": ..., "kind": ...}``), validated the same
   way (400 naming the field, 409 for an existing id or a ``kv_events_topic``
-  another worker has). Answers after the first health check, with the
-  worker's state.
+  or ``kv_events_connect`` another worker has; 400 for ``kv_events_connect``
+  on a gateway started without KV events, which has no socket to connect).
+  Answers after the first health check, with the worker's state.
 * ``DELETE /admin/workers/{id}?timeout=S``: drain (no new requests), wait for
   its in-flight requests up to ``S`` seconds (default ``proxy.drain_timeout_s``),
   then remove.
@@ -106,6 +107,26 @@ class Admin:
         }
         return _json(body, 200 if healthy else 503)
 
+    async def ready(self, request: web.Request) -> web.Response:
+        """``GET /ready``: 200 once this gateway may take traffic, else 503.
+
+        A lone gateway is ready once started. A cluster replica is ready once it
+        has replayed its peers' facts up to where the stream stood when it
+        started, and its configuration was found compatible with the live
+        peers': before, it would route documents its peers hold cold.
+        """
+        node = self.st.cluster
+        if node is None:
+            return _json({"status": "ready"})
+        body = {
+            "status": "ready" if node.ready else "replaying",
+            "replica": node.origin,
+            "connected": node.connected,
+            "replayed": node.link.replayed,
+            "peers": [p.origin for p in node.registry.live()],
+        }
+        return _json(body, 200 if node.ready else 503)
+
     async def metrics(self, request: web.Request) -> web.Response:
         """``GET /metrics``: Prometheus text format."""
         resp = web.Response(body=self.st.metrics.exposition())
@@ -148,7 +169,23 @@ class Admin:
                     f"kv_events_topic {topic!r} is used by worker {owner!r}",
                     param="kv_events_topic",
                 )
-            w = await self.st.registry.add(wc)
+            publisher = wc.kv_events_connect
+            if publisher is not None:
+                if self.st.events is None:
+                    raise BadRequest(
+                        "kv_events_connect: this gateway was started without KV events "
+                        "(set kv_events.endpoint or a configured worker's kv_events_connect)",
+                        param="kv_events_connect",
+                    )
+                if (owner := self.st.registry.publisher_owner(publisher)) is not None:
+                    raise Conflict(
+                        f"kv_events_connect {publisher!r} is used by worker {owner!r}",
+                        param="kv_events_connect",
+                    )
+            try:
+                w = await self.st.registry.add(wc)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="kv_events_connect") from None
         except GatewayError as exc:
             return error_response(exc)
         return _json(w.to_dict(0), 201)

@@ -3,14 +3,17 @@
 ``create_app(config)`` returns an aiohttp application with:
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`.proxy`);
-* ``GET /v1/models``, ``/health``, ``/metrics`` and the ``/admin/*`` endpoints
+* ``GET /v1/models``, ``/health`` (liveness), ``/ready`` (readiness: a
+  cluster replica answers 503 until it has replayed its peers' facts),
+  ``/metrics`` and the ``/admin/*`` endpoints
   (:mod:`.admin`); any other path answers 404 in OpenAI's shape, and a known
   path asked with another method 405 with ``Allow`` (:func:`_unrouted`).
 
 Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
 (:mod:`.upstream`, keep-alive connections to every worker) and an aiohttp
 session for the pollers, checks every worker once, starts
-the per-worker health/metrics pollers and the decision-log flusher, and on
+the per-worker health/metrics pollers, the decision-log flusher and, for a
+cluster replica, its :class:`~prefixrouter.cluster.node.ClusterNode`, and on
 shutdown stops them and closes both. Run it with handler cancellation
 on (:func:`prefixrouter.gateway.cli.run_gateway` does) so a client that
 disconnects cancels its upstream request.
@@ -65,9 +68,13 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     try:
         if st.events is not None:
             await st.events.start()  # bind before the engines' first events
+        if st.cluster is not None:
+            await st.cluster.start()  # connects and replays in the background
         await st.registry.start(st.session)
         yield
     finally:
+        if st.cluster is not None:
+            await st.cluster.stop()
         if st.events is not None:
             await st.events.stop()
         flusher.cancel()
@@ -128,6 +135,7 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_post("/v1/completions", proxy.completions)
     r.add_get("/v1/models", admin.models)
     r.add_get("/health", admin.health)
+    r.add_get("/ready", admin.ready)
     r.add_get("/metrics", admin.metrics)
     r.add_get("/admin/workers", admin.list_workers)
     r.add_post("/admin/workers", admin.add_worker)

@@ -7,7 +7,10 @@ differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 file, ``--policy`` the routing policy (its parameters then come from the file
 only if the names match), ``--admin-api-key`` (or the environment variable
 ``PREFIXROUTER_ADMIN_API_KEY``; prefer it, a command line is visible to every
-local user) the key of ``/admin/*``, which are off without one. Port 0 picks
+local user) the key of ``/admin/*``, which are off without one, and
+``--cluster nats://HOST:PORT`` with ``--replica-id NAME`` make this gateway
+one of several active-active replicas (the ``cluster:`` section; see
+:mod:`prefixrouter.cluster`). Port 0 picks
 a free port; the first line printed on stdout is ``prefixrouter gateway
 listening on http://HOST:PORT``, so scripts can read the port.
 
@@ -39,6 +42,10 @@ ADMIN_KEY_ENV = "PREFIXROUTER_ADMIN_API_KEY"
 log = logging.getLogger("prefixrouter.gateway")
 
 
+class ClusterRefused(PrefixRouterError):
+    """The replica's configuration differs from a live peer's (the message names the field)."""
+
+
 def build_config(
     config: Path | None,
     worker: list[str] | None,
@@ -47,6 +54,8 @@ def build_config(
     decision_log: Path | None,
     policy: str,
     admin_api_key: str | None = None,
+    cluster: str | None = None,
+    replica_id: str | None = None,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
 
@@ -71,6 +80,10 @@ def build_config(
         log.warning("--policy: %s", note)
     if admin_api_key:
         data["server"]["admin_api_key"] = admin_api_key
+    if cluster is not None:
+        data["cluster"]["url"] = cluster
+    if replica_id is not None:
+        data["cluster"]["replica_id"] = replica_id
     source = str(config) if config is not None else "command line"
     return config_from_dict(data, source)
 
@@ -87,8 +100,10 @@ async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
     """
     from prefixrouter.gateway.app import create_app
     from prefixrouter.gateway.server import start_server
+    from prefixrouter.gateway.state import STATE
 
     app = create_app(config)
+    state = app[STATE]
     srv = config.server
     listening = await start_server(app, srv.host, srv.port, config.limits)
     switch_interval = sys.getswitchinterval()
@@ -104,11 +119,19 @@ async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    waits = [loop.create_task(stop.wait())]
+    node = state.cluster
+    if node is not None:  # a replica that may not join exits (ClusterRefused)
+        waits.append(loop.create_task(node.failed.wait()))
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for task in waits:
+            task.cancel()
         await runner.cleanup()
         sys.setswitchinterval(switch_interval)
+    if node is not None and node.error is not None:
+        raise ClusterRefused(node.error)
 
 
 def _run(coro_config: GatewayConfig) -> None:
@@ -149,10 +172,26 @@ def serve(
             "without one they answer 403. Overrides server.admin_api_key.",
         ),
     ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            help="NATS server of the replicas (nats://HOST:PORT, JetStream on): share "
+            "routing facts with the other gateways. Overrides cluster.url.",
+        ),
+    ] = None,
+    replica_id: Annotated[
+        str | None,
+        typer.Option(
+            help="This replica's id, stable across restarts (default HOSTNAME:PORT). "
+            "Overrides cluster.replica_id.",
+        ),
+    ] = None,
 ) -> None:
     """Run the OpenAI-compatible gateway in front of the workers."""
     try:
-        cfg = build_config(config, worker, port, host, decision_log, policy, admin_api_key)
+        cfg = build_config(
+            config, worker, port, host, decision_log, policy, admin_api_key, cluster, replica_id
+        )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
@@ -171,7 +210,7 @@ def serve(
         typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)
     try:
         _run(cfg)
-    except PrefixRouterError as exc:  # ListenError: "cannot listen on HOST:PORT: why"
+    except PrefixRouterError as exc:  # ListenError, ClusterRefused: one line
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
 

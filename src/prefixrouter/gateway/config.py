@@ -12,7 +12,7 @@ Shape of the YAML file (all keys optional)::
                     max_headers}
     workers:       [{url, id, kind, pool, models, adapters, tenants, api_key,
                      block_size, kv_capacity_blocks, max_slots, health_path, metrics_path,
-                     kv_events_topic, kv_replay_endpoint}]
+                     kv_events_topic, kv_events_connect, kv_replay_endpoint}]
     policy:        {name, params}
     routing:       {mode: text|token, tokenizer, chunk_chars, block_size,
                     chars_per_token, template_version, tokenizer_revision,
@@ -30,6 +30,8 @@ Shape of the YAML file (all keys optional)::
     decision_log:  {path, ring_size, flush_interval_s}
     metrics:       {warm_fraction, lint_observe}
     kv_events:     {endpoint, max_blocks_per_worker}
+    cluster:       {url, replica_id, name, stream, max_age_s, max_bytes, heartbeat_s,
+                    peer_ttl_s, batch_window_s}
 
 Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
 with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
@@ -90,9 +92,14 @@ class WorkerConfig(_Model):
         max_slots: Concurrent sequences the engine runs (``max_num_seqs``).
         health_path: Health endpoint; None = the kind's default.
         metrics_path: Prometheus endpoint; None = the kind's default, "" = none.
-        kv_events_topic: The topic of this engine's KV events on the gateway's
-            ``kv_events.endpoint`` (vLLM's ``--kv-events-config`` ``topic``);
-            None = the worker id. Used only when ``kv_events.endpoint`` is set.
+        kv_events_topic: The topic of this engine's KV events (vLLM's
+            ``--kv-events-config`` ``topic``); None = the worker id. Used only
+            when KV events are on (``kv_events.endpoint`` or ``kv_events_connect``).
+        kv_events_connect: The engine's own bound KV-event publisher
+            (``tcp://HOST:5557``; the engine's ``--kv-events-config`` has
+            ``"endpoint": "tcp://*:5557"``): the gateway connects to it, so
+            every gateway replica hears this engine. None = the engine connects
+            to the gateway's ``kv_events.endpoint`` (one gateway only).
         kv_replay_endpoint: The engine's KV-event replay socket (vLLM's
             ``replay_endpoint``), asked for missed batches after a gap.
     """
@@ -111,6 +118,7 @@ class WorkerConfig(_Model):
     health_path: str | None = None
     metrics_path: str | None = None
     kv_events_topic: str | None = None
+    kv_events_connect: str | None = None
     kv_replay_endpoint: str | None = None
 
     @field_validator("url")
@@ -124,6 +132,22 @@ class WorkerConfig(_Model):
         # A path prefix is allowed (an engine behind a reverse proxy); a host is not optional.
         if not value.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError("has no host")
+        return value
+
+    @field_validator("kv_events_connect", "kv_replay_endpoint")
+    @classmethod
+    def _check_connect_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.startswith(ZMQ_SCHEMES):
+            raise ValueError("must be a ZMQ address: tcp://HOST:PORT or ipc://PATH")
+        if "*" in value:
+            # The engine binds "tcp://*:P"; a subscriber must name a host to reach it.
+            raise ValueError("must name the engine's host (tcp://HOST:PORT), not a wildcard")
+        if value.startswith("tcp://"):
+            host, _, port = value.removeprefix("tcp://").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("must be tcp://HOST:PORT with a port from 1 to 65535")
         return value
 
     @model_validator(mode="after")
@@ -410,12 +434,18 @@ class MetricsConfig(_Model):
 class KvEventsConfig(_Model):
     """The engines' KV-event feed (vLLM's ZMQ publisher).
 
+    KV events are on when ``endpoint`` is set or a worker has
+    ``kv_events_connect`` (both may be used at once, per worker); otherwise
+    the index learns from routing and completions only.
+
     Attributes:
         endpoint: Where the gateway binds its SUB socket (``tcp://127.0.0.1:5557``);
             each vLLM engine *connects* its publisher there (``--kv-events-config
             '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
             "tcp://127.0.0.1:5557", "topic": "<worker's kv_events_topic>"}'``).
-            None = no events: the index learns from routing and completions only.
+            One gateway only: with several replicas, let each engine bind
+            (``"endpoint": "tcp://*:5557"``) and give each worker
+            ``kv_events_connect``. None = bind nothing.
         max_blocks_per_worker: Bound on each worker's engine-hash -> router-hash map.
     """
 
@@ -428,6 +458,60 @@ class KvEventsConfig(_Model):
         if value is not None and not value.startswith(ZMQ_SCHEMES):
             raise ValueError("must be a ZMQ address: tcp://HOST:PORT or ipc://PATH")
         return value
+
+
+class ClusterConfig(_Model):
+    """Active-active replicas sharing routing facts over NATS JetStream (:mod:`.cluster`).
+
+    Attributes:
+        url: The NATS server (``nats://HOST:PORT``, JetStream on); None = this
+            gateway is alone and behaves as without this section.
+        replica_id: This replica's id, stable across its restarts (a pod's
+            name); "" = ``HOSTNAME:PORT``. Two live replicas must not share one.
+        name: The cluster's name: subjects ``prefixrouter.NAME.*``; replicas
+            of one name share facts.
+        stream: The JetStream stream's name; "" = ``PREFIXROUTER_NAME``.
+        max_age_s: Facts older than this leave the stream (a starting replica
+            replays at most this much). Keep it at least as long as prefixes
+            stay in the engines' caches.
+        max_bytes: The stream's size bound (oldest facts dropped first).
+        heartbeat_s: Heartbeat interval.
+        peer_ttl_s: A peer silent this long is gone: its in-flight counts expire.
+        batch_window_s: Facts are published in one message per window.
+    """
+
+    url: str | None = None
+    replica_id: str = ""
+    name: str = "default"
+    stream: str = ""
+    max_age_s: PosFloat = 600.0
+    max_bytes: PosInt = 256 * 1024 * 1024
+    heartbeat_s: PosFloat = 1.0
+    peer_ttl_s: PosFloat = 5.0
+    batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("nats://", "tls://")):
+            raise ValueError("must be a NATS address: nats://HOST:PORT")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "_-" for c in value):
+            raise ValueError("must be letters, digits, '_' or '-' (it names NATS subjects)")
+        return value
+
+    @model_validator(mode="after")
+    def _ttl_above_heartbeat(self) -> ClusterConfig:
+        if self.peer_ttl_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"peer_ttl_s ({self.peer_ttl_s:g}) must be more than twice heartbeat_s "
+                f"({self.heartbeat_s:g}), or one late heartbeat ends a live peer"
+            )
+        return self
 
 
 class GatewayConfig(_Model):
@@ -469,6 +553,7 @@ class GatewayConfig(_Model):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @field_validator("tenant_header")
     @classmethod
@@ -493,7 +578,22 @@ class GatewayConfig(_Model):
             if w.kv_events_topic in topics:
                 raise ValueError(f"workers: duplicate kv_events_topic {w.kv_events_topic!r}")
             topics.add(w.kv_events_topic)
+        publishers: set[str] = set()
+        for w in self.workers:
+            if w.kv_events_connect is None:
+                continue
+            if w.kv_events_connect in publishers:
+                # Two connections to one PUB socket would deliver each message twice.
+                raise ValueError(f"workers: duplicate kv_events_connect {w.kv_events_connect!r}")
+            publishers.add(w.kv_events_connect)
         return self
+
+    @property
+    def kv_events_on(self) -> bool:
+        """The gateway subscribes to KV events: it binds, or some worker's engine is connected."""
+        return self.kv_events.endpoint is not None or any(
+            w.kv_events_connect is not None for w in self.workers
+        )
 
     def tenant_rule(self, tenant: str) -> TenantRule:
         """The sharing rule of ``tenant`` (the default rule if it has none)."""

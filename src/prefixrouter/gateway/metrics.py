@@ -31,6 +31,18 @@ Read at scrape time from the live state: per-worker gauges
 steady traffic when keep-alive works) and
 ``prefixrouter_upstream_connections{worker,state="idle"|"busy"}``.
 
+A replica of a cluster (:mod:`prefixrouter.cluster`) adds
+``prefixrouter_cluster_propagation_lag_seconds`` (a peer's send to this
+replica's receipt, live messages only, not the replay),
+``prefixrouter_cluster_facts_published_total``,
+``prefixrouter_cluster_facts_applied_total`` (rates with ``rate()``),
+``prefixrouter_cluster_facts_dropped_total{reason}``,
+``prefixrouter_cluster_sync_cpu_seconds_total`` (CPU spent encoding,
+publishing, decoding and applying), ``prefixrouter_cluster_peers_gone_total``,
+``prefixrouter_cluster_expired_routings_total``, ``prefixrouter_cluster_peers``,
+``prefixrouter_cluster_connected`` (1 while NATS is reachable) and
+``prefixrouter_cluster_ready``.
+
 The per-request series are kept in plain dicts (:class:`_Counter`,
 :class:`_Histogram`: one dict lookup and an add, no lock, which is safe in a
 single-threaded event loop) and turned into Prometheus families only when
@@ -54,9 +66,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from prefixrouter.cluster.node import ClusterNode
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
 AGE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -209,6 +224,65 @@ class UpstreamCollector(Collector):
         yield now
 
 
+class ClusterCollector(Collector):
+    """A replica's sync counters and gauges, read from its node when scraped."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._node
+        st = node.stats
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_facts_published",
+            "Routing facts this replica published to its peers.",
+            value=float(st.published_facts),
+        )
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_facts_applied",
+            "Peers' routing facts applied to this replica's index and in-flight counts.",
+            value=float(st.applied_facts),
+        )
+        dropped = CounterMetricFamily(
+            "prefixrouter_cluster_facts_dropped",
+            "Facts not published (disconnected) or not applied (fingerprint, stale_epoch, "
+            "unknown_epoch, unknown_worker, unmatched, malformed).",
+            labels=["reason"],
+        )
+        for reason, n in sorted(st.dropped.items()):
+            dropped.add_metric([reason], float(n))
+        yield dropped
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_sync_cpu_seconds",
+            "CPU time spent publishing and applying facts.",
+            value=st.sync_cpu_s,
+        )
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_peers_gone",
+            "Peer lives ended (silent past peer_ttl_s, or restarted under a new epoch).",
+            value=float(st.peers_gone),
+        )
+        yield CounterMetricFamily(
+            "prefixrouter_cluster_expired_routings",
+            "Peer routings settled here because their settlement never came (open past "
+            "the origin's request timeout).",
+            value=float(st.expired_routings),
+        )
+        yield GaugeMetricFamily(
+            "prefixrouter_cluster_peers", "Live peer replicas.", value=len(node.registry.live())
+        )
+        yield GaugeMetricFamily(
+            "prefixrouter_cluster_connected",
+            "1 while this replica is connected to NATS.",
+            value=1.0 if node.connected else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "prefixrouter_cluster_ready",
+            "1 once this replica has replayed the stream (GET /ready answers 200).",
+            value=1.0 if node.ready else 0.0,
+        )
+
+
 class GatewayMetrics:
     """The metrics of one gateway; see the module docstring for the list."""
 
@@ -265,6 +339,12 @@ class GatewayMetrics:
             (),
             AGE_BUCKETS,
         )
+        self.cluster_lag = _Histogram(
+            "prefixrouter_cluster_propagation_lag_seconds",
+            "A peer's fact message: its send to this replica's receipt (wall clocks).",
+            (),
+            LAG_BUCKETS,
+        )
         self.lint_findings = _Counter(
             "prefixrouter_lint_findings",
             "Volatile fields before stable prompt content (linter in observe mode).",
@@ -282,6 +362,7 @@ class GatewayMetrics:
             self.prediction_error,
             self.evicted_age,
         )
+        self._cluster_collector: ClusterCollector | None = None
         self.warm_abandoned.values[("unknown",)] = 0.0  # exported from the start
 
     def attach_live(
@@ -289,6 +370,17 @@ class GatewayMetrics:
     ) -> None:
         """Register the scrape-time collector (every series, worker gauges, evictions)."""
         self.registry.register(_Collector(self, workers, mirrored_evictions))
+
+    def attach_cluster(self, node: ClusterNode) -> None:
+        """Export a replica's cluster series (the lag histogram and the node's collector)."""
+        if self._cluster_collector is None:
+            self.series = (*self.series, self.cluster_lag)
+            self._cluster_collector = ClusterCollector(node)
+            self.registry.register(self._cluster_collector)
+
+    def cluster_lag_observed(self, lag_s: float) -> None:
+        """One peer message arrived ``lag_s`` after it was sent."""
+        self.cluster_lag.observe((), lag_s)
 
     def hit_label(self, cached_tokens: int, prompt_tokens: int) -> str:
         """``warm`` / ``partial`` / ``cold`` for a request's engine-reported reuse."""

@@ -113,6 +113,11 @@ class RequestBuilder:
         """A process-unique request id (cheaper than a UUID)."""
         return f"{self._id_prefix}{next(self._ids)}"
 
+    @property
+    def tokenizer_revision(self) -> str:
+        """The namespaces' tokenizer revision (configured, else the loaded tokenizer's)."""
+        return self._tokenizer_revision
+
     def namespace(self, model: str, adapter: str, tenant_ns: str) -> CacheNamespace:
         """The (memoized) cache namespace."""
         key = (model, adapter, tenant_ns)

@@ -4,7 +4,8 @@ One :class:`GatewayState` per application: the routing core (a
 :class:`~prefixrouter.core.dispatch.Dispatcher` over the router and the
 in-flight ledger, the only way the gateway changes routing state), the worker
 registry, the metrics, the decision log, the
-request builder and the tenancy rules. Handlers reach it through
+request builder, the tenancy rules and, for a replica of a cluster, its
+:class:`~prefixrouter.cluster.node.ClusterNode`. Handlers reach it through
 ``app[STATE]``; nothing is global, so tests can run several gateways in one
 process.
 """
@@ -19,11 +20,13 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from prefixrouter.cluster.node import ClusterNode
 from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.hashing import BlockHasher, TokenEstimator
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import WorkerId
+from prefixrouter.gateway.cluster_link import build_node
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.decision_log import DecisionLog
 from prefixrouter.gateway.metrics import GatewayMetrics
@@ -34,6 +37,7 @@ from prefixrouter.gateway.workers import Worker, WorkerRegistry
 from prefixrouter.prompt.lint import LintObserver
 from prefixrouter.real_engines.kv_events import NamespaceSeed
 from prefixrouter.real_engines.kv_subscriber import KvEventCollector, KvEventSubscriber
+from prefixrouter.stats import nearest_rank
 
 LAST_SERVED_MAX = 65_536
 
@@ -51,6 +55,7 @@ class GatewayState:
     tenancy: Tenancy
     lint: LintObserver | None = None
     events: KvEventSubscriber | None = None
+    cluster: ClusterNode | None = None
     session: aiohttp.ClientSession | None = None
     upstream: UpstreamClient | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
@@ -77,12 +82,25 @@ class GatewayState:
     def process_stats(self) -> dict[str, float | int]:
         """The process's CPU time and request count (for overhead benchmarks)."""
         t = os.times()
-        return {
+        out: dict[str, float | int] = {
             "pid": os.getpid(),
             "cpu_user_s": t.user,
             "cpu_system_s": t.system,
             "requests": self.requests_seen,
         }
+        node = self.cluster
+        if node is not None:
+            st = node.stats
+            lags = sorted(st.lags)
+            out["cluster_sync_cpu_s"] = st.sync_cpu_s
+            out["cluster_facts_published"] = st.published_facts
+            out["cluster_messages_published"] = st.published_messages
+            out["cluster_facts_applied"] = st.applied_facts
+            out["cluster_lag_samples"] = len(lags)
+            if lags:
+                out["cluster_lag_p50_ms"] = nearest_rank(lags, 0.5) * 1000
+                out["cluster_lag_p99_ms"] = nearest_rank(lags, 0.99) * 1000
+        return out
 
 
 def _load_tokenizer(config: GatewayConfig) -> ChatTokenizer | None:
@@ -105,7 +123,9 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     )
     policy = create_policy(config.policy.name, config.policy.params)
     router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens)
-    dispatch = Dispatcher(router, r.mode)
+    clustered = config.cluster.url is not None
+    # A replica records what its peers must mirror; a lone gateway keeps no outbox.
+    dispatch = Dispatcher(router, r.mode, record_facts=clustered)
     registry = WorkerRegistry(config, dispatch, time.monotonic)
     metrics = GatewayMetrics(config.metrics.warm_fraction)
     metrics.attach_live(registry.gauges, lambda: dispatch.evicted_entries)
@@ -115,11 +135,23 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     builder = RequestBuilder(config, registry.adapters, tok)
     tenancy = Tenancy(config)
     events = None
-    if config.kv_events.endpoint is not None:
+    if config.kv_events_on:
         events = KvEventSubscriber(config.kv_events.endpoint, dispatch, time.monotonic)
         registry.attach_events(events, lambda w: _event_namespace(w, builder, tenancy))
         metrics.registry.register(KvEventCollector(events))
+    node = None
+    if clustered:
+        node = build_node(
+            config,
+            dispatch,
+            registry.workers.__contains__,
+            builder.tokenizer_revision,
+            time.monotonic,
+            metrics.cluster_lag_observed,
+        )
+        metrics.attach_cluster(node)
     return GatewayState(
+        cluster=node,
         config=config,
         dispatch=dispatch,
         registry=registry,

@@ -63,6 +63,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import zmq
 
 from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.types import WorkerId, WorkerView
@@ -235,7 +236,12 @@ class Worker:
                 "max_slots": self.view.max_slots,
             },
             "kv_events": (
-                self.feed.stats.to_dict(self.feed.translator) if self.feed is not None else None
+                {
+                    **self.feed.stats.to_dict(self.feed.translator),
+                    "connect": self.feed.publisher,  # None: the engine connects to us
+                }
+                if self.feed is not None
+                else None
             ),
         }
 
@@ -295,13 +301,17 @@ class WorkerRegistry:
             return
         topic = w.config.kv_events_topic
         assert topic is not None  # WorkerConfig fills in the worker id
-        w.feed = self.events.add_worker(
-            w.id,
-            topic,
-            self._seed_for(w),
-            w.config.kv_replay_endpoint,
-            self.config.kv_events.max_blocks_per_worker,
-        )
+        try:
+            w.feed = self.events.add_worker(
+                w.id,
+                topic,
+                self._seed_for(w),
+                w.config.kv_replay_endpoint,
+                self.config.kv_events.max_blocks_per_worker,
+                w.config.kv_events_connect,
+            )
+        except zmq.ZMQError as exc:
+            raise ValueError(f"kv_events_connect: cannot connect: {exc}") from None
 
     # ------------------------------------------------------------- membership
 
@@ -321,12 +331,26 @@ class WorkerRegistry:
                     return feed.worker_id
         return None
 
+    def publisher_owner(self, publisher: str) -> WorkerId | None:
+        """The worker whose engine's KV-event publisher is ``publisher``, if any."""
+        for w in self.workers.values():
+            if w.config.kv_events_connect == publisher:
+                return w.id
+        if self.events is not None:
+            for feed in self.events.feeds():
+                if feed.publisher == publisher:
+                    return feed.worker_id
+        return None
+
     def _add(self, wc: WorkerConfig) -> Worker:
         if WorkerId(wc.id) in self.workers:
             raise KeyError(wc.id)
         topic = wc.kv_events_topic
         if topic is not None and (owner := self.topic_owner(topic)) is not None:
             raise KeyError(f"kv_events_topic {topic!r} is used by worker {owner!r}")
+        publisher = wc.kv_events_connect
+        if publisher is not None and (owner := self.publisher_owner(publisher)) is not None:
+            raise KeyError(f"kv_events_connect {publisher!r} is used by worker {owner!r}")
         view = WorkerView(
             worker_id=WorkerId(wc.id),
             pool=wc.pool,
@@ -360,7 +384,9 @@ class WorkerRegistry:
 
         Raises:
             KeyError: A worker with that id exists, or its ``kv_events_topic``
-                is another worker's (the registry is then unchanged).
+                or ``kv_events_connect`` is another worker's (the registry is
+                then unchanged).
+            ValueError: Its ``kv_events_connect`` cannot be connected to.
         """
         w = self._add(wc)
         await self.check(w)

@@ -1,10 +1,34 @@
-"""The gateway's KV-event feed: one bound ZMQ SUB socket that every engine publishes to.
+"""The gateway's KV-event feed: one ZMQ SUB socket, bound, connected to engines, or both.
 
-vLLM *connects* its publisher to a plain ``tcp://host:port`` endpoint, so the
-router binds one SUB socket there, subscribes to every topic, and tells the
-engines apart by topic (``kv_events.topic`` of each worker; vLLM's
-``--kv-events-config '{"topic": ...}'``). Each message is handled at once on
-the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
+Two ways to wire engines to gateways, per worker, on the same socket:
+
+* **bind** (``kv_events.endpoint``, single subscriber): the gateway binds its
+  SUB socket and each engine's publisher *connects* to it. Only one process
+  can bind an address, so only one gateway hears the events.
+* **connect** (``workers[].kv_events_connect``, several subscribers): each
+  engine *binds* its publisher and the SUB socket of every gateway replica
+  connects to each engine, so every replica sees every engine's events (the
+  wiring of llm-d's scheduler replicas). A PUB socket copies each message to
+  every connected subscriber; ZMQ reconnects by itself (every
+  ``RECONNECT_IVL``, 100 ms) when an engine restarts, and ZMTP heartbeats
+  (``HEARTBEAT_S``) detect an engine whose host vanished without closing the
+  connection, so the socket reconnects instead of waiting on a dead peer.
+
+Which one an engine does is vLLM's choice, from its endpoint string
+(``ZmqEventPublisher._is_bind_endpoint`` in ``vllm/distributed/kv_events.py``,
+vLLM 0.32): it **binds** when the endpoint contains ``*`` (``tcp://*:5557``)
+or ``::``, or is ``ipc://`` or ``inproc://``, and **connects** otherwise
+(``tcp://host:5557``). Its replay socket (ROUTER) is always bound. With data
+parallelism each rank adds its rank to the endpoint's port. A PUB socket that
+binds drops what it publishes while no subscriber is connected (no backlog in
+connect mode); one that connects queues it (up to its ``hwm``) until the
+gateway's bound socket is there.
+
+The SUB socket subscribes to every topic and tells the engines apart by topic
+(``kv_events_topic`` of each worker; vLLM's ``--kv-events-config '{"topic":
+...}'``), in both modes: one socket serves them all, and the sequence rules
+below do not depend on how a message arrived. Each message is handled at once
+on the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
 
 1. decode the frames (:mod:`prefixrouter.real_engines.kv_events`); a message that
    is not the format is counted and dropped, never fatal;
@@ -13,13 +37,15 @@ the event loop (:meth:`KvEventSubscriber.handle`, synchronous and cheap):
    the worker has a replay endpoint, the missed range is fetched from it in
    the background and applied; after a **restart** (the sequence goes back:
    a new engine process starts again at 0, and its first messages may be lost
-   while its publisher connects) the worker's entries and hash map are
+   while its publisher connects, or while the gateway's socket reconnects to
+   it) the worker's entries and hash map are
    cleared: a new engine process has an empty cache;
 3. translate each event to the router's hashes and apply it to the index.
    A batch stamped (by the engine's clock) more than ``BACKLOG_S`` before the
    subscriber started is **backlog**: vLLM's PUB socket queues messages while
    no subscriber is connected and delivers them when one binds, so a gateway
-   that (re)starts first hears what the engines cached while it was away. A
+   that (re)starts first hears what the engines cached while it was away
+   (bind mode only: a bound PUB socket drops messages nobody hears). A
    cache reset since then is announced only with the engine's next step
    (``AllBlocksCleared`` is delayed), so backlog blocks are applied as
    speculative entries: used, but confirmed or expired like routed ones.
@@ -72,6 +98,8 @@ from prefixrouter.real_engines.kv_events import (
 log = logging.getLogger("prefixrouter.kv_events")
 
 REPLAY_TIMEOUT_S = 2.0
+HEARTBEAT_S = 2.0
+"""ZMTP ping interval on the SUB socket's connections; a peer silent for 3x this is dropped."""
 BACKLOG_S = 2.0
 """Batches stamped this long before the subscriber started are backlog (clock skew margin)."""
 
@@ -117,6 +145,8 @@ class WorkerFeed:
     topic: str
     translator: EventTranslator
     replay_endpoint: str | None = None
+    publisher: str | None = None
+    """The engine's bound PUB socket the SUB socket connects to (connect mode); None = bind."""
     stats: FeedStats = field(default_factory=FeedStats)
     replaying: bool = False
 
@@ -146,14 +176,16 @@ class KvEventSubscriber:
     """Receives every engine's KV events and applies them to the router's index.
 
     Args:
-        endpoint: The address to bind (``tcp://127.0.0.1:5557``).
+        endpoint: The address to bind (``tcp://127.0.0.1:5557``) for engines
+            that connect; None = bind nothing (every worker's feed connects to
+            its engine's publisher, :meth:`add_worker`'s ``publisher``).
         dispatch: The routing core's dispatcher (events, gaps and resets go to it).
         clock: The gateway's clock (event application time).
     """
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | None,
         dispatch: Dispatcher,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
@@ -183,15 +215,35 @@ class KvEventSubscriber:
         namespace_seed: NamespaceSeed,
         replay_endpoint: str | None = None,
         max_blocks: int = 1 << 20,
+        publisher: str | None = None,
     ) -> WorkerFeed:
-        """Listen for ``topic`` as ``worker_id``'s events."""
+        """Listen for ``topic`` as ``worker_id``'s events.
+
+        Args:
+            publisher: The engine's bound PUB address (``tcp://host:5557``) to
+                connect to (now if the subscriber runs, else at :meth:`start`);
+                None = the engine connects to this subscriber's ``endpoint``.
+
+        Raises:
+            KeyError: The topic or the publisher is another worker's (two
+                connections to one publisher would deliver each message twice).
+            zmq.ZMQError: The running socket cannot connect to ``publisher``
+                (a malformed address); nothing is added.
+        """
         if topic in self._feeds:
             raise KeyError(f"topic {topic!r} is already used by {self._feeds[topic].worker_id}")
+        if publisher is not None:
+            for other in self._feeds.values():
+                if other.publisher == publisher:
+                    raise KeyError(f"publisher {publisher!r} is already used by {other.worker_id}")
+            if self._sock is not None:
+                self._sock.connect(publisher)
         feed = WorkerFeed(
             worker_id,
             topic,
             EventTranslator(worker_id, namespace_seed, max_blocks),
             replay_endpoint,
+            publisher,
         )
         self._feeds[topic] = feed
         self._by_worker[worker_id] = feed
@@ -203,6 +255,9 @@ class KvEventSubscriber:
         if feed is not None:
             self._feeds.pop(feed.topic, None)
             self._seq.forget(feed.topic)
+            if feed.publisher is not None and self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):  # never connected: nothing to undo
+                    self._sock.disconnect(feed.publisher)
 
     def feed(self, worker_id: WorkerId) -> WorkerFeed | None:
         """The worker's feed, if it has one."""
@@ -362,19 +417,29 @@ class KvEventSubscriber:
     # ------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Bind the SUB socket and start receiving.
+        """Bind the SUB socket (if it has an endpoint), connect it to each publisher, receive.
+
+        Connecting never waits for the engine: ZMQ connects in the background
+        and keeps retrying, so an engine that starts later is heard once it binds.
 
         Raises:
-            zmq.ZMQError: The endpoint cannot be bound (in use, bad address).
+            zmq.ZMQError: The endpoint cannot be bound (in use, bad address),
+                or a publisher's address is malformed.
         """
         self.started_wall = self.wall_clock()
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_S * 1000))
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         try:
-            sock.bind(self.endpoint)
+            if self.endpoint is not None:
+                sock.bind(self.endpoint)
+            for feed in self._feeds.values():
+                if feed.publisher is not None:
+                    sock.connect(feed.publisher)
         except zmq.ZMQError:
             sock.close()
             self._ctx.term()

@@ -16,9 +16,11 @@ into a few calls:
   loopback port and pinned to its own core (``VLLM_CPU_OMP_THREADS_BIND`` and
   ``taskset``), each with prefix caching, prompt-token details and, on
   request, KV events published to a ZMQ socket that the router binds (vLLM
-  connects to a plain ``tcp://host:port`` address; one topic per engine) and
-  a replay socket per engine. It waits for ``/health`` (15-40 s per engine),
-  writes each engine's output to a log file, and always stops the engines
+  connects to a plain ``tcp://host:port`` address; one topic per engine), or
+  on a publisher each engine binds (``tcp://*:P``, for several gateway
+  replicas that all connect), and a replay socket per engine. It waits for
+  ``/health`` (15-40 s per engine), writes each engine's output to a log
+  file, and always stops the engines
   (by process group, since each holds about 3 GB);
 * ``python -m prefixrouter.real_engines.vllm_fleet --engines 2`` starts a fleet,
   prints the URLs and keeps it running until Ctrl-C.
@@ -202,6 +204,9 @@ class KvEventsOptions:
     Attributes:
         endpoint: Where the router's SUB socket is bound (``tcp://127.0.0.1:P``);
             each engine *connects* its PUB socket there, so one socket hears all.
+            None: each engine *binds* its own PUB socket (``tcp://*:P``, vLLM
+            binds an endpoint with ``*``) on a free port, and any number of
+            gateways connect to it (:attr:`VllmEngine.publisher`).
         topic: Topic per engine, formatted with ``index`` and ``port`` (the
             engine's HTTP port): default ``kv@{port}``.
         replay: Give each engine a replay (ZMQ ROUTER) socket on a free
@@ -210,7 +215,7 @@ class KvEventsOptions:
             10,000 when None).
     """
 
-    endpoint: str
+    endpoint: str | None = None
     topic: str = "kv@{port}"
     replay: bool = False
     buffer_steps: int | None = None
@@ -261,6 +266,8 @@ class VllmEngine:
     topic: str | None
     replay_endpoint: str | None
     log_path: Path
+    publisher: str | None = None
+    """Where a gateway connects to the engine's bound KV-event publisher (None: it connects)."""
 
     @property
     def port(self) -> int:
@@ -291,8 +298,12 @@ def engine_command(
     index: int,
     core: int | None,
     replay_port: int | None = None,
+    publisher_port: int | None = None,
 ) -> tuple[list[str], dict[str, str], str | None, str | None]:
     """The command line and extra environment of one engine.
+
+    ``publisher_port``: the port the engine's own publisher binds when
+    ``options.kv_events.endpoint`` is None (default: a free one).
 
     Returns:
         ``(argv, env, topic, replay_endpoint)``; ``env`` holds only the
@@ -330,10 +341,12 @@ def engine_command(
     if options.kv_events is not None:
         ev = options.kv_events
         topic = ev.topic.format(index=index, port=port)
+        # No router endpoint: the engine binds (vLLM binds an endpoint with "*").
+        endpoint = ev.endpoint or f"tcp://*:{publisher_port or free_port()}"
         config: dict[str, object] = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": ev.endpoint,
+            "endpoint": endpoint,
             "topic": topic,
         }
         if ev.replay:
@@ -413,24 +426,42 @@ class VllmFleet:
         return [e.url for e in self.engines]
 
     def launch(
-        self, index: int, *, port: int | None = None, replay_endpoint: str | None = None
+        self,
+        index: int,
+        *,
+        port: int | None = None,
+        replay_endpoint: str | None = None,
+        publisher: str | None = None,
     ) -> VllmEngine:
         """Start engine ``index`` (not yet healthy; see :meth:`wait_healthy`).
 
-        ``port`` and ``replay_endpoint`` reuse an earlier engine's addresses
-        (a restart); by default free ports are picked.
+        ``port``, ``replay_endpoint`` and ``publisher`` reuse an earlier
+        engine's addresses (a restart); by default free ports are picked.
         """
         port = port or free_port()
         core = self.cores[index % len(self.cores)] if self.cores else None
         replay_port = int(replay_endpoint.rsplit(":", 1)[1]) if replay_endpoint else None
+        ev = self.options.kv_events
+        publisher_port: int | None = None
+        if ev is not None and ev.endpoint is None:
+            publisher_port = int(publisher.rsplit(":", 1)[1]) if publisher else free_port()
+            publisher = f"tcp://{HOST}:{publisher_port}"
+        else:
+            publisher = None
         argv, extra_env, topic, replay = engine_command(
-            self.setup, self.options, port=port, index=index, core=core, replay_port=replay_port
+            self.setup,
+            self.options,
+            port=port,
+            index=index,
+            core=core,
+            replay_port=replay_port,
+            publisher_port=publisher_port,
         )
         log_path = self.log_dir / f"engine-{index}-{port}.log"
         server = self._procs.start_command(
             f"vLLM engine {index}", argv, port, extra_env, log_path=log_path
         )
-        engine = VllmEngine(index, core, server, argv, topic, replay, log_path)
+        engine = VllmEngine(index, core, server, argv, topic, replay, log_path, publisher)
         self.engines.append(engine)
         return engine
 
@@ -474,7 +505,7 @@ class VllmFleet:
         topic and replay socket, cold. Returns the new engine."""
         port, index, replay = engine.port, engine.index, engine.replay_endpoint
         self.stop(engine)
-        new = self.launch(index, port=port, replay_endpoint=replay)
+        new = self.launch(index, port=port, replay_endpoint=replay, publisher=engine.publisher)
         self.engines.sort(key=lambda e: e.index)
         if wait:
             self.wait_healthy([new])
@@ -517,13 +548,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="publish KV events to this bound SUB socket, e.g. tcp://127.0.0.1:5557",
     )
+    parser.add_argument(
+        "--kv-events-bind",
+        action="store_true",
+        help="publish KV events on a socket each engine binds (every gateway connects)",
+    )
     parser.add_argument("--replay", action="store_true", help="a replay socket per engine")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--no-setup", action="store_true", help="do not run setup_vllm.sh")
     ns = parser.parse_args(argv)
 
     setup = vllm_setup() if ns.no_setup else ensure_vllm()
-    events = KvEventsOptions(ns.kv_events, replay=ns.replay) if ns.kv_events else None
+    events = (
+        KvEventsOptions(ns.kv_events, replay=ns.replay)
+        if ns.kv_events or ns.kv_events_bind
+        else None
+    )
     options = VllmOptions(
         max_model_len=ns.max_model_len,
         num_gpu_blocks_override=ns.num_gpu_blocks,
@@ -541,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for e in fleet.engines:
                 extra = f" topic={e.topic}" if e.topic else ""
                 extra += f" replay={e.replay_endpoint}" if e.replay_endpoint else ""
+                extra += f" publisher={e.publisher}" if e.publisher else ""
                 print(f"  {e.url}  pid={e.pid} core={e.core}{extra}", flush=True)
             print("Ctrl-C stops them.", flush=True)
             while all(e.alive() for e in fleet.engines):

@@ -5,8 +5,8 @@ changes the way vLLM does (see :mod:`prefixrouter.real_engines.kv_events` for th
 format), so a gateway can be tested against a KV-event feed without vLLM:
 
 * a ZMQ PUB socket that *connects* to a plain ``tcp://host:port`` endpoint
-  (the router binds) and *binds* an endpoint with ``*`` or an ``ipc://`` path,
-  as vLLM decides;
+  (the router binds) and *binds* an endpoint with ``*`` (every gateway
+  replica connects to it) or an ``ipc://`` path, as vLLM decides (:func:`binds`);
 * three frames per message: topic, sequence (uint64 big-endian, from 0),
   msgpack ``[ts, [event, ...], data_parallel_rank]``; events in vLLM's map
   encoding (``{"type": "BlockStored", ...}``);
@@ -42,8 +42,11 @@ from prefixrouter.core.types import BlockHash
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard or IPC address, connect to a plain one."""
-    return "*" in endpoint or endpoint.startswith("ipc://")
+    """vLLM's rule: bind a wildcard, ``::``, IPC or in-process address, connect to a plain one.
+
+    As ``ZmqEventPublisher._is_bind_endpoint`` in ``vllm/distributed/kv_events.py`` (vLLM 0.32).
+    """
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class KvEventPublisher:

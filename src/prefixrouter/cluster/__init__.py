@@ -1,0 +1,59 @@
+"""Active-active gateway replicas: routing facts shared over NATS JetStream.
+
+Several gateway replicas behind one load balancer each route a share of the
+traffic. Each replica's :class:`~prefixrouter.core.dispatch.Dispatcher`
+records a fact for every change its peers must mirror
+(:mod:`prefixrouter.core.facts`: a routing with its block hashes, a first
+token, a settlement with the engine's cached tokens, a worker down or
+restarted); this package carries them between replicas and applies them
+through the same dispatcher calls as a replica's own requests, so every
+replica's index knows what all of them placed where.
+
+Modules, one job each:
+
+* :mod:`~prefixrouter.cluster.codec`: facts <-> compact binary batches;
+* :mod:`~prefixrouter.cluster.envelope`: the header of every message
+  (replica id, epoch, configuration fingerprint, send time);
+* :mod:`~prefixrouter.cluster.fingerprint`: what must agree for block hashes
+  to agree, digested;
+* :mod:`~prefixrouter.cluster.registry`: live peers, epochs, TTL (pure);
+* :mod:`~prefixrouter.cluster.transport`: the NATS JetStream link;
+* :mod:`~prefixrouter.cluster.node`: a replica's membership (publish, apply,
+  heartbeats, readiness, refusal of an incompatible configuration).
+
+Layer: with ``sim``, ``real_engines`` and the other engines' drivers, below
+``gateway`` (which wires it in) and above ``core`` and ``harness``.
+
+**Consistency model.** Eventually consistent, no coordination on the request
+path: a replica routes on its own view at once and publishes what it did;
+its peers apply it one propagation lag later (the batch window, 2 ms by
+default, plus NATS; ``prefixrouter_cluster_propagation_lag_seconds``). Each
+fact is applied once per origin, in the origin's order (one stream, one
+ordered consumer). What can go wrong within the lag:
+
+* two replicas that see a *new* prefix within one lag of each other both
+  find it cold and may send it to two different workers: the prefix is
+  prefilled twice and then lives on both (later requests go to either: the
+  index knows both copies once the facts arrive). One lag is milliseconds;
+  a prefix's second request usually comes later than that;
+* in-flight counts (queue depth per worker) lag by the same amount, so two
+  replicas can each pick the least-loaded worker for a burst;
+* a worker one replica saw go down is still routed to by the others for one
+  lag (their own health checks or the fact catch up).
+
+A peer's routing is speculative until the peer's completion confirms it,
+exactly like one's own. A SIGKILLed peer's in-flight routings are settled
+without feedback after ``peer_ttl_s`` of silence; a restarted peer has a new
+epoch, which ends the old life at once. While NATS is unreachable each
+replica routes on its own view (``prefixrouter_cluster_connected`` is 0);
+when it returns, the ordered consumer resumes from the last sequence read
+and the replica catches up on what it missed, minus what aged out of the
+stream. Facts are not a consensus log: nothing is retried or acknowledged
+per message. A fact lost to a full reconnect buffer makes a peer learn that
+placement from its own traffic, and the replica that lost it starts a new
+epoch, so no peer keeps one of its routings in flight for a settlement that
+will never come. A settlement lost inside a NATS server that died before
+storing it is not detected; the routing it leaves open at a peer is settled
+once it has been open longer than any request may run at its origin
+(``proxy.request_timeout_s`` plus ``peer_ttl_s``).
+"""

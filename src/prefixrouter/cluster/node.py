@@ -1,0 +1,375 @@
+"""One replica's membership of the cluster: publish its facts, apply its peers', watch them.
+
+A :class:`ClusterNode` sits between the replica's
+:class:`~prefixrouter.core.dispatch.Dispatcher` (created with
+``record_facts=True``) and the :class:`~prefixrouter.cluster.transport.NatsLink`:
+
+* **Publish**: ``batch_window_s`` after a fact lands in the dispatcher's
+  empty outbox (the dispatcher tells it: no polling) it drains the outbox and
+  publishes it as few messages as fit (:mod:`~prefixrouter.cluster.codec`),
+  each in an :mod:`~prefixrouter.cluster.envelope`. Drained facts that no
+  connection takes (nats-py buffers 2 MiB while it reconnects) are dropped
+  and counted (``disconnected``): a peer that misses them learns the
+  placement from its own traffic, like a replica without sync. A replica
+  that lost facts after publishing some starts a new epoch, so no peer keeps
+  one of its routings open for want of the lost settlement.
+* **Apply**: each message heard passes the
+  :class:`~prefixrouter.cluster.registry.PeerRegistry` (own, stale epoch,
+  other fingerprint: not applied), then each fact goes to
+  :meth:`Dispatcher.apply_peer <prefixrouter.core.dispatch.Dispatcher.apply_peer>`
+  as ``replica@epoch`` at the local clock's now. A routing or worker fact
+  naming a worker this replica does not have is dropped (``unknown_worker``);
+  a settlement of a routing never heard here (it joined after it, or the
+  routing's fact was dropped) is counted ``unmatched``.
+* **Watch**: a heartbeat every ``heartbeat_s``; a peer silent for
+  ``peer_ttl_s``, or heard under a newer epoch, is gone:
+  :meth:`Dispatcher.peer_gone` settles its open routings so its in-flight
+  counts vanish (its placements stay: the engines did get those requests).
+* **Bound**: a peer routing still open ``max_open_s`` after it was applied
+  (longer than any request may run at its origin: the gateway passes its
+  ``proxy.request_timeout_s`` plus ``peer_ttl_s``) lost its settlement on
+  the way; each sweep settles those.
+* **Refuse**: for ``1.5 * heartbeat_s`` after its first connection (every
+  live peer heartbeats in that time; a starting replica's hello makes them
+  answer at once) a starting replica compares its fingerprint with each live
+  older peer's; a difference fails the node (:attr:`ClusterNode.error` names
+  the differing fields) and the gateway exits.
+* **Ready** once the stream is replayed and that check has passed.
+
+Not thread-safe: everything runs on the gateway's event loop, as the
+dispatcher requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import orjson
+
+from prefixrouter.cluster import envelope as env_mod
+from prefixrouter.cluster.codec import DEFAULT_MAX_BYTES, DecodeError, decode_facts, encode_facts
+from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope, EnvelopeError
+from prefixrouter.cluster.fingerprint import Fingerprint
+from prefixrouter.cluster.registry import SELF, PeerRegistry
+from prefixrouter.cluster.transport import LinkOptions, NatsLink
+from prefixrouter.core.dispatch import Dispatcher
+from prefixrouter.core.facts import RoutedFact, WorkerFact
+from prefixrouter.core.types import WorkerId
+
+log = logging.getLogger("prefixrouter.cluster")
+
+LAG_SAMPLES = 8192
+"""Recent propagation lags kept for percentiles (``/admin/process``, the benchmark)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOptions:
+    """How one replica takes part (the gateway's ``cluster:`` section)."""
+
+    link: LinkOptions
+    replica_id: str
+    heartbeat_s: float = 1.0
+    peer_ttl_s: float = 5.0
+    batch_window_s: float = 0.002
+    max_message_bytes: int = DEFAULT_MAX_BYTES
+    max_open_s: float = 900.0
+
+
+@dataclass
+class ClusterStats:
+    """Counters the gateway exports (``prefixrouter_cluster_*``)."""
+
+    published_facts: int = 0
+    published_messages: int = 0
+    applied_facts: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    peers_gone: int = 0
+    expired_routings: int = 0
+    sync_cpu_s: float = 0.0
+    lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+
+class ClusterNode:
+    """One replica in the cluster (module doc).
+
+    Args:
+        options: The replica id, NATS link and timings.
+        dispatcher: The replica's dispatcher (recording facts).
+        has_worker: Whether this replica has a worker of that id.
+        fingerprint: This replica's configuration fingerprint.
+        clock: The dispatcher's clock (monotonic seconds).
+        observe_lag: Called with each live message's propagation lag (seconds).
+    """
+
+    def __init__(
+        self,
+        options: NodeOptions,
+        dispatcher: Dispatcher,
+        has_worker: Callable[[WorkerId], bool],
+        fingerprint: Fingerprint,
+        clock: Callable[[], float] = time.monotonic,
+        observe_lag: Callable[[float], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.dispatcher = dispatcher
+        self.has_worker = has_worker
+        self.fingerprint = fingerprint
+        self.clock = clock
+        self.observe_lag = observe_lag
+        self.epoch = env_mod.new_epoch()
+        self._start_epoch = self.epoch  # which peers are older than this process
+        self._published_in_life = False
+        self.registry = PeerRegistry(
+            options.replica_id, self.epoch, fingerprint.value, options.peer_ttl_s
+        )
+        self.stats = ClusterStats()
+        self.link = NatsLink(options.link, self.on_facts, self.on_heartbeat, self._on_connected)
+        self.error: str | None = None
+        self.failed = asyncio.Event()
+        self._checked = False
+        self._check_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._heartbeat_now = asyncio.Event()
+        self._pending = asyncio.Event()
+        self._warned: set[str] = set()
+        self._own = env_mod.sender_key(self._envelope(FACTS))
+
+    @property
+    def origin(self) -> str:
+        """This replica's own ``replica@epoch``."""
+        return f"{self.options.replica_id}@{self.epoch}"
+
+    @property
+    def ready(self) -> bool:
+        """Replayed the stream and passed the compatibility check."""
+        return self._checked and self.link.replayed and self.error is None
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect (in the background) and start publishing and heartbeating."""
+        loop = asyncio.get_running_loop()
+        await self.link.start()
+        self._tasks = [
+            loop.create_task(self._publisher(), name="cluster-publish"),
+            loop.create_task(self._heartbeats(), name="cluster-heartbeat"),
+        ]
+
+    async def stop(self) -> None:
+        """Publish what is left, then stop the tasks and the link."""
+        self.dispatcher.on_first_fact(None)
+        with contextlib.suppress(Exception):
+            await self.flush()
+        tasks = [*self._tasks, *([self._check_task] if self._check_task else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.link.close()
+
+    def _envelope(self, kind: int) -> Envelope:
+        return Envelope(kind, self.options.replica_id, self.epoch, self.fingerprint.value, 0.0)
+
+    # ------------------------------------------------------------- publish
+
+    async def _publisher(self) -> None:
+        # Woken by the dispatcher when a fact lands in its empty outbox, then
+        # one batch window later drains it: no wakeup while nothing happens,
+        # one message per window under load.
+        window = self.options.batch_window_s
+        pending = self._pending
+        self.dispatcher.on_first_fact(pending.set)
+        while True:
+            await pending.wait()
+            await asyncio.sleep(window)
+            pending.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Drain the dispatcher's outbox and publish it (dropped and counted if no link)."""
+        facts = self.dispatcher.drain_facts()
+        if not facts:
+            return
+        t0 = time.thread_time()
+        messages = encode_facts(facts, self.options.max_message_bytes)
+        opts = self.options
+        head = Envelope(FACTS, opts.replica_id, self.epoch, self.fingerprint.value, time.time())
+        sent = 0
+        for body in messages:
+            if await self.link.publish_facts(env_mod.pack(head, body)):
+                sent += 1
+        st = self.stats
+        if sent == len(messages):
+            st.published_facts += len(facts)
+            self._published_in_life = True
+        else:
+            st.drop("disconnected" if not self.link.connected else "publish_failed", len(facts))
+            if self._published_in_life:
+                self._new_life()
+        st.published_messages += sent
+        st.sync_cpu_s += time.thread_time() - t0
+
+    def _new_life(self) -> None:
+        """Publish under a new epoch from now on, after facts of this life were lost.
+
+        Peers may hold routings of this life open whose settlement was just
+        dropped: they would count in flight for as long as this replica
+        lives. A new epoch ends the old life at every peer (its open routings
+        are settled), and this life starts with nothing open anywhere.
+        Settlements of requests routed in the old life then arrive unmatched.
+        """
+        old = self.origin
+        self.epoch = env_mod.new_epoch()
+        self.registry.epoch = self.epoch
+        self._own = env_mod.sender_key(self._envelope(FACTS))
+        self._published_in_life = False
+        log.warning("cluster: facts of %s were lost; publishing as %s", old, self.origin)
+
+    # ------------------------------------------------------------- apply
+
+    def on_facts(self, data: bytes, replayed: bool) -> None:
+        """Apply one facts message heard from the stream (``replayed``: live, not the replay)."""
+        if env_mod.is_from(data, self._own):
+            return  # this life's own message: skipped before any work (half of them at two)
+        t0 = time.thread_time()
+        st = self.stats
+        try:
+            head, body = env_mod.unpack(data)
+            if head.kind != FACTS:
+                raise EnvelopeError(f"kind {head.kind} on the facts subject")
+        except EnvelopeError:
+            st.drop("malformed")
+            return
+        now, wall = self.clock(), time.time()
+        verdict = self.registry.admit(head, now, wall)
+        for origin in verdict.gone:
+            self._peer_gone(origin, "restarted under a new epoch")
+        if verdict.drop == SELF:
+            return
+        try:
+            facts = decode_facts(body)
+        except DecodeError:
+            st.drop("malformed")
+            return
+        if verdict.drop is not None:
+            st.drop(verdict.drop, len(facts))
+            return
+        if replayed:
+            lag = max(0.0, wall - head.sent_wall)
+            st.lags.append(lag)
+            if self.observe_lag is not None:
+                self.observe_lag(lag)
+        origin, apply, has = head.origin, self.dispatcher.apply_peer, self.has_worker
+        applied = 0
+        for fact in facts:
+            if isinstance(fact, RoutedFact | WorkerFact) and not has(fact.worker):
+                st.drop("unknown_worker")
+            elif apply(origin, fact, now):
+                applied += 1
+            else:
+                st.drop("unmatched")
+        st.applied_facts += applied
+        st.sync_cpu_s += time.thread_time() - t0
+
+    def _peer_gone(self, origin: str, why: str) -> None:
+        n = self.dispatcher.peer_gone(origin)
+        self.stats.peers_gone += 1
+        log.info("cluster: peer %s is gone (%s); %d routings of it no longer in flight",
+                 origin, why, n)  # fmt: skip
+
+    # ------------------------------------------------------------- heartbeats
+
+    def heartbeat_message(self, hello: bool) -> bytes:
+        """This replica's heartbeat (``hello``: it is starting, peers answer at once)."""
+        body = orjson.dumps({"fields": dict(self.fingerprint.fields), "hello": hello})
+        head = self._envelope(HEARTBEAT)
+        head = Envelope(HEARTBEAT, head.replica, head.epoch, head.fingerprint, time.time())
+        return env_mod.pack(head, body)
+
+    async def _heartbeats(self) -> None:
+        interval = self.options.heartbeat_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeat_now.wait(), interval)
+            self._heartbeat_now.clear()
+            await self.link.publish_heartbeat(self.heartbeat_message(hello=False))
+            self.sweep()
+
+    def sweep(self) -> list[str]:
+        """End the lives of peers silent for ``peer_ttl_s`` (return their origins), and
+        settle peer routings open longer than ``max_open_s`` (their settlement was lost)."""
+        now = self.clock()
+        gone = self.registry.expire(now)
+        for origin in gone:
+            self._peer_gone(origin, f"silent for {self.options.peer_ttl_s:g} s")
+        self.stats.expired_routings += self.dispatcher.peer_expire(now - self.options.max_open_s)
+        return gone
+
+    def on_heartbeat(self, data: bytes) -> None:
+        """A peer's heartbeat: liveness, a hello to answer, or a configuration that differs."""
+        try:
+            head, body = env_mod.unpack(data)
+            info = orjson.loads(bytes(body))
+            fields = info["fields"]
+            hello = bool(info.get("hello"))
+            if head.kind != HEARTBEAT or not isinstance(fields, dict):
+                raise ValueError("not a heartbeat")
+        except (EnvelopeError, ValueError, KeyError, TypeError):
+            self.stats.drop("malformed")
+            return
+        if head.replica == self.options.replica_id and head.epoch == self.epoch:
+            return
+        if hello:
+            self._heartbeat_now.set()  # answer a starting replica at once
+        if head.fingerprint != self.fingerprint.value:
+            self._incompatible(head, {str(k): str(v) for k, v in fields.items()})
+            return
+        verdict = self.registry.admit(head, self.clock(), time.time())
+        for origin in verdict.gone:
+            self._peer_gone(origin, "restarted under a new epoch")
+
+    def _incompatible(self, head: Envelope, fields: dict[str, str]) -> None:
+        names = ", ".join(self.fingerprint.differing(fields)) or "fingerprint"
+        if not self._checked and head.epoch < self._start_epoch and self.error is None:
+            self.error = (
+                f"replica {self.options.replica_id!r} cannot join cluster "
+                f"{self.options.link.cluster!r}: its configuration differs from live peer "
+                f"{head.replica!r} in {names} (every replica must hash prompts alike)"
+            )
+            log.error("cluster: %s", self.error)
+            self.failed.set()
+            return
+        if head.origin not in self._warned:
+            self._warned.add(head.origin)
+            log.warning(
+                "cluster: peer %s has a different configuration (%s); its facts are dropped",
+                head.origin,
+                names,
+            )
+
+    async def _on_connected(self, up: bool) -> None:
+        if up:
+            await self.link.publish_heartbeat(self.heartbeat_message(hello=True))
+            if self._check_task is None:
+                self._check_task = asyncio.get_running_loop().create_task(
+                    self._compatibility_window(), name="cluster-check"
+                )
+
+    async def _compatibility_window(self) -> None:
+        await asyncio.sleep(1.5 * self.options.heartbeat_s)
+        self._checked = True

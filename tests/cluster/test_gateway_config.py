@@ -1,0 +1,94 @@
+"""The gateway's side: the ``cluster:`` section, ``--cluster``/``--replica-id``, ``/ready``,
+the fingerprint's fields. In-process gateways in front of fake engines; no NATS needed
+(a replica whose NATS is unreachable keeps routing and is not ready)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixrouter.cluster.fingerprint import Fingerprint
+from prefixrouter.errors import ConfigError
+from prefixrouter.gateway.cli import build_config
+from prefixrouter.gateway.cluster_link import fingerprint_fields, replica_id
+from prefixrouter.gateway.config import config_from_dict
+from prefixrouter.gateway.state import STATE
+from prefixrouter.harness.ports import free_port
+from tests.gateway.helpers import gateway_env, run
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 200}], "max_tokens": 2}
+
+
+def test_the_cluster_section_is_validated_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"cluster\.url: must be a NATS address"):
+        config_from_dict({"cluster": {"url": "http://x:4222"}})
+    with pytest.raises(ConfigError, match=r"cluster: .*peer_ttl_s \(1\) must be more than twice"):
+        config_from_dict({"cluster": {"heartbeat_s": 1.0, "peer_ttl_s": 1.0}})
+    with pytest.raises(ConfigError, match=r"cluster\.name"):
+        config_from_dict({"cluster": {"name": "a.b"}})
+    cfg = config_from_dict({})
+    assert cfg.cluster.url is None  # alone unless configured
+
+
+def test_the_command_line_options_set_the_cluster_section() -> None:
+    cfg = build_config(None, None, 9000, "127.0.0.1", None, "prefix_aware", None,
+                       "nats://127.0.0.1:4222", "r7")  # fmt: skip
+    assert cfg.cluster.url == "nats://127.0.0.1:4222" and cfg.cluster.replica_id == "r7"
+    assert replica_id(cfg) == "r7"
+    unnamed = build_config(None, None, 9000, "127.0.0.1", None, "prefix_aware", None,
+                           "nats://127.0.0.1:4222")  # fmt: skip
+    assert replica_id(unnamed).endswith(":9000")
+
+
+def test_the_fingerprint_covers_hashing_and_namespaces_and_hides_secrets() -> None:
+    base = config_from_dict({"salt_secret": "topsecret", "tenants": {"t": {"cache_salt": "s1"}}})
+    fp = Fingerprint.of(fingerprint_fields(base, ""))
+    changes = {
+        "routing.chunk_chars": {"routing": {"chunk_chars": 128}},
+        "routing.template_version": {"routing": {"template_version": "v2"}},
+        "salt_secret": {"salt_secret": "other"},
+        "tenants": {"tenants": {"t": {"cache_salt": "s2"}}},
+        "api_keys": {"api_keys": {"k": "t"}},
+    }
+    for field, change in changes.items():
+        other = config_from_dict({"salt_secret": "topsecret", **change})
+        if field != "tenants":
+            other = config_from_dict(
+                {"salt_secret": "topsecret", "tenants": {"t": {"cache_salt": "s1"}}, **change}
+            )
+        assert fp.differing(Fingerprint.of(fingerprint_fields(other, "")).fields) == [field]
+    # A setting that only changes how a replica routes may differ.
+    policy = config_from_dict(
+        {"salt_secret": "topsecret", "tenants": {"t": {"cache_salt": "s1"}},
+         "proxy": {"max_attempts": 1}}
+    )  # fmt: skip
+    assert Fingerprint.of(fingerprint_fields(policy, "")).value == fp.value
+    assert not any("topsecret" in v or "s1" in v for v in fp.fields.values())
+
+
+def test_a_lone_gateway_is_ready_at_once_and_records_no_facts() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1) as env:
+            r = await env.client.get("/ready")
+            assert r.status == 200 and (await r.json())["status"] == "ready"
+            st = env.client.app[STATE]
+            assert st.cluster is None
+            assert (await env.client.post("/v1/chat/completions", json=CHAT)).status == 200
+            assert st.dispatch.drain_facts() == []  # no outbox
+
+    run(body)
+
+
+def test_a_replica_without_nats_routes_on_its_own_view_but_is_not_ready() -> None:
+    async def body() -> None:
+        dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+        async with gateway_env(n=1, overrides={"cluster": {"url": dead, "replica_id": "x"}}) as env:
+            r = await env.client.get("/ready")
+            data = await r.json()
+            assert r.status == 503 and data["connected"] is False and data["replayed"] is False
+            assert (await env.client.get("/health")).status == 200  # liveness unchanged
+            assert (await env.client.post("/v1/chat/completions", json=CHAT)).status == 200
+            text = await (await env.client.get("/metrics")).text()
+            assert "prefixrouter_cluster_connected 0.0" in text
+            assert "prefixrouter_cluster_ready 0.0" in text
+
+    run(body)

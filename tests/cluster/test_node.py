@@ -1,0 +1,209 @@
+"""A replica's node without NATS: what it applies, drops and counts, and when it refuses to join.
+
+Messages are fed to :meth:`ClusterNode.on_facts` and :meth:`ClusterNode.on_heartbeat`
+as the link would, built by the codec and the envelope from a second
+dispatcher's real facts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from prefixrouter.cluster import envelope
+from prefixrouter.cluster.codec import encode_facts
+from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope
+from prefixrouter.cluster.fingerprint import Fingerprint
+from prefixrouter.cluster.node import ClusterNode, NodeOptions
+from prefixrouter.cluster.transport import LinkOptions
+from prefixrouter.core import Dispatcher, Outcome, Router, WorkerId
+from prefixrouter.core.facts import Fact, WorkerChange, WorkerFact
+from tests.core.conftest import request, tokens, workers
+
+DOC = tokens(1, 16 * 20)
+FIELDS = {"routing.mode": "token", "routing.block_size": "16"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def node(replica: str = "b", fields: dict[str, str] = FIELDS, ttl: float = 5.0) -> ClusterNode:
+    opts = NodeOptions(LinkOptions("nats://127.0.0.1:1"), replica, heartbeat_s=1.0, peer_ttl_s=ttl)
+    known = {WorkerId("w0"), WorkerId("w1")}
+    lags: list[float] = []
+    n = ClusterNode(
+        opts,
+        Dispatcher(Router("prefix_aware"), record_facts=True),
+        known.__contains__,
+        Fingerprint.of(fields),
+        Clock(),
+        lags.append,
+    )
+    return n
+
+
+def message(
+    facts: list[Fact], replica: str = "a", epoch: int = 7, fields: dict[str, str] = FIELDS
+) -> bytes:
+    head = Envelope(FACTS, replica, epoch, Fingerprint.of(fields).value, time.time())
+    (body,) = encode_facts(facts)
+    return envelope.pack(head, body)
+
+
+def peer_heartbeat(replica: str = "a", epoch: int = 7) -> bytes:
+    head = Envelope(HEARTBEAT, replica, epoch, Fingerprint.of(FIELDS).value, time.time())
+    return envelope.pack(head, orjson.dumps({"fields": dict(Fingerprint.of(FIELDS).fields)}))
+
+
+def peer_facts() -> tuple[Dispatcher, list[Fact], WorkerId]:
+    a = Dispatcher(Router("prefix_aware"), record_facts=True)
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    return a, a.drain_facts(), adm.worker
+
+
+def test_a_peers_routing_is_applied_and_predicts_warm_here() -> None:
+    b = node()
+    _, facts, worker = peer_facts()
+    b.on_facts(message(facts), replayed=True)
+    assert b.stats.applied_facts == 1 and b.stats.dropped == {}
+    assert b.dispatcher.peer_inflight("a@7") == 1
+    again = b.dispatcher.admit(request("r2", DOC), workers(2), 1.0)
+    assert again.worker == worker and again.decision.predicted_cached_tokens > 0
+    assert len(b.stats.lags) == 1 and b.stats.sync_cpu_s > 0
+
+
+def test_own_facts_are_skipped_and_others_dropped_by_reason() -> None:
+    b = node()
+    _, facts, _ = peer_facts()
+    b.on_facts(message(facts, replica="b", epoch=b.epoch), replayed=True)  # its own
+    assert b.stats.applied_facts == 0 and b.stats.dropped == {}
+    b.on_facts(message(facts, fields={**FIELDS, "routing.block_size": "32"}), replayed=True)
+    b.on_facts(message([WorkerFact(WorkerId("w9"), WorkerChange.DOWN)]), replayed=True)
+    b.on_facts(message(facts, epoch=9), replayed=True)  # a restarted: epoch 7 has ended
+    b.on_facts(message(facts, epoch=7), replayed=True)
+    b.on_facts(b"\x01", replayed=True)
+    assert b.stats.dropped == {
+        "fingerprint": 1,
+        "unknown_worker": 1,
+        "stale_epoch": 1,
+        "malformed": 1,
+    }
+    assert b.stats.peers_gone == 1  # a@7 ended by a@9
+    assert b.dispatcher.peer_inflight("a@7") == 0 and b.dispatcher.peer_inflight("a@9") == 1
+
+
+def test_a_settlement_of_a_routing_never_heard_is_unmatched() -> None:
+    b = node()
+    a, _, _ = peer_facts()
+    adm = a.admit(request("r2", DOC), workers(2), 1.0)
+    a.drain_facts()
+    a.complete(adm, Outcome(320, 0.1), 2.0)
+    b.on_facts(message(a.drain_facts()), replayed=True)
+    assert b.stats.dropped == {"unmatched": 1}
+
+
+def test_a_silent_peers_in_flight_counts_expire_after_the_ttl() -> None:
+    b = node(ttl=5.0)
+    _, facts, worker = peer_facts()
+    b.on_facts(message(facts), replayed=True)
+    assert b.dispatcher.load(worker).in_flight == 1
+    clock = b.clock
+    assert isinstance(clock, Clock)
+    clock.now += 4.0
+    assert b.sweep() == []
+    clock.now += 2.0
+    assert b.sweep() == ["a@7"]
+    assert b.stats.expired_routings == 0
+    assert b.dispatcher.load(worker).in_flight == 0
+    assert b.dispatcher.index_blocks(worker) == 20  # the placement stays
+
+
+def test_a_starting_replica_is_refused_by_an_older_live_peer_that_differs() -> None:
+    async def body() -> None:
+        old = node("a", {**FIELDS, "routing.block_size": "32"})
+        await asyncio.sleep(0)  # a later epoch
+        new = node("b")
+        new.on_heartbeat(old.heartbeat_message(hello=False))
+        assert new.failed.is_set() and new.error is not None
+        assert "routing.block_size" in new.error and "'a'" in new.error
+        # The older replica only drops the newcomer's facts: it is not refused.
+        old.on_heartbeat(new.heartbeat_message(hello=True))
+        assert not old.failed.is_set()
+
+    asyncio.run(body())
+
+
+def test_a_compatible_heartbeat_makes_a_live_peer() -> None:
+    async def body() -> None:
+        a, b = node("a"), node("b")
+        b.on_heartbeat(a.heartbeat_message(hello=True))
+        assert [p.origin for p in b.registry.live()] == [a.origin]
+        assert b.error is None and not b.ready  # not replayed yet
+
+    asyncio.run(body())
+
+
+def test_facts_drained_without_a_connection_are_dropped_and_counted() -> None:
+    async def body() -> None:
+        b = node()
+        b.dispatcher.admit(request("r1", DOC), workers(2), 0.0)
+        await b.flush()
+        assert b.stats.dropped == {"disconnected": 1}
+        assert b.dispatcher.drain_facts() == []  # the outbox never grows without a link
+
+    asyncio.run(body())
+
+
+def test_a_replica_that_lost_facts_starts_a_new_life() -> None:
+    async def body() -> None:
+        b = node()
+
+        async def takes(data: bytes) -> bool:
+            return True
+
+        b.link.publish_facts = takes  # type: ignore[method-assign]
+        b.dispatcher.admit(request("r1", DOC), workers(2), 0.0)
+        await b.flush()
+        first = b.origin
+        assert b.stats.published_facts == 1
+
+        async def refuses(data: bytes) -> bool:
+            return False
+
+        b.link.publish_facts = refuses  # type: ignore[method-assign]
+        b.dispatcher.admit(request("r2", DOC), workers(2), 1.0)
+        await b.flush()
+        assert b.stats.dropped == {"disconnected": 1}
+        assert b.origin != first  # peers end the old life: nothing of it stays open
+        # Its own messages under the new epoch are still its own.
+        _, facts, _ = peer_facts()
+        b.on_facts(message(facts, replica="b", epoch=b.epoch), replayed=True)
+        assert b.stats.applied_facts == 0
+        # Another drop with nothing published in this life keeps the epoch.
+        b.dispatcher.admit(request("r3", DOC), workers(2), 2.0)
+        second = b.origin
+        await b.flush()
+        assert b.origin == second
+
+    asyncio.run(body())
+
+
+def test_a_live_peers_routing_whose_settlement_never_came_expires() -> None:
+    b = node(ttl=5.0)
+    _, facts, worker = peer_facts()
+    b.on_facts(message(facts), replayed=True)
+    clock = b.clock
+    assert isinstance(clock, Clock)
+    for _ in range(4):  # 1,200 s > max_open_s (900); the peer stays alive meanwhile
+        clock.now += 300.0
+        b.on_heartbeat(peer_heartbeat())
+        b.sweep()
+    assert b.stats.expired_routings == 1 and b.stats.peers_gone == 0
+    assert b.dispatcher.load(worker).in_flight == 0

@@ -1,0 +1,263 @@
+"""Replicas over a real NATS JetStream: shared placement, replay, faults, refusal, tenancy.
+
+Real processes on loopback: a ``nats-server -js`` with a temporary store,
+two simulated engines (module-wide; every test uses documents of its own),
+and per test its gateway replicas (``python -m prefixrouter.gateway
+--cluster ... --replica-id ...``), all stopped by PID. What a replica
+predicted is read from its decision records (``/admin/decisions``); where a
+request went, from the ``X-Prefixrouter-Worker`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixrouter.harness.health import wait_healthy
+from prefixrouter.harness.nats import NatsServer
+from prefixrouter.harness.processes import Fleet, Server, kill_process
+from prefixrouter.harness.replicas import start_replica, wait_ready_async
+from tests.cluster.live import (
+    cached,
+    chat,
+    decision,
+    doc,
+    get_status,
+    metric,
+    post,
+    start_engines,
+    synced,
+    until,
+    write_config,
+)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[Server]]:
+    with Fleet() as fleet:
+        servers = start_engines(fleet, 2)
+        wait_healthy(servers, 30.0)
+        yield servers
+
+
+@pytest.fixture
+def nats() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    with Fleet() as f:
+        yield f
+
+
+def _run(coro: object) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(coro, 90)  # type: ignore[arg-type]
+
+    asyncio.run(bounded())
+
+
+async def _start(fleet: Fleet, cfg: Path, nats: NatsServer, *ids: str) -> list[Server]:
+    servers = [start_replica(fleet, cfg, nats.url, rid) for rid in ids]
+    await wait_ready_async(servers, 30.0)
+    return servers
+
+
+async def _warm_through(a: Server, b: Server, text: str, **kw: str) -> None:
+    """``text`` through ``a``, then through ``b``: ``b`` predicts it warm on ``a``'s worker."""
+    headers = kw or None
+    st, ha, body = await post(a.url, chat(text + " Q1?"), headers)
+    assert st == 200 and cached(body) < 100  # cold: at most the shared template's first block
+    await synced(a.url, b.url)
+    st, hb, body = await post(b.url, chat(text + " Q2?"), headers)
+    assert st == 200
+    assert hb["X-Prefixrouter-Worker"] == ha["X-Prefixrouter-Worker"]
+    rec = await decision(b.url, hb["X-Request-Id"])
+    assert rec["predicted_cached_tokens"] > 500, rec
+    assert cached(body) > 500
+
+
+def test_a_document_through_a_then_b_is_warm_on_as_worker(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        a, b = await _start(fleet, cfg, nats, "a", "b")
+        await _warm_through(a, b, doc(1))
+        # Lag was measured on live messages, and every fact reached b.
+        assert await metric(b.url, "prefixrouter_cluster_propagation_lag_seconds_count") > 0
+        assert await metric(b.url, "prefixrouter_cluster_peers") == 1
+        assert await metric(b.url, "prefixrouter_cluster_connected") == 1
+
+    _run(body())
+
+
+def test_a_replica_started_later_replays_then_routes_warm(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        # A stream that takes a while to replay: many facts before c starts.
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        (a,) = await _start(fleet, cfg, nats, "a")
+        text = doc(2)
+        st, ha, _ = await post(a.url, chat(text + " Q1?"))
+        assert st == 200
+        await until(lambda: metric(a.url, "prefixrouter_cluster_facts_published_total"), "a")
+        published = await metric(a.url, "prefixrouter_cluster_facts_published_total")
+        c = start_replica(fleet, cfg, nats.url, "c")
+        seen: list[int] = []
+
+        async def ready() -> bool:
+            try:
+                status, _ = await get_status(c.url + "/ready")
+            except OSError:
+                return False
+            seen.append(status)
+            return status == 200
+
+        await until(ready, "c to be ready")
+        # Listening before it was ready: /ready answered 503 at least once
+        # (the fingerprint check alone lasts 1.5 heartbeats).
+        assert 503 in seen, seen
+        # Ready means replayed: everything a published before c started is applied.
+        assert await metric(c.url, "prefixrouter_cluster_facts_applied_total") >= published
+        status, _ = await get_status(c.url + "/health")
+        assert status == 200
+        st, hc, body = await post(c.url, chat(text + " Q2?"))  # its first request
+        assert st == 200 and hc["X-Prefixrouter-Worker"] == ha["X-Prefixrouter-Worker"]
+        rec = await decision(c.url, hc["X-Request-Id"])
+        assert rec["predicted_cached_tokens"] > 500
+        assert cached(body) > 500
+
+    _run(body())
+
+
+def test_a_sigkilled_replica_the_others_stay_warm_and_its_in_flight_expires(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        a, b = await _start(fleet, cfg, nats, "a", "b")
+        text = doc(3)
+        st, ha, _ = await post(a.url, chat(text + " Q1?"))
+        assert st == 200
+        # Long streams in flight through a, seen by b as a's in-flight routings.
+        streams = [
+            asyncio.ensure_future(post(a.url, chat(text + f" L{i}?", max_tokens=2000)))
+            for i in range(4)
+        ]
+
+        async def b_sees_in_flight() -> bool:
+            return await metric(b.url, "prefixrouter_worker_in_flight") >= 4
+
+        await until(b_sees_in_flight, "b to count a's routings in flight")
+        kill_process(a.process)  # SIGKILL: no settlement of them will ever come
+        ended = await asyncio.gather(*streams, return_exceptions=True)
+        assert all(isinstance(e, Exception) for e in ended), ended  # cut by the kill
+        fleet.servers.remove(a)
+
+        async def expired() -> bool:
+            return await metric(b.url, "prefixrouter_worker_in_flight") == 0
+
+        await until(expired, "a's in-flight counts to expire on b")
+        assert await metric(b.url, "prefixrouter_cluster_peers_gone_total") >= 1
+        # b still routes a's document warm, to a's worker.
+        st, hb, body = await post(b.url, chat(text + " Q2?"))
+        assert st == 200 and hb["X-Prefixrouter-Worker"] == ha["X-Prefixrouter-Worker"]
+        assert cached(body) > 500
+
+    _run(body())
+
+
+def test_nats_stopped_and_restarted_routing_goes_on_and_catches_up(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        a, b = await _start(fleet, cfg, nats, "a", "b")
+        await _warm_through(a, b, doc(4))
+        nats.stop()
+
+        async def disconnected() -> bool:
+            return await metric(a.url, "prefixrouter_cluster_connected") == 0
+
+        await until(disconnected, "a to see NATS gone")
+        # Routing continues on a's own view.
+        text = doc(5)
+        st, ha, _ = await post(a.url, chat(text + " Q1?"))
+        assert st == 200
+        st, _, body = await post(a.url, chat(text + " Q1b?"))
+        assert st == 200 and cached(body) > 500
+        nats.start()
+
+        async def reconnected() -> bool:
+            ok = await metric(a.url, "prefixrouter_cluster_connected") == 1
+            return ok and await metric(b.url, "prefixrouter_cluster_connected") == 1
+
+        await until(reconnected, "both to reconnect")
+        # One line said NATS was gone (not one per failed reconnect), one that it is back.
+        lines = a.log_tail(1_000_000).splitlines()
+        assert sum("lost the connection to NATS" in line for line in lines) == 1, lines
+        assert sum("reconnected to NATS" in line for line in lines) == 1, lines
+        # Catch-up: what a routed while NATS was away reaches b (a's client
+        # buffered it; b's ordered consumer resumes from its last sequence).
+        await synced(a.url, b.url)
+        st, hb, body = await post(b.url, chat(text + " Q2?"))
+        assert st == 200 and hb["X-Prefixrouter-Worker"] == ha["X-Prefixrouter-Worker"]
+        rec = await decision(b.url, hb["X-Request-Id"])
+        assert rec["predicted_cached_tokens"] > 500, rec
+        # And live sync after the restart.
+        await _warm_through(a, b, doc(6))
+
+    _run(body())
+
+
+def test_an_incompatible_replica_is_refused_with_the_field_named(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        (a,) = await _start(fleet, cfg, nats, "a")
+        other = write_config(tmp_path / "other.yaml", engines, routing={"chunk_chars": 128})
+        cmd = [sys.executable, "-m", "prefixrouter.gateway", "--config", str(other)]
+        cmd += ["--port", "0", "--cluster", nats.url, "--replica-id", "z"]
+        proc = await asyncio.to_thread(
+            subprocess.run, cmd, capture_output=True, timeout=60, check=False
+        )
+        err = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 2, err
+        assert "routing.chunk_chars" in err[-1] and "'a'" in err[-1]
+        assert not any("Traceback" in line for line in err)
+        assert [line for line in err if line.startswith("error:")] == [err[-1]]
+        # a is not disturbed.
+        status, _ = await get_status(a.url + "/ready")
+        assert status == 200
+
+    _run(body())
+
+
+def test_tenant_isolation_holds_across_replicas(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        a, b = await _start(fleet, cfg, nats, "a", "b")
+        text = doc(7)
+        acme = {"Authorization": "Bearer k-acme"}
+        globex = {"Authorization": "Bearer k-globex"}
+        await _warm_through(a, b, text, **acme)
+        # globex sends the same document through b: nothing of acme's is warm for it.
+        st, hg, body = await post(b.url, chat(text + " Q3?"), globex)
+        assert st == 200
+        rec = await decision(b.url, hg["X-Request-Id"])
+        assert rec["predicted_cached_tokens"] == 0, rec
+        assert cached(body) < 100  # the engine keeps acme's blocks apart too (its salt)
+
+    _run(body())
