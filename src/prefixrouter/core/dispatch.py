@@ -23,10 +23,10 @@ one. A second settlement, or one after its worker was removed, changes nothing.
 
 **Facts about workers and engines.** A worker down, restarted or removed, a
 KV-event batch or a gap in a worker's event sequence, a characters-per-token
-observation (text mode) and the engine's block size (token mode) each have one
-method, and the KV room each worker has for cached prefixes is mirrored by one
-formula (:func:`prefix_room_blocks`, see there for why prompts not decoding
-yet count as prefix blocks).
+observation (text mode: global and per prefix) and the engine's block size
+(token mode) each have one method, and the KV room each worker has for cached
+prefixes is mirrored by one formula (:func:`prefix_room_blocks`, see there for
+why prompts not decoding yet count as prefix blocks).
 
 **The seam for more callers.** Methods take plain facts (worker ids, times on
 the caller's clock, token counts, :class:`~prefixrouter.core.events.KvEvent`,
@@ -76,6 +76,7 @@ from prefixrouter.core.load import InflightLedger, WorkerLoad
 from prefixrouter.core.policy import Outcome, RoutingContext
 from prefixrouter.core.router import Decision, Router
 from prefixrouter.core.types import (
+    BlockHash,
     CacheNamespace,
     RequestId,
     RoutingRequest,
@@ -271,9 +272,10 @@ class Dispatcher:
     def hash(self, request: RoutingRequest) -> PromptBlocks:
         """The request's chained block hashes. Changes no state (safe on another thread).
 
-        Text mode reads the learned characters per token, a float that
-        :meth:`observe_prompt_tokens` replaces whole: a read racing an update
-        sees one side of it, a difference of one observation's weight.
+        Text mode reads the learned characters per token (the global float and
+        the per-prefix entries, each of which :meth:`observe_prompt_tokens`
+        replaces whole): a read racing an update sees one side of it, a
+        difference of one observation's weight.
         """
         return self._router.blocks_for(request)
 
@@ -365,11 +367,22 @@ class Dispatcher:
 
         ``Outcome(0, ttft, ok=False)`` is an answer without a report of reuse
         (or a failure after the engine may have prefilled): the routing stays,
-        nothing is confirmed or corrected.
+        nothing is confirmed or corrected. Text mode: the engine's cached
+        tokens are converted into chunks at the current estimate of the
+        prompt's prefix, so call :meth:`observe_prompt_tokens` for the answer
+        first, and its own count is used too.
         """
         if not self._settle(admission):
             return False
-        miss = self._router.on_completed(admission.decision, outcome, now)
+        router = self._router
+        block_tokens = None
+        if self.mode == "text" and admission.blocks.hashes:
+            # The chunks at what the estimate knows now: a request routed
+            # before its prefix's first answer (at the prior) was predicted in
+            # tokens of the wrong size; its shortfall is no miss of the engine.
+            hasher = router.hasher
+            block_tokens = hasher.chunk_chars / hasher.estimator.for_prefix(admission.blocks.hashes)
+        miss = router.on_completed(admission.decision, outcome, now, block_tokens)
         settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
         self._record_settled(admission, settlement, outcome.actual_cached_tokens)
         return miss
@@ -606,12 +619,21 @@ class Dispatcher:
         """
         return self._router.index.demote_events(worker, now)
 
-    def observe_prompt_tokens(self, chars: int, prompt_tokens: int) -> None:
+    def observe_prompt_tokens(
+        self, chars: int, prompt_tokens: int, admission: Admission | None = None
+    ) -> None:
         """The engine counted ``prompt_tokens`` for a prompt of ``chars`` characters.
 
-        Teaches text mode's characters-per-token estimate.
+        Teaches text mode's characters-per-token estimate: the global one and,
+        given the text-mode ``admission`` the answer is for, that of each
+        prefix anchor of its chunks (:class:`~prefixrouter.core.hashing.TokenEstimator`),
+        so the next request for the same document converts its matched chunks
+        at the document's own ratio.
         """
-        self._router.hasher.estimator.observe(chars, prompt_tokens)
+        hashes: tuple[BlockHash, ...] = ()
+        if admission is not None and admission.request.tokens is None:  # text mode's chunks
+            hashes = admission.blocks.hashes
+        self._router.hasher.estimator.observe(chars, prompt_tokens, hashes)
 
     def set_block_size(self, block_size: int) -> None:
         """Hash token-mode prompts in ``block_size``-token blocks (the engine's)."""

@@ -582,6 +582,9 @@ class Proxy:
             st.registry.mark_suspect(worker, att.error or "stalled")
         prompt, cached = usage_figures(att.usage)
         ok = att.ok
+        if ok and prompt and built.text_chars:
+            # Learned first: completing converts the cached tokens at the estimate.
+            dispatch.observe_prompt_tokens(built.text_chars, prompt, adm)
         # A removed worker's admission settles without feedback (the dispatcher
         # knows); its prefix is not noted as served either.
         if ok and cached is not None:
@@ -595,19 +598,16 @@ class Proxy:
         else:
             # No report of reuse (or a failure): nothing to confirm or correct.
             dispatch.complete(adm, Outcome(0, att.ttft_s, ok=False), now)
-        if ok and prompt:
-            if built.text_chars:
-                dispatch.observe_prompt_tokens(built.text_chars, prompt)
-            if cached is not None:
-                st.metrics.usage(
-                    built.model,
-                    worker.config.pool,
-                    decision.prefix_class,
-                    prompt,
-                    cached,
-                    decision.predicted_cached_tokens,
-                    att.ttft_s,
-                )
+        if ok and prompt and cached is not None:
+            st.metrics.usage(
+                built.model,
+                worker.config.pool,
+                decision.prefix_class,
+                prompt,
+                cached,
+                decision.predicted_cached_tokens,
+                att.ttft_s,
+            )
         st.metrics.request_done(worker.id, decision.tier, att.status)
         self._log(
             built,

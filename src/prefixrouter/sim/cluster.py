@@ -28,8 +28,9 @@ The gateway drives the same dispatcher with the same calls.
   request path (character chunks of the rendered ChatML, the gateway's
   defaults: 256-character chunks, 4.0 characters per token to start,
   131,072 prompt tokens hashed at most), and each completion teaches the
-  characters-per-token estimate with the engine's ``prompt_tokens``
-  (``Dispatcher.observe_prompt_tokens``, as the gateway's proxy does). The
+  characters-per-token estimate, global and of the prompt's prefixes, with the
+  engine's ``prompt_tokens`` (``Dispatcher.observe_prompt_tokens``, as the
+  gateway's proxy does). The
   engine keeps its exact token-level model: it hashes the token ids in its
   own blocks. KV events are token blocks, which text-mode hashes never
   match, so a text-mode run refuses ``kv_events``.
@@ -343,9 +344,9 @@ class Simulation:
             elif isinstance(out, Completed):
                 rec, adm, chars = self._by_id.pop(out.request_id)
                 rec.completed = out.time
+                if chars:  # text mode learns characters per token first, as the gateway does
+                    dispatch.observe_prompt_tokens(chars, rec.prompt_tokens, adm)
                 dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
-                if chars:  # text mode learns characters per token, as the gateway does
-                    dispatch.observe_prompt_tokens(chars, rec.prompt_tokens)
                 self._done += 1
                 if self._on_progress is not None:
                     self._on_progress(self._done)
