@@ -1,6 +1,8 @@
-"""Facts between dispatchers: one replica's routings, answers and worker changes applied by another."""
+"""Facts between dispatchers: one replica's routings, answers and worker changes, applied."""
 
 from __future__ import annotations
+
+import pytest
 
 from prefixrouter.core import Dispatcher, Outcome, Router, WorkerId
 from prefixrouter.core.facts import (
@@ -116,3 +118,29 @@ def test_a_dispatcher_not_recording_keeps_no_outbox() -> None:
     d = Dispatcher(Router("prefix_aware"))
     d.admit(request("r1", DOC), workers(2), 0.0)
     assert d.drain_facts() == []
+
+
+def test_a_completions_prompt_length_teaches_characters_per_token_here_and_at_peers() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, 0.1), 0.5, prompt_chars=1200, prompt_tokens=200)
+    routed, settled = a.drain_facts()
+    assert isinstance(settled, SettledFact)
+    assert (settled.prompt_chars, settled.prompt_tokens) == (1200, 200)
+    start = b.chars_per_token
+    # 6.0 characters per token observed: one step of the exponential mean, here and there.
+    assert a.chars_per_token == pytest.approx(start + 0.1 * (6.0 - start))
+    assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", settled, 1.0)
+    assert b.chars_per_token == pytest.approx(a.chars_per_token)
+
+
+def test_a_completion_without_an_observation_records_none_and_teaches_nothing() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, 0.1), 0.5, prompt_chars=1200)  # no token count: no observation
+    facts = a.drain_facts()
+    assert [b.apply_peer("a@1", f, 1.0) for f in facts] == [True, True]
+    settled = facts[-1]
+    assert isinstance(settled, SettledFact)
+    assert (settled.prompt_chars, settled.prompt_tokens) == (0, 0)
+    assert a.chars_per_token == b.chars_per_token == 4.0

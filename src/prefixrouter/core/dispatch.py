@@ -45,9 +45,12 @@ replica applies what it hears with :meth:`Dispatcher.apply_peer`, which drives
 the same router calls as its own requests: a peer's routing places speculative
 entries, feeds the policy's demand and counts in flight on its worker; the
 peer's rejection withdraws it; its completion confirms the chain (or corrects a
-miss). :meth:`Dispatcher.peer_gone` settles, without feedback, everything a
-peer that stopped (or restarted under a new epoch) still had in flight, so no
-worker looks busy forever.
+miss) and, in text mode, teaches the characters-per-token estimate (a
+completion given the prompt's characters and token count carries them), so
+each replica learns from every answer, not from its share of them.
+:meth:`Dispatcher.peer_gone` settles, without feedback, everything a peer that
+stopped (or restarted under a new epoch) still had in flight, so no worker
+looks busy forever.
 
 Pure like the rest of ``core``: no I/O, no clock reads (times are arguments),
 no asyncio.
@@ -359,23 +362,61 @@ class Dispatcher:
             self._router.on_rejected(admission.decision, now)
             self._record_settled(admission, Settlement.REJECTED, 0)
 
-    def complete(self, admission: Admission, outcome: Outcome, now: float) -> bool:
+    def complete(
+        self,
+        admission: Admission,
+        outcome: Outcome,
+        now: float,
+        *,
+        prompt_chars: int = 0,
+        prompt_tokens: int = 0,
+    ) -> bool:
         """Feed back the engine's answer. Returns True if it was a cache miss.
 
         ``Outcome(0, ttft, ok=False)`` is an answer without a report of reuse
         (or a failure after the engine may have prefilled): the routing stays,
         nothing is confirmed or corrected.
+
+        ``prompt_chars`` and ``prompt_tokens`` (text mode, both > 0): the
+        prompt's characters and the engine's count of its tokens. They teach
+        the characters-per-token estimate (:meth:`observe_prompt_tokens`,
+        after the feedback) and travel in the recorded fact, so peers learn
+        from this answer too: each replica of N otherwise learns from 1/N of
+        the answers, and until its estimate settles (an exponential mean, some
+        30 observations) its token counts and capacity mirror are off by the
+        start value's error. The observation is kept even when the routing
+        was settled already or its worker removed (the engine's count stands).
         """
+        observed = prompt_chars > 0 and prompt_tokens > 0
         if not self._settle(admission):
+            if observed:
+                self.observe_prompt_tokens(prompt_chars, prompt_tokens)
             return False
         miss = self._router.on_completed(admission.decision, outcome, now)
         settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
-        self._record_settled(admission, settlement, outcome.actual_cached_tokens)
+        if observed:
+            self.observe_prompt_tokens(prompt_chars, prompt_tokens)
+        else:
+            prompt_chars = prompt_tokens = 0
+        self._record_settled(
+            admission, settlement, outcome.actual_cached_tokens, prompt_chars, prompt_tokens
+        )
         return miss
 
-    def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
+    def _record_settled(
+        self,
+        admission: Admission,
+        settlement: Settlement,
+        cached: int,
+        prompt_chars: int = 0,
+        prompt_tokens: int = 0,
+    ) -> None:
         if self._outbox is not None and not admission.origin:
-            self._outbox.append(SettledFact(admission.request.request_id, settlement, cached))
+            self._outbox.append(
+                SettledFact(
+                    admission.request.request_id, settlement, cached, prompt_chars, prompt_tokens
+                )
+            )
 
     def _settle(self, admission: Admission) -> bool:
         """Mark settled and release the ledger; False if nothing is to be fed back.
@@ -479,7 +520,13 @@ class Dispatcher:
             self.reject(admission, now)
         else:
             ok = fact.settlement is Settlement.COMPLETED
-            self.complete(admission, Outcome(fact.actual_cached_tokens, None, ok=ok), now)
+            self.complete(
+                admission,
+                Outcome(fact.actual_cached_tokens, None, ok=ok),
+                now,
+                prompt_chars=fact.prompt_chars,
+                prompt_tokens=fact.prompt_tokens,
+            )
         return True
 
     def _apply_peer_routed(self, origin: str, fact: RoutedFact, now: float) -> bool:

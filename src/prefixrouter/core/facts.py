@@ -10,7 +10,9 @@ appends one to its outbox for every change a peer needs to mirror:
   tokens it will prefill, the output it may decode);
 * :class:`FirstTokenFact`: its prefill is done (it decodes now);
 * :class:`SettledFact`: its answer (cached tokens reported, or a rejection,
-  which takes the routing back);
+  which takes the routing back; in text mode also the prompt's characters and
+  the engine's token count, from which every replica learns characters per
+  token as one router would from all the answers);
 * :class:`WorkerFact`: a worker stopped answering or restarted empty.
 
 A peer applies them with :meth:`Dispatcher.apply_peer
@@ -104,11 +106,15 @@ class SettledFact:
         request_id: The routed request's id.
         settlement: Completed (reuse reported), unreported, or rejected.
         actual_cached_tokens: The engine's reported reuse (``COMPLETED`` only).
+        prompt_chars: Text mode: the prompt's characters (0: no observation).
+        prompt_tokens: Text mode: the engine's count of the prompt's tokens.
     """
 
     request_id: RequestId
     settlement: Settlement
     actual_cached_tokens: int
+    prompt_chars: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

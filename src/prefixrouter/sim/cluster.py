@@ -29,7 +29,7 @@ The gateway drives the same dispatcher with the same calls.
   defaults: 256-character chunks, 4.0 characters per token to start,
   131,072 prompt tokens hashed at most), and each completion teaches the
   characters-per-token estimate with the engine's ``prompt_tokens``
-  (``Dispatcher.observe_prompt_tokens``, as the gateway's proxy does). The
+  (``Dispatcher.complete``'s ``prompt_chars``, as the gateway's proxy does). The
   engine keeps its exact token-level model: it hashes the token ids in its
   own blocks. KV events are token blocks, which text-mode hashes never
   match, so a text-mode run refuses ``kv_events``.
@@ -437,10 +437,16 @@ class Simulation:
             elif isinstance(out, Completed):
                 rec, adm, chars, r = self._by_id.pop(out.request_id)
                 rec.completed = out.time
-                dispatch = routers[r]
-                dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
-                if chars:  # text mode learns characters per token, as the gateway does
-                    dispatch.observe_prompt_tokens(chars, rec.prompt_tokens)
+                # Text mode learns characters per token from the engine's
+                # count, as the gateway does (chars is 0 in token mode); the
+                # settled fact carries the observation to the peers.
+                routers[r].complete(
+                    adm,
+                    Outcome(rec.cached_tokens, rec.ttft_s),
+                    out.time,
+                    prompt_chars=chars,
+                    prompt_tokens=rec.prompt_tokens,
+                )
                 self._publish(r, out.time)
                 self._done += 1
                 if self._on_progress is not None:
