@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from array import array
 from pathlib import Path
 
@@ -94,19 +95,49 @@ def test_config_refuses_bad_replica_settings() -> None:
 
 
 def test_sync_without_lag_keeps_one_routers_cached_share_on_doc_qa() -> None:
-    one = _share(_run("doc-qa", Replicas(1)))
+    one = _share(_run("doc-qa", Replicas(1), requests=150))
     for n in (2, 4):
-        assert _share(_run("doc-qa", Replicas(n, True, 0.0))) == pytest.approx(one, abs=0.005)
+        synced = _share(_run("doc-qa", Replicas(n, True, 0.0), requests=150))
+        assert synced == pytest.approx(one, abs=0.005)
+
+
+def _documents(n_docs: int = 10, requests: int = 200) -> Workload:
+    """Questions about ``n_docs`` 6,000-token documents in a seeded random order, 0.1 s apart."""
+    rng = random.Random(7)
+    docs = [array("I", range(d * 100_000, d * 100_000 + 6_000)) for d in range(n_docs)]
+    reqs = []
+    for i in range(requests):
+        d = rng.randrange(n_docs)
+        question = array("I", range(900_000 + i * 64, 900_000 + i * 64 + 40))
+        reqs.append(
+            SimRequest(
+                RequestId(f"r{i:04d}"),
+                i * 0.1,
+                SIM_NAMESPACE,
+                (docs[d], question),
+                32,
+                PrefixClass.DOCUMENT,
+                f"doc{d}",
+            )
+        )
+    return Workload("docs", "test", reqs, default_workers=4, fixed_times=True)
 
 
 def test_without_sync_the_cached_share_falls_as_replicas_grow() -> None:
-    # hot-prefix: 20 cold documents besides the hot one; a replica that has not
-    # seen a document's placement sends it anywhere (and replicates it).
-    one = _share(_run("hot-prefix", Replicas(1)))
-    shares = [_share(_run("hot-prefix", Replicas(n, False))) for n in (4, 16)]
-    assert one > shares[0] > shares[1]
-    synced = _share(_run("hot-prefix", Replicas(16, True, 0.0)))
-    assert synced > shares[1] + 0.01
+    # A replica that has not seen a document's placement places it again,
+    # elsewhere: each document is prefilled once per replica that chose anew.
+    workload = _documents()
+
+    def share(replicas: Replicas) -> float:
+        p = plan(workload, PROFILE, ["prefix_aware"], mode="text", replicas=replicas)
+        (result,), _ = run_plan(p)
+        return _share(result)
+
+    one = share(Replicas(1))
+    alone = [share(Replicas(n, False)) for n in (4, 8)]
+    assert one > alone[0] > alone[1]
+    assert one - alone[1] > 0.03
+    assert share(Replicas(8, True, 0.0)) == pytest.approx(one, abs=0.002)
 
 
 def test_same_seed_same_output_with_replicas() -> None:

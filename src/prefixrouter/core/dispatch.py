@@ -45,9 +45,11 @@ replica applies what it hears with :meth:`Dispatcher.apply_peer`, which drives
 the same router calls as its own requests: a peer's routing places speculative
 entries, feeds the policy's demand and counts in flight on its worker; the
 peer's rejection withdraws it; its completion confirms the chain (or corrects a
-miss) and, in text mode, teaches the characters-per-token estimate (a
-completion given the prompt's characters and token count carries them), so
-each replica learns from every answer, not from its share of them.
+miss), calibrates the worker's speed (the routing carries the uncalibrated
+prediction, the answer the observed TTFT) and, in text mode, teaches the
+characters-per-token estimate (a completion given the prompt's characters and
+token count carries them), so each replica learns from every answer, not from
+its share of them.
 :meth:`Dispatcher.peer_gone` settles, without feedback, everything a peer that
 stopped (or restarted under a new epoch) still had in flight, so no worker
 looks busy forever.
@@ -63,6 +65,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.facts import (
     Fact,
@@ -76,7 +79,7 @@ from prefixrouter.core.facts import (
 )
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.load import InflightLedger, WorkerLoad
-from prefixrouter.core.policy import Outcome, RoutingContext
+from prefixrouter.core.policy import CandidateScore, Outcome, RoutingContext
 from prefixrouter.core.router import Decision, Router
 from prefixrouter.core.types import (
     CacheNamespace,
@@ -101,6 +104,11 @@ def _routed_fact(decision: Decision) -> RoutedFact:
     ctx = decision.context
     request, blocks = ctx.request, ctx.blocks
     ns = request.namespace
+    chosen = decision.chosen
+    terms = chosen.terms if chosen is not None else None
+    # The prediction without this replica's calibration: a peer calibrates
+    # the worker from (this, the observed TTFT) as this replica does.
+    unscaled = terms.ttft_s / terms.scale if terms is not None and terms.scale > 0 else 0.0
     return RoutedFact(
         request_id=request.request_id,
         worker=decision.worker_id,
@@ -114,6 +122,7 @@ def _routed_fact(decision: Decision) -> RoutedFact:
         prompt_tokens=decision.prompt_tokens,
         predicted_cached_tokens=decision.predicted_cached_tokens,
         max_tokens=request.max_tokens,
+        predicted_ttft_s=unscaled,
     )
 
 
@@ -396,27 +405,23 @@ class Dispatcher:
         settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
         if observed:
             self.observe_prompt_tokens(prompt_chars, prompt_tokens)
-        else:
-            prompt_chars = prompt_tokens = 0
-        self._record_settled(
-            admission, settlement, outcome.actual_cached_tokens, prompt_chars, prompt_tokens
-        )
-        return miss
-
-    def _record_settled(
-        self,
-        admission: Admission,
-        settlement: Settlement,
-        cached: int,
-        prompt_chars: int = 0,
-        prompt_tokens: int = 0,
-    ) -> None:
         if self._outbox is not None and not admission.origin:
+            ttft = outcome.ttft_s
             self._outbox.append(
                 SettledFact(
-                    admission.request.request_id, settlement, cached, prompt_chars, prompt_tokens
+                    admission.request.request_id,
+                    settlement,
+                    outcome.actual_cached_tokens,
+                    prompt_chars if observed else 0,
+                    prompt_tokens if observed else 0,
+                    ttft if ttft is not None and ttft >= 0 else -1.0,
                 )
             )
+        return miss
+
+    def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
+        if self._outbox is not None and not admission.origin:
+            self._outbox.append(SettledFact(admission.request.request_id, settlement, cached))
 
     def _settle(self, admission: Admission) -> bool:
         """Mark settled and release the ledger; False if nothing is to be fed back.
@@ -520,9 +525,10 @@ class Dispatcher:
             self.reject(admission, now)
         else:
             ok = fact.settlement is Settlement.COMPLETED
+            ttft = fact.ttft_s if fact.ttft_s >= 0 else None
             self.complete(
                 admission,
-                Outcome(fact.actual_cached_tokens, None, ok=ok),
+                Outcome(fact.actual_cached_tokens, ttft, ok=ok),
                 now,
                 prompt_chars=fact.prompt_chars,
                 prompt_tokens=fact.prompt_tokens,
@@ -558,6 +564,13 @@ class Dispatcher:
         router = self._router
         blocks = PromptBlocks(fact.hashes, fact.block_tokens, fact.prompt_tokens)
         ctx = RoutingContext(request, blocks, {}, now, fact.prefix_key, router.cost, router.index)
+        # The chosen worker's record carries only the peer's uncalibrated
+        # prediction (scale 1): on completion, Router.on_completed calibrates
+        # the worker from it and the observed TTFT, as the peer did.
+        candidates: tuple[CandidateScore, ...] = ()
+        if fact.predicted_ttft_s > 0:
+            terms = CostTerms(fact.predicted_ttft_s, 0.0, 0.0, 0.0, 0.0)
+            candidates = (CandidateScore(fact.worker, terms=terms),)
         decision = Decision(
             request_id=request_id,
             namespace=namespace.key,
@@ -569,7 +582,7 @@ class Dispatcher:
             reason=f"routed by {origin}",
             predicted_cached_tokens=fact.predicted_cached_tokens,
             prompt_tokens=fact.prompt_tokens,
-            candidates=(),
+            candidates=candidates,
             filtered={},
             warm_abandoned=False,
             now=now,
