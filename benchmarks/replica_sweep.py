@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -256,8 +257,10 @@ def section(
     lines = [
         SECTION,
         "",
-        f"Produced by `{command}` in {elapsed_s / 60:.0f} minutes on the 2-core development",
-        "machine. N router replicas, each with its own index, policy state and in-flight",
+        f"Produced by `{command}`"
+        + (f" in {elapsed_s / 60:.0f} minutes" if elapsed_s > 0 else "")
+        + " on the 2-core development machine (shared with other work).",
+        "N router replicas, each with its own index, policy state and in-flight",
         "ledger, in front of the scenario's simulated fleet; arrivals go to them round",
         "robin, as a Kubernetes Service spreads them. With sync on, every routing fact",
         "a replica records (`prefixrouter.core.facts`: routed, first token, settled, worker",
@@ -270,7 +273,8 @@ def section(
         "Cells: pooled cached share · mean TTFT over every replica's requests (the JSON",
         "files have p50/p99 and the range over replicas). Reproduce one cell with",
         f"`prefixrouter simulate --scenario S --policies {POLICY} --mode "
-        f"{settings['mode']} --replicas N --sync-lag-ms L [--no-sync]`.",
+        f"{settings['mode']} --load {settings['load']:g} --replicas N --sync-lag-ms L "
+        f"[--no-sync]` (Mooncake: add `--requests {settings['mooncake_limit']}`).",
         "",
         f"### Target: {TARGET_ROUTERS} replicas at {TARGET_LAG_MS:g} ms lag, mean TTFT "
         f"within {TARGET_PCT:g} % of one router",
@@ -341,6 +345,11 @@ def main() -> None:
         action="store_true",
         help="N = 1, 4, 16; lags 0 and 10 ms; Mooncake's first 150 requests (minutes)",
     )
+    ap.add_argument(
+        "--markdown-only",
+        action="store_true",
+        help="rewrite the section from the JSON files already in results/ (no simulation)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.replicas, args.lags, args.mooncake_limit = "1,4,16", "0,10", 150
@@ -363,11 +372,20 @@ def main() -> None:
         "mode": args.mode,
         "mooncake_limit": args.mooncake_limit,
     }
-    todo = jobs(names, replicas, lags)
     console = Console(stderr=True)
     out_dir = args.out / "results"
+    if args.markdown_only:
+        write_section(args.out, _load(out_dir, names), console)
+        return
+    todo = jobs(names, replicas, lags)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    # The command as run (where it writes aside): the section names it.
+    shown = [a for a in sys.argv[1:] if a != "--markdown-only"]
+    if "--out" in shown:
+        k = shown.index("--out")
+        del shown[k : k + 2]
+    command = " ".join(["python benchmarks/replica_sweep.py", *shown])
     rows: list[dict[str, Any]] = []
     with Progress(
         TextColumn("[bold]{task.description:<44}"),
@@ -386,14 +404,22 @@ def main() -> None:
                     task, advance=1, description=f"{row['scenario']} N={row['routers']} {sync}"
                 )
     elapsed = time.monotonic() - started
-    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    reports: list[dict[str, Any]] = []
     for name in names:
         mine = sorted(
             (r for r in rows if r["scenario"] == name),
             key=lambda r: (r["routers"], not r["sync"], r["lag_ms"]),
         )
-        by_scenario[name] = mine
-        report = {"scenario": name, "policy": POLICY, "profile": PROFILE, **settings, "runs": mine}
+        report = {
+            "scenario": name,
+            "policy": POLICY,
+            "profile": PROFILE,
+            **settings,
+            "command": command,
+            "sweep_s": round(elapsed, 1),
+            "runs": mine,
+        }
+        reports.append(report)
         (out_dir / f"replicas-{name}.json").write_bytes(
             orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n"
         )
@@ -406,15 +432,34 @@ def main() -> None:
             f"{args.mode} mode, load {args.load:g}",
             out_dir / f"replicas-{name}.png",
         )
-    command = "python benchmarks/replica_sweep.py" + (" --quick" if args.quick else "")
+    write_section(args.out, reports, console)
+
+
+def _load(out_dir: Path, names: list[str]) -> list[dict[str, Any]]:
+    reports = []
+    for name in names:
+        path = out_dir / f"replicas-{name}.json"
+        if path.exists():
+            reports.append(orjson.loads(path.read_bytes()))
+    if not reports:
+        raise SystemExit(f"no replicas-*.json in {out_dir}: run the sweep first")
+    return reports
+
+
+def write_section(out: Path, reports: list[dict[str, Any]], console: Console) -> None:
+    """``replicas_results.md`` and RESULTS.md's section, from the sweep's reports."""
+    first = reports[0]
+    settings = {k: first[k] for k in ("seed", "load", "mode", "mooncake_limit")}
+    by_scenario = {r["scenario"]: r["runs"] for r in reports}
+    command = first.get("command", "python benchmarks/replica_sweep.py")
     notes = NOTES.read_text(encoding="utf-8") if NOTES.exists() else ""
-    text = section(by_scenario, settings, command, elapsed, notes)
-    (args.out / SECTION_FILE.name).write_text(text, encoding="utf-8")
-    replace_section(args.out / "RESULTS.md", text)
+    text = section(by_scenario, settings, command, float(first.get("sweep_s", 0.0)), notes)
+    (out / SECTION_FILE.name).write_text(text, encoding="utf-8")
+    replace_section(out / "RESULTS.md", text)
     _, met = target_lines(by_scenario)
     console.print(
-        f"wrote {args.out / 'RESULTS.md'} ({SECTION[3:]}), {args.out / SECTION_FILE.name} "
-        f"and {out_dir}/replicas-*; target met on every scenario: {met}"
+        f"wrote {out / 'RESULTS.md'} ({SECTION[3:]}) and {out / SECTION_FILE.name}; "
+        f"target met on every swept scenario: {met}"
     )
 
 

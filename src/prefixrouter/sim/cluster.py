@@ -37,17 +37,21 @@ The gateway drives the same dispatcher with the same calls.
 **Several router replicas** (:attr:`ClusterConfig.routers`), as gateway
 replicas behind a Kubernetes Service: each replica is its own
 :class:`~prefixrouter.core.dispatch.Dispatcher` (its own index, policy state,
-in-flight ledger and, in text mode, characters-per-token estimate), and
-arrivals go to them round robin. A replica sees the engines as the single
-router does (its own worker views and capacity mirror on its own arrivals;
-every engine's KV events when the run has them) and the first tokens and
-completions of its own requests only. With sync on, every replica records
-its routing facts (:mod:`prefixrouter.core.facts`); after each dispatcher
-call the caller drains them, and one event at ``now + sync_lag`` hands the
-batch to every other replica's ``apply_peer``, in the order recorded (the
-facts are shared values, never copied). With sync off nothing is delivered:
-each replica learns placement from its own share of the traffic only. One
-replica (the default) is the plain simulation, event for event.
+in-flight ledger, workers' speed calibration and, in text mode,
+characters-per-token estimate), and arrivals go to them round robin. A
+replica sees the engines as the single router does (its own worker views and
+capacity mirror on its own arrivals; every engine's KV events when the run
+has them) and the first tokens and completions of its own requests only.
+With sync on, every replica records its routing facts
+(:mod:`prefixrouter.core.facts`); after each dispatcher call the caller
+drains them, and one event at ``now + sync_lag`` hands the batch to every
+other replica's ``apply_peer``, in the order recorded (the facts are shared
+values, never copied). A peer's answer carries its TTFT and, in text mode,
+the prompt's characters and token count, so each replica calibrates and
+learns characters per token from every answer, as one router does. With
+sync off nothing is delivered: each replica learns placement, load and
+calibration from its own share of the traffic only. One replica (the
+default) is the plain simulation, event for event.
 
 The clock is the event heap's: entries are ``(time, kind, sequence, ...)``, so
 simultaneous events run in a fixed order (engine outputs, then peers' facts,
@@ -244,8 +248,8 @@ class Simulation:
             raise ValueError("several router replicas need the policy by name (one state each)")
         # Facts are recorded only where they are delivered (sync on, peers to hear them).
         self._syncing = config.routers > 1 and config.sync
-        # Each replica its own router: its own hasher (text mode's estimator
-        # learns from its own completions), index, policy state and ledger.
+        # Each replica its own router: its own hasher (text mode's estimator),
+        # cost model, index, policy state and ledger; sync feeds them peers' facts.
         self.routers = [
             Dispatcher(Router(policy, hasher=self._hasher()), self.mode, record_facts=self._syncing)
             for _ in range(config.routers)
@@ -373,7 +377,7 @@ class Simulation:
             for fact in facts:
                 apply(name, fact, now)
 
-    def _arrive(self, sreq: SimRequest, now: float, router: int) -> None:
+    def _arrive(self, sreq: SimRequest, now: float, router: int = 0) -> None:
         """An arrival at ``router``: mirror the KV room, admit the request, hand it on."""
         dispatch = self.routers[router]
         views = self._views(router)
