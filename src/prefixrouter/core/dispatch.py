@@ -45,9 +45,14 @@ replica applies what it hears with :meth:`Dispatcher.apply_peer`, which drives
 the same router calls as its own requests: a peer's routing places speculative
 entries, feeds the policy's demand and counts in flight on its worker; the
 peer's rejection withdraws it; its completion confirms the chain (or corrects a
-miss). :meth:`Dispatcher.peer_gone` settles, without feedback, everything a
-peer that stopped (or restarted under a new epoch) still had in flight, so no
-worker looks busy forever.
+miss), calibrates the worker's speed (the routing carries the uncalibrated
+prediction, the answer the observed TTFT) and, in text mode, teaches the
+characters-per-token estimate (a completion given the prompt's characters and
+token count carries them), so each replica learns from every answer, not from
+its share of them.
+:meth:`Dispatcher.peer_gone` settles, without feedback, everything a peer that
+stopped (or restarted under a new epoch) still had in flight, so no worker
+looks busy forever.
 
 Pure like the rest of ``core``: no I/O, no clock reads (times are arguments),
 no asyncio.
@@ -60,6 +65,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.facts import (
     Fact,
@@ -73,7 +79,7 @@ from prefixrouter.core.facts import (
 )
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.load import InflightLedger, WorkerLoad
-from prefixrouter.core.policy import Outcome, RoutingContext
+from prefixrouter.core.policy import CandidateScore, Outcome, RoutingContext
 from prefixrouter.core.router import Decision, Router
 from prefixrouter.core.types import (
     BlockHash,
@@ -99,6 +105,11 @@ def _routed_fact(decision: Decision) -> RoutedFact:
     ctx = decision.context
     request, blocks = ctx.request, ctx.blocks
     ns = request.namespace
+    chosen = decision.chosen
+    terms = chosen.terms if chosen is not None else None
+    # The prediction without this replica's calibration: a peer calibrates
+    # the worker from (this, the observed TTFT) as this replica does.
+    unscaled = terms.ttft_s / terms.scale if terms is not None and terms.scale > 0 else 0.0
     return RoutedFact(
         request_id=request.request_id,
         worker=decision.worker_id,
@@ -112,6 +123,7 @@ def _routed_fact(decision: Decision) -> RoutedFact:
         prompt_tokens=decision.prompt_tokens,
         predicted_cached_tokens=decision.predicted_cached_tokens,
         max_tokens=request.max_tokens,
+        predicted_ttft_s=unscaled,
     )
 
 
@@ -362,29 +374,58 @@ class Dispatcher:
             self._router.on_rejected(admission.decision, now)
             self._record_settled(admission, Settlement.REJECTED, 0)
 
-    def complete(self, admission: Admission, outcome: Outcome, now: float) -> bool:
+    def complete(
+        self,
+        admission: Admission,
+        outcome: Outcome,
+        now: float,
+        *,
+        prompt_chars: int = 0,
+        prompt_tokens: int = 0,
+    ) -> bool:
         """Feed back the engine's answer. Returns True if it was a cache miss.
 
         ``Outcome(0, ttft, ok=False)`` is an answer without a report of reuse
         (or a failure after the engine may have prefilled): the routing stays,
-        nothing is confirmed or corrected. Text mode: the engine's cached
-        tokens are converted into chunks at the current estimate of the
-        prompt's prefix, so call :meth:`observe_prompt_tokens` for the answer
-        first, and its own count is used too.
+        nothing is confirmed or corrected.
+
+        ``prompt_chars`` and ``prompt_tokens`` (text mode, both > 0): the
+        prompt's characters and the engine's count of its tokens. They teach
+        the characters-per-token estimate first (:meth:`observe_prompt_tokens`,
+        the global one and that of the prompt's prefix), so the engine's
+        cached tokens are converted into chunks at what this answer taught:
+        a request routed before its prefix's first answer (at the prior) was
+        predicted in tokens of the wrong size, and its shortfall is no miss of
+        the engine. They also travel in the recorded fact, so peers learn from
+        this answer too: each replica of N otherwise learns from 1/N of the
+        answers. The observation is kept even when the routing was settled
+        already or its worker removed (the engine's count stands).
         """
+        observed = prompt_chars > 0 and prompt_tokens > 0
+        if observed:
+            self.observe_prompt_tokens(prompt_chars, prompt_tokens, admission)
         if not self._settle(admission):
             return False
         router = self._router
         block_tokens = None
         if self.mode == "text" and admission.blocks.hashes:
-            # The chunks at what the estimate knows now: a request routed
-            # before its prefix's first answer (at the prior) was predicted in
-            # tokens of the wrong size; its shortfall is no miss of the engine.
+            # The chunks at what the estimate knows now (see above).
             hasher = router.hasher
             block_tokens = hasher.chunk_chars / hasher.estimator.for_prefix(admission.blocks.hashes)
         miss = router.on_completed(admission.decision, outcome, now, block_tokens)
         settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
-        self._record_settled(admission, settlement, outcome.actual_cached_tokens)
+        if self._outbox is not None and not admission.origin:
+            ttft = outcome.ttft_s
+            self._record(
+                SettledFact(
+                    admission.request.request_id,
+                    settlement,
+                    outcome.actual_cached_tokens,
+                    prompt_chars if observed else 0,
+                    prompt_tokens if observed else 0,
+                    ttft if ttft is not None and ttft >= 0 else -1.0,
+                )
+            )
         return miss
 
     def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
@@ -510,7 +551,14 @@ class Dispatcher:
             self.reject(admission, now)
         else:
             ok = fact.settlement is Settlement.COMPLETED
-            self.complete(admission, Outcome(fact.actual_cached_tokens, None, ok=ok), now)
+            ttft = fact.ttft_s if fact.ttft_s >= 0 else None
+            self.complete(
+                admission,
+                Outcome(fact.actual_cached_tokens, ttft, ok=ok),
+                now,
+                prompt_chars=fact.prompt_chars,
+                prompt_tokens=fact.prompt_tokens,
+            )
         return True
 
     def _apply_peer_routed(self, origin: str, fact: RoutedFact, now: float) -> bool:
@@ -542,6 +590,13 @@ class Dispatcher:
         router = self._router
         blocks = PromptBlocks(fact.hashes, fact.block_tokens, fact.prompt_tokens)
         ctx = RoutingContext(request, blocks, {}, now, fact.prefix_key, router.cost, router.index)
+        # The chosen worker's record carries only the peer's uncalibrated
+        # prediction (scale 1): on completion, Router.on_completed calibrates
+        # the worker from it and the observed TTFT, as the peer did.
+        candidates: tuple[CandidateScore, ...] = ()
+        if fact.predicted_ttft_s > 0:
+            terms = CostTerms(fact.predicted_ttft_s, 0.0, 0.0, 0.0, 0.0)
+            candidates = (CandidateScore(fact.worker, terms=terms),)
         decision = Decision(
             request_id=request_id,
             namespace=namespace.key,
@@ -553,7 +608,7 @@ class Dispatcher:
             reason=f"routed by {origin}",
             predicted_cached_tokens=fact.predicted_cached_tokens,
             prompt_tokens=fact.prompt_tokens,
-            candidates=(),
+            candidates=candidates,
             filtered={},
             warm_abandoned=False,
             now=now,
