@@ -54,7 +54,7 @@ import orjson
 
 from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import stop_process
-from prefixrouter.stats import nearest_rank
+from prefixrouter.stats import nearest_rank, percentile
 
 HOST = "127.0.0.1"
 
@@ -266,7 +266,7 @@ async def phase_bodies(port: int, clients: int, body_mb: float, seconds: float) 
     prompt = [rng.randrange(200_000) for _ in range(n)]
     idle = await _probe(port, time.monotonic() + 2.0)
     print(f"  /health without load: {_pcts(idle)}")
-    p99s = {"idle": nearest_rank(idle, 0.99) * 1e3}
+    p99s = {"idle": percentile(idle, 0.99) * 1e3}
     # "unserved": a model no worker serves, answered 404 once the body is
     # parsed and built (the request-building path alone); "tiny": routed and
     # forwarded too (the routing core's work on the prompt included).
@@ -281,7 +281,7 @@ async def phase_bodies(port: int, clients: int, body_mb: float, seconds: float) 
             f"  /health, {clients} x {len(body) / 1e6:.1f} MB bodies, {what}: {_pcts(lat)};"
             f" {done[0]} bodies answered"
         )
-        p99s[what] = nearest_rank(lat, 0.99) * 1e3
+        p99s[what] = percentile(lat, 0.99) * 1e3
     return p99s
 
 

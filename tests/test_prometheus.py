@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from prefixrouter.bench.engine_metrics import EngineCounters, parse_counters
 from prefixrouter.gateway.workers import parse_engine_metrics
-from prefixrouter.prometheus import Sample, samples, totals
+from prefixrouter.prometheus import Sample, histogram, histogram_quantile, samples, totals
 
 
 def _vllm_like_page() -> str:
@@ -74,3 +74,27 @@ def test_the_gateway_and_the_bench_read_the_same_page() -> None:
 def test_a_page_that_is_not_prometheus_text_raises() -> None:
     with pytest.raises(ValueError):
         list(samples("this is { not prometheus\n"))
+
+
+def test_histogram_quantiles_match_prometheus_interpolation() -> None:
+    reg = CollectorRegistry()
+    lag = Histogram("lag_seconds", "lag", ["peer"], buckets=(0.001, 0.01, 0.1), registry=reg)
+    for v in (0.0005,) * 50 + (0.005,) * 40:
+        lag.labels("a").observe(v)
+    for v in (0.05,) * 9 + (2.0,):
+        lag.labels("b").observe(v)
+    page = generate_latest(reg).decode()
+    buckets = histogram(page, "lag_seconds")
+    assert buckets == {0.001: 50, 0.01: 90, 0.1: 99, float("inf"): 100}  # summed over peers
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.001)  # 50 of 100 in the first
+    assert histogram_quantile(buckets, 0.7) == pytest.approx(0.001 + 0.009 * 20 / 40)
+    assert histogram_quantile(buckets, 1.0) == pytest.approx(0.1)  # +Inf: the top finite bound
+    # A difference of two scrapes: only what happened in between.
+    later = dict(buckets)
+    later[0.1] += 100
+    later[float("inf")] += 100
+    between = {le: later[le] - buckets[le] for le in later}
+    assert histogram_quantile(between, 0.99) == pytest.approx(0.01 + 0.09 * 99 / 100)
+    assert histogram(page, "absent_seconds") == {} and histogram_quantile({}, 0.5) == 0.0
+    with pytest.raises(ValueError):
+        histogram_quantile(buckets, 1.5)

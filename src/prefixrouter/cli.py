@@ -3,7 +3,8 @@
 Commands:
 
 * ``simulate``: a scenario (or a trace) through every policy on a simulated
-  fleet; prints a table, optionally writes JSON and a PNG;
+  fleet, behind one router or several replicas (``--replicas``); prints a
+  table, optionally writes JSON and a PNG;
 * ``policies``: the registered routing policies and their parameters;
 * ``profiles``: the simulated engine profiles;
 * ``engine``: one simulated engine behind a vLLM-compatible HTTP API;
@@ -91,6 +92,9 @@ def _results_table(report: dict[str, Any]) -> Table:
         if report.get("rate_rps")
         else "trace arrival times"
     )
+    replicas = report.get("replicas")
+    if replicas is not None:
+        title += f" · {_replicas_text(replicas)}"
     table = Table(title=title, title_justify="left")
     for col in (
         "policy",
@@ -134,6 +138,39 @@ def _ms(value: float) -> str:
     return f"{value / 1e3:.2f} s" if value >= 10_000 else f"{value:.0f} ms"
 
 
+def _replicas_text(replicas: dict[str, Any]) -> str:
+    sync = f"sync, {replicas['sync_lag_ms']:g} ms lag" if replicas["sync"] else "no sync"
+    return f"{replicas['routers']} router replicas ({sync})"
+
+
+def _replicas_table(report: dict[str, Any]) -> Table:
+    """Per policy: pooled figures and the range over router replicas (the JSON has each)."""
+    table = Table(
+        title=f"per router replica: pooled (min - max over replicas) · "
+        f"{_replicas_text(report['replicas'])}",
+        title_justify="left",
+    )
+    for col in ("policy", "cached", "TTFT mean", "TTFT p99", "requests/replica"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+
+    def spread(values: list[float], fmt: Any) -> str:
+        return f"({fmt(min(values))} - {fmt(max(values))})"
+
+    for r in report["results"]:
+        reps = r["replicas"]
+        share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
+        pct = "{:.1%}".format
+        table.add_row(
+            r["policy"],
+            f"{share:.1%} {spread([x['cached_share'] for x in reps], pct)}",
+            f"{_ms(r['ttft_ms']['mean'])} {spread([x['ttft_ms']['mean'] for x in reps], _ms)}",
+            f"{_ms(r['ttft_ms']['p99'])} {spread([x['ttft_ms']['p99'] for x in reps], _ms)}",
+            spread([x["requests"] for x in reps], str),
+            style="bold" if r["policy"] == "prefix_aware" else None,
+        )
+    return table
+
+
 @app.command()
 def simulate(
     scenario: Annotated[str, typer.Option(help="Scenario name (see --list).")] = "doc-qa",
@@ -141,7 +178,9 @@ def simulate(
         Path | None, typer.Option(help="Replay this trace file instead of a scenario.")
     ] = None,
     trace_format: Annotated[str, typer.Option(help="Trace format: mooncake.")] = "mooncake",
-    workers: Annotated[int | None, typer.Option(min=1, help="Replicas (scenario default).")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Engine replicas (scenario default).")
+    ] = None,
     profile: Annotated[str, typer.Option(help="Engine profile (see `profiles`).")] = (
         "llama3-8b-h100"
     ),
@@ -178,6 +217,20 @@ def simulate(
             "the gateway's default) or token (token ids in engine blocks)."
         ),
     ] = "text",
+    replicas: Annotated[
+        int,
+        typer.Option(min=1, help="Router replicas, each with its own state; arrivals round robin."),
+    ] = 1,
+    sync_lag_ms: Annotated[
+        float,
+        typer.Option(min=0.0, help="Delay of each replica's routing facts to its peers (ms)."),
+    ] = 0.0,
+    sync: Annotated[
+        bool,
+        typer.Option(
+            "--sync/--no-sync", help="Replicas share routing facts (--no-sync: each on its own)."
+        ),
+    ] = True,
     seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
@@ -187,7 +240,7 @@ def simulate(
 ) -> None:
     """Simulate a workload on a fleet under every routing policy, side by side."""
     from prefixrouter.sim.report import lower_bound_prefill_tokens
-    from prefixrouter.sim.runner import plan, run_plan
+    from prefixrouter.sim.runner import Replicas, plan, run_plan
     from prefixrouter.sim.scenarios import SCENARIOS
 
     if list_:
@@ -222,6 +275,7 @@ def simulate(
             rate=rate,
             kv_events=kv_events,
             mode="text" if mode == "text" else "token",
+            replicas=Replicas(replicas, sync, sync_lag_ms / 1e3),
         )
     except (PrefixRouterError, KeyError, ValueError, OSError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
@@ -256,10 +310,14 @@ def simulate(
         "kv_events": kv_events,
         # Token-mode reports keep the keys they had before modes existed (no key: token).
         **({"mode": "text"} if mode == "text" else {}),
+        # One router's reports keep the keys they had before replicas existed.
+        **({"replicas": p.replicas.as_dict()} if replicas > 1 else {}),
         "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
         "results": results,
     }
     console.print(_results_table(report))
+    if replicas > 1:
+        console.print(_replicas_table(report))
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")

@@ -10,7 +10,10 @@ Prometheus server would read. This module only gives it one shape:
   ``_bucket``/``_sum``/``_count``);
 * :func:`totals`: named samples summed over their label sets (an engine's
   series per model or per engine, a fleet's pages), the shape a reader of
-  counters and gauges wants.
+  counters and gauges wants;
+* :func:`histogram` and :func:`histogram_quantile`: a histogram's cumulative
+  buckets and a quantile of them (or of two scrapes' difference), as
+  Prometheus's ``histogram_quantile`` computes it.
 
 Pure: text in, numbers out (no I/O). A page that is not Prometheus text
 raises :class:`ValueError` (prometheus_client's own error).
@@ -51,3 +54,46 @@ def totals(text: str, names: Iterable[str]) -> dict[str, float]:
         if s.name in wanted:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def histogram(text: str, name: str) -> dict[float, float]:
+    """The cumulative bucket counts of histogram ``name``, by upper bound, summed over labels.
+
+    ``{le: count}`` with ``inf`` for the ``+Inf`` bucket; empty when the
+    histogram is absent. Two scrapes' differences are the observations made
+    between them.
+    """
+    bucket = name + "_bucket"
+    out: dict[float, float] = {}
+    for s in samples(text):
+        if s.name == bucket and "le" in s.labels:
+            le = float(s.labels["le"])
+            out[le] = out.get(le, 0.0) + s.value
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float:
+    """The ``q``-quantile of cumulative ``buckets``, interpolated linearly within a bucket.
+
+    As Prometheus's ``histogram_quantile``: the bucket where the cumulative
+    count first reaches ``q`` of the total, with the observations spread
+    evenly between its bounds (from 0 for the first bucket); the highest
+    finite bound when the rank falls in ``+Inf``; 0.0 without observations.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = le, count
+    return lower

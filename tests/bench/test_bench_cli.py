@@ -71,6 +71,34 @@ def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_c
     assert "prefix_aware" in run["stdout"] and "overhead over a direct call" in run["stdout"]
 
 
+@pytest.mark.timeout(240)
+def test_replicas_synced_and_not_side_by_side(tmp_path: Path, tokenizer_cache: str) -> None:
+    """Two gateway replicas on a real nats-server, and two that share nothing.
+
+    The client sends them the requests round robin. Synced, each document
+    stays on one engine: the cached share is what one gateway gets. Not
+    synced, each replica places the documents alone and copies them.
+    """
+    run = _bench(
+        [*TINY, "--routers", "prefix_aware,prefix_aware@2,prefix_aware@2-nosync",
+         "--no-overhead"],
+        tmp_path, tokenizer_cache, timeout=230,
+    )  # fmt: skip
+    rows = _by_router(run["doc"]["results"])
+    one, synced, alone = rows["prefix_aware"], rows["prefix_aware@2"], rows["prefix_aware@2-nosync"]
+    for r in (one, synced, alone):
+        assert r["ok"] == r["requests"] == 24, r.get("error") or r.get("first_error")
+    for r in (synced, alone):
+        assert r["replicas"] == 2 and r["per_replica_requests"] == [12, 12]
+        assert all(c > 0 for c in r["cpu_ms_per_request"])
+    assert synced["propagation_lag_ms"]["facts_messages"] > 0
+    assert all(c > 0 for c in synced["sync_cpu_ms_per_request"])
+    assert alone["propagation_lag_ms"]["facts_messages"] == 0
+    assert alone["sync_cpu_ms_per_request"] == [0.0, 0.0]
+    assert synced["cached_token_share"] > alone["cached_token_share"]
+    assert "lag p99" in run["stdout"]  # the replicas' columns are shown
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -78,6 +106,7 @@ def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_c
         (["--scenario", "mooncake-conversation"], "unknown scenario"),
         (["--routers", "prefix_aware,nginx"], "unknown router 'nginx'"),
         (["--routers", ","], "comma-separated"),
+        (["--routers", "prefix_aware@0"], "NAME@N"),
         (["--profile", "a100"], "unknown engine profile"),
         (["--scale", "2"], "scale"),
         (["--rate", "0"], "rate"),

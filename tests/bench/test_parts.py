@@ -33,6 +33,20 @@ def test_parse_routers() -> None:
         parse_routers(" , ")
 
 
+def test_our_routers_as_replicas() -> None:
+    one, synced, alone = parse_routers("prefix_aware,prefix_aware@4,prefix_aware@4-nosync")
+    assert (one.replicas, synced.replicas, synced.sync, alone.sync) == (1, 4, True, False)
+    assert synced.clustered and not alone.clustered and not one.clustered
+    assert (synced.name, alone.name) == ("prefix_aware@4", "prefix_aware@4-nosync")
+    assert synced.label == "gateway prefix_aware x4 synced"
+    assert ROUTERS["prefix_aware"].replicated(2, sync=False).name == "prefix_aware@2-nosync"
+    for bad in ("prefix_aware@0", "prefix_aware@x", "prefix_aware@2-fast", "nginx@2"):
+        with pytest.raises(ConfigError):
+            parse_routers(bad)
+    with pytest.raises(ConfigError, match="only our gateway"):
+        ROUTERS["vllm-cache_aware"].replicated(2)
+
+
 def test_missing_peer_is_skipped_with_its_install_command(tmp_path: Path) -> None:
     sglang, vllm = ROUTERS["sglang-cache_aware"], ROUTERS["vllm-cache_aware"]
     assert skip_reason(ROUTERS["prefix_aware"], tmp_path) is None
@@ -59,6 +73,12 @@ def test_router_commands(tmp_path: Path) -> None:
           "tokenizer_dir": tmp_path / "tok"}  # fmt: skip
     ours = router_command(ROUTERS["prefix_aware"], **kw)  # type: ignore[arg-type]
     assert ours[1:3] == ["-m", "prefixrouter.gateway"] and ours.count("--worker") == 2
+    assert "--cluster" not in ours
+    replica = router_command(
+        ROUTERS["prefix_aware"].replicated(2), **kw, cluster=("nats://127.0.0.1:4", "r1")
+    )  # type: ignore[arg-type]
+    assert replica[replica.index("--cluster") + 1] == "nats://127.0.0.1:4"
+    assert replica[replica.index("--replica-id") + 1] == "r1"
     sg = router_command(ROUTERS["sglang-round_robin"], **kw)  # type: ignore[arg-type]
     assert sg[0] == str(tmp_path / "sglang-router" / "bin" / "python")
     assert sg[sg.index("--policy") + 1] == "round_robin"

@@ -227,8 +227,10 @@ def test_untrusted_events_enter_as_speculative() -> None:
 def test_characters_per_token_and_block_size_observations() -> None:
     d = dispatcher()
     assert d.chars_per_token == 4.0
-    d.observe_prompt_tokens(3000, 1000)  # 3 characters per token, weight 0.1
-    assert d.chars_per_token == pytest.approx(3.9)
+    d.observe_prompt_tokens(3000, 1000)  # 3 characters per token: the first answer replaces 4.0
+    assert d.chars_per_token == pytest.approx(3.0)
+    d.observe_prompt_tokens(5000, 1000)  # the second: an equal-weight mean
+    assert d.chars_per_token == pytest.approx(4.0)
     estimator = d.router.hasher.estimator
     d.set_block_size(32)
     assert d.block_size == 32 and d.router.hasher.estimator is estimator  # learning kept

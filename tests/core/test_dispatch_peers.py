@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prefixrouter.core import Dispatcher, Outcome, Router, WorkerId
 from prefixrouter.core.facts import (
     FirstTokenFact,
@@ -147,3 +149,55 @@ def test_peer_routings_older_than_the_bound_expire_and_younger_stay() -> None:
     assert b.index_blocks(old.worker) >= 20  # its placement stays
     a.complete(old, Outcome(320, 0.1), 6.0)
     assert relay(a, b, now=6.0) == [False]  # a late settlement changes nothing
+
+
+def test_a_completions_prompt_length_teaches_characters_per_token_here_and_at_peers() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, 0.1), 0.5, prompt_chars=1200, prompt_tokens=200)
+    routed, settled = a.drain_facts()
+    assert isinstance(settled, SettledFact)
+    assert (settled.prompt_chars, settled.prompt_tokens) == (1200, 200)
+    # 6.0 characters per token observed: the first answer sets the estimate, here and there.
+    assert a.chars_per_token == pytest.approx(6.0) and b.chars_per_token == 4.0
+    assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", settled, 1.0)
+    assert b.chars_per_token == pytest.approx(a.chars_per_token)
+
+
+def test_a_completion_without_an_observation_records_none_and_teaches_nothing() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, 0.1), 0.5, prompt_chars=1200)  # no token count: no observation
+    facts = a.drain_facts()
+    assert [b.apply_peer("a@1", f, 1.0) for f in facts] == [True, True]
+    settled = facts[-1]
+    assert isinstance(settled, SettledFact)
+    assert (settled.prompt_chars, settled.prompt_tokens) == (0, 0)
+    assert a.chars_per_token == b.chars_per_token == 4.0
+
+
+def test_a_peers_answer_calibrates_the_workers_speed_as_the_origins_does() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    predicted = adm.decision.predicted_ttft_s
+    assert predicted is not None and predicted > 0
+    a.complete(adm, Outcome(0, 3 * predicted), 0.5)  # the worker is three times slower
+    routed, settled = a.drain_facts()
+    assert isinstance(routed, RoutedFact) and isinstance(settled, SettledFact)
+    assert routed.predicted_ttft_s == pytest.approx(predicted)  # scale 1 at the start
+    assert settled.ttft_s == pytest.approx(3 * predicted)
+    assert a.router.cost.scale(adm.worker) > 1.0
+    assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", settled, 1.0)
+    assert b.router.cost.scale(adm.worker) == pytest.approx(a.router.cost.scale(adm.worker))
+    other = W1 if adm.worker == W0 else W0
+    assert b.router.cost.scale(other) == 1.0
+
+
+def test_an_answer_without_a_measured_ttft_calibrates_nothing_at_peers() -> None:
+    a, b = replica(), replica()
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, None), 0.5)
+    routed, settled = a.drain_facts()
+    assert isinstance(settled, SettledFact) and settled.ttft_s == -1.0
+    assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", settled, 1.0)
+    assert b.router.cost.scale(adm.worker) == 1.0

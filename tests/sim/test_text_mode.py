@@ -170,6 +170,50 @@ def test_estimate_converges_from_a_bad_start() -> None:
     assert run.chars_per_token is not None and start < 3.8 < run.chars_per_token < 4.8
 
 
+def _kinds_workload() -> Workload:
+    """Three documents whose words differ in length, asked about in turn, one at a time.
+
+    Token ``t``'s word is 2 characters for ``t < 26``, 4 for ``702 <= t < 18,278``
+    and about 4.4 over the whole vocabulary: 2.0, 4.0 and 4.4 characters per
+    token. Each question arrives after the one before it completed.
+    """
+    rng = np.random.default_rng(3)
+    system = array("I", rng.integers(0, 32_000, 200).tolist())
+    docs = {
+        "short": array("I", rng.integers(0, 26, 8_000).tolist()),
+        "long": array("I", rng.integers(702, 18_278, 8_000).tolist()),
+        "mixed": random_tokens(rng, 8_000),
+    }
+    reqs: list[SimRequest] = []
+    for r in range(4):
+        for name, doc in docs.items():
+            i = len(reqs)
+            question = array("I", rng.integers(0, 32_000, 30).tolist())
+            rid, segments = RequestId(f"{name}-{r}"), (system, doc, question)
+            doc_class = PrefixClass.DOCUMENT
+            reqs.append(SimRequest(rid, 10.0 * i, SIM_NAMESPACE, segments, 8, doc_class, name, 200))
+    return Workload("kinds", "three kinds of document", reqs, fixed_times=True, default_workers=2)
+
+
+def test_predicted_cached_tokens_follow_each_documents_own_ratio() -> None:
+    wl = _kinds_workload()
+    cfg = ClusterConfig(2, PROFILE, mode="text", decision_log=12)
+    run = Simulation(wl, cfg, "prefix_aware").run()
+    by_doc: dict[str, list[tuple[int, int]]] = {}
+    for rec in run.records:
+        by_doc.setdefault(rec.group, []).append((rec.predicted_cached_tokens, rec.cached_tokens))
+    for group, seen in by_doc.items():
+        for predicted, actual in seen[1:]:  # from the second request of a document on
+            assert actual > 7_000, (group, actual)
+            assert abs(predicted - actual) <= 0.05 * actual, (group, predicted, actual)
+    # one prefix key per document, whatever the estimate did between its requests
+    keys: dict[str, set[object]] = {}
+    for d in run.decisions_logged:
+        keys.setdefault(str(d["request_id"]).split("-")[0], set()).add(d["prefix_key"])
+    assert sorted(len(k) for k in keys.values()) == [1, 1, 1]
+    assert len(set().union(*keys.values())) == 3
+
+
 def test_same_seed_same_output_in_both_modes() -> None:
     wl = get_scenario("system-prompt").build(1, 120)
     for mode in ("text", "token"):

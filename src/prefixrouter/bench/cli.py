@@ -78,9 +78,27 @@ def bench(
         str,
         typer.Option(
             help="'all' or a comma-separated list of round_robin, prefix_aware, "
-            "sglang-cache_aware, sglang-round_robin, vllm-cache_aware."
+            "sglang-cache_aware, sglang-round_robin, vllm-cache_aware; ours also as "
+            "NAME@N (N replicas sharing facts over NATS) or NAME@N-nosync."
         ),
     ] = "all",
+    replicas: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=32,
+            help="Run each of our gateway routers as this many replicas; the client "
+            "spreads requests over them round robin, as a Kubernetes Service would.",
+        ),
+    ] = 1,
+    sync: Annotated[
+        bool,
+        typer.Option(
+            "--sync/--no-sync",
+            help="With --replicas: share routing facts over a nats-server the bench "
+            "starts (--no-sync: each replica learns alone).",
+        ),
+    ] = True,
     workers: Annotated[int, typer.Option(min=1, max=16, help="Engine processes.")] = 4,
     rate: Annotated[float, typer.Option(min=0.1, help="Offered requests per second (wall).")] = 8.0,
     requests: Annotated[int, typer.Option(min=1, help="Requests per scenario and router.")] = 160,
@@ -146,6 +164,10 @@ def bench(
         raise _fail(f"unknown scenario {bad[0]!r}; live scenarios: {', '.join(known)}")
     try:
         specs = parse_routers(routers)
+        if replicas > 1:  # names that say their replicas keep them
+            specs = [
+                s.replicated(replicas, sync) if s.ours and s.replicas == 1 else s for s in specs
+            ]
         prof = get_profile(profile)
     except (PrefixRouterError, KeyError) as exc:
         raise _fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None

@@ -41,14 +41,21 @@ from typing import Any
 import aiohttp
 
 from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scrape
+from prefixrouter.bench.overhead import process_cpu_s
 from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason
 from prefixrouter.bench.workload import BenchWorkload
 from prefixrouter.harness.engines import reset_prefix_caches
 from prefixrouter.harness.health import wait_routable
+from prefixrouter.harness.nats import NatsServer
 from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import Fleet, Server
 from prefixrouter.harness.replay import ReplayRequest, ReplayResult, replay
+from prefixrouter.harness.replicas import wait_ready_async
+from prefixrouter.prometheus import histogram, histogram_quantile, totals
 from prefixrouter.stats import percentiles
+
+SYNC_CPU = "prefixrouter_cluster_sync_cpu_seconds_total"
+LAG = "prefixrouter_cluster_propagation_lag_seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +96,7 @@ class RouterRun:
     engines: list[EngineCounters] = field(default_factory=list)
     skipped: str | None = None
     error: str | None = None
+    replicas: list[ReplicaFigures] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """The JSON figures of this run (module doc)."""
@@ -117,7 +125,52 @@ class RouterRun:
             "client_cached_share": cached / max(1, prompt),
             "prefill_tokens": prompt - cached,
             "elapsed_s": self.elapsed_s,
+            **(_replica_summary(self.replicas) if len(self.replicas) > 1 else {}),
         }
+
+
+@dataclass(slots=True)
+class ReplicaFigures:
+    """One gateway replica's share of a run (several replicas only).
+
+    Attributes:
+        requests: Requests the client sent to it.
+        cpu_s: CPU its process used during the measured run.
+        sync_cpu_s: Of that, CPU spent encoding, publishing, decoding and
+            applying routing facts (its ``prefixrouter_cluster_sync_cpu_seconds_total``).
+        lag_buckets: Its fact-propagation-lag histogram over the run (cumulative,
+            seconds; empty when not synced).
+    """
+
+    requests: int
+    cpu_s: float
+    sync_cpu_s: float
+    lag_buckets: dict[float, float]
+
+
+def _replica_summary(replicas: Sequence[ReplicaFigures]) -> dict[str, Any]:
+    total = sum(r.requests for r in replicas)
+    lag: dict[float, float] = {}
+    for r in replicas:
+        for le, n in r.lag_buckets.items():
+            lag[le] = lag.get(le, 0.0) + n
+    return {
+        "replicas": len(replicas),
+        "per_replica_requests": [r.requests for r in replicas],
+        "cpu_ms_per_request": [
+            round(1e3 * r.cpu_s / r.requests, 3) if r.requests else 0.0 for r in replicas
+        ],
+        # Every request's facts reach every replica: its sync work scales with
+        # the cluster's requests, not with the ones it was sent.
+        "sync_cpu_ms_per_request": [
+            round(1e3 * r.sync_cpu_s / total, 4) if total else 0.0 for r in replicas
+        ],
+        "propagation_lag_ms": {
+            "p50": 1e3 * histogram_quantile(lag, 0.5),
+            "p99": 1e3 * histogram_quantile(lag, 0.99),
+            "facts_messages": lag.get(float("inf"), 0.0),
+        },
+    }
 
 
 @dataclass(slots=True)
@@ -165,50 +218,119 @@ async def run_router(
     on_start: Callable[[str, int], None] | None = None,
     on_done: Callable[[ReplayResult], None] | None = None,
 ) -> RouterRun:
-    """One router's run of the scenario on the running ``engines`` (module doc)."""
+    """One router's run of the scenario on the running ``engines`` (module doc).
+
+    A router of several replicas (``spec.replicas``) is that many gateway
+    processes, on one nats-server of their own when synced; the client
+    sends them the requests round robin, and each replica's CPU, sync CPU
+    and propagation lag over the measured run are kept.
+    """
     run = RouterRun(spec)
     run.skipped = skip_reason(spec, cfg.peers_dir)
     if run.skipped is not None:
         return run
     urls = [e.url for e in engines]
     stem = f"{workload.scenario}-{spec.name}"
-    decisions = cfg.log_dir / f"{stem}.decisions.jsonl" if cfg.log_dir and spec.ours else None
-    if decisions is not None:
-        decisions.unlink(missing_ok=True)
-    port = free_port()
-    cmd = router_command(
-        spec, port=port, workers=urls, peers_dir=cfg.peers_dir, prometheus_port=free_port(),
-        tokenizer_dir=cfg.tokenizer_dir, decision_log=decisions,
-    )  # fmt: skip
-    router = fleet.start_command(spec.label, cmd, port)
+    nats = NatsServer().start() if spec.clustered else None
+    routers: list[Server] = []
     try:
-        await fleet.wait_healthy([router])
-        await wait_routable(router.url)
+        routers = _start_routers(spec, cfg, fleet, urls, stem, nats)
+        await fleet.wait_healthy(routers)
+        if nats is not None:
+            await wait_ready_async(routers)
+        for router in routers:
+            await wait_routable(router.url)
+        bases = [r.url for r in routers]
         if cfg.warmup:
-            warm = await replay(router.url, cfg.warmup, concurrency=cfg.warmup_concurrency)
+            warm = await replay(bases, cfg.warmup, concurrency=cfg.warmup_concurrency)
             failed = [r for r in warm if not r.ok]
             if len(failed) > len(warm) // 2:
                 raise RuntimeError(f"warm-up failed: {failed[0].error or failed[0].status}")
         await reset_prefix_caches(urls)
         before = await scrape(urls)
+        replicas_before = await _replica_state(routers) if len(routers) > 1 else []
         if on_start is not None:
             on_start(spec.name, len(workload.requests))
         t0 = time.perf_counter()
         run.results = await replay(
-            router.url, workload.requests, concurrency=cfg.concurrency,
+            bases, workload.requests, concurrency=cfg.concurrency,
             timeout_s=cfg.timeout_s, on_done=on_done,
         )  # fmt: skip
         run.elapsed_s = time.perf_counter() - t0
         after = await scrape(urls)
         run.engines = [a - b for a, b in zip(after, before, strict=True)]
+        if replicas_before:
+            sent = [len(workload.requests[i :: len(routers)]) for i in range(len(routers))]
+            now = await _replica_state(routers)
+            run.replicas = list(map(_figures, sent, replicas_before, now))
     except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as exc:
         run.error = f"{exc}".strip() or type(exc).__name__
     finally:
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            (cfg.log_dir / f"{stem}.log").write_text(router.log_tail(200_000))
-        fleet.stop(router)
+            for i, router in enumerate(routers):
+                suffix = f"-r{i}" if len(routers) > 1 else ""
+                (cfg.log_dir / f"{stem}{suffix}.log").write_text(router.log_tail(200_000))
+        for router in routers:
+            fleet.stop(router)
+        if nats is not None:
+            nats.close()
     return run
+
+
+def _start_routers(
+    spec: RouterSpec,
+    cfg: LiveConfig,
+    fleet: Fleet,
+    urls: Sequence[str],
+    stem: str,
+    nats: NatsServer | None,
+) -> list[Server]:
+    """Start ``spec``'s process (or its replicas) in front of ``urls`` (not yet healthy)."""
+    routers = []
+    for i in range(spec.replicas):
+        replica = f"r{i}"
+        suffix = f"-{replica}" if spec.replicas > 1 else ""
+        decisions = (
+            cfg.log_dir / f"{stem}{suffix}.decisions.jsonl" if cfg.log_dir and spec.ours else None
+        )
+        if decisions is not None:
+            decisions.unlink(missing_ok=True)
+        port = free_port()
+        cmd = router_command(
+            spec, port=port, workers=urls, peers_dir=cfg.peers_dir, prometheus_port=free_port(),
+            tokenizer_dir=cfg.tokenizer_dir, decision_log=decisions,
+            cluster=(nats.url, replica) if nats is not None else None,
+        )  # fmt: skip
+        label = f"{spec.label} {replica}" if spec.replicas > 1 else spec.label
+        routers.append(fleet.start_command(label, cmd, port))
+    return routers
+
+
+@dataclass(frozen=True, slots=True)
+class _ReplicaState:
+    cpu_s: float
+    sync_cpu_s: float
+    lag: dict[float, float]
+
+
+async def _replica_state(routers: Sequence[Server]) -> list[_ReplicaState]:
+    """Each replica's process CPU and its cluster counters now."""
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for router in routers:
+            async with session.get(router.url + "/metrics") as resp:
+                page = await resp.text()
+            sync = totals(page, [SYNC_CPU]).get(SYNC_CPU, 0.0)
+            out.append(_ReplicaState(process_cpu_s(router.pid), sync, histogram(page, LAG)))
+    return out
+
+
+def _figures(requests: int, before: _ReplicaState, after: _ReplicaState) -> ReplicaFigures:
+    lag = {le: n - before.lag.get(le, 0.0) for le, n in after.lag.items()}
+    return ReplicaFigures(
+        requests, after.cpu_s - before.cpu_s, after.sync_cpu_s - before.sync_cpu_s, lag
+    )
 
 
 def start_engines(cfg: LiveConfig, workload: BenchWorkload, fleet: Fleet) -> list[Server]:

@@ -45,11 +45,17 @@ def scenario_table(report: dict[str, Any]) -> Table:
         f"{report['time_scale']:.3g}"
     )
     table = Table(title=title, title_justify="left")
-    cols = ("router", "ok", "TTFT mean", "p50", "p90", "p99", "e2e p50", "e2e p99", "req/s",
-            "cached", "requests per engine")  # fmt: skip
+    cols = ["router", "ok", "TTFT mean", "p50", "p90", "p99", "e2e p50", "e2e p99", "req/s",
+            "cached", "requests per engine"]  # fmt: skip
+    # Gateway replicas: the fact propagation lag and each replica's CPU.
+    replicated = any("replicas" in r for r in report["results"])
+    if replicated:
+        cols += ["lag p50", "lag p99", "CPU/req per replica", "sync CPU/req (all requests)"]
     for col in cols:
         table.add_column(
-            col, justify="left" if col in ("router", "requests per engine") else "right"
+            col,
+            justify="left" if col in ("router", "requests per engine") else "right",
+            no_wrap=col == "router",
         )
     for r in report["results"]:
         if "ttft_ms" not in r:
@@ -57,7 +63,7 @@ def scenario_table(report: dict[str, Any]) -> Table:
             table.add_row(r["router"], "skipped" if "skipped" in r else "failed", why[:150])
             continue
         t, e = r["ttft_ms"], r["e2e_ms"]
-        table.add_row(
+        cells = [
             r["router"],
             f"{r['ok']}/{r['requests']}",
             _ms(t["mean"]), _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]),
@@ -65,9 +71,24 @@ def scenario_table(report: dict[str, Any]) -> Table:
             f"{r['throughput_rps']:.2f}",
             f"{r['cached_token_share']:.1%}",
             " ".join(str(n) for n in r["per_worker_requests"]),
-            style="bold" if r["router"] == "prefix_aware" else None,
-        )  # fmt: skip
+        ]  # fmt: skip
+        if replicated:
+            cells += _replica_cells(r)
+        table.add_row(*cells, style="bold" if r["router"] == "prefix_aware" else None)
     return table
+
+
+def _replica_cells(r: dict[str, Any]) -> list[str]:
+    if "replicas" not in r:
+        return ["", "", "", ""]
+    lag = r["propagation_lag_ms"]
+    synced = lag["facts_messages"] > 0
+    return [
+        f"{lag['p50']:.1f} ms" if synced else "-",
+        f"{lag['p99']:.1f} ms" if synced else "-",
+        " ".join(f"{c:.2f}" for c in r["cpu_ms_per_request"]) + " ms",
+        " ".join(f"{c:.3f}" for c in r["sync_cpu_ms_per_request"]) + " ms",
+    ]
 
 
 def overhead_table(rows: Sequence[dict[str, Any]], rate: float) -> Table:
@@ -211,9 +232,16 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
             f"{rep['workers']} engines, load {rep['load']:.2f}, engine time scale "
             f"{rep['time_scale']:.3g}, KV {rep['kv_blocks'] or 'profile'} blocks per engine.",
             "",
+        ]
+        replicated = any("replicas" in r for r in rep["results"])
+        extra = (
+            " lag p50 | lag p99 | CPU/req per replica | sync CPU/req (all) |" if replicated else ""
+        )
+        lines += [
             "| router | ok | TTFT mean | p50 | p90 | p99 | e2e p50 | e2e p99 | req/s | cached "
-            "| requests per engine |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| requests per engine |" + extra,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+            + (" ---: | ---: | ---: | ---: |" if replicated else ""),
         ]
         for r in rep["results"]:
             if "ttft_ms" not in r:
@@ -227,6 +255,7 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
                 f"{_md_ms(t['p50'])} | {_md_ms(t['p90'])} | {_md_ms(t['p99'])} | "
                 f"{_md_ms(e['p50'])} | {_md_ms(e['p99'])} | {r['throughput_rps']:.2f} | "
                 f"{r['cached_token_share']:.1%} | {' '.join(map(str, r['per_worker_requests']))} |"
+                + ("".join(f" {c} |" for c in _replica_cells(r)) if replicated else "")
             )
         lines.append("")
     return "\n".join(lines)

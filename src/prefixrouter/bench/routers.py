@@ -11,6 +11,13 @@ workers:
   never tries to download one;
 * ``vllm-cache_aware``: vllm-router (PyPI ``vllm-router==0.1.17``), its own defaults.
 
+Our gateway's routers may also run as replicas: ``prefix_aware@4`` is four
+gateway processes on one nats-server the bench starts (``--cluster``, one
+``--replica-id`` each), sharing routing facts; ``prefix_aware@4-nosync`` is
+four that share nothing. The client sends replicas the requests round robin,
+as a Kubernetes Service spreads them (``prefixrouter bench --replicas N
+[--no-sync]`` turns every gateway router into such a group).
+
 Peers live in their own virtual environments, ``<peers dir>/sglang-router`` and
 ``<peers dir>/vllm-router``, made by ``scripts/install_peers.sh``. The peers dir
 is ``--peers-dir``, else ``$PREFIXROUTER_PEERS_DIR``, else ``./.venvs`` or the
@@ -27,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -73,23 +80,47 @@ class RouterSpec:
         policy: Its routing policy.
         config: Our gateway's YAML configuration (token mode, KV events ...);
             the workers still come from the command line.
+        replicas: Gateway processes (ours only), each taking the client's
+            requests round robin, as a Kubernetes Service spreads them.
+        sync: Replicas share routing facts over NATS JetStream (a
+            nats-server the bench starts); False: each learns alone.
     """
 
     name: str
     kind: Kind
     policy: str
     config: Path | None = None
+    replicas: int = 1
+    sync: bool = True
 
     @property
     def ours(self) -> bool:
         return self.kind == "gateway"
 
     @property
+    def clustered(self) -> bool:
+        """Several replicas that share facts (a nats-server is needed)."""
+        return self.replicas > 1 and self.sync
+
+    @property
     def label(self) -> str:
         """What a table shows."""
         if self.kind == "gateway":
+            if self.replicas > 1:
+                how = "synced" if self.sync else "not synced"
+                return f"gateway {self.policy} x{self.replicas} {how}"
             return f"gateway {self.policy}"
         return f"{PEERS[self.kind].package} {self.policy}"
+
+    def replicated(self, replicas: int, sync: bool = True) -> RouterSpec:
+        """This gateway router as ``replicas`` processes (named ``NAME@N``, ``NAME@N-nosync``)."""
+        if not self.ours:
+            raise ConfigError(f"{self.name}: only our gateway runs as replicas")
+        if replicas <= 1:
+            return self
+        base = self.name.split("@", 1)[0]
+        name = f"{base}@{replicas}" + ("" if sync else "-nosync")
+        return replace(self, name=name, replicas=replicas, sync=sync)
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -107,18 +138,33 @@ ROUTERS: dict[str, RouterSpec] = {
 def parse_routers(spec: str) -> list[RouterSpec]:
     """``all`` or a comma-separated list of router names, in the given order.
 
+    One of our gateway's routers may name replicas: ``prefix_aware@4`` (four
+    processes sharing facts over NATS) or ``prefix_aware@4-nosync`` (four
+    that do not), so one run compares them side by side.
+
     Raises:
-        ConfigError: An unknown name (the message lists the known ones).
+        ConfigError: An unknown name (the message lists the known ones), or a
+            bad replica count.
     """
     if spec.strip() == "all":
         return list(ROUTERS.values())
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise ConfigError("--routers: give 'all' or a comma-separated list of router names")
-    unknown = [n for n in names if n not in ROUTERS]
-    if unknown:
-        raise ConfigError(f"unknown router {unknown[0]!r}; known: all, {', '.join(ROUTERS)}")
-    return [ROUTERS[n] for n in dict.fromkeys(names)]
+    out: list[RouterSpec] = []
+    for name in dict.fromkeys(names):
+        base, _, count = name.partition("@")
+        if base not in ROUTERS:
+            known = ", ".join(ROUTERS)
+            raise ConfigError(f"unknown router {name!r}; known: all, {known} (ours also NAME@N)")
+        if not count:
+            out.append(ROUTERS[base])
+            continue
+        digits, _, flag = count.partition("-")
+        if not digits.isdigit() or int(digits) < 1 or flag not in ("", "nosync"):
+            raise ConfigError(f"router {name!r}: write NAME@N or NAME@N-nosync, N >= 1")
+        out.append(ROUTERS[base].replicated(int(digits), sync=flag != "nosync"))
+    return out
 
 
 def default_peers_dir() -> Path:
@@ -162,14 +208,19 @@ def router_command(
     prometheus_port: int,
     tokenizer_dir: Path | None,
     decision_log: Path | None = None,
+    cluster: tuple[str, str] | None = None,
 ) -> list[str]:
     """The command line that starts ``spec`` on ``port`` in front of ``workers``.
+
+    ``cluster``: (NATS URL, replica id) for one replica of a synced gateway.
 
     Raises:
         ConfigError: sglang-router without ``tokenizer_dir`` (its ``--model-path``).
     """
     if spec.kind == "gateway":
         cmd = [sys.executable, "-m", "prefixrouter.gateway", "--port", str(port)]
+        if cluster is not None:
+            cmd += ["--cluster", cluster[0], "--replica-id", cluster[1]]
         cmd += ["--policy", spec.policy]
         for url in workers:
             cmd += ["--worker", url]

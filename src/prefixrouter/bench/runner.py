@@ -153,9 +153,11 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
         out.save(opts)
         if ui is not None:
             ui.scenario_done(run.report())
-    if opts.overhead is not None:
-        total = len(opts.routers)
-        names = [s.name for s in opts.routers]
+    # Overhead is one process's: replicated routers are measured once, as one.
+    single = [s for s in opts.routers if s.replicas == 1]
+    if opts.overhead is not None and single:
+        total = len(single)
+        names = [s.name for s in single]
 
         def started(router: str) -> None:
             if ui is not None:
@@ -163,7 +165,7 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
 
         out.overhead = _run_loop(
             run_overhead(
-                opts.routers,
+                single,
                 opts.overhead,
                 fleet,
                 peers_dir=opts.peers_dir,

@@ -23,10 +23,10 @@ one. A second settlement, or one after its worker was removed, changes nothing.
 
 **Facts about workers and engines.** A worker down, restarted or removed, a
 KV-event batch or a gap in a worker's event sequence, a characters-per-token
-observation (text mode) and the engine's block size (token mode) each have one
-method, and the KV room each worker has for cached prefixes is mirrored by one
-formula (:func:`prefix_room_blocks`, see there for why prompts not decoding
-yet count as prefix blocks).
+observation (text mode: global and per prefix) and the engine's block size
+(token mode) each have one method, and the KV room each worker has for cached
+prefixes is mirrored by one formula (:func:`prefix_room_blocks`, see there for
+why prompts not decoding yet count as prefix blocks).
 
 **The seam for more callers.** Methods take plain facts (worker ids, times on
 the caller's clock, token counts, :class:`~prefixrouter.core.events.KvEvent`,
@@ -45,9 +45,14 @@ replica applies what it hears with :meth:`Dispatcher.apply_peer`, which drives
 the same router calls as its own requests: a peer's routing places speculative
 entries, feeds the policy's demand and counts in flight on its worker; the
 peer's rejection withdraws it; its completion confirms the chain (or corrects a
-miss). :meth:`Dispatcher.peer_gone` settles, without feedback, everything a
-peer that stopped (or restarted under a new epoch) still had in flight, so no
-worker looks busy forever.
+miss), calibrates the worker's speed (the routing carries the uncalibrated
+prediction, the answer the observed TTFT) and, in text mode, teaches the
+characters-per-token estimate (a completion given the prompt's characters and
+token count carries them), so each replica learns from every answer, not from
+its share of them.
+:meth:`Dispatcher.peer_gone` settles, without feedback, everything a peer that
+stopped (or restarted under a new epoch) still had in flight, so no worker
+looks busy forever.
 
 Pure like the rest of ``core``: no I/O, no clock reads (times are arguments),
 no asyncio.
@@ -60,6 +65,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.facts import (
     Fact,
@@ -73,9 +79,10 @@ from prefixrouter.core.facts import (
 )
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.load import InflightLedger, WorkerLoad
-from prefixrouter.core.policy import Outcome, RoutingContext
+from prefixrouter.core.policy import CandidateScore, Outcome, RoutingContext
 from prefixrouter.core.router import Decision, Router
 from prefixrouter.core.types import (
+    BlockHash,
     CacheNamespace,
     RequestId,
     RoutingRequest,
@@ -98,6 +105,11 @@ def _routed_fact(decision: Decision) -> RoutedFact:
     ctx = decision.context
     request, blocks = ctx.request, ctx.blocks
     ns = request.namespace
+    chosen = decision.chosen
+    terms = chosen.terms if chosen is not None else None
+    # The prediction without this replica's calibration: a peer calibrates
+    # the worker from (this, the observed TTFT) as this replica does.
+    unscaled = terms.ttft_s / terms.scale if terms is not None and terms.scale > 0 else 0.0
     return RoutedFact(
         request_id=request.request_id,
         worker=decision.worker_id,
@@ -111,6 +123,7 @@ def _routed_fact(decision: Decision) -> RoutedFact:
         prompt_tokens=decision.prompt_tokens,
         predicted_cached_tokens=decision.predicted_cached_tokens,
         max_tokens=request.max_tokens,
+        predicted_ttft_s=unscaled,
     )
 
 
@@ -271,9 +284,10 @@ class Dispatcher:
     def hash(self, request: RoutingRequest) -> PromptBlocks:
         """The request's chained block hashes. Changes no state (safe on another thread).
 
-        Text mode reads the learned characters per token, a float that
-        :meth:`observe_prompt_tokens` replaces whole: a read racing an update
-        sees one side of it, a difference of one observation's weight.
+        Text mode reads the learned characters per token (the global float and
+        the per-prefix entries, each of which :meth:`observe_prompt_tokens`
+        replaces whole): a read racing an update sees one side of it, a
+        difference of one observation's weight.
         """
         return self._router.blocks_for(request)
 
@@ -360,18 +374,58 @@ class Dispatcher:
             self._router.on_rejected(admission.decision, now)
             self._record_settled(admission, Settlement.REJECTED, 0)
 
-    def complete(self, admission: Admission, outcome: Outcome, now: float) -> bool:
+    def complete(
+        self,
+        admission: Admission,
+        outcome: Outcome,
+        now: float,
+        *,
+        prompt_chars: int = 0,
+        prompt_tokens: int = 0,
+    ) -> bool:
         """Feed back the engine's answer. Returns True if it was a cache miss.
 
         ``Outcome(0, ttft, ok=False)`` is an answer without a report of reuse
         (or a failure after the engine may have prefilled): the routing stays,
         nothing is confirmed or corrected.
+
+        ``prompt_chars`` and ``prompt_tokens`` (text mode, both > 0): the
+        prompt's characters and the engine's count of its tokens. They teach
+        the characters-per-token estimate first (:meth:`observe_prompt_tokens`,
+        the global one and that of the prompt's prefix), so the engine's
+        cached tokens are converted into chunks at what this answer taught:
+        a request routed before its prefix's first answer (at the prior) was
+        predicted in tokens of the wrong size, and its shortfall is no miss of
+        the engine. They also travel in the recorded fact, so peers learn from
+        this answer too: each replica of N otherwise learns from 1/N of the
+        answers. The observation is kept even when the routing was settled
+        already or its worker removed (the engine's count stands).
         """
+        observed = prompt_chars > 0 and prompt_tokens > 0
+        if observed:
+            self.observe_prompt_tokens(prompt_chars, prompt_tokens, admission)
         if not self._settle(admission):
             return False
-        miss = self._router.on_completed(admission.decision, outcome, now)
+        router = self._router
+        block_tokens = None
+        if self.mode == "text" and admission.blocks.hashes:
+            # The chunks at what the estimate knows now (see above).
+            hasher = router.hasher
+            block_tokens = hasher.chunk_chars / hasher.estimator.for_prefix(admission.blocks.hashes)
+        miss = router.on_completed(admission.decision, outcome, now, block_tokens)
         settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
-        self._record_settled(admission, settlement, outcome.actual_cached_tokens)
+        if self._outbox is not None and not admission.origin:
+            ttft = outcome.ttft_s
+            self._record(
+                SettledFact(
+                    admission.request.request_id,
+                    settlement,
+                    outcome.actual_cached_tokens,
+                    prompt_chars if observed else 0,
+                    prompt_tokens if observed else 0,
+                    ttft if ttft is not None and ttft >= 0 else -1.0,
+                )
+            )
         return miss
 
     def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
@@ -497,7 +551,14 @@ class Dispatcher:
             self.reject(admission, now)
         else:
             ok = fact.settlement is Settlement.COMPLETED
-            self.complete(admission, Outcome(fact.actual_cached_tokens, None, ok=ok), now)
+            ttft = fact.ttft_s if fact.ttft_s >= 0 else None
+            self.complete(
+                admission,
+                Outcome(fact.actual_cached_tokens, ttft, ok=ok),
+                now,
+                prompt_chars=fact.prompt_chars,
+                prompt_tokens=fact.prompt_tokens,
+            )
         return True
 
     def _apply_peer_routed(self, origin: str, fact: RoutedFact, now: float) -> bool:
@@ -529,6 +590,13 @@ class Dispatcher:
         router = self._router
         blocks = PromptBlocks(fact.hashes, fact.block_tokens, fact.prompt_tokens)
         ctx = RoutingContext(request, blocks, {}, now, fact.prefix_key, router.cost, router.index)
+        # The chosen worker's record carries only the peer's uncalibrated
+        # prediction (scale 1): on completion, Router.on_completed calibrates
+        # the worker from it and the observed TTFT, as the peer did.
+        candidates: tuple[CandidateScore, ...] = ()
+        if fact.predicted_ttft_s > 0:
+            terms = CostTerms(fact.predicted_ttft_s, 0.0, 0.0, 0.0, 0.0)
+            candidates = (CandidateScore(fact.worker, terms=terms),)
         decision = Decision(
             request_id=request_id,
             namespace=namespace.key,
@@ -540,7 +608,7 @@ class Dispatcher:
             reason=f"routed by {origin}",
             predicted_cached_tokens=fact.predicted_cached_tokens,
             prompt_tokens=fact.prompt_tokens,
-            candidates=(),
+            candidates=candidates,
             filtered={},
             warm_abandoned=False,
             now=now,
@@ -606,12 +674,21 @@ class Dispatcher:
         """
         return self._router.index.demote_events(worker, now)
 
-    def observe_prompt_tokens(self, chars: int, prompt_tokens: int) -> None:
+    def observe_prompt_tokens(
+        self, chars: int, prompt_tokens: int, admission: Admission | None = None
+    ) -> None:
         """The engine counted ``prompt_tokens`` for a prompt of ``chars`` characters.
 
-        Teaches text mode's characters-per-token estimate.
+        Teaches text mode's characters-per-token estimate: the global one and,
+        given the text-mode ``admission`` the answer is for, that of each
+        prefix anchor of its chunks (:class:`~prefixrouter.core.hashing.TokenEstimator`),
+        so the next request for the same document converts its matched chunks
+        at the document's own ratio.
         """
-        self._router.hasher.estimator.observe(chars, prompt_tokens)
+        hashes: tuple[BlockHash, ...] = ()
+        if admission is not None and admission.request.tokens is None:  # text mode's chunks
+            hashes = admission.blocks.hashes
+        self._router.hasher.estimator.observe(chars, prompt_tokens, hashes)
 
     def set_block_size(self, block_size: int) -> None:
         """Hash token-mode prompts in ``block_size``-token blocks (the engine's)."""

@@ -10,7 +10,10 @@ appends one to its outbox for every change a peer needs to mirror:
   tokens it will prefill, the output it may decode);
 * :class:`FirstTokenFact`: its prefill is done (it decodes now);
 * :class:`SettledFact`: its answer (cached tokens reported, or a rejection,
-  which takes the routing back);
+  which takes the routing back; the observed TTFT, and in text mode the
+  prompt's characters and the engine's token count, from which every replica
+  calibrates the worker's speed and learns characters per token as one router
+  would from all the answers);
 * :class:`WorkerFact`: a worker stopped answering or restarted empty.
 
 A peer applies them with :meth:`Dispatcher.apply_peer
@@ -75,6 +78,10 @@ class RoutedFact:
         prompt_tokens: Prompt length in tokens.
         predicted_cached_tokens: What the origin expected the worker to reuse.
         max_tokens: Output tokens it may decode.
+        predicted_ttft_s: The cost model's TTFT for the worker with the
+            calibration divided out (0: the policy does not use the cost
+            model). With the answer's TTFT it is the calibration sample a
+            peer folds in, as the origin does.
     """
 
     request_id: RequestId
@@ -87,6 +94,7 @@ class RoutedFact:
     prompt_tokens: int
     predicted_cached_tokens: int
     max_tokens: int
+    predicted_ttft_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +112,17 @@ class SettledFact:
         request_id: The routed request's id.
         settlement: Completed (reuse reported), unreported, or rejected.
         actual_cached_tokens: The engine's reported reuse (``COMPLETED`` only).
+        prompt_chars: Text mode: the prompt's characters (0: no observation).
+        prompt_tokens: Text mode: the engine's count of the prompt's tokens.
+        ttft_s: The observed time to first token (-1: not measured).
     """
 
     request_id: RequestId
     settlement: Settlement
     actual_cached_tokens: int
+    prompt_chars: int = 0
+    prompt_tokens: int = 0
+    ttft_s: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)

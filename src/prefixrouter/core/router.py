@@ -165,7 +165,9 @@ class Router:
         hasher: Block hashing settings (block size, text chunk size, estimator).
         index_params: Prefix-index settings.
         cost_params: Cost-model calibration settings.
-        prefix_key_tokens: Depth of the prefix key used for demand and logs.
+        prefix_key_tokens: Depth of the prefix key used for demand and logs
+            (text mode: as many characters as they take at the estimator's
+            prior, fixed, so a prefix keeps its key while the estimate learns).
     """
 
     def __init__(
@@ -267,17 +269,37 @@ class Router:
             self.index.withdraw(decision.worker_id, placed)
         self.policy.on_rejected(ctx, decision.worker_id)
 
-    def on_completed(self, decision: Decision, outcome: Outcome, now: float) -> bool:
-        """Feed back what the engine reported. Returns True if it was a cache miss."""
+    def on_completed(
+        self,
+        decision: Decision,
+        outcome: Outcome,
+        now: float,
+        block_tokens: float | None = None,
+    ) -> bool:
+        """Feed back what the engine reported. Returns True if it was a cache miss.
+
+        ``block_tokens``: tokens one of the request's blocks stands for as
+        known now, if that differs from the decision's (text mode: the
+        estimate may have learned since). The engine's cached tokens are then
+        converted into blocks at it, and the prediction (made in the
+        decision's units) is rescaled to match, so a shortfall that is only
+        the decision's wrong estimate is not taken for a miss.
+        """
         ctx = decision.context
         decision.placed = None  # finished: not withdrawn any more (and frees the entries)
         miss = False
         if outcome.ok:
+            then = ctx.blocks.block_tokens
+            predicted = decision.predicted_cached_tokens
+            if block_tokens is None or block_tokens == then:
+                block_tokens = then
+            else:
+                predicted = int(predicted * block_tokens / then)
             miss = self.index.on_completed(
                 decision.worker_id,
                 ctx.blocks.hashes,
-                ctx.blocks.block_tokens,
-                decision.predicted_cached_tokens,
+                block_tokens,
+                predicted,
                 outcome.actual_cached_tokens,
                 now,
                 decision.now,
@@ -322,8 +344,14 @@ class Router:
         if not hashes:
             return f"{request.namespace.seed:016x}"
         # The block at depth max(1, prefix_key_tokens / block) or the last one,
-        # with the min/max written out (this runs on every request).
-        depth = int(self.prefix_key_tokens // blocks.block_tokens)
-        depth = depth if depth > 1 else 1
+        # with the min/max written out (this runs on every request). In text
+        # mode the depth is a fixed number of characters (the estimator's
+        # prior): at the moving estimate a document got a new key each time
+        # the estimate crossed a chunk.
+        if request.tokens is None:
+            depth = self.hasher.text_key_blocks(self.prefix_key_tokens)
+        else:
+            depth = int(self.prefix_key_tokens // blocks.block_tokens)
+            depth = depth if depth > 1 else 1
         n = len(hashes)
         return f"{hashes[(n if n < depth else depth) - 1]:016x}"

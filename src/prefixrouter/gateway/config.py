@@ -287,7 +287,9 @@ class RoutingConfig(_Model):
         tokenizer: Tokenizer JSON file or folder (token mode); None = the project's own.
         chunk_chars: Characters per block in text mode.
         block_size: Tokens per block in token mode; None = the engines' (default 16).
-        chars_per_token: Starting estimate in text mode (learned from usage).
+        chars_per_token: Starting estimate in text mode, until the first answer
+            (then learned from usage, globally and per prefix); it also fixes the
+            text-mode prefix key's depth, ``prefix_key_tokens`` at this estimate.
         template_version: Part of the cache namespace: bump when the prompt template changes.
         tokenizer_revision: Part of the cache namespace.
         prefix_key_tokens: Depth of the prefix key in decisions and metrics.

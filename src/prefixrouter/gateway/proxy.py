@@ -582,32 +582,38 @@ class Proxy:
             st.registry.mark_suspect(worker, att.error or "stalled")
         prompt, cached = usage_figures(att.usage)
         ok = att.ok
+        # Text mode: the engine's token count for the prompt's characters
+        # teaches characters per token (first, inside complete(), which then
+        # converts the cached tokens at the estimate; and peers learn it too).
+        chars, tokens = (built.text_chars, prompt) if ok and prompt and built.text_chars else (0, 0)
         # A removed worker's admission settles without feedback (the dispatcher
         # knows); its prefix is not noted as served either.
         if ok and cached is not None:
-            miss = dispatch.complete(adm, Outcome(cached, att.ttft_s, True), now)
+            answer = Outcome(cached, att.ttft_s, True)
+            miss = dispatch.complete(adm, answer, now, prompt_chars=chars, prompt_tokens=tokens)
             if not worker.removed:
                 last = st.note_served(worker.id, decision.prefix_key, now)
                 if miss and last is not None:
                     st.metrics.eviction_observed(now - last)
         elif att.no_prefill:
+            if chars:
+                dispatch.observe_prompt_tokens(chars, tokens, adm)
             dispatch.reject(adm, now)
         else:
             # No report of reuse (or a failure): nothing to confirm or correct.
-            dispatch.complete(adm, Outcome(0, att.ttft_s, ok=False), now)
-        if ok and prompt:
-            if built.text_chars:
-                dispatch.observe_prompt_tokens(built.text_chars, prompt)
-            if cached is not None:
-                st.metrics.usage(
-                    built.model,
-                    worker.config.pool,
-                    decision.prefix_class,
-                    prompt,
-                    cached,
-                    decision.predicted_cached_tokens,
-                    att.ttft_s,
-                )
+            dispatch.complete(
+                adm, Outcome(0, att.ttft_s, ok=False), now, prompt_chars=chars, prompt_tokens=tokens
+            )
+        if ok and prompt and cached is not None:
+            st.metrics.usage(
+                built.model,
+                worker.config.pool,
+                decision.prefix_class,
+                prompt,
+                cached,
+                decision.predicted_cached_tokens,
+                att.ttft_s,
+            )
         st.metrics.request_done(worker.id, decision.tier, att.status)
         self._log(
             built,

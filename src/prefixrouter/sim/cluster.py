@@ -28,16 +28,36 @@ The gateway drives the same dispatcher with the same calls.
   request path (character chunks of the rendered ChatML, the gateway's
   defaults: 256-character chunks, 4.0 characters per token to start,
   131,072 prompt tokens hashed at most), and each completion teaches the
-  characters-per-token estimate with the engine's ``prompt_tokens``
-  (``Dispatcher.observe_prompt_tokens``, as the gateway's proxy does). The
+  characters-per-token estimate, global and of the prompt's prefixes, with the
+  engine's ``prompt_tokens`` (``Dispatcher.complete``'s ``prompt_chars``, as
+  the gateway's proxy does). The
   engine keeps its exact token-level model: it hashes the token ids in its
   own blocks. KV events are token blocks, which text-mode hashes never
   match, so a text-mode run refuses ``kv_events``.
 
+**Several router replicas** (:attr:`ClusterConfig.routers`), as gateway
+replicas behind a Kubernetes Service: each replica is its own
+:class:`~prefixrouter.core.dispatch.Dispatcher` (its own index, policy state,
+in-flight ledger, workers' speed calibration and, in text mode,
+characters-per-token estimate), and arrivals go to them round robin. A
+replica sees the engines as the single router does (its own worker views and
+capacity mirror on its own arrivals; every engine's KV events when the run
+has them) and the first tokens and completions of its own requests only.
+With sync on, every replica records its routing facts
+(:mod:`prefixrouter.core.facts`); after each dispatcher call the caller
+drains them, and one event at ``now + sync_lag`` hands the batch to every
+other replica's ``apply_peer``, in the order recorded (the facts are shared
+values, never copied). A peer's answer carries its TTFT and, in text mode,
+the prompt's characters and token count, so each replica calibrates and
+learns characters per token from every answer, as one router does. With
+sync off nothing is delivered: each replica learns placement, load and
+calibration from its own share of the traffic only. One replica (the
+default) is the plain simulation, event for event.
+
 The clock is the event heap's: entries are ``(time, kind, sequence, ...)``, so
-simultaneous events run in a fixed order (engine outputs before arrivals) and
-two runs with the same inputs produce identical records. Stale engine wakeups
-are dropped by comparing the engine's ``epoch``.
+simultaneous events run in a fixed order (engine outputs, then peers' facts,
+then arrivals) and two runs with the same inputs produce identical records.
+Stale engine wakeups are dropped by comparing the engine's ``epoch``.
 """
 
 from __future__ import annotations
@@ -47,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from prefixrouter.core.dispatch import Admission, Dispatcher, RoutingMode
+from prefixrouter.core.facts import Fact
 from prefixrouter.core.hashing import (
     DEFAULT_CHARS_PER_TOKEN,
     DEFAULT_CHUNK_CHARS,
@@ -70,7 +91,9 @@ from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.text import TextRenderer, text_routing_request
 from prefixrouter.sim.workload import SimRequest, Workload
 
-_WAKEUP, _ARRIVAL = 0, 1
+# Heap entry kinds, in the order simultaneous events run (arrivals are not on
+# the heap: they run after every heap entry at or before their time).
+_WAKEUP, _FACTS = 0, 1
 
 
 @dataclass(slots=True)
@@ -95,6 +118,7 @@ class RequestRecord:
     completed: float = -1.0
     queue_wait_s: float = 0.0
     kv_wait_s: float = 0.0
+    router: int = 0  # the router replica that admitted it
 
     @property
     def ttft_s(self) -> float:
@@ -131,7 +155,8 @@ class SimRun:
     end_time: float
     kv_events: bool
     decisions_logged: list[dict[str, object]] = field(default_factory=list)
-    chars_per_token: float | None = None  # text mode: the estimate learned by the end
+    chars_per_token: float | None = None  # text mode: router 0's estimate at the end
+    routers: int = 1  # router replicas (RequestRecord.router says which admitted each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +170,9 @@ class ClusterConfig:
         kv_events: Feed the engines' KV events to the router (exact index).
         decision_log: Keep the first N decisions as dicts (for inspection).
         mode: How the router sees prompts: ``token`` ids or ``text`` (module docstring).
+        routers: Router replicas in front of the fleet (arrivals round robin).
+        sync: Deliver each replica's routing facts to the others (``routers > 1``).
+        sync_lag_s: Seconds from a fact's recording to its application at the peers.
     """
 
     workers: int
@@ -153,8 +181,15 @@ class ClusterConfig:
     kv_events: bool = False
     decision_log: int = 0
     mode: RoutingMode = "token"
+    routers: int = 1
+    sync: bool = True
+    sync_lag_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError(f"router replicas must be at least 1, got {self.routers}")
+        if not self.sync_lag_s >= 0.0:  # also refuses NaN
+            raise ValueError(f"sync lag must be >= 0 seconds, got {self.sync_lag_s}")
         if self.mode not in ("text", "token"):
             raise ValueError(f"unknown routing mode {self.mode!r}: expected 'text' or 'token'")
         if self.kv_events and self.mode != "token":
@@ -209,31 +244,51 @@ class Simulation:
         self.mode = config.mode
         self._renderer: TextRenderer | None = None
         if self.mode == "text":
-            hasher = replace(text_hasher(), block_size=block_size)
             self._renderer = renderer or TextRenderer(workload.requests)
-        else:
-            hasher = BlockHasher(block_size=block_size)
-        self.dispatch = Dispatcher(Router(policy, hasher=hasher), self.mode)
+        if config.routers > 1 and not isinstance(policy, str):
+            raise ValueError("several router replicas need the policy by name (one state each)")
+        # Facts are recorded only where they are delivered (sync on, peers to hear them).
+        self._syncing = config.routers > 1 and config.sync
+        # Each replica its own router: its own hasher (text mode's estimator),
+        # cost model, index, policy state and ledger; sync feeds them peers' facts.
+        self.routers = [
+            Dispatcher(Router(policy, hasher=self._hasher()), self.mode, record_facts=self._syncing)
+            for _ in range(config.routers)
+        ]
+        self.dispatch = self.routers[0]
+        self._origins = [f"r{r:02d}@0" for r in range(config.routers)]
         kv_blocks = config.kv_blocks
         self.engines = [
             EngineModel(WorkerId(f"w{i:02d}"), config.profile, kv_blocks, config.kv_events)
             for i in range(config.workers)
         ]
         self._engine_of = {eng.worker_id: i for i, eng in enumerate(self.engines)}
-        self.dispatch.mirror_capacity(self._views())
+        for r, dispatch in enumerate(self.routers):
+            dispatch.mirror_capacity(self._views(r))
         self._on_progress = on_progress
         # One run's state (reset by run()).
         self._records: list[RequestRecord] = []
-        # request id -> (record, admission, prompt characters in text mode)
-        self._by_id: dict[str, tuple[RequestRecord, Admission, int]] = {}
+        # request id -> (record, admission, prompt characters in text mode, router)
+        self._by_id: dict[str, tuple[RequestRecord, Admission, int, int]] = {}
         self._logged: list[dict[str, object]] = []
         self._done = 0
-        self._heap: list[tuple[float, int, int, int, int]] = []  # time, kind, seq, engine, epoch
+        # time, kind, seq, engine (wakeup) or origin router (facts), engine epoch (wakeup)
+        self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
+        self._now = 0.0
+        # seq of a _FACTS entry -> the facts it delivers (shared by every peer, not copied)
+        self._batches: dict[int, list[Fact]] = {}
 
-    def _views(self) -> list[WorkerView]:
+    def _hasher(self) -> BlockHasher:
+        block_size = self.config.profile.block_size
+        if self.mode == "text":
+            return replace(text_hasher(), block_size=block_size)
+        return BlockHasher(block_size=block_size)
+
+    def _views(self, router: int) -> list[WorkerView]:
+        """Router ``router``'s snapshot of every engine (its own ledger's figures filled)."""
         prof = self.config.profile
-        fill = self.dispatch.fill
+        fill = self.routers[router].fill
         return [
             fill(
                 WorkerView(
@@ -251,30 +306,38 @@ class Simulation:
     def run(self) -> SimRun:
         """Simulate until every request has completed.
 
-        The event loop: the earliest engine wakeup runs first unless an
-        arrival comes before it (a tie goes to the engine); a wakeup whose
-        ``epoch`` is stale is dropped.
+        The event loop: the earliest heap entry (an engine wakeup, or a batch
+        of peers' facts) runs first unless an arrival comes before it (a tie
+        goes to the heap); a wakeup whose ``epoch`` is stale is dropped.
+        Arrival ``k`` goes to router replica ``k mod routers``.
         """
         requests = self.workload.requests
         self._records, self._by_id, self._logged, self._done = [], {}, [], 0
         heap = self._heap = []
+        self._batches = {}
         self._seq = 0
-        now = 0.0
+        now = self._now = 0.0
         next_arrival = 0
+        routers = len(self.routers)
         while next_arrival < len(requests) or heap:
             if heap and (
                 next_arrival >= len(requests) or heap[0][0] <= requests[next_arrival].arrival
             ):
-                now, _, _, i, epoch = heapq.heappop(heap)
+                now, kind, seq, i, epoch = heapq.heappop(heap)
+                self._now = now
+                if kind == _FACTS:
+                    self._deliver(i, self._batches.pop(seq), now)
+                    continue
                 eng = self.engines[i]
                 if epoch == eng.epoch:
                     self._outputs(eng.advance(now))
                     self._schedule(i)
                 continue
             sreq = requests[next_arrival]
+            router = next_arrival % routers
             next_arrival += 1
-            now = sreq.arrival
-            self._arrive(sreq, now)
+            now = self._now = sreq.arrival
+            self._arrive(sreq, now, router)
         kv_events = self.config.kv_events
         cpt = self.dispatch.chars_per_token if self.mode == "text" else None
         return SimRun(
@@ -285,12 +348,40 @@ class Simulation:
             kv_events,
             self._logged,
             cpt,
+            routers,
         )
 
-    def _arrive(self, sreq: SimRequest, now: float) -> None:
-        """An arrival: mirror the KV room, admit the request, hand it to its engine."""
-        dispatch = self.dispatch
-        views = self._views()
+    def _publish(self, router: int, t: float) -> None:
+        """Send what ``router`` just recorded to its peers, to arrive ``sync_lag_s`` after ``t``.
+
+        ``t`` is the time of the dispatcher call; an engine's outputs can be
+        timed inside the step just simulated, so the delivery is never before
+        the simulated clock (the heap does not run the past).
+        """
+        if not self._syncing:
+            return
+        facts = self.routers[router].drain_facts()
+        if not facts:
+            return
+        self._seq += 1
+        self._batches[self._seq] = facts
+        at = max(t + self.config.sync_lag_s, self._now)
+        heapq.heappush(self._heap, (at, _FACTS, self._seq, router, 0))
+
+    def _deliver(self, origin: int, facts: list[Fact], now: float) -> None:
+        """Every replica but ``origin`` applies ``origin``'s facts, in the order recorded."""
+        name = self._origins[origin]
+        for r, dispatch in enumerate(self.routers):
+            if r == origin:
+                continue
+            apply = dispatch.apply_peer
+            for fact in facts:
+                apply(name, fact, now)
+
+    def _arrive(self, sreq: SimRequest, now: float, router: int = 0) -> None:
+        """An arrival at ``router``: mirror the KV room, admit the request, hand it on."""
+        dispatch = self.routers[router]
+        views = self._views(router)
         dispatch.mirror_capacity(views)
         renderer = self._renderer
         if renderer is None:  # token mode: the engine shares the router's hashes
@@ -304,6 +395,7 @@ class Simulation:
             engine_hashes = hash_token_blocks(
                 sreq.namespace.seed, sreq.tokens(), self.config.profile.block_size
             )
+        self._publish(router, now)
         decision = adm.decision
         if len(self._logged) < self.config.decision_log:
             self._logged.append(decision.to_dict())
@@ -318,9 +410,10 @@ class Simulation:
             tier=decision.tier,
             warm_abandoned=decision.warm_abandoned,
             predicted_cached_tokens=decision.predicted_cached_tokens,
+            router=router,
         )
         self._records.append(rec)
-        self._by_id[sreq.request_id] = (rec, adm, chars)
+        self._by_id[sreq.request_id] = (rec, adm, chars, router)
         i = self._engine_of[decision.worker_id]
         # Wakeups at or before `now` were processed first (heap order), as
         # EngineModel.submit requires.
@@ -330,27 +423,42 @@ class Simulation:
         self._schedule(i)
 
     def _outputs(self, outputs: list[EngineOutput]) -> None:
-        """An engine step's outputs: first tokens and completions fed back, KV events applied."""
-        dispatch = self.dispatch
+        """An engine step's outputs: first tokens and completions fed back, KV events applied.
+
+        A request's first token and completion go to the replica that admitted
+        it (it proxies the answer); KV events to every replica (each
+        subscribes to every engine).
+        """
+        routers = self.routers
         for out in outputs:
             if isinstance(out, FirstToken):
-                rec, adm, _ = self._by_id[out.request_id]
+                rec, adm, _, r = self._by_id[out.request_id]
                 rec.first_token = out.time
                 rec.cached_tokens = out.cached_tokens
                 rec.queue_wait_s = out.queue_wait_s
                 rec.kv_wait_s = out.kv_wait_s
-                dispatch.first_token(adm)
+                routers[r].first_token(adm)
+                self._publish(r, out.time)
             elif isinstance(out, Completed):
-                rec, adm, chars = self._by_id.pop(out.request_id)
+                rec, adm, chars, r = self._by_id.pop(out.request_id)
                 rec.completed = out.time
-                dispatch.complete(adm, Outcome(rec.cached_tokens, rec.ttft_s), out.time)
-                if chars:  # text mode learns characters per token, as the gateway does
-                    dispatch.observe_prompt_tokens(chars, rec.prompt_tokens)
+                # Text mode learns characters per token from the engine's
+                # count, as the gateway does (chars is 0 in token mode); the
+                # settled fact carries the observation to the peers.
+                routers[r].complete(
+                    adm,
+                    Outcome(rec.cached_tokens, rec.ttft_s),
+                    out.time,
+                    prompt_chars=chars,
+                    prompt_tokens=rec.prompt_tokens,
+                )
+                self._publish(r, out.time)
                 self._done += 1
                 if self._on_progress is not None:
                     self._on_progress(self._done)
             elif isinstance(out, KvEventOut) and self.config.kv_events:
-                dispatch.apply_event(out.event, out.time)
+                for dispatch in routers:
+                    dispatch.apply_event(out.event, out.time)
 
     def _schedule(self, i: int) -> None:
         """Push engine ``i``'s next wakeup (if it has one) on the event heap."""

@@ -3,6 +3,7 @@
 Left: the empirical CDF of time to first token per policy (log time axis), so
 both the body and the tail are visible. Right: prefill tokens per policy
 against the lower bound (the bound no router can beat), as horizontal bars.
+A router-replica sweep has its own figure (:func:`plot_replica_sweep`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,58 @@ def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> N
     load = report.get("load")
     where = f"load {load:.2f}" if load is not None else "trace times"
     fig.suptitle(f"{report['scenario']}: {report['workers']} workers, {where}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_replica_sweep(rows: Sequence[dict[str, Any]], title: str, path: Path) -> None:
+    """Write a two-panel PNG of a router-replica sweep on one scenario.
+
+    ``rows``: one per run, with ``routers``, ``sync``, ``lag_ms``,
+    ``cached_share`` and ``ttft_ms`` (``mean``). Left: cached share against
+    the number of router replicas; right: mean TTFT (log axis). One line per
+    sync lag with sync on (darker: longer lag), one dashed red line without
+    sync (it has no lag); every line starts at the one-router run.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    one = [r for r in rows if r["routers"] == 1]
+    lags = sorted({r["lag_ms"] for r in rows if r["routers"] > 1 and r["sync"]})
+    lines: list[tuple[str, dict[str, object], list[dict[str, Any]]]] = []
+    cmap = plt.get_cmap("viridis")
+    for k, lag in enumerate(lags):
+        runs = [r for r in rows if r["routers"] > 1 and r["sync"] and r["lag_ms"] == lag]
+        color = cmap(0.85 * (1 - k / max(1, len(lags) - 1)))
+        lines.append((f"sync, {lag:g} ms lag", {"color": color, "marker": "o"}, one + runs))
+    off = [r for r in rows if r["routers"] > 1 and not r["sync"]]
+    if off:
+        style = {"color": "tab:red", "linestyle": "--", "marker": "x", "linewidth": 2.0}
+        lines.append(("no sync", style, one + off))
+
+    fig, (ax_share, ax_ttft) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for label, style, runs in lines:
+        runs = sorted(runs, key=lambda r: r["routers"])
+        xs = [r["routers"] for r in runs]
+        ax_share.plot(xs, [100 * r["cached_share"] for r in runs], label=label, **style)
+        ax_ttft.plot(xs, [r["ttft_ms"]["mean"] for r in runs], label=label, **style)
+    for ax in (ax_share, ax_ttft):
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["routers"] for r in rows})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("router replicas (arrivals round robin)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_share.set_ylabel("cached share of prompt tokens (%)")
+    ax_share.set_title("Cached share")
+    ax_ttft.set_yscale("log")
+    ax_ttft.set_ylabel("mean time to first token (ms, log)")
+    ax_ttft.set_title("Mean TTFT")
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

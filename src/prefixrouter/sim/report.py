@@ -12,7 +12,10 @@ For each run (one policy on one workload and fleet):
   ``eviction_mean_age_s`` how long they had been unused;
 * ``kv_wait_ms_total``: time requests waited for KV memory before admission;
 * ``load_imbalance``: max over mean of per-worker busy time (1 = perfectly even);
-* ``warm_abandoned``: requests that left a warm worker because of the wait limit.
+* ``warm_abandoned``: requests that left a warm worker because of the wait limit;
+* ``replicas`` (runs with several router replicas only): per replica, the
+  requests it admitted, their cached share (cached over prompt tokens) and
+  their TTFT mean and p99; the figures above are the pooled ones.
 
 :func:`lower_bound_prefill_tokens` is the bound no router can beat: every
 request must prefill at least the tokens after the longest prefix that *some*
@@ -27,7 +30,7 @@ from typing import Any
 
 from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.types import BlockHash
-from prefixrouter.sim.cluster import SimRun
+from prefixrouter.sim.cluster import RequestRecord, SimRun
 from prefixrouter.sim.workload import Workload
 from prefixrouter.stats import percentiles
 
@@ -100,4 +103,33 @@ def summarize(run: SimRun) -> dict[str, Any]:
     }
     if run.chars_per_token is not None:  # text mode only: token-mode reports keep their keys
         out["chars_per_token"] = round(run.chars_per_token, 4)
+    if run.routers > 1:  # one router's reports keep their keys
+        out["replicas"] = replica_figures(run)
+    return out
+
+
+def cached_share(cached_tokens: int, prompt_tokens: int) -> float:
+    """Cached over prompt tokens (0 when there were none), rounded to 4 decimals."""
+    return round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0
+
+
+def replica_figures(run: SimRun) -> list[dict[str, Any]]:
+    """Per router replica: requests admitted, cached share, TTFT mean and p99 (ms)."""
+    done: list[list[RequestRecord]] = [[] for _ in range(run.routers)]
+    prompt = [0] * run.routers
+    for r in run.records:
+        prompt[r.router] += r.prompt_tokens
+        if r.completed >= 0:
+            done[r.router].append(r)
+    out: list[dict[str, Any]] = []
+    for k, recs in enumerate(done):
+        t = percentiles(r.ttft_s * 1e3 for r in recs)
+        out.append(
+            {
+                "replica": f"r{k:02d}",
+                "requests": sum(1 for r in run.records if r.router == k),
+                "cached_share": cached_share(sum(r.cached_tokens for r in recs), prompt[k]),
+                "ttft_ms": {"mean": t["mean"], "p99": t["p99"]},
+            }
+        )
     return out

@@ -52,6 +52,28 @@ def capacity_rps(workload: Workload, profile: EngineProfile, workers: int) -> fl
 
 
 @dataclass(frozen=True, slots=True)
+class Replicas:
+    """Router replicas in front of the fleet (see :mod:`prefixrouter.sim.cluster`).
+
+    Attributes:
+        routers: How many (arrivals go to them round robin).
+        sync: Deliver each replica's routing facts to the others.
+        lag_s: Seconds from a fact's recording to its application at the peers.
+    """
+
+    routers: int = 1
+    sync: bool = True
+    lag_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report's ``replicas`` field."""
+        return {"routers": self.routers, "sync": self.sync, "sync_lag_ms": self.lag_s * 1e3}
+
+
+ONE_ROUTER = Replicas()
+
+
+@dataclass(frozen=True, slots=True)
 class RunPlan:
     """One scenario at one load on one fleet, for every policy in ``policies``."""
 
@@ -64,6 +86,7 @@ class RunPlan:
     load: float | None
     kv_events: bool = False
     mode: RoutingMode = "token"
+    replicas: Replicas = ONE_ROUTER
 
 
 def plan(
@@ -77,16 +100,23 @@ def plan(
     rate: float | None = None,
     kv_events: bool = False,
     mode: RoutingMode = "token",
+    replicas: Replicas = ONE_ROUTER,
 ) -> RunPlan:
-    """Resolve defaults and the arrival rate; returns the plan with a scaled workload."""
+    """Resolve defaults and the arrival rate; returns the plan with a scaled workload.
+
+    ``replicas`` does not change the rate: the load is the engines' (the
+    same fleet, whatever number of routers spreads the traffic over it).
+    """
     n = workers or workload.default_workers
     kv = kv_blocks if kv_blocks is not None else workload.default_kv_blocks
-    ClusterConfig(n, profile, kv, kv_events, mode=mode)  # fail early on a bad mode
+    _config(n, profile, kv, kv_events, mode, replicas)  # fail early on a bad mode or replicas
     for name in policies:
         create_policy(name)  # fail early, naming the policy
     if workload.fixed_times:
         if load is None and rate is None:
-            return RunPlan(workload, profile, n, kv, policies, None, None, kv_events, mode)
+            return RunPlan(
+                workload, profile, n, kv, policies, None, None, kv_events, mode, replicas
+            )
         # A trace keeps its own burstiness; only its clock is stretched so its
         # mean rate is the one asked for.
         if rate is None:
@@ -105,11 +135,34 @@ def plan(
             load,
             kv_events,
             mode,
+            replicas,
         )
     if rate is None:
         load = 0.6 if load is None else load
         rate = load * capacity_rps(workload, profile, n)
-    return RunPlan(workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode)
+    return RunPlan(
+        workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode, replicas
+    )
+
+
+def _config(
+    workers: int,
+    profile: EngineProfile,
+    kv_blocks: int | None,
+    kv_events: bool,
+    mode: RoutingMode,
+    replicas: Replicas,
+) -> ClusterConfig:
+    return ClusterConfig(
+        workers,
+        profile,
+        kv_blocks,
+        kv_events,
+        mode=mode,
+        routers=replicas.routers,
+        sync=replicas.sync,
+        sync_lag_s=replicas.lag_s,
+    )
 
 
 def run_plan(
@@ -121,7 +174,7 @@ def run_plan(
     """Simulate every policy of the plan; returns their summaries and raw runs."""
     results: list[dict[str, Any]] = []
     runs: list[SimRun] = []
-    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, p.kv_events, mode=p.mode)
+    config = _config(p.workers, p.profile, p.kv_blocks, p.kv_events, p.mode, p.replicas)
     # Text mode: one renderer for every policy, so each shared segment is rendered once.
     renderer = TextRenderer(p.workload.requests) if p.mode == "text" else None
     for name in p.policies:
