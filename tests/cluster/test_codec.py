@@ -36,11 +36,20 @@ routed = st.builds(
     prompt_tokens=u32,
     predicted_cached_tokens=u32,
     max_tokens=u32,
+    predicted_ttft_s=st.floats(allow_nan=False, allow_infinity=False),
 )
 facts: st.SearchStrategy[Fact] = st.one_of(
     routed,
     st.builds(FirstTokenFact, text.map(RequestId)),
-    st.builds(SettledFact, text.map(RequestId), st.sampled_from(Settlement), u32),
+    st.builds(
+        SettledFact,
+        text.map(RequestId),
+        st.sampled_from(Settlement),
+        u32,
+        u32,
+        u32,
+        st.floats(allow_nan=False, allow_infinity=False),
+    ),
     st.builds(WorkerFact, text.map(WorkerId), st.sampled_from(WorkerChange)),
 )
 
@@ -75,7 +84,7 @@ def test_a_batch_of_one_namespace_writes_its_strings_once() -> None:
     ten = encode_facts([_routed(i) for i in range(10)])[0]
     # Each further routing costs its fixed record, its hashes and its own request id only.
     per_fact = (len(ten) - len(one)) / 9
-    assert per_fact < 1 + 18 + 8 + 16 + 3 * 8 + 2 + 3, per_fact
+    assert per_fact < 1 + 18 + 8 + 16 + 8 + 3 * 8 + 2 + 3, per_fact
 
 
 def test_the_byte_budget_splits_a_batch_and_an_oversized_fact_goes_alone() -> None:

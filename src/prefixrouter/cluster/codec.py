@@ -19,10 +19,11 @@ Layout (little-endian)::
     fact    := u8 tag, then by tag:
       ROUTED   u16 request_id, u16 worker, u16 * 5 namespace fields, u16 model,
                u16 prefix_key, f64 block_tokens, u32 prompt_tokens,
-               u32 predicted_cached_tokens, u32 max_tokens, u32 n_hashes,
-               u64 * n_hashes
+               u32 predicted_cached_tokens, u32 max_tokens, f64 predicted_ttft_s,
+               u32 n_hashes, u64 * n_hashes
       FIRST    u16 request_id
-      SETTLED  u16 request_id, u8 settlement, u32 actual_cached_tokens
+      SETTLED  u16 request_id, u8 settlement, u32 actual_cached_tokens,
+               u32 prompt_chars, u32 prompt_tokens, f64 ttft_s
       WORKER   u16 worker, u8 change
 
 The envelope (who sent it, when, under which configuration) is
@@ -57,9 +58,9 @@ TAG_ROUTED, TAG_FIRST, TAG_SETTLED, TAG_WORKER = 1, 2, 3, 4
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_ROUTED = struct.Struct("<B9HdIIII")
+_ROUTED = struct.Struct("<B9HdIIIdI")
 _FIRST = struct.Struct("<BH")
-_SETTLED = struct.Struct("<BHBI")
+_SETTLED = struct.Struct("<BHBIIId")
 _WORKER = struct.Struct("<BHB")
 _MAX_STRINGS = 0xFFFF
 _MAX_NAMESPACES = 1024  # the decoder's cache of namespace fields (cleared when full)
@@ -122,6 +123,7 @@ class _Batch:
                 _u32(fact.prompt_tokens),
                 _u32(fact.predicted_cached_tokens),
                 _u32(fact.max_tokens),
+                fact.predicted_ttft_s,
                 len(fact.hashes),
             )
             hashes = array("Q", fact.hashes)
@@ -140,6 +142,9 @@ class _Batch:
                 s(fact.request_id),
                 int(fact.settlement),
                 _u32(fact.actual_cached_tokens),
+                _u32(fact.prompt_chars),
+                _u32(fact.prompt_tokens),
+                fact.ttft_s,
             )
             self.parts.append(rec)
             self.size += _SETTLED.size
@@ -171,7 +176,10 @@ def encode_facts(facts: Iterable[Fact], max_bytes: int = DEFAULT_MAX_BYTES) -> l
     for fact in facts:
         # A fact's records (its strings are not counted: short, and often written already);
         # nine strings at most per fact: a new message before the table can overflow.
-        need = _ROUTED.size + 8 * len(fact.hashes) if isinstance(fact, RoutedFact) else 8
+        if isinstance(fact, RoutedFact):
+            need = _ROUTED.size + 8 * len(fact.hashes)
+        else:
+            need = _SETTLED.size  # the largest of the other records
         full = batch.size + need > max_bytes or len(batch.strings) > _MAX_STRINGS - 9
         if batch.facts and full:
             out.append(batch.bytes())
@@ -241,7 +249,7 @@ def _decode(view: memoryview) -> list[Fact]:
     for _ in range(n_facts):
         tag = view[pos]
         if tag == TAG_ROUTED:
-            (_, rid, worker, mr, tr, ad, tv, te, model, pk, bt, pt, pc, mt, nh) = (
+            (_, rid, worker, mr, tr, ad, tv, te, model, pk, bt, pt, pc, mt, ttft, nh) = (
                 _ROUTED.unpack_from(view, pos)
             )
             pos += routed_size
@@ -267,6 +275,7 @@ def _decode(view: memoryview) -> list[Fact]:
                     pt,
                     pc,
                     mt,
+                    ttft,
                 )
             )
         elif tag == TAG_FIRST:
@@ -274,9 +283,9 @@ def _decode(view: memoryview) -> list[Fact]:
             pos += _FIRST.size
             append(FirstTokenFact(strings[rid]))
         elif tag == TAG_SETTLED:
-            (_, rid, settlement, cached) = _SETTLED.unpack_from(view, pos)
+            (_, rid, settlement, cached, chars, tokens, ttft) = _SETTLED.unpack_from(view, pos)
             pos += _SETTLED.size
-            append(SettledFact(strings[rid], _SETTLEMENTS[settlement], cached))
+            append(SettledFact(strings[rid], _SETTLEMENTS[settlement], cached, chars, tokens, ttft))
         elif tag == TAG_WORKER:
             (_, worker, change) = _WORKER.unpack_from(view, pos)
             pos += _WORKER.size
