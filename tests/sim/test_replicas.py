@@ -214,3 +214,11 @@ def test_several_replicas_need_the_policy_by_name() -> None:
             ClusterConfig(4, PROFILE, routers=2),
             create_policy("prefix_aware"),
         )
+
+
+def test_replicas_break_near_ties_by_their_own_salts_the_first_as_one_router() -> None:
+    config = ClusterConfig(4, PROFILE, routers=3, sync_lag_s=0.01)
+    sim = Simulation(_two_requests(0.1), config, "prefix_aware")
+    # Distinct salts (so replicas that share a stale view spread their picks);
+    # replica 0's is one router's, so routers=1 stays the plain simulation.
+    assert [d.router.replica_salt for d in sim.routers] == [0, 1, 2]

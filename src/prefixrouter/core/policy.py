@@ -48,6 +48,8 @@ class RoutingContext:
         prefix_key: Hex id of the request's leading prefix (for demand and logs).
         cost: The router's (calibrated) cost model, for policies that predict TTFT.
         index: The shared prefix index, read-only (how full each worker's cache is).
+        replica_salt: The router replica's tie-break salt (``Router(replica_salt=)``;
+            0, one router, keeps the deterministic order).
     """
 
     request: RoutingRequest
@@ -57,6 +59,7 @@ class RoutingContext:
     prefix_key: str
     cost: CostModel
     index: PrefixIndex
+    replica_salt: int = 0
 
 
 @dataclass(slots=True)

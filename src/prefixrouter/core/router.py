@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
+import xxhash
+
 from prefixrouter.core.cost import CostModel, CostParams
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.hashing import BlockHasher, PromptBlocks
@@ -157,6 +159,14 @@ def filter_workers(
     return allowed, removed
 
 
+def replica_salt(replica_id: str) -> int:
+    """A router replica's tie-break salt from its id (``Router(replica_salt=)``; "" -> 0).
+
+    Stable across processes and restarts (xxh3 of the id), distinct per id.
+    """
+    return int(xxhash.xxh3_64_intdigest(replica_id.encode("utf-8"))) if replica_id else 0
+
+
 class Router:
     """The routing core: one per gateway process or simulated cluster.
 
@@ -168,6 +178,10 @@ class Router:
         prefix_key_tokens: Depth of the prefix key used for demand and logs
             (text mode: as many characters as they take at the estimator's
             prior, fixed, so a prefix keeps its key while the estimate learns).
+        replica_salt: This router replica's tie-break salt: replicas that
+            share one view (their peers' routings reach them after a lag) break
+            near-ties by it apart instead of all picking the same worker.
+            0 (one router) keeps the deterministic order.
     """
 
     def __init__(
@@ -177,12 +191,16 @@ class Router:
         index_params: IndexParams | None = None,
         cost_params: CostParams | None = None,
         prefix_key_tokens: int = DEFAULT_PREFIX_KEY_TOKENS,
+        replica_salt: int = 0,
     ) -> None:
         self.policy = create_policy(policy) if isinstance(policy, str) else policy
         self.hasher = hasher or BlockHasher()
         self.index = PrefixIndex(index_params)
         self.cost = CostModel(cost_params)
         self.prefix_key_tokens = prefix_key_tokens
+        # Router replicas that share one (stale) view break near-ties apart:
+        # see prefix_aware.tie_band_picker. 0 is one router's order.
+        self.replica_salt = replica_salt
 
     def blocks_for(self, request: RoutingRequest) -> PromptBlocks:
         """The request's chained block hashes (token mode if it has tokens)."""
@@ -220,7 +238,9 @@ class Router:
             blocks = self.blocks_for(request)
         matches = self.index.match(blocks.hashes, now)
         key = self._prefix_key(request, blocks)
-        ctx = RoutingContext(request, blocks, matches, now, key, self.cost, self.index)
+        ctx = RoutingContext(
+            request, blocks, matches, now, key, self.cost, self.index, self.replica_salt
+        )
         sel = self.policy.select(ctx, allowed)
         # Positional, in field order (each value is named after its field):
         # matching 15 keyword names costs more than the rest of this call.

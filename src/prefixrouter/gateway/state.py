@@ -24,7 +24,7 @@ from prefixrouter.cluster.node import ClusterNode
 from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.hashing import BlockHasher, TokenEstimator
 from prefixrouter.core.policy import create_policy
-from prefixrouter.core.router import Router
+from prefixrouter.core.router import Router, replica_salt
 from prefixrouter.core.types import WorkerId
 from prefixrouter.gateway.cluster_link import build_node
 from prefixrouter.gateway.config import GatewayConfig
@@ -122,8 +122,10 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         max_prompt_tokens=r.max_prompt_tokens,
     )
     policy = create_policy(config.policy.name, config.policy.params)
-    router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens)
     clustered = config.cluster.url is not None
+    # A replica breaks near-ties by its own salt (see Router's replica_salt).
+    salt = replica_salt(config.cluster.replica_id) if clustered else 0
+    router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens, replica_salt=salt)
     # A replica records what its peers must mirror; a lone gateway keeps no outbox.
     dispatch = Dispatcher(router, r.mode, record_facts=clustered)
     registry = WorkerRegistry(config, dispatch, time.monotonic)

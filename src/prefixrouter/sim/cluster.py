@@ -51,8 +51,11 @@ values, never copied). A peer's answer carries its TTFT and, in text mode,
 the prompt's characters and token count, so each replica calibrates and
 learns characters per token from every answer, as one router does. With
 sync off nothing is delivered: each replica learns placement, load and
-calibration from its own share of the traffic only. One replica (the
-default) is the plain simulation, event for event.
+calibration from its own share of the traffic only. Replica ``r`` breaks
+near-ties with ``replica_salt=r`` (the gateway: a salt from its replica id),
+so replicas that route on one view within the lag spread over the workers
+that count as equal instead of piling onto one. One replica (the default,
+salt 0) is the plain simulation, event for event.
 
 The clock is the event heap's: entries are ``(time, kind, sequence, ...)``, so
 simultaneous events run in a fixed order (engine outputs, then peers' facts,
@@ -251,9 +254,15 @@ class Simulation:
         self._syncing = config.routers > 1 and config.sync
         # Each replica its own router: its own hasher (text mode's estimator),
         # cost model, index, policy state and ledger; sync feeds them peers' facts.
+        # Each replica its own tie-break salt (Router's replica_salt); the
+        # first keeps 0, so one router is the plain simulation.
         self.routers = [
-            Dispatcher(Router(policy, hasher=self._hasher()), self.mode, record_facts=self._syncing)
-            for _ in range(config.routers)
+            Dispatcher(
+                Router(policy, hasher=self._hasher(), replica_salt=r),
+                self.mode,
+                record_facts=self._syncing,
+            )
+            for r in range(config.routers)
         ]
         self.dispatch = self.routers[0]
         self._origins = [f"r{r:02d}@0" for r in range(config.routers)]

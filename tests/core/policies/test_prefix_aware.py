@@ -45,6 +45,7 @@ from prefixrouter.core.policies.prefix_aware import (
     warm_margin_rule,
 )
 from prefixrouter.core.policy import CandidateScore
+from prefixrouter.core.router import replica_salt
 from tests.core.conftest import NS, hold, request, tokens, warm, workers
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
@@ -296,6 +297,61 @@ def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
     assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 0
     ws[2] = replace(ws[2], in_flight=1)
     assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 2
+
+
+def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() -> None:
+    cs = [scored(f"w{i}", 1.0 + i / 100, scale=1.0 + i / 20) for i in range(4)]
+    ws = workers(4, in_flight=2)
+    ws[3] = replace(ws[3], in_flight=0)
+    picks = {tie_band_picker(cs, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)}
+    # A draw holding w3 (the fewest in flight) takes it, any other the lower
+    # score of the two drawn: w0 or w1 (w2 loses every pair).
+    assert picks == {0, 1, 3}
+    assert tie_band_picker(cs, ws, range(4), 0.1, 0) == 3  # no salt: the fewest in flight
+    # Two near-equal or fewer: the salt changes nothing.
+    assert {tie_band_picker(cs, ws, [0, 1], 0.1, 0, salt) for salt in range(1, 65)} == {0}
+    # Outside the band the salt changes nothing either.
+    far = [scored("w0", 1.0, scale=1.05), *(scored(f"w{i}", 2.0) for i in (1, 2, 3))]
+    assert {tie_band_picker(far, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)} == {0}
+
+
+def test_replicas_with_one_stale_view_spread_requests_one_router_does_not() -> None:
+    # Four near-equal workers (calibrations 2% apart: the tie band), the same
+    # view on every replica: nothing routed reaches the others within the lag.
+    def replica(salt: int) -> Router:
+        r = Router(replica_salt=salt)
+        for i, w in enumerate(workers(4)):
+            calibrate(r, w.worker_id, 1.0 + i / 50)
+        return r
+
+    ws = workers(4, in_flight=1)
+    one = replica(0)
+    plain = Router()
+    for i, w in enumerate(workers(4)):
+        calibrate(plain, w.worker_id, 1.0 + i / 50)
+    reqs = [request(f"q{k}", tokens(100 + k, 512)) for k in range(16)]
+    # One router (salt 0) is today's order: every request to the same worker.
+    def verdict(d: Decision) -> tuple[str, str, str]:
+        return d.worker_id, d.tier, d.reason
+
+    alone = [verdict(one.route(q, ws, 1.0)) for q in reqs]
+    assert alone == [verdict(plain.route(q, ws, 1.0)) for q in reqs]
+    assert {w for w, _, _ in alone} == {W0}
+    # Sixteen replicas, one request each, on that same view: spread.
+    spread = [replica(k + 1).route(q, ws, 1.0).worker_id for k, q in enumerate(reqs)]
+    # (Equal loads: the lower score of the two drawn, so w0 wins the draws
+    # that hold it, half of them.)
+    assert len(set(spread)) >= 3
+    assert spread.count(W0) <= 3 * len(spread) // 4
+    # A replica's draw is its own: two replicas split one request differently.
+    q = reqs[0]
+    assert len({replica(s).route(q, ws, 1.0).worker_id for s in range(1, 9)}) >= 2
+
+
+def test_replica_salt_of_an_id_is_stable_distinct_and_zero_for_none() -> None:
+    assert replica_salt("") == 0
+    assert replica_salt("gw-a") == replica_salt("gw-a") != replica_salt("gw-b")
+    assert replica_salt("gw-a") != 0
 
 
 def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> None:

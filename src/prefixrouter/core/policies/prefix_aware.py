@@ -35,7 +35,10 @@ pure function whose docstring states its rule:
    share of each worker's slots for requests that follow no cached prefix.
 3. **picker** (:func:`deepest_holders`, :func:`tie_band_picker`): the best
    of the warm workers holding the deepest prefix; scores within the tie band
-   count as equal, and among those the fewest in flight wins.
+   count as equal, and among those the fewest in flight wins (on a router
+   replica, ``Router(replica_salt=)``, the fewer in flight of two of them
+   drawn per request, so replicas that share a stale view do not all pick
+   the same worker; a prefix's rendezvous home stays the same everywhere).
 4. **rules**, in order, each of which may leave the picker's choice:
    :func:`hot_prefix_rule` (warm another replica for a prefix in demand), then,
    when the picker's choice is not the lowest score overall,
@@ -72,6 +75,7 @@ Parameters per output class live in :class:`OutputClassParams`; requests with
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -243,8 +247,9 @@ class PrefixAwarePolicy(Policy):
             return _selection(scored, warm, 0, Choice(best, reason), 0, out)
         # 3. Picker: among the eligible warm workers holding the deepest prefix.
         deepest, holders = deepest_holders(scored, warm_ok)
+        salt = _request_salt(ctx)
         picked = tie_band_picker(
-            scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders)
+            scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders), salt
         )
         # 4. The rules, in order; each may leave the picker's choice.
         held = ctx.matches.get(scored[picked].worker_id)
@@ -291,7 +296,9 @@ class PrefixAwarePolicy(Policy):
         hashes = ctx.blocks.hashes
         if not p.home_by_hash or not hashes or hashes[0] not in self._demand:
             # None is warm, so `best` is the best of all.
-            pick = tie_band_picker(scored, candidates, range(len(scored)), p.tie_band_rel, best)
+            pick = tie_band_picker(
+                scored, candidates, range(len(scored)), p.tie_band_rel, best, _request_salt(ctx)
+            )
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
                 reason = "no reusable prefix anywhere: fewest in flight among near-equal"
@@ -531,6 +538,7 @@ def tie_band_picker(
     indices: Sequence[int],
     band: float,
     best: int,
+    salt: int = 0,
 ) -> int:
     """Picker: the best of ``indices``, where scores within a tie band of the best count as equal.
 
@@ -545,6 +553,18 @@ def tie_band_picker(
     (relative); among candidates whose scores are within it of the best, the
     one with the fewest requests in flight wins, then the lowest score. With
     one candidate, or scales that agree, the lowest score wins.
+
+    ``salt`` (this request's on this router replica, :func:`_request_salt`;
+    0 for one router) is for replicas that route on one view until their
+    peers' routings reach them: sent to the fewest in flight, every request
+    that reaches any of them within the lag goes to the same worker (stale
+    load information herds; Mitzenmacher, "How useful is old information?",
+    2000). With a salt the fewest in flight wins among two of the near-equal
+    candidates drawn by the salt's rendezvous hash (the "power of two
+    choices", which that paper shows keeps balancing on stale loads), so
+    replicas, and one replica's successive requests, spread over the
+    workers that count as equal. With two near-equal or fewer the salt
+    changes nothing.
     """
     # The band is the calibration disagreement among these candidates, capped:
     # when every worker's scale agrees (a fleet whose profile is right, or the
@@ -567,6 +587,9 @@ def tie_band_picker(
         return best
     limit = scored[best].score * (1.0 + band)
     near = [i for i in indices if scored[i].score <= limit]
+    if salt and len(near) > 2:
+        # Two choices among the near-equal, drawn by the salt (see above).
+        near = heapq.nlargest(2, near, key=lambda i: _rendezvous(salt, scored[i].worker_id))
     return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
 
 
@@ -770,6 +793,21 @@ def _selection(
         reason = f"{choice.reason}; {cached} of {prompt} tokens cached"
         return Selection(c.worker_id, tier, reason, cached, out, choice.abandoned)
     return Selection(c.worker_id, "cold", choice.reason, 0, out, choice.abandoned)
+
+
+def _request_salt(ctx: RoutingContext) -> int:
+    """This request's tie-break salt on this router replica (0: one router's order).
+
+    The replica's salt (``RoutingContext.replica_salt``) mixed with the
+    request id: replicas draw differently, and so does one replica from one
+    request to the next (a fixed draw per replica would keep sending its
+    share to the same two workers). Never 0 for a replica.
+    """
+    salt = ctx.replica_salt
+    if not salt:
+        return 0
+    rid = ctx.request.request_id.encode("utf-8")
+    return int(xxhash.xxh3_64_intdigest(rid, salt & 0xFFFF_FFFF_FFFF_FFFF)) | 1
 
 
 def _rendezvous(block: int, worker: WorkerId) -> int:
