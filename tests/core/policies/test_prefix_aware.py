@@ -330,6 +330,7 @@ def test_replicas_with_one_stale_view_spread_requests_one_router_does_not() -> N
     for i, w in enumerate(workers(4)):
         calibrate(plain, w.worker_id, 1.0 + i / 50)
     reqs = [request(f"q{k}", tokens(100 + k, 512)) for k in range(16)]
+
     # One router (salt 0) is today's order: every request to the same worker.
     def verdict(d: Decision) -> tuple[str, str, str]:
         return d.worker_id, d.tier, d.reason
