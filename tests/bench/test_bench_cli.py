@@ -71,31 +71,64 @@ def test_our_routers_live_and_missing_peers_reported(tmp_path: Path, tokenizer_c
     assert "prefix_aware" in run["stdout"] and "overhead over a direct call" in run["stdout"]
 
 
+def _first_sightings(logs: Path, router: str) -> list[tuple[bool, bool]]:
+    """Per replica and prefix: (a peer routed it well before, any worker matched it here).
+
+    The first decision a replica makes for a prefix, and whether another
+    replica's log has that prefix at least 50 ms earlier (the propagation
+    lag is about a millisecond here), and whether the deciding replica's
+    index matched any of it on any worker.
+    """
+    decisions = {
+        path.name: [json.loads(line) for line in path.read_text().splitlines() if line]
+        for path in logs.glob(f"doc-qa-{router}-r*.decisions.jsonl")
+    }
+    assert len(decisions) == 2, sorted(decisions)
+    out = []
+    for name, records in decisions.items():
+        peers = [r for other, rs in decisions.items() if other != name for r in rs]
+        seen: set[str] = set()
+        for rec in sorted(records, key=lambda r: r["ts"]):
+            key = rec["prefix_key"]
+            if key in seen:
+                continue
+            seen.add(key)
+            before = any(p["prefix_key"] == key and p["ts"] < rec["ts"] - 0.05 for p in peers)
+            matched = any(c["matched_tokens"] > 0 for c in rec["candidate_workers"])
+            out.append((before, matched))
+    return out
+
+
 @pytest.mark.timeout(240)
 def test_replicas_synced_and_not_side_by_side(tmp_path: Path, tokenizer_cache: str) -> None:
     """Two gateway replicas on a real nats-server, and two that share nothing.
 
-    The client sends them the requests round robin. Synced, each document
-    stays on one engine: the cached share is what one gateway gets. Not
-    synced, each replica places the documents alone and copies them.
+    The client sends them the requests round robin. Synced, a replica that
+    first meets a document its peer routed earlier already knows where it
+    is; not synced, it never does.
     """
+    logs = tmp_path / "logs"
+    more = [*TINY[: TINY.index("--requests")], "--requests", "48", *TINY[TINY.index("--rate") :]]
     run = _bench(
-        [*TINY, "--routers", "prefix_aware,prefix_aware@2,prefix_aware@2-nosync",
-         "--no-overhead"],
+        [*more, "--routers", "prefix_aware,prefix_aware@2,prefix_aware@2-nosync",
+         "--no-overhead", "--log-dir", str(logs)],
         tmp_path, tokenizer_cache, timeout=230,
     )  # fmt: skip
     rows = _by_router(run["doc"]["results"])
     one, synced, alone = rows["prefix_aware"], rows["prefix_aware@2"], rows["prefix_aware@2-nosync"]
     for r in (one, synced, alone):
-        assert r["ok"] == r["requests"] == 24, r.get("error") or r.get("first_error")
+        assert r["ok"] == r["requests"] == 48, r.get("error") or r.get("first_error")
     for r in (synced, alone):
-        assert r["replicas"] == 2 and r["per_replica_requests"] == [12, 12]
+        assert r["replicas"] == 2 and r["per_replica_requests"] == [24, 24]
         assert all(c > 0 for c in r["cpu_ms_per_request"])
     assert synced["propagation_lag_ms"]["facts_messages"] > 0
     assert all(c > 0 for c in synced["sync_cpu_ms_per_request"])
     assert alone["propagation_lag_ms"]["facts_messages"] == 0
     assert alone["sync_cpu_ms_per_request"] == [0.0, 0.0]
-    assert synced["cached_token_share"] > alone["cached_token_share"]
+    told = [matched for before, matched in _first_sightings(logs, "prefix_aware@2") if before]
+    assert any(told)  # the peer's placement was known (a fact late by 50 ms would not be)
+    untold = [m for before, m in _first_sightings(logs, "prefix_aware@2-nosync") if before]
+    assert untold and not any(untold)  # each replica learns only from its own requests
     assert "lag p99" in run["stdout"]  # the replicas' columns are shown
 
 
