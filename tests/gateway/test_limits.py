@@ -208,7 +208,8 @@ def _spy(calls: list[tuple[str, Any]], fn: Any) -> Any:
     return spy
 
 
-async def _post(port: int, raw: bytes) -> tuple[int, dict[str, Any], bytes]:
+async def _post_raw(port: int, raw: bytes) -> bytes:
+    """POST ``raw`` to /v1/completions on a fresh connection; the whole response."""
     reader, writer = await asyncio.open_connection(HOST, port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
@@ -218,7 +219,11 @@ async def _post(port: int, raw: bytes) -> tuple[int, dict[str, Any], bytes]:
     async with asyncio.timeout(BOUND_S):
         response = await reader.read()
     writer.close()
-    return status_and_json(response)
+    return response
+
+
+async def _post(port: int, raw: bytes) -> tuple[int, dict[str, Any], bytes]:
+    return status_and_json(await _post_raw(port, raw))
 
 
 async def test_no_parse_of_a_large_token_prompt_holds_the_whole_body(
@@ -359,15 +364,7 @@ async def test_a_large_token_prompt_is_packed_and_forwarded_unchanged() -> None:
         state.dispatch.admit = admit_spy  # type: ignore[method-assign]
         for stream in (False, True):
             raw = orjson.dumps({"model": "tiny", "prompt": ids, "max_tokens": 2, "stream": stream})
-            reader, writer = await asyncio.open_connection(HOST, port)
-            writer.write(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                + f"Content-Length: {len(raw)}\r\n\r\n".encode()
-                + raw
-            )
-            async with asyncio.timeout(BOUND_S):
-                response = await reader.read()
-            writer.close()
+            response = await _post_raw(port, raw)  # a stream's body is not one JSON
             assert response.split()[1] == b"200"
             sent = fake.requests[-1]
             assert sent["prompt"] == ids
