@@ -14,10 +14,6 @@ free ports and stopped by PID; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,12 +24,9 @@ import aiohttp
 import orjson
 import pytest
 
-from prefixrouter.harness.health import wait_healthy
-from prefixrouter.harness.ports import free_port
-from prefixrouter.harness.processes import Server, stop_process
+from prefixrouter.harness.processes import Fleet
 from tests.core.test_text_estimate import SYSTEM, documents
 
-PY = sys.executable
 ROUNDS = 3
 
 
@@ -43,55 +36,28 @@ class Gateway:
     log: Path
 
 
-def _wait_up(name: str, url: str, proc: subprocess.Popen[bytes]) -> None:
-    wait_healthy([Server(name, int(url.rsplit(":", 1)[1]), proc)], timeout_s=30.0)
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("text-estimate")
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        engines = []
-        for i in range(2):
-            port = free_port()
-            cmd = [PY, "-m", "prefixrouter.simulated_engine", "--port", str(port),
-                   "--profile", "tiny-cpu", "--time-scale", "20", "--model", "tiny",
-                   "--kv-blocks", "8192"]  # fmt: skip
-            procs[f"e{i}"] = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-            )
-            engines.append(f"http://127.0.0.1:{port}")
-        for i, url in enumerate(engines):
-            _wait_up(f"e{i}", url, procs[f"e{i}"])
+    with Fleet() as fleet:
+        args = ["--profile", "tiny-cpu", "--time-scale", "20", "--model", "tiny"]
+        args += ["--kv-blocks", "8192"]
+        engines = [fleet.start(f"e{i}", "prefixrouter.simulated_engine", args) for i in range(2)]
+        asyncio.run(fleet.wait_healthy(engines, timeout_s=30.0))
         log = tmp / "decisions.jsonl"
         cfg = tmp / "gateway.yaml"
         cfg.write_bytes(
             orjson.dumps(  # JSON is YAML; routing mode: the default, text
                 {
-                    "workers": [{"url": u, "id": f"e{i}"} for i, u in enumerate(engines)],
+                    "workers": [{"url": e.url, "id": e.name} for e in engines],
                     "metrics_poll": {"interval_s": 0.5},
                     "decision_log": {"path": str(log), "flush_interval_s": 0.1},
                 }
             )
         )
-        gw = subprocess.Popen(
-            [PY, "-m", "prefixrouter.gateway", "--config", str(cfg), "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        procs["gateway"] = gw
-        assert gw.stdout is not None
-        line = gw.stdout.readline().decode()
-        match = re.search(r"listening on (http://\S+)", line)
-        assert match, line
-        _wait_up("gateway", match.group(1), gw)
-        yield Gateway(match.group(1), log)
-    finally:
-        for proc in procs.values():
-            stop_process(proc)
+        gw = fleet.start("gateway", "prefixrouter.gateway", ["--config", str(cfg)])
+        asyncio.run(fleet.wait_healthy([gw], timeout_s=30.0))
+        yield Gateway(gw.url, log)
 
 
 def _log_records(log: Path, ids: set[str]) -> dict[str, dict[str, Any]]:
