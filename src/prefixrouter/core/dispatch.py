@@ -372,7 +372,8 @@ class Dispatcher:
         """
         if self._settle(admission):
             self._router.on_rejected(admission.decision, now)
-            self._record_settled(admission, Settlement.REJECTED, 0)
+            rid = admission.request.request_id
+            self._record_settled(admission, SettledFact(rid, Settlement.REJECTED, 0))
 
     def complete(
         self,
@@ -413,24 +414,25 @@ class Dispatcher:
             hasher = router.hasher
             block_tokens = hasher.chunk_chars / hasher.estimator.for_prefix(admission.blocks.hashes)
         miss = router.on_completed(admission.decision, outcome, now, block_tokens)
-        settlement = Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED
-        if self._outbox is not None and not admission.origin:
+        if self._outbox is not None:  # built only when recording: this runs per request
             ttft = outcome.ttft_s
-            self._record(
+            self._record_settled(
+                admission,
                 SettledFact(
                     admission.request.request_id,
-                    settlement,
+                    Settlement.COMPLETED if outcome.ok else Settlement.UNREPORTED,
                     outcome.actual_cached_tokens,
                     prompt_chars if observed else 0,
                     prompt_tokens if observed else 0,
                     ttft if ttft is not None and ttft >= 0 else -1.0,
-                )
+                ),
             )
         return miss
 
-    def _record_settled(self, admission: Admission, settlement: Settlement, cached: int) -> None:
-        if self._outbox is not None and not admission.origin:
-            self._record(SettledFact(admission.request.request_id, settlement, cached))
+    def _record_settled(self, admission: Admission, fact: SettledFact) -> None:
+        """Record ``fact`` for the peers, unless the routing was a peer's own."""
+        if not admission.origin:
+            self._record(fact)
 
     def _settle(self, admission: Admission) -> bool:
         """Mark settled and release the ledger; False if nothing is to be fed back.
