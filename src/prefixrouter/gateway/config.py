@@ -252,7 +252,15 @@ class LimitsConfig(_Model):
 
 
 class PolicyConfig(_Model):
-    """The routing policy: a registered name and its raw parameters."""
+    """The routing policy: a registered name and its raw parameters.
+
+    Attributes:
+        name: A registered policy (``prefixrouter policies`` lists them);
+            ``prefixrouter`` is the deprecated alias of ``prefix_aware``.
+        params: The policy's parameters, overriding its defaults key by key
+            (nested sections such as ``short`` too); an unknown key or a value
+            of the wrong type is an error that names it.
+    """
 
     name: str = "prefix_aware"
     params: dict[str, Any] = Field(default_factory=dict)
@@ -353,7 +361,12 @@ class HealthConfig(_Model):
 
 
 class MetricsPollConfig(_Model):
-    """Polling of each healthy worker's health and ``/metrics`` (queue, KV usage, KV size)."""
+    """Polling of each healthy worker's health and ``/metrics`` (queue, KV usage, KV size).
+
+    Attributes:
+        interval_s: How often each worker is checked and its metrics scraped.
+        timeout_s: Time allowed for one scrape of a worker's ``/metrics``.
+    """
 
     interval_s: PosFloat = 2.0
     timeout_s: PosFloat = 2.0
@@ -408,7 +421,16 @@ class ProxyConfig(_Model):
 
 
 class DecisionLogConfig(_Model):
-    """The decision log: JSON lines in a file (optional) and a ring for ``/admin/decisions``."""
+    """The decision log: JSON lines in a file (optional) and a ring for ``/admin/decisions``.
+
+    Attributes:
+        path: JSON-lines file every decision is appended to (candidates, each
+            cost term, tier, reason, predicted and actual cached tokens);
+            None = no file (``prefixrouter serve --decision-log PATH`` sets it).
+        ring_size: Most recent decisions kept in memory for ``GET /admin/decisions``.
+        flush_interval_s: How often pending records are written to the file
+            (off the request path).
+    """
 
     path: Path | None = None
     ring_size: PosInt = 1000
