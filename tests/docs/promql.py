@@ -12,9 +12,11 @@ rules' queries without a PromQL engine:
   followed by ``( ... )`` list label names;
 * inside ``{ ... }`` the identifiers before ``=``, ``!=``, ``=~``, ``!~``
   are label names (of the metric right before the brace);
-* operators' keywords (``and``, ``or``, ``unless``, ``bool``, ``offset``)
-  and numbers are skipped; every other identifier is a metric name
-  (``_bucket``/``_sum``/``_count``/``_total`` kept, as Prometheus stores them).
+* operators' keywords (``and``, ``or``, ``unless``, ``bool``, ``offset``,
+  ``group_left`` without labels), aggregation operators (``sum by (le) (...)``
+  puts the clause between the name and its parenthesis) and numbers are
+  skipped; every other identifier is a metric name (``_bucket``, ``_sum``,
+  ``_count`` and ``_total`` kept, as Prometheus stores them).
 
 Grafana's ``label_values(metric, label)`` variable query reads as the
 metric ``metric`` grouped by ``label``.
@@ -34,7 +36,14 @@ _TOKEN = re.compile(
     r"|=~|!~|!=|==|>=|<=|[(){},=<>+\-*/%^]"
 )
 _GROUPING = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
-_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan"})
+_KEYWORDS = frozenset(
+    {"and", "or", "unless", "bool", "offset", "inf", "nan", "group_left", "group_right"}
+)
+# Aggregations may take their clause first: ``sum by (le) (...)``.
+_AGGREGATIONS = frozenset(
+    {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values"}
+    | {"bottomk", "topk", "quantile", "limitk", "limit_ratio"}
+)
 
 
 @dataclass
@@ -62,7 +71,7 @@ def parse(expr: str) -> Query:
     while i < len(tokens):
         tok = tokens[i]
         nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
-        if tok.startswith("$") or tok[0].isdigit() or tok in _KEYWORDS:
+        if tok.startswith("$") or tok[0].isdigit() or tok in _KEYWORDS | _AGGREGATIONS:
             i += 1
         elif tok in _GROUPING and nxt == "(":
             i = _labels(tokens, i + 2, q.grouping)
