@@ -33,6 +33,15 @@ def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "unknown policy 'nope'" in result.output
 
 
+def test_a_bad_discover_is_one_line_listing_the_forms() -> None:
+    result = CliRunner().invoke(_app(), ["--discover", "k8s:llm"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --discover: 'k8s:llm' is not one of k8s:NAMESPACE/LABEL_SELECTOR[:PORT], "
+        "k8s-pool:NAMESPACE/INFERENCEPOOL[:PORT], k8s-service:NAMESPACE/SERVICE[:PORT], static"
+    ]
+
+
 def test_port_in_use_is_one_line_naming_the_address_and_exit_2() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
