@@ -25,6 +25,7 @@ from prefixrouter.gateway.app import create_app
 from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.state import STATE, GatewayState
 from prefixrouter.harness.ports import free_port
+from prefixrouter.prometheus import samples
 from tests.admin_client import ADMIN_CONFIG
 from tests.cluster.live import until
 from tests.discovery.apiserver import FakeApiServer, kubeconfig, load_recording
@@ -61,6 +62,15 @@ class Cluster:
             return self.routable() == ids and (workers is None or self.workers() == workers)
 
         await until(probe, f"routable {sorted(ids)}, workers {sorted(workers or ids)}")
+
+    async def metrics(self) -> dict[tuple[str, str], float]:
+        """The gateway's ``prefixrouter_discovery_*`` samples: (name, ready label) -> value."""
+        resp = await self.client.get("/metrics")
+        return {
+            (s.name, s.labels.get("ready", "")): s.value
+            for s in samples(await resp.text())
+            if s.name.startswith("prefixrouter_discovery_")
+        }
 
     async def traffic(self, n: int, seed: str) -> dict[str, int]:
         """Send ``n`` chats with prompts of their own; requests each engine got (by IP)."""
@@ -175,6 +185,12 @@ async def test_workers_follow_endpointslices_through_readiness_and_a_410(tmp_pat
         assert c.api.count("endpointslices", watch=False) >= 2
         got = await c.traffic(6, "after relist")
         assert got["127.0.0.13"] == 0
+        m = await c.metrics()
+        assert m[("prefixrouter_discovery_expired_total", "")] >= 1
+        assert m[("prefixrouter_discovery_lists_total", "")] >= 2
+        assert m[("prefixrouter_discovery_watch_events_total", "")] == 4  # the streamed ones
+        assert m[("prefixrouter_discovery_targets", "true")] == 3
+        assert m[("prefixrouter_discovery_errors_total", "")] == 0
 
 
 async def test_workers_follow_the_pods_an_inferencepool_selects(tmp_path: Path) -> None:
@@ -210,6 +226,7 @@ async def test_an_api_server_refusing_the_token_leaves_the_gateway_up_and_retryi
         c.api.drop_watches()
         await until(_async(lambda: watcher.stats.errors >= 1), "a failed request")
         assert "401" in (watcher.stats.last_error or "")
+        assert (await c.metrics())[("prefixrouter_discovery_errors_total", "")] >= 1
         assert c.workers() == {POD0, POD1}  # the known targets stay
         await c.until_routable({POD0, POD1})
 

@@ -24,6 +24,12 @@ The loop is the one every Kubernetes controller runs (client-go's reflector):
 After the list and after each event the watcher calls ``on_change`` with the
 whole target set (cheap: tens of pods); the caller diffs it.
 
+:class:`DiscoveryCollector` exports what it did as Prometheus metrics
+(``prefixrouter_discovery_lists_total``, ``_watch_events_total``,
+``_expired_total`` for the 410s, ``_errors_total``, and
+``prefixrouter_discovery_targets{ready}``), so an API server that refuses the
+EPP (403: missing RBAC) shows on a dashboard, not only in its log.
+
 The client configuration comes from ``kubeconfig`` when given, else the pod's
 service account (``KUBERNETES_SERVICE_HOST`` set: in a cluster), else
 ``$KUBECONFIG`` or ``~/.kube/config``. kubernetes-asyncio is imported when a
@@ -39,10 +45,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from prefixrouter.discovery.targets import ObjectKind, Target, TargetIndex, selector_of_pool
 from prefixrouter.errors import PrefixRouterError
@@ -308,3 +317,30 @@ class KubernetesWatcher:
         targets = self._index.targets()
         self.stats.targets = targets
         self.on_change(targets)
+
+
+class DiscoveryCollector(Collector):
+    """Prometheus metrics of one watcher (read at scrape time; module docstring)."""
+
+    def __init__(self, watcher: KubernetesWatcher) -> None:
+        self.watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
+        """The watcher's counters and its targets by readiness."""
+        s = self.watcher.stats
+        for name, doc, value in (
+            ("lists", "Full lists of the discovery source (start, 410 Gone, resync)", s.lists),
+            ("watch_events", "Watch events applied (ADDED, MODIFIED, DELETED)", s.events),
+            ("expired", "Watches the API server answered 410 Gone (then listed again)", s.expired),
+            ("errors", "Failed lists and watches (retried with backoff)", s.errors),
+        ):
+            yield CounterMetricFamily(f"prefixrouter_discovery_{name}", doc, value=value)
+        targets = GaugeMetricFamily(
+            "prefixrouter_discovery_targets",
+            "Engines the source names, by readiness",
+            labels=["ready"],
+        )
+        ready = sum(1 for t in s.targets.values() if t.ready)
+        targets.add_metric(["true"], ready)
+        targets.add_metric(["false"], len(s.targets) - ready)
+        yield targets

@@ -13,11 +13,9 @@ Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
 (:mod:`.upstream`, keep-alive connections to every worker) and an aiohttp
 session for the pollers, checks every worker once, starts
 the per-worker health/metrics pollers, the decision-log flusher and, for a
-cluster replica, its :class:`~prefixrouter.cluster.node.ClusterNode`, and with
-``discovery: {kind: kubernetes}`` the endpoint discovery (after the
-registry: it adds workers to it), and on shutdown stops them and closes
-both. Run it with handler cancellation on
-(:func:`prefixrouter.gateway.cli.run_gateway` does) so a client that
+cluster replica, its :class:`~prefixrouter.cluster.node.ClusterNode`, and on
+shutdown stops them and closes both. Run it with handler cancellation
+on (:func:`prefixrouter.gateway.cli.run_gateway` does) so a client that
 disconnects cancels its upstream request.
 """
 
@@ -74,7 +72,9 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             await st.cluster.start()  # connects and replays in the background
         await st.registry.start(st.session)
         if st.discovery is not None:
-            await st.discovery.start()  # the first list's workers are in before traffic
+            # Endpoint discovery adds workers to the started registry; the
+            # first list's are in before traffic.
+            await st.discovery.start()
         yield
     finally:
         if st.discovery is not None:

@@ -27,6 +27,7 @@ from prefixrouter.core.hashing import BlockHasher, TokenEstimator
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router, replica_salt
 from prefixrouter.core.types import WorkerId
+from prefixrouter.discovery.kubernetes import DiscoveryCollector
 from prefixrouter.gateway.cluster_link import build_node
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.decision_log import DecisionLog
@@ -155,7 +156,10 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             metrics.cluster_lag_observed,
         )
         metrics.attach_cluster(node)
-    discovery = DiscoveryLink(config, registry) if config.discovery.kind == "kubernetes" else None
+    discovery = None
+    if config.discovery.kind == "kubernetes":
+        discovery = DiscoveryLink(config, registry)
+        metrics.registry.register(DiscoveryCollector(discovery.watcher))
     return GatewayState(
         discovery=discovery,
         cluster=node,
