@@ -232,16 +232,15 @@ async def test_an_api_server_refusing_the_token_leaves_the_gateway_up_and_retryi
 
 
 async def test_no_kubeconfig_is_one_clear_error(tmp_path: Path) -> None:
-    config = config_from_dict(
-        {
-            "discovery": {
-                "kind": "kubernetes",
-                "selector": "app=vllm",
-                "port": 8000,
-                "kubeconfig": str(tmp_path / "missing"),
-            }
-        }
-    )
+    section = {"kind": "kubernetes", "selector": "app=vllm", "port": 8000}
+    config = config_from_dict({"discovery": {**section, "kubeconfig": str(tmp_path / "missing")}})
+    client = TestClient(TestServer(create_app(config)))
+    with pytest.raises(DiscoveryError, match=r"no kubeconfig \(.*missing not found\)"):
+        await client.start_server()
+    await client.close()
+    broken = tmp_path / "broken"
+    broken.write_text("apiVersion: v1\nkind: Config\n")
+    config = config_from_dict({"discovery": {**section, "kubeconfig": str(broken)}})
     client = TestClient(TestServer(create_app(config)))
     with pytest.raises(DiscoveryError, match="cannot configure Kubernetes"):
         await client.start_server()

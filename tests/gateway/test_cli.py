@@ -42,6 +42,18 @@ def test_a_bad_discover_is_one_line_listing_the_forms() -> None:
     ]
 
 
+def test_discovery_without_a_kubeconfig_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    missing = tmp_path / "kubeconfig"
+    args = ["--port", "0", "--discover", "k8s:llm/app=vllm:8000"]
+    env = {"KUBECONFIG": str(missing), "KUBERNETES_SERVICE_HOST": ""}  # not in a cluster
+    result = CliRunner().invoke(_app(), args, env=env)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: discovery: no kubeconfig ({missing} not found) and not in a cluster "
+        "(KUBERNETES_SERVICE_HOST is unset): set discovery.kubeconfig or KUBECONFIG"
+    ]
+
+
 def test_port_in_use_is_one_line_naming_the_address_and_exit_2() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -62,6 +62,13 @@ SERVICE_LABEL = "kubernetes.io/service-name"
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 
 
+def kubeconfig_files() -> list[Path]:
+    """Where kubectl looks for its configuration: ``$KUBECONFIG`` (paths), else ~/.kube/config."""
+    env = os.environ.get("KUBECONFIG", "")
+    paths = [Path(p).expanduser() for p in env.split(os.pathsep) if p]
+    return paths or [Path("~/.kube/config").expanduser()]
+
+
 class DiscoveryError(PrefixRouterError):
     """The Kubernetes client cannot be configured (no kubeconfig, not in a cluster)."""
 
@@ -154,8 +161,17 @@ class KubernetesWatcher:
 
         configuration = client.Configuration()
         path = self.options.kubeconfig
+        in_cluster = path is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        if not in_cluster:
+            files = [path] if path is not None else kubeconfig_files()
+            if not any(f.is_file() for f in files):
+                raise DiscoveryError(
+                    f"discovery: no kubeconfig ({', '.join(map(str, files))} not found) and "
+                    "not in a cluster (KUBERNETES_SERVICE_HOST is unset): set "
+                    "discovery.kubeconfig or KUBECONFIG"
+                )
         try:
-            if path is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if in_cluster:
                 load_incluster: Callable[..., None] = config.load_incluster_config
                 load_incluster(client_configuration=configuration)
             else:
