@@ -141,8 +141,8 @@ def test_an_admission_settles_once() -> None:
 def test_the_first_token_moves_the_prompt_from_queued_to_context() -> None:
     d = dispatcher()
     adm = d.admit(request("r", DOC, max_tokens=40), workers(1), 0.0)
-    d.first_token(adm)
-    d.first_token(adm)  # noted once
+    d.first_token(adm, 0.5)
+    d.first_token(adm, 0.5)  # noted once
     load = d.load(W0)
     assert adm.first_token
     assert (load.queued_prompt_tokens, load.context_tokens, load.decoding) == (0, 320, 1)

@@ -42,7 +42,7 @@ def test_a_peers_routing_makes_the_document_warm_on_its_worker() -> None:
 def test_a_peers_completion_confirms_the_chain_and_ends_its_in_flight_count() -> None:
     a, b = replica(), replica()
     adm = a.admit(request("r1", DOC), workers(2), 0.0)
-    a.first_token(adm)
+    a.first_token(adm, 0.2)
     a.complete(adm, Outcome(0, 0.1), 0.5)
     facts = a.drain_facts()
     assert [type(f) for f in facts] == [RoutedFact, FirstTokenFact, SettledFact]
@@ -125,7 +125,7 @@ def test_the_first_fact_of_a_batch_tells_the_listener_once() -> None:
     calls: list[int] = []
     a.on_first_fact(lambda: calls.append(1))
     adm = a.admit(request("r1", DOC), workers(2), 0.0)
-    a.first_token(adm)
+    a.first_token(adm, 0.2)
     a.complete(adm, Outcome(0, 0.1), 0.5)
     assert len(calls) == 1  # one batch: told once, when the outbox was empty
     assert len(a.drain_facts()) == 3

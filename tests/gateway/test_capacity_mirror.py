@@ -17,7 +17,7 @@ def test_the_registry_mirrors_with_the_dispatchers_formula_and_fresh_ledger_figu
     w.view.kv_used_blocks = 500
     routed = RoutingRequest(RequestId("r"), CacheNamespace("m"), text="x" * 40_000)
     adm = dispatch.admit(routed, registry.views(), 0.0)
-    dispatch.first_token(adm)  # a stream's prompt past its first token: cached prefix blocks
+    dispatch.first_token(adm, 0.0)  # a stream's prompt past its first token: cached prefix blocks
     queued = dispatch.admit(
         RoutingRequest(RequestId("q"), CacheNamespace("m"), text="y" * 40_000),
         registry.views(),

@@ -354,13 +354,18 @@ class Dispatcher:
             self._record(_routed_fact(decision))
         return Admission(decision, tried)
 
-    def first_token(self, admission: Admission) -> None:
-        """The engine sent the request's first token: its prefill is done."""
+    def first_token(self, admission: Admission, now: float) -> None:
+        """The engine sent the request's first token: its prefill is done.
+
+        The ledger moves the request from prefilling to decoding, and the
+        router's policy hears it (:meth:`Router.on_first_token`).
+        """
         if admission.settled or admission.first_token:
             return
         admission.first_token = True
         rid = admission.request.request_id
         self._ledger.on_first_token(rid)
+        self._router.on_first_token(admission.decision, now)
         if self._outbox is not None and not admission.origin:
             self._record(FirstTokenFact(rid))
 
@@ -546,7 +551,7 @@ class Dispatcher:
         if admission is None or open_ is None:
             return False
         if isinstance(fact, FirstTokenFact):
-            self.first_token(admission)
+            self.first_token(admission, now)
             return True
         del open_[fact.request_id]
         if fact.settlement is Settlement.REJECTED:

@@ -155,6 +155,9 @@ class Policy:
     def on_routed(self, ctx: RoutingContext, worker: WorkerId) -> None:
         """The request of ``ctx`` was sent to ``worker``."""
 
+    def on_first_token(self, ctx: RoutingContext, worker: WorkerId) -> None:
+        """``worker`` sent the first token of the request of ``ctx``: its prefill is done."""
+
     def on_completed(self, ctx: RoutingContext, worker: WorkerId, outcome: Outcome) -> None:
         """The request of ``ctx`` finished on ``worker``."""
 

@@ -268,6 +268,15 @@ class Router:
         decision.placed = self.index.on_routed(decision.worker_id, ctx.blocks.hashes, now)
         self.policy.on_routed(ctx, decision.worker_id)
 
+    def on_first_token(self, decision: Decision, now: float) -> None:
+        """The engine sent the request's first token: its prompt is prefilled there.
+
+        The policy hears it (``Policy.on_first_token``). The index does not
+        change: its entries stay speculative until the engine's report of
+        reuse confirms them on completion (:meth:`on_completed`).
+        """
+        self.policy.on_first_token(decision.context, decision.worker_id)
+
     def on_rejected(self, decision: Decision, now: float) -> None:
         """The engine did no prefill for the request: take its routing back.
 

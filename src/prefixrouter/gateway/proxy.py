@@ -488,7 +488,7 @@ class Proxy:
                     None, 502, error="closed the stream before sending data", unreachable=True
                 )
             ttft = st.clock() - t_send
-            st.dispatch.first_token(adm)
+            st.dispatch.first_token(adm, st.clock())
             out = web.StreamResponse(status=200, headers=hdrs)
             out.content_type = resp.content_type or "text/event-stream"
             out.headers["Cache-Control"] = "no-cache"

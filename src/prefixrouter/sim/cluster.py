@@ -446,7 +446,7 @@ class Simulation:
                 rec.cached_tokens = out.cached_tokens
                 rec.queue_wait_s = out.queue_wait_s
                 rec.kv_wait_s = out.kv_wait_s
-                routers[r].first_token(adm)
+                routers[r].first_token(adm, out.time)
                 self._publish(r, out.time)
             elif isinstance(out, Completed):
                 rec, adm, chars, r = self._by_id.pop(out.request_id)

@@ -34,6 +34,7 @@ from prefixrouter.core.policies.prefix_aware import (
     cache_pressure,
     cold_pool_rule,
     cold_quota_filter,
+    copy_room_filter,
     deepest_holders,
     hot_prefix_rule,
     margin_limit,
@@ -428,7 +429,9 @@ def test_hot_prefix_rule_waits_for_a_settled_copy_and_a_free_other_worker() -> N
 def test_hot_prefix_warms_a_second_replica() -> None:
     doc = tokens(1, 8_000)
 
-    def route_under_demand(requests_per_s: float, settled: bool = True) -> Decision:
+    def route_under_demand(
+        requests_per_s: float, settled: bool = True, first_token: bool = False
+    ) -> Decision:
         r = Router()
         warm(r, W0, doc)
         ws = workers(2)
@@ -438,6 +441,8 @@ def test_hot_prefix_warms_a_second_replica() -> None:
             t = i / requests_per_s
             d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
             r.policy.on_routed(d.context, W0)
+            if first_token and i == 0:
+                r.on_first_token(replace(d, worker_id=W0), t)  # its prefill is done on w0
         now = 300 / requests_per_s
         if settled:
             hold(r, W0, doc, now)  # the engine has it (first copy prefilled)
@@ -452,6 +457,23 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     # The same demand while the only copy is still unconfirmed: no second copy yet.
     early = route_under_demand(50.0, settled=False)
     assert early.worker_id == W0 and "hot prefix" not in early.reason
+    # Still unconfirmed in the index (the answer is decoding), but a first
+    # token came from w0: the first copy is prefilled, so the second is warmed.
+    prefilled = route_under_demand(50.0, settled=False, first_token=True)
+    assert prefilled.worker_id == W1 and "hot prefix" in prefilled.reason
+
+
+def test_copy_room_filter_keeps_workers_with_room_for_the_copy() -> None:
+    ws = [
+        WorkerView(W0, kv_capacity_blocks=1_000, kv_used_blocks=900),  # the holder
+        WorkerView(W1, kv_capacity_blocks=1_000, kv_used_blocks=300),  # 300 + 500 <= 800
+        WorkerView(W2, kv_capacity_blocks=1_000, kv_used_blocks=400),  # 400 + 500 > 800
+    ]
+    cs = [scored("w0", 1.0, matched=8_000), scored("w1", 2.0), scored("w2", 2.0)]
+    assert copy_room_filter(ws, cs, [0, 1, 2], [0], 8_000, 0.8) == [0, 1]
+    # a worker that reports no capacity is kept: nothing is known against it
+    unknown = [ws[0], ws[1], WorkerView(W2)]
+    assert copy_room_filter(unknown, cs, [0, 1, 2], [0], 8_000, 0.8) == [0, 1, 2]
 
 
 # -------------------------------------------------------- rule 2: maximum wait

@@ -135,6 +135,9 @@ class PrefixAwareParams:
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
+        copy_max_kv_share: The hot-prefix rule warms no worker whose KV cache
+            would be fuller than this share with the copy's blocks on top of
+            what its running requests hold (see ``copy_room_filter``).
         tie_band_rel: Cap on the tie band: scores within the candidates'
             calibration disagreement (at most this share) of the best count as
             equal, and among them the fewest requests in flight wins.
@@ -170,6 +173,7 @@ class PrefixAwareParams:
     min_margin_share: float = 0.5
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
+    copy_max_kv_share: float = 0.8
     tie_band_rel: float = 0.1
     demand_window_s: float = 10.0
     burst_samples: int = 8
@@ -192,6 +196,9 @@ class _Demand:
     rate: float
     last: float
     recent: deque[float]
+    # Workers that sent a first token for a request of this prefix: its
+    # prefill is done there, whatever the index still calls speculative.
+    prefilled: tuple[WorkerId, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,11 +259,17 @@ class PrefixAwarePolicy(Policy):
             scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders), salt
         )
         # 4. The rules, in order; each may leave the picker's choice.
-        held = ctx.matches.get(scored[picked].worker_id)
-        settled = held is not None and held.source is not _SPECULATIVE  # the engine has it
+        picked_id = scored[picked].worker_id
+        held = ctx.matches.get(picked_id)
+        # The engine has it: confirmed, or a first token came from there.
+        settled = held is not None and (
+            held.source is not _SPECULATIVE or self._prefilled(ctx, picked_id, held.blocks)
+        )
         choice = hot_prefix_rule(
             scored,
-            eligible,
+            copy_room_filter(
+                candidates, scored, eligible, holders, ctx.blocks.prompt_tokens, p.copy_max_kv_share
+            ),
             holders,
             settled,
             cls,
@@ -376,6 +389,31 @@ class PrefixAwarePolicy(Policy):
             d.last = now
             d.recent.append(now)
             depth <<= 1
+
+    def on_first_token(self, ctx: RoutingContext, worker: WorkerId) -> None:
+        # The prefill is done on `worker`: each tracked prefix of the request
+        # is settled there (read by hot_prefix_rule through _prefilled). The
+        # index keeps calling it speculative until the answer's report of
+        # reuse confirms it, which for a long generation on a busy worker can
+        # be tens of seconds later; meanwhile a hot prefix must be able to
+        # get its second replica.
+        demand = self._demand
+        hashes = ctx.blocks.hashes
+        n = len(hashes)
+        depth = 1
+        while depth <= n:
+            d = demand.get(hashes[depth - 1])
+            depth <<= 1
+            if d is not None and worker not in d.prefilled:
+                d.prefilled = (*d.prefilled, worker)
+
+    def _prefilled(self, ctx: RoutingContext, worker: WorkerId, blocks: int) -> bool:
+        """Whether ``worker`` sent a first token for the prefix of ``blocks`` blocks."""
+        if blocks <= 0:
+            return False
+        key = ctx.blocks.hashes[(1 << (blocks.bit_length() - 1)) - 1]
+        d = self._demand.get(key)
+        return d is not None and worker in d.prefilled
 
     def on_rejected(self, ctx: RoutingContext, worker: WorkerId) -> None:
         # The engine did no prefill for it: take the arrival back out of each
@@ -591,6 +629,42 @@ def tie_band_picker(
         # Two choices among the near-equal, drawn by the salt (see above).
         near = heapq.nlargest(2, near, key=lambda i: _rendezvous(salt, scored[i].worker_id))
     return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
+
+
+def copy_room_filter(
+    candidates: Sequence[WorkerView],
+    scored: Sequence[CandidateScore],
+    eligible: Sequence[int],
+    holders: Sequence[int],
+    prompt_tokens: int,
+    max_share: float,
+) -> list[int]:
+    """Candidate filter for the hot-prefix rule: the workers with room for a copy.
+
+    A second replica of a prefix is there to take a share of its requests,
+    so it needs room for the prefix's blocks *and* for those requests to run
+    beside the ones it serves already. A worker whose KV would be more than
+    ``max_share`` full with the copy's uncached blocks on top of what its
+    running requests hold (``kv_used_blocks``: pinned, not evictable) is
+    dropped: warming it would make the requests there wait for memory (two
+    long documents pinned on one worker by their running questions). The
+    share keeps the headroom an engine needs for its running batch to grow,
+    as vLLM's ``gpu_memory_utilization`` keeps headroom below the device's
+    memory. The ``holders`` stay (the rule skips them anyway); a worker that
+    reports no capacity is kept (nothing is known against it).
+    """
+    kept: list[int] = []
+    for i in eligible:
+        w = candidates[i]
+        capacity = w.kv_capacity_blocks
+        if i in holders or capacity <= 0:
+            kept.append(i)
+            continue
+        block = w.block_size if w.block_size > 1 else 1
+        copy = math.ceil(max(0, prompt_tokens - scored[i].matched_tokens) / block)
+        if w.kv_used_blocks + copy <= max_share * capacity:
+            kept.append(i)
+    return kept
 
 
 # ---------------------------------------------------------------------- rules
