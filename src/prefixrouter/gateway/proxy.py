@@ -12,7 +12,9 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 2. ``Dispatcher.admit`` routes over the prebuilt worker views with fresh
    in-flight figures (503 + ``Retry-After`` when no worker can serve), records
    the speculative placement and counts the request in flight; a retry
-   (``Dispatcher.retry``) routes the same hashes among the workers not tried;
+   (``Dispatcher.retry``) routes the same hashes among the workers not tried.
+   The fleet controls (:mod:`.fleet`) steer it first: its rollout group's
+   policy and pool, and its session's pin (``affinity.header``);
 3. forward the body (re-serialized only to set ``cache_salt`` or to ask a
    stream for its usage chunk). A worker that cannot be reached, answers a
    *refusal* status (``proxy.retry_statuses``), or fails before its first body
