@@ -33,7 +33,11 @@ Series (read when ``/metrics`` is scraped):
   ``prefixrouter_rollout_input_tokens_total{group,kind}`` (``cached`` /
   ``uncached``), with a rollout;
 * ``prefixrouter_drift_alarm{prefix_class}`` (1 firing, 0 clear; every class
-  from the start) and ``prefixrouter_drift_alarms_total{prefix_class}``.
+  from the start) and ``prefixrouter_drift_alarms_total{prefix_class}``;
+* ``prefixrouter_fleet_controls{control}``: 1 for each control that is on.
+
+Every family is exported whether its control is on or not (without samples
+when off), so dashboards and the metric reference find them.
 """
 
 from __future__ import annotations
@@ -291,6 +295,8 @@ def divergent_position(built: BuiltRequest, actual: int, prompt: int | None) -> 
 
 
 class _FleetCollector(Collector):
+    """Every family always (a dashboard finds them); zero samples for the controls that are on."""
+
     def __init__(self, fleet: FleetControls) -> None:
         self._f = fleet
 
@@ -299,31 +305,30 @@ class _FleetCollector(Collector):
         if f.session_header is not None:
             for result in (HIT, NEW, *BREAK_REASONS):
                 f.affinity.values.setdefault((result,), 0.0)
-            yield f.affinity.family()
-            yield GaugeMetricFamily(
-                "prefixrouter_affinity_sessions",
-                "Sessions pinned to a worker (bounded, least recently used dropped).",
-                value=float(len(f.sessions)),
-            )
+        yield f.affinity.family()
+        yield GaugeMetricFamily(
+            "prefixrouter_affinity_sessions",
+            "Sessions pinned to a worker (bounded, least recently used dropped).",
+            value=float(len(f.sessions)),
+        )
         if f.plan is not None:
             for group in GROUPS:
                 for kind in ("cached", "uncached"):
                     f.group_tokens.values.setdefault((group, kind), 0.0)
-            yield f.group_requests.family()
-            yield f.group_tokens.family()
-            yield f.group_ttft.family()
-        drift = f.drift
-        if drift is not None:
-            states = drift.states()
-            gauge = GaugeMetricFamily(
-                "prefixrouter_drift_alarm",
-                "1 while predicted and engine-reported cached tokens diverge for the class.",
-                labels=["prefix_class"],
-            )
+        yield f.group_requests.family()
+        yield f.group_tokens.family()
+        yield f.group_ttft.family()
+        gauge = GaugeMetricFamily(
+            "prefixrouter_drift_alarm",
+            "1 while predicted and engine-reported cached tokens diverge for the class.",
+            labels=["prefix_class"],
+        )
+        if f.drift is not None:
+            states = f.drift.states()
             for cls in sorted({c.value for c in PrefixClass} | set(states)):
                 gauge.add_metric([cls], 1.0 if states.get(cls) else 0.0)
-            yield gauge
-            yield f.alarms.family()
+        yield gauge
+        yield f.alarms.family()
         yield _controls_info(f)
 
 
