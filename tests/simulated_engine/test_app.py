@@ -288,3 +288,18 @@ async def test_client_disconnect_mid_stream_frees_bookkeeping() -> None:
             await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         ).json()
         assert data["usage"]["completion_tokens"] == 1
+
+
+async def test_a_date_string_goes_ahead_of_the_prompt_as_llama_templates_write_it() -> None:
+    tok = load_tokenizer()
+    messages = [{"role": "user", "content": "What is on the agenda today?"}]
+    async with served(time_scale=20) as (client, _):
+        for date in ("1 Dec 2026", "2 Dec 2026"):
+            body = {"messages": messages, "chat_template_kwargs": {"date_string": date}}
+            rendered = await (await client.post("/v1/chat/completions/render", json=body)).json()
+            expected = f"Today Date: {date}\n\n" + render_chat(messages)
+            assert rendered["token_ids"] == tok.encode(expected)
+        bad = {"messages": messages, "chat_template_kwargs": {"date_string": 5}}
+        resp = await client.post("/v1/chat/completions/render", json=bad)
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "chat_template_kwargs"

@@ -79,8 +79,8 @@ from prefixrouter.core.facts import (
 )
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.load import InflightLedger, WorkerLoad
-from prefixrouter.core.policy import CandidateScore, Outcome, RoutingContext
-from prefixrouter.core.router import Decision, Router
+from prefixrouter.core.policy import CandidateScore, Outcome, Policy, RoutingContext
+from prefixrouter.core.router import Decision, Router, Steering
 from prefixrouter.core.types import (
     BlockHash,
     CacheNamespace,
@@ -291,12 +291,21 @@ class Dispatcher:
         """
         return self._router.blocks_for(request)
 
+    def add_policy(self, policy: Policy) -> None:
+        """Make ``policy`` available to steered requests (``Router.add_policy``)."""
+        self._router.add_policy(policy)
+
+    def prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
+        """The prefix key ``request``'s decision will carry. Changes no state."""
+        return self._router.prefix_key(request, blocks)
+
     def admit(
         self,
         request: RoutingRequest,
         views: Sequence[WorkerView],
         now: float,
         blocks: PromptBlocks | None = None,
+        steering: Steering | None = None,
     ) -> Admission:
         """Route ``request``, record the routing and count it in flight.
 
@@ -305,19 +314,22 @@ class Dispatcher:
             views: Every candidate worker's snapshot (in-flight figures filled).
             now: Decision time on the caller's clock.
             blocks: The request's hashes if the caller has them (else hashed here).
+            steering: Another policy or a session pin for it (``Router.route``).
 
         Raises:
             NoWorkerAvailable: No worker passed the filters (nothing changed).
             ValueError: The request id is already in flight (nothing changed).
         """
-        return self._admit(request, views, now, blocks, ())
+        return self._admit(request, views, now, blocks, (), steering)
 
     def retry(self, previous: Admission, views: Sequence[WorkerView], now: float) -> Admission:
         """Admit ``previous``'s request again, on a worker no attempt has tried.
 
         Reuses ``previous``'s hashes (a request is hashed once, however many
-        attempts it takes). ``previous`` must be settled first (rejected, as
-        an attempt the engine did no prefill for).
+        attempts it takes) and its policy (a steered request stays in its
+        rollout group; a session pin is not kept: its worker was tried).
+        ``previous`` must be settled first (rejected, as an attempt the engine
+        did no prefill for).
 
         Raises:
             NoWorkerAvailable: No untried worker passed the filters.
@@ -327,7 +339,9 @@ class Dispatcher:
             raise ValueError(f"request {previous.request.request_id}: settle the attempt first")
         tried = (*previous.tried, previous.worker)
         left = [v for v in views if v.worker_id not in tried]
-        return self._admit(previous.request, left, now, previous.blocks, tried)
+        policy = previous.decision.policy
+        steering = Steering(policy) if policy != self._router.policy.name else None
+        return self._admit(previous.request, left, now, previous.blocks, tried, steering)
 
     def _admit(
         self,
@@ -336,9 +350,10 @@ class Dispatcher:
         now: float,
         blocks: PromptBlocks | None,
         tried: tuple[WorkerId, ...],
+        steering: Steering | None = None,
     ) -> Admission:
         router = self._router
-        decision = router.route(request, views, now, blocks)
+        decision = router.route(request, views, now, blocks, steering)
         prompt = decision.prompt_tokens
         # The ledger first: it refuses a request id already in flight before
         # the index holds anything for it.

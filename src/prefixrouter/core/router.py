@@ -10,6 +10,13 @@
    gives each surviving worker's longest held prefix;
 4. the **policy** selects; the :class:`Decision` records everything it saw.
 
+A caller may steer one request (:class:`Steering`): route it with another
+policy added to the router (:meth:`Router.add_policy`; a rollout's baseline
+group), or keep it on a session's worker while the pin holds
+(:func:`~prefixrouter.core.affinity.hold_pin`: tier ``affinity``; else the
+policy decides and the decision says why the pin broke). A decision's
+feedback goes to the policy that made it.
+
 ``route`` changes no state. :meth:`Router.on_routed` records a routing once
 the request is sent, and :meth:`Router.on_completed` feeds back what the
 engine reported (the index's confirmations and misses, the cost model's
@@ -32,6 +39,7 @@ from typing import Any
 
 import xxhash
 
+from prefixrouter.core.affinity import Pin, hold_pin
 from prefixrouter.core.cost import CostModel, CostParams
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.hashing import BlockHasher, PromptBlocks
@@ -73,6 +81,8 @@ class Decision:
         context: The routing context (hashes and matches), for feedback calls.
         placed: The speculative index entries :meth:`Router.on_routed` holds
             for this decision (taken back by :meth:`Router.on_rejected`).
+        affinity: With a session pin: ``hit`` (it held) or why it broke
+            (:data:`~prefixrouter.core.affinity.BREAK_REASONS`); "" without one.
     """
 
     request_id: str
@@ -91,6 +101,7 @@ class Decision:
     now: float
     context: RoutingContext
     placed: Placement | None = None
+    affinity: str = ""
 
     @property
     def chosen(self) -> CandidateScore | None:
@@ -108,7 +119,7 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record for the decision log."""
-        return {
+        out: dict[str, Any] = {
             "request_id": self.request_id,
             "namespace": self.namespace,
             "prefix_key": self.prefix_key,
@@ -124,6 +135,24 @@ class Decision:
             "warm_abandoned": self.warm_abandoned,
             "time": self.now,
         }
+        if self.affinity:
+            out["affinity"] = self.affinity
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Steering:
+    """How a caller steers one request (every field optional).
+
+    Attributes:
+        policy: Route with this policy, added with :meth:`Router.add_policy`
+            (None: the router's own).
+        pin: Keep the request on this session's worker while the pin holds
+            (:func:`~prefixrouter.core.affinity.hold_pin`).
+    """
+
+    policy: str | None = None
+    pin: Pin | None = None
 
 
 def filter_workers(
@@ -201,6 +230,32 @@ class Router:
         # Router replicas that share one (stale) view break near-ties apart:
         # see prefix_aware.tie_band_picker. 0 is one router's order.
         self.replica_salt = replica_salt
+        # Policies a request may be steered to (Steering.policy), by name.
+        self._extra_policies: dict[str, Policy] = {}
+
+    def add_policy(self, policy: Policy) -> None:
+        """Make ``policy`` available to steered requests (``Steering(policy=name)``).
+
+        Its hooks get the feedback of the decisions it made. The router's own
+        policy needs no adding.
+        """
+        if policy.name != self.policy.name:
+            self._extra_policies[policy.name] = policy
+
+    def _policy_named(self, name: str | None) -> Policy:
+        if name is None or name == self.policy.name:
+            return self.policy
+        policy = self._extra_policies.get(name)
+        if policy is None:
+            raise ValueError(f"policy {name!r} was not added to the router (add_policy)")
+        return policy
+
+    def _policy_of(self, decision: Decision) -> Policy:
+        """The policy that made ``decision`` (the router's own for unknown names)."""
+        own = self.policy
+        if decision.policy == own.name:
+            return own
+        return self._extra_policies.get(decision.policy, own)
 
     def blocks_for(self, request: RoutingRequest) -> PromptBlocks:
         """The request's chained block hashes (token mode if it has tokens)."""
@@ -216,6 +271,7 @@ class Router:
         workers: Sequence[WorkerView],
         now: float,
         blocks: PromptBlocks | None = None,
+        steering: Steering | None = None,
     ) -> Decision:
         """Choose a worker for ``request``. Changes no state.
 
@@ -224,6 +280,7 @@ class Router:
             workers: Snapshots of every known worker.
             now: Decision time on the driver's clock.
             blocks: Precomputed block hashes (the simulator shares them with its engines).
+            steering: Another policy or a session pin for this request (:class:`Steering`).
 
         Raises:
             NoWorkerAvailable: No worker passed the filters.
@@ -241,7 +298,17 @@ class Router:
         ctx = RoutingContext(
             request, blocks, matches, now, key, self.cost, self.index, self.replica_salt
         )
-        sel = self.policy.select(ctx, allowed)
+        policy = self.policy
+        affinity = ""
+        sel = None
+        if steering is not None:
+            policy = self._policy_named(steering.policy)
+            if steering.pin is not None:
+                sel, affinity = hold_pin(steering.pin, allowed, removed, ctx)
+        if sel is None:
+            sel = policy.select(ctx, allowed)
+            if affinity:
+                sel.reason = f"session pin broken ({affinity}): {sel.reason}"
         # Positional, in field order (each value is named after its field):
         # matching 15 keyword names costs more than the rest of this call.
         return Decision(
@@ -249,7 +316,7 @@ class Router:
             request.namespace.key,
             ctx.prefix_key,
             str(request.prefix_class),
-            self.policy.name,
+            policy.name,
             sel.worker_id,
             sel.tier,
             sel.reason,
@@ -260,13 +327,15 @@ class Router:
             sel.warm_abandoned,
             now,
             ctx,  # context
+            None,  # placed
+            affinity,
         )
 
     def on_routed(self, decision: Decision, now: float) -> None:
         """The request was sent to ``decision.worker_id``."""
         ctx = decision.context
         decision.placed = self.index.on_routed(decision.worker_id, ctx.blocks.hashes, now)
-        self.policy.on_routed(ctx, decision.worker_id)
+        self._policy_of(decision).on_routed(ctx, decision.worker_id)
 
     def on_first_token(self, decision: Decision, now: float) -> None:
         """The engine sent the request's first token: its prompt is prefilled there.
@@ -296,7 +365,7 @@ class Router:
         decision.placed = None
         if placed:
             self.index.withdraw(decision.worker_id, placed)
-        self.policy.on_rejected(ctx, decision.worker_id)
+        self._policy_of(decision).on_rejected(ctx, decision.worker_id)
 
     def on_completed(
         self,
@@ -336,7 +405,7 @@ class Router:
             chosen = decision.chosen
             if outcome.ttft_s is not None and chosen is not None and chosen.terms is not None:
                 self.cost.observe(decision.worker_id, chosen.terms, outcome.ttft_s)
-        self.policy.on_completed(ctx, decision.worker_id, outcome)
+        self._policy_of(decision).on_completed(ctx, decision.worker_id, outcome)
         return miss
 
     def apply(self, event: KvEvent, now: float, *, trusted: bool = True) -> None:
@@ -352,6 +421,8 @@ class Router:
         self.index.remove_worker(worker)
         self.cost.forget(worker)
         self.policy.on_worker_removed(worker)
+        for policy in self._extra_policies.values():
+            policy.on_worker_removed(worker)
 
     def worker_down(self, worker: WorkerId, now: float) -> int:
         """The worker stopped answering: keep its entries, demoted to speculative.
@@ -367,6 +438,10 @@ class Router:
         restart, not to hashing what the engine does not see.
         """
         self.index.clear_worker(worker, now)
+
+    def prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
+        """The request's prefix key (as its decision would carry it). Changes no state."""
+        return self._prefix_key(request, blocks)
 
     def _prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
         hashes = blocks.hashes

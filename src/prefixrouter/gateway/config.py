@@ -35,6 +35,10 @@ Shape of the YAML file (all keys optional)::
     discovery:     {kind: static|kubernetes, namespace, pool, selector, service, port,
                     kubeconfig, scheme, resync_s, retry_max_s, kv_events_port,
                     kv_replay_port, worker}
+    affinity:      {enabled, header, max_sessions, min_cached_share, max_wait_s}
+    rollout:       {enabled, classes, share, baseline_policy, prefix_pool, baseline_pool, seed}
+    drift:         {enabled, min_tokens, rel_tolerance, window, min_samples, fire_share,
+                    clear_after}
 
 Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
 with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
@@ -663,6 +667,137 @@ def discovery_spec(spec: str) -> dict[str, Any]:
     return data
 
 
+class AffinityConfig(_Model):
+    """Session affinity (:mod:`prefixrouter.core.affinity`): a conversation stays on its worker.
+
+    A request that names its session in ``header`` goes to the worker that
+    served the session's last turn while that worker is routable, the index
+    says it still holds at least ``min_cached_share`` of the last turn's
+    prompt, and its predicted queue wait is at most ``max_wait_s``; otherwise
+    the normal decision runs and the pin moves to where the turn is served.
+    Decisions carry ``affinity`` (``hit`` or why the pin broke) and tier
+    ``affinity`` when it held; ``prefixrouter_affinity_total{result}`` counts
+    them. With a rollout, only the ``prefix`` group is pinned.
+
+    Attributes:
+        enabled: Read the header (off: it is ignored).
+        header: The request header that names the session (scoped per tenant).
+        max_sessions: Pins kept; the least recently used session goes first.
+        min_cached_share: Share of the session's last prompt the worker must
+            still hold (per the index) for the pin to hold.
+        max_wait_s: Longest predicted queue wait on the pinned worker; the
+            default is the ``prefix_aware`` policy's ``max_warm_wait_s``.
+    """
+
+    enabled: bool = True
+    header: str = "X-Session-ID"
+    max_sessions: PosInt = 100_000
+    min_cached_share: Annotated[float, Field(ge=0, le=1)] = 0.5
+    max_wait_s: Annotated[float, Field(ge=0)] = 4.0
+
+    @field_validator("header")
+    @classmethod
+    def _check_header(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "-_" for c in value):
+            raise ValueError("must be a header name (letters, digits, '-', '_')")
+        return value
+
+
+class RolloutConfig(_Model):
+    """One-class rollout (:mod:`prefixrouter.core.rollout`): prefix routing for a part of traffic.
+
+    With ``enabled``, a request is routed by the configured policy (group
+    ``prefix``) when its prefix class (``X-Prefix-Class``, else inferred) is
+    in ``classes`` or, else, when its session id or prefix key hashes into
+    ``share``; every other request is routed by ``baseline_policy`` (group
+    ``baseline``). The same document or session always lands in the same
+    group. Metrics set the groups side by side:
+    ``prefixrouter_rollout_requests_total{group,prefix_class}``,
+    ``prefixrouter_rollout_ttft_seconds{group}`` and
+    ``prefixrouter_rollout_input_tokens_total{group,kind}`` (cached / uncached).
+
+    Attributes:
+        enabled: Split the traffic (off: every request is routed by prefix).
+        classes: Prefix classes routed by prefix (``system``, ``document``,
+            ``session``, ``rag``, ``unknown``).
+        share: Share (0-1) of the other requests routed by prefix.
+        baseline_policy: The other requests' policy (``round_robin``,
+            ``least_loaded`` or any registered cache-blind one).
+        prefix_pool: Worker pool the ``prefix`` group may use (None: any).
+        baseline_pool: Worker pool the ``baseline`` group may use (None: any).
+        seed: Salt of the share's hash: another seed draws another share.
+    """
+
+    enabled: bool = False
+    classes: list[str] = Field(default_factory=list)
+    share: Annotated[float, Field(ge=0, le=1)] = 0.0
+    baseline_policy: str = "round_robin"
+    prefix_pool: str | None = None
+    baseline_pool: str | None = None
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] = 0
+
+    @field_validator("classes")
+    @classmethod
+    def _check_classes(cls, value: list[str]) -> list[str]:
+        from prefixrouter.core.types import PrefixClass
+
+        known = {c.value for c in PrefixClass}
+        bad = [c for c in value if c not in known]
+        if bad:
+            raise ValueError(f"unknown prefix class {bad[0]!r}; known: {', '.join(sorted(known))}")
+        return value
+
+    @field_validator("baseline_policy")
+    @classmethod
+    def _check_policy(cls, name: str) -> str:
+        from prefixrouter.core.policy import canonical_policy_name, create_policy
+
+        try:
+            create_policy(name)
+        except PrefixRouterError as exc:
+            raise ValueError(str(exc)) from None
+        return canonical_policy_name(name)
+
+
+class DriftConfig(_Model):
+    """The drift alarm (:mod:`prefixrouter.core.drift`), fed by every completed request.
+
+    Per prefix class, a request the router predicted at least ``min_tokens``
+    cached tokens for is *divergent* when the engine reused less than the
+    prediction by more than ``max(min_tokens, rel_tolerance * predicted)``.
+    The alarm fires when at least ``fire_share`` of the class's last
+    ``window`` such requests (at least ``min_samples``) are divergent, and
+    clears after ``clear_after`` agreeing ones in a row.
+    ``prefixrouter_drift_alarm{prefix_class}`` is 1 while it fires;
+    ``prefixrouter_drift_alarms_total{prefix_class}`` counts firings; each
+    firing logs one warning naming the class, the template version and the
+    first divergent position.
+
+    Attributes:
+        enabled: Watch predictions (off: no alarm and no series).
+        min_tokens: Predictions below this are not compared.
+        rel_tolerance: Shortfall share of the prediction that is divergent.
+        window: Requests per class the rule looks at.
+        min_samples: Requests needed before the alarm can fire.
+        fire_share: Divergent share of the window that fires it.
+        clear_after: Agreeing requests in a row that clear it.
+    """
+
+    enabled: bool = True
+    min_tokens: PosInt = 64
+    rel_tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    window: PosInt = 10
+    min_samples: PosInt = 4
+    fire_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    clear_after: PosInt = 4
+
+    @model_validator(mode="after")
+    def _samples_fit(self) -> DriftConfig:
+        if self.min_samples > self.window:
+            raise ValueError(f"min_samples ({self.min_samples}) exceeds window ({self.window})")
+        return self
+
+
 class GatewayConfig(_Model):
     """The whole gateway configuration; every field has a default.
 
@@ -704,6 +839,9 @@ class GatewayConfig(_Model):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
 
     @field_validator("tenant_header")
     @classmethod

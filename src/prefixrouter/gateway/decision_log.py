@@ -92,6 +92,7 @@ class LogEntry:
     """
 
     __slots__ = (
+        "affinity",
         "candidates",
         "filtered",
         "namespace",
@@ -124,6 +125,7 @@ class LogEntry:
         self.filtered = d.filtered
         self.warm_abandoned = d.warm_abandoned
         self.now = d.now
+        self.affinity = d.affinity
         self.outcome = outcome
 
 
@@ -137,7 +139,7 @@ def render(entry: LogEntry) -> dict[str, Any]:
     outcome = entry.outcome
     actual = outcome.actual_cached_tokens
     prompt = outcome.prompt_tokens
-    return {
+    out: dict[str, Any] = {
         # Decision.to_dict's fields, in its order.
         "request_id": entry.request_id,
         "namespace": entry.namespace,
@@ -171,6 +173,9 @@ def render(entry: LogEntry) -> dict[str, Any]:
         "error": outcome.error,
         "ts": round(outcome.ts, 6),
     }
+    if entry.affinity:  # a session pin held ("hit") or why it broke
+        out["affinity"] = entry.affinity
+    return out
 
 
 class DecisionLog:

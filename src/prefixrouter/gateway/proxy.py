@@ -12,7 +12,9 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 2. ``Dispatcher.admit`` routes over the prebuilt worker views with fresh
    in-flight figures (503 + ``Retry-After`` when no worker can serve), records
    the speculative placement and counts the request in flight; a retry
-   (``Dispatcher.retry``) routes the same hashes among the workers not tried;
+   (``Dispatcher.retry``) routes the same hashes among the workers not tried.
+   The fleet controls (:mod:`.fleet`) steer it first: its rollout group's
+   policy and pool, and its session's pin (``affinity.header``);
 3. forward the body (re-serialized only to set ``cache_salt`` or to ask a
    stream for its usage chunk). A worker that cannot be reached, answers a
    *refusal* status (``proxy.retry_statuses``), or fails before its first body
@@ -96,6 +98,7 @@ from prefixrouter.gateway.errors import (
     error_response,
     upstream_error_body,
 )
+from prefixrouter.gateway.fleet import Steer
 from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
 from prefixrouter.gateway.sse import SseRelay, usage_figures
 from prefixrouter.gateway.state import GatewayState
@@ -307,13 +310,21 @@ class Proxy:
         retry: _Retry | None = None
         adm: Admission | None = None
         dispatch = st.dispatch
+        fleet = st.fleet
+        header = fleet.session_header
+        try:  # rollout group, pool and policy; the session's pin
+            steer = fleet.steer(request.headers.get(header) if header else None, built)
+        except GatewayError as exc:
+            st.metrics.request_done("", "none", exc.status)
+            return error_response(exc)
+        blocks = built.blocks if steer.blocks is None else steer.blocks
         for _ in range(self.max_attempts):
             views = st.registry.views()
             now = st.clock()
             try:
                 # A retry reuses the first attempt's hashes, on a worker not tried yet.
                 if adm is None:
-                    adm = dispatch.admit(rr, views, now, built.blocks)
+                    adm = dispatch.admit(rr, views, now, blocks, steer.steering)
                 else:
                     adm = dispatch.retry(adm, views, now)
             except NoWorkerAvailable as exc:
@@ -337,6 +348,7 @@ class Proxy:
                     decision.warm_abandoned,
                     decision.prefix_class,
                 )
+                fleet.routed(steer, decision)
             try:
                 # What a stream has relayed so far: a client that leaves after
                 # the engine's usage chunk still leaves its feedback behind.
@@ -352,13 +364,13 @@ class Proxy:
                 # A stream's client that left before the first upstream byte:
                 # the engine, aborted now, has not prefilled it.
                 progress.no_prefill = built.stream and not adm.first_token
-                self._finish(built, adm, worker, progress, t0, retry)
+                self._finish(built, adm, worker, progress, t0, retry, steer)
                 raise
             except Exception as exc:  # a bug must not crash the gateway or leak load
                 att = Attempt(error_response(exc), 500, error=f"{type(exc).__name__}: {exc}")
             if att.response is not None:
                 try:
-                    self._finish(built, adm, worker, att, t0, retry)
+                    self._finish(built, adm, worker, att, t0, retry, steer)
                 except Exception:  # bookkeeping must not cost the client its answer
                     log.exception("feedback failed for %s", rid)
                 return att.response
@@ -573,6 +585,7 @@ class Proxy:
         att: Attempt,
         t0: float,
         retry: _Retry | None,
+        steer: Steer,
     ) -> None:
         st = self.st
         dispatch = st.dispatch
@@ -615,6 +628,8 @@ class Proxy:
                 att.ttft_s,
             )
         st.metrics.request_done(worker.id, decision.tier, att.status)
+        # Where predicted and actual cached tokens meet: the pin, the groups, the drift alarm.
+        st.fleet.completed(steer, built, decision, ok, prompt, cached, att.ttft_s)
         self._log(
             built,
             decision,

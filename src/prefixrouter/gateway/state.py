@@ -32,6 +32,7 @@ from prefixrouter.gateway.cluster_link import build_node
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.decision_log import DecisionLog
 from prefixrouter.gateway.discovery_link import DiscoveryLink
+from prefixrouter.gateway.fleet import FleetControls
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
@@ -56,6 +57,7 @@ class GatewayState:
     decisions: DecisionLog
     builder: RequestBuilder
     tenancy: Tenancy
+    fleet: FleetControls
     lint: LintObserver | None = None
     events: KvEventSubscriber | None = None
     cluster: ClusterNode | None = None
@@ -140,6 +142,8 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     tok = tokenizer if tokenizer is not None else _load_tokenizer(config)
     builder = RequestBuilder(config, registry.adapters, tok)
     tenancy = Tenancy(config)
+    fleet = FleetControls(config, dispatch)  # affinity, rollout, drift alarm
+    metrics.registry.register(fleet.collector())
     events = None
     if config.kv_events_on:
         events = KvEventSubscriber(config.kv_events.endpoint, dispatch, time.monotonic)
@@ -170,6 +174,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         decisions=decisions,
         builder=builder,
         tenancy=tenancy,
+        fleet=fleet,
         lint=LintObserver() if config.metrics.lint_observe else None,
         events=events,
     )
