@@ -1,4 +1,4 @@
-"""What every fault test asserts, on a :class:`~prefixrouter.harness.fault_scenarios.FaultReport`."""
+"""What every fault test asserts on a scenario's report (lost, duplicated, tracebacks)."""
 
 from __future__ import annotations
 

@@ -364,7 +364,7 @@ async def run_scenario(
     times.extra["tracebacks"] = max(0, ff.tracebacks() - tracebacks)
     times.extra["stuck_in_flight"] = await ff.settled_in_flight()
     served = read_served(ff.served)
-    frozen = {times.target: (times.t_fault, times.t_ready)} if times.frozen else None
+    frozen = {times.target: [(times.t_fault, times.t_ready)]} if times.frozen else None
     tally = account(outcomes, served, frozen)
     left: float | None = None
     back_s: float | None = None

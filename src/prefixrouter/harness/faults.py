@@ -377,11 +377,12 @@ FREEZE_READ_S = 1.0
 def account(
     outcomes: Iterable[Outcome],
     served: Sequence[Served],
-    frozen: Mapping[str, tuple[float, float]] | None = None,
+    frozen: Mapping[str, Sequence[tuple[float, float]]] | None = None,
 ) -> Tally:
     """Count lost and duplicated requests (module doc) from the engines' records.
 
-    ``frozen``: engines that were stopped (``SIGSTOP``) from ``t0`` to ``t1``.
+    ``frozen``: engines that were stopped (``SIGSTOP``), each with its
+    ``(t0, t1)`` windows.
     Such an engine reads, once thawed, requests the kernel took in while it was
     stopped, so its receive stamps up to just after ``t1`` are later than
     their arrival: one of them counts as late only if the engine then wrote a byte
@@ -392,9 +393,8 @@ def account(
     def late(s: Served, t_first: float) -> bool:
         if s.t_recv <= t_first:
             return False
-        window = frozen.get(s.engine)
         # Stamped on waking (the thaw races the caller's own stamp of it).
-        buffered = window is not None and window[0] <= s.t_recv <= window[1] + FREEZE_READ_S
+        buffered = any(t0 <= s.t_recv <= t1 + FREEZE_READ_S for t0, t1 in frozen.get(s.engine, ()))
         return not buffered or s.t_first is not None
 
     by_tag: dict[str, list[Served]] = {}

@@ -334,7 +334,10 @@ class EngineServer:
                         await resp.write(writer.token(self.filler(sent, sent + 1)[0], False))
                         sent += 1
                         continue
-                if stop < n:
+                if stop < n:  # truncated: the tokens up to the cut, at once
+                    await resp.write(
+                        b"".join(writer.token(t, False) for t in self.filler(sent, stop))
+                    )
                     break
                 await handle.done
                 rest = self.filler(sent, n)
