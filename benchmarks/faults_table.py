@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ import orjson
 from rich.console import Console
 from rich.progress import Progress
 
+from prefixrouter.bench.marked import MarkersMissing, markers, replace_marked
 from prefixrouter.harness.fault_scenarios import (
     REPLICATED,
     SINGLE,
@@ -44,7 +44,6 @@ from prefixrouter.harness.fault_scenarios import (
 )
 from prefixrouter.harness.processes import Fleet
 
-BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
 console = Console(stderr=True)
 
 
@@ -106,20 +105,14 @@ async def main_async(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]
     return rows
 
 
-def write_results(path: Path, table: str) -> None:
-    text = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers")
-    path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--results", type=Path, help="RESULTS.md whose fault table to replace")
     ap.add_argument("--only", help="comma-separated scenario keys")
     args = ap.parse_args(argv)
+    if args.results and markers("faults")[0] not in args.results.read_text():
+        ap.error(f"--results: {args.results} has no {markers('faults')[0]} block")
     rows = asyncio.run(main_async(args))
     table = markdown(rows)
     print(table)
@@ -128,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             orjson.dumps([{"title": t, **r} for t, r in rows], option=orjson.OPT_INDENT_2)
         )
     if args.results:
-        write_results(args.results, table)
+        try:
+            replace_marked(args.results, "faults", table)
+        except MarkersMissing as exc:
+            raise SystemExit(f"error: {exc}") from None
     return 0
 
 

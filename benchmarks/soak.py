@@ -11,7 +11,8 @@ dropped KV events). The gateway itself is never restarted: its RSS over the
 run is the leak check. Lost and duplicated requests are counted from the
 engines' own served logs (:func:`~prefixrouter.harness.faults.account`)::
 
-    PYTHONPATH=src python benchmarks/soak.py --minutes 30 --json OUT.json [--plot OUT.png]
+    PYTHONPATH=src python benchmarks/soak.py --minutes 30 --json OUT.json [--plot OUT.png] \\
+        [--results benchmarks/RESULTS.md]
 
 The JSON: ``requests``, ``complete``, ``errors`` by cause, ``lost``,
 ``duplicated``, ``faults`` (what ran when), and per minute: ``requests``,
@@ -37,6 +38,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from prefixrouter.bench.marked import markers, replace_marked
 from prefixrouter.harness.fault_scenarios import SINGLE, FaultFleet, FaultTimes, start_fault_fleet
 from prefixrouter.harness.faults import LoadMix, OpenLoad, Outcome, account, read_served
 from prefixrouter.harness.processes import Fleet
@@ -182,7 +184,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["per_minute"]
-    mins = [r["minute"] for r in rows]
+    mins = [r["minute"] - 0.5 for r in rows]  # each minute's figure at its middle
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     ax1.plot(mins, [r["p99_ttft_s"] for r in rows], marker="o")
     ax1.set_ylabel("p99 TTFT (s)")
@@ -190,17 +192,43 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax2.plot(mins, [r["gateway_rss_mb"] for r in rows], marker="o", color="tab:green")
     ax2.set_ylabel("gateway RSS (MiB)")
     ax2.set_ylim(bottom=0)
-    ax2.set_xlabel("minute")
+    ax2.set_xlabel("minutes since the start")
     for f in report["faults"]:
         for ax in (ax1, ax2):
-            ax.axvline(f["at_s"] / 60 + 0.5, color="tab:red", alpha=0.25, lw=1)
+            ax.axvline(f["at_s"] / 60, color="tab:red", alpha=0.25, lw=1)
     ax1.set_title(
         f"soak: {report['requests']} requests, {report['lost']} lost, "
-        f"{report['duplicated']} duplicated, {len(report['faults'])} faults (red)"
+        f"{report['duplicated']} duplicated, {len(report['faults'])} faults (red lines)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown(report: dict[str, Any], plot_name: str | None) -> str:
+    """RESULTS.md's soak block: totals, errors by cause, p99 TTFT and RSS over time."""
+    rows = report["per_minute"]
+    step = max(1, len(rows) // 10)
+    shown = [r for r in rows if r["minute"] % step == 0 or r["minute"] in (1, len(rows))]
+    errors = ", ".join(f"{k}: {v}" for k, v in report["errors"].items()) or "none"
+    lines = [
+        f"{report['minutes']} minutes at {report['rate']:g} req/s, "
+        f"{len(report['faults'])} faults: **{report['requests']} requests, "
+        f"{report['complete']} complete, {report['lost']} lost, "
+        f"{report['duplicated']} duplicated**; {report['stuck_in_flight']} stuck in flight, "
+        f"{report['gateway_tracebacks']} gateway tracebacks. Errors by cause: {errors}.",
+        "",
+        "| minute | requests | complete | p99 TTFT (s) | gateway RSS (MiB) |",
+        "|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['minute']} | {r['requests']} | {r['complete']} | {r['p99_ttft_s']} "
+            f"| {r['gateway_rss_mb']} |"
+            for r in shown
+        ),
+    ]
+    if plot_name:
+        lines += ["", f"![soak: p99 TTFT and gateway RSS per minute](results/{plot_name})"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,15 +239,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=15.0, help="requests per second")
     ap.add_argument("--gap-s", type=float, default=20.0, help="seconds between faults")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", type=Path, help="RESULTS.md whose soak block to replace")
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: redraw --plot and --results from the existing --json",
+    )
     args = ap.parse_args(argv)
     if args.minutes < 1:
         ap.error("--minutes: must be at least 1")
+    if args.results and markers("soak")[0] not in args.results.read_text():
+        ap.error(f"--results: {args.results} has no {markers('soak')[0]} block")
     # A SIGTERM unwinds like an error: the fleet stops every process it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    report = asyncio.run(soak(args))
-    args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.render_only:
+        report = orjson.loads(args.json.read_bytes())
+    else:
+        report = asyncio.run(soak(args))
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     if args.plot:
         plot(report, args.plot)
+    if args.results:
+        replace_marked(
+            args.results, "soak", markdown(report, args.plot.name if args.plot else None)
+        )
     console.print(
         f"soak: {report['requests']} requests, {report['complete']} complete, "
         f"{report['lost']} lost, {report['duplicated']} duplicated; errors {report['errors']}",
