@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from prefixrouter.harness.fault_scenarios import FaultReport
+from prefixrouter.harness.fault_scenarios import FaultFleet, FaultReport, Scenario, run_scenario
 
 RUN_BOUND_S = 120.0
 """One scenario, fault and traffic included, ends well within this."""
@@ -16,6 +16,13 @@ def run(coro: Any) -> Any:
         return await asyncio.wait_for(coro, RUN_BOUND_S)
 
     return asyncio.run(bounded())
+
+
+def run_one(ff: FaultFleet, scenarios: dict[str, tuple[str, Scenario]], key: str) -> FaultReport:
+    """Run scenario ``key`` of ``scenarios`` on ``ff`` under the load; its report."""
+    _, fn = scenarios[key]
+    rep: FaultReport = run(run_scenario(ff, key, fn))
+    return rep
 
 
 def assert_sound(rep: FaultReport, *, gateway_down: bool = False) -> None:
