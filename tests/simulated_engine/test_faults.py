@@ -101,20 +101,18 @@ async def test_bad_usage_sends_wrong_signs_and_types() -> None:
 
 async def test_slow_runs_the_engine_that_many_times_slower() -> None:
     async with served(time_scale=20, fault_injection=True) as (client, server):
-
-        async def took() -> float:
-            t0 = time.perf_counter()
-            resp = await client.post("/v1/chat/completions", json=_chat("x", False, 40))
-            assert resp.status == 200
-            return time.perf_counter() - t0
-
-        fast = await took()
+        step = server.runtime.token_interval()  # one decode step, idle, in wall seconds
         await client.post("/admin/faults", json={"slow": 10})
         assert server.runtime.time_scale == pytest.approx(2.0)
-        slow = await took()
-        assert slow > 4 * fast, (fast, slow)
+        assert server.runtime.token_interval() == pytest.approx(10 * step)
+        t0 = time.perf_counter()
+        resp = await client.post("/v1/chat/completions", json=_chat("x", False, 100))
+        assert resp.status == 200
+        # 100 decode steps at a tenth of the speed: a lower bound, whatever the load.
+        assert time.perf_counter() - t0 >= 0.9 * 100 * 10 * step
         await client.post("/admin/faults", json={})
         assert server.runtime.time_scale == pytest.approx(20.0)
+        assert server.runtime.token_interval() == pytest.approx(step)
 
 
 async def test_served_log_records_each_request_by_tag(tmp_path: Path) -> None:
