@@ -46,6 +46,8 @@ class FakeEngine:
     die_before_first_byte: bool = False
     die_after_chunks: int | None = None
     hang_after_chunks: int | None = None
+    end_after_chunks: int | None = None  # a clean end of body, no [DONE]
+    cut_body: bool = False  # an unstreamed 200 whose JSON is cut in half
     start_time: float | None = None
     health_delay_s: float = 0.0
     max_prompt_tokens: int | None = None
@@ -180,7 +182,10 @@ def make_app(engine: FakeEngine) -> web.Application:
                     "choices": [choice],
                     "usage": usage,
                 }
-                return web.Response(body=orjson.dumps(out), content_type="application/json")
+                raw = orjson.dumps(out)
+                if engine.cut_body:
+                    raw = raw[: len(raw) // 2]
+                return web.Response(body=raw, content_type="application/json")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             chunks = [_chunk(kind, rid, body["model"], w, None) for w in words]
@@ -204,6 +209,8 @@ def make_app(engine: FakeEngine) -> web.Application:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
+                if engine.end_after_chunks is not None and i >= engine.end_after_chunks:
+                    break
                 if engine.hang_after_chunks is not None and i >= engine.hang_after_chunks:
                     await asyncio.sleep(3600)  # silent, connection open, until cancelled
                 await resp.write(c)

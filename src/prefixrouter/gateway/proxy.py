@@ -22,7 +22,8 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    tried, up to ``proxy.max_attempts``. The client's response is started only
    when the first upstream byte is in hand, and from then on nothing is
    retried: no request ever reaches a second worker after bytes reached the
-   client. A stream that breaks later ends with an SSE ``error`` event;
+   client. A stream that breaks later, or ends without ``data: [DONE]``,
+   ends with an SSE ``error`` event;
 
    **Timeouts.** An attempt whose first body byte does not come within the
    *first-byte timeout* is abandoned (the engine aborts it) and retried
@@ -440,12 +441,15 @@ class Proxy:
         ctype = resp.content_type or JSON
         hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
         if status == 200:
-            usage = None
             try:
                 data = orjson.loads(body)
-                usage = data.get("usage") if isinstance(data, dict) else None
             except orjson.JSONDecodeError:
-                pass
+                # Cut short or garbled: never pass it on as a 200 answer.
+                msg = "upstream answered 200 with a body that is not JSON"
+                err = error_body(msg, "upstream_error", "502")
+                out = web.Response(body=err, status=502, content_type=JSON, headers=hdrs)
+                return Attempt(out, 502, error="upstream sent invalid JSON")
+            usage = data.get("usage") if isinstance(data, dict) else None
             resp_out = web.Response(body=body, status=200, content_type=ctype, headers=hdrs)
             return Attempt(resp_out, 200, ok=True, usage=usage if isinstance(usage, dict) else None)
         return self._upstream_error(status, body, hdrs)
@@ -545,6 +549,10 @@ class Proxy:
             tail = relay.finish()
             if tail:
                 await out.write(tail)
+            if upstream_error is None and not relay.done:
+                # A clean end of body without [DONE]: the engine cut its answer
+                # short; the client must not take it for a complete one.
+                upstream_error = "the stream ended before data: [DONE]"
             if upstream_error is not None:
                 what, code = ("stalled", "504") if stalled else ("broke", "502")
                 msg = f"upstream stream {what}: {upstream_error}"

@@ -11,6 +11,11 @@ Bytes are forwarded per *complete event* (events end with a blank line): a
 partial event stays buffered until its end arrives, which costs one
 ``rfind`` per upstream chunk and keeps events byte-identical. Only a span of
 events that contains ``"usage"`` is split and parsed.
+
+:attr:`SseRelay.done` records whether ``data: [DONE]`` went through: an
+engine's stream that ends without it was cut short (an engine that crashed
+while writing, or closed its response early), and the gateway must end it
+with an error event rather than let it pass for a complete answer.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import orjson
 
 _SEP = b"\n\n"
 _USAGE = b'"usage"'
+_DONE = b"data: [DONE]"
+_DONE_EVENT = _DONE + _SEP
 
 
 class SseRelay:
@@ -29,13 +36,15 @@ class SseRelay:
     Attributes:
         strip_usage: Drop the usage-only chunk (the client did not ask for it).
         usage: The last non-null ``usage`` object seen, if any.
+        done: The stream's ``data: [DONE]`` event has been relayed.
     """
 
-    __slots__ = ("_buf", "strip_usage", "usage")
+    __slots__ = ("_buf", "done", "strip_usage", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
+        self.done = False
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -51,6 +60,8 @@ class SseRelay:
         ready = chunk[:end]
         if _USAGE in ready:
             ready = self._events(ready)
+        if ready.endswith(_DONE_EVENT):
+            self.done = True
         return ready
 
     def finish(self) -> bytes:
@@ -60,6 +71,8 @@ class SseRelay:
         # unless it is the usage chunk to strip.
         if rest and _USAGE in rest and self._is_usage_only(rest.rstrip(b"\n")):
             return b""
+        if rest.rstrip(b"\n") == _DONE:
+            self.done = True
         return rest
 
     def _events(self, span: bytes) -> bytes:

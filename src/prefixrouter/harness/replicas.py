@@ -35,10 +35,14 @@ def start_replica(
     extra: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
+    port: int | None = None,
 ) -> Server:
-    """Start one replica (not yet ready); its server is named ``replica_id``."""
+    """Start one replica (not yet ready); its server is named ``replica_id``.
+
+    ``port``: listen there (a restart on the port clients know); None: a free one.
+    """
     args = ["--config", str(config), "--cluster", nats_url, "--replica-id", replica_id, *extra]
-    server = fleet.start(replica_id, GATEWAY_MODULE, args, env=env)
+    server = fleet.start(replica_id, GATEWAY_MODULE, args, port=port, env=env)
     if log_path is not None:  # keep the output where the caller wants it
         server.log_path = log_path
     return server

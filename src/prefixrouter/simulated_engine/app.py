@@ -16,6 +16,8 @@ Endpoints:
   ``GET /version``, ``POST /tokenize``, ``POST /detokenize``,
   ``POST /reset_prefix_cache``, ``POST /v1/chat/completions/render`` and
   ``POST /v1/completions/render`` (vllm-router's cache-aware policy calls them).
+* Fault injection, with ``--fault-injection`` only: ``GET`` and ``POST
+  /admin/faults`` (:mod:`prefixrouter.simulated_engine.faults`).
 * SGLang, for sglang-router's worker discovery: ``GET /server_info``,
   ``/get_server_info``, ``/model_info``, ``/get_model_info``; the tokenizer
   path they report is a local Hugging Face style folder, so the router loads
@@ -40,6 +42,7 @@ engine model has no abort; see ``runtime.py``). Nothing is logged per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -55,6 +58,7 @@ from prefixrouter.core.hashing import hash_token_blocks
 from prefixrouter.core.types import CacheNamespace, WorkerId
 from prefixrouter.sim.engine import EngineModel
 from prefixrouter.simulated_engine.config import EngineServerConfig
+from prefixrouter.simulated_engine.faults import Faults, ServedLog, bad_usage, parse_faults
 from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher
 from prefixrouter.simulated_engine.metrics import CONTENT_TYPE, EngineMetrics
 from prefixrouter.simulated_engine.protocol import (
@@ -148,6 +152,7 @@ class EngineServer:
                 config.kv_events_topic or f"kv@{config.engine_id}",
                 self.profile.block_size,
                 max_blocks=4 * self.profile.kv_blocks,
+                replay_endpoint=config.kv_replay_endpoint,
             )
             self.runtime.on_kv_events = self.publisher.publish
         self.started = int(time.time())
@@ -155,6 +160,9 @@ class EngineServer:
         self._seeds: dict[str | None, int] = {None: CacheNamespace(config.model).seed}
         self._filler = [self.tokenizer.decode([t]) for t in self.tokenizer.encode(FILLER_TEXT)]
         self._hf_dir: str | None = None
+        self.faults = Faults()
+        self._fault_turn = 0
+        self.served = ServedLog(config.served_log) if config.served_log else None
 
     # ---------------------------------------------------------------- helpers
 
@@ -218,8 +226,37 @@ class EngineServer:
 
     # ------------------------------------------------------------- generation
 
+    def _fault(self) -> Faults | None:
+        """The injected faults if they hit this request (one in ``every``), else None."""
+        faults = self.faults
+        if not faults.per_request:
+            return None
+        self._fault_turn += 1
+        return faults if self._fault_turn % faults.every == 0 else None
+
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         body = parse_json_object(await request.read())
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        served = self.served
+        if served is None:
+            resp, _ = await self._answer(request, kind, body, rid)
+            return resp
+        tag = body.get("user")
+        served.event("recv", rid, tag=tag if isinstance(tag, str) else None)
+        how = "gone"  # what a cancelled handler (the client left) leaves
+        try:
+            resp, how = await self._answer(request, kind, body, rid)
+            return resp
+        except ApiError:
+            how = "error"
+            raise
+        finally:
+            served.event("end", rid, how=how)
+
+    async def _answer(
+        self, request: web.Request, kind: Kind, body: dict[str, Any], rid: str
+    ) -> tuple[web.StreamResponse, str]:
+        """Validate, run and answer one request; also how it ended (served log)."""
         model = check_model(body, self.config.model)
         opts = parse_options(body, kind)
         ids = await self.prompt_ids(body, kind)
@@ -227,6 +264,9 @@ class EngineServer:
         err = length_error(len(ids), max_tokens, self.max_model_len, self.length_hint)
         if err is not None:
             raise err
+        fault = self._fault()
+        if fault is not None and fault.status is not None:
+            raise ApiError(fault.status, "Injected fault.", "InternalServerError")
         hashes = hash_token_blocks(self.seed(opts.cache_salt), ids, self.profile.block_size)
         if self.publisher is not None:
             self.publisher.remember(hashes, ids, opts.cache_salt)
@@ -234,58 +274,95 @@ class EngineServer:
             handle = self.runtime.submit(hashes, len(ids), max_tokens)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         self.in_flight += 1
         try:
             if opts.stream:
                 writer = ChunkWriter(kind, rid, created, model)
-                return await self._stream(request, handle, writer, opts.include_usage)
+                return await self._stream(request, handle, writer, rid, opts.include_usage, fault)
             done = await handle.done
             first = handle.first.result()
             text = "".join(self.filler(0, done.output_tokens))
             use = usage(len(ids), done.output_tokens, first.cached_tokens)
-            return _json(full_response(kind, rid, created, model, text, use))
+            if fault is not None and fault.bad_usage:
+                use = bad_usage(len(ids), done.output_tokens)
+            raw = orjson.dumps(full_response(kind, rid, created, model, text, use))
+            how = "done"
+            if fault is not None and (fault.malformed or fault.truncate):
+                raw = b'{"id": "' + rid.encode() + b'", "choices": [{' if fault.malformed else raw
+                raw, how = raw[: len(raw) // 2 or 1], "fault"
+            if self.served is not None:
+                self.served.event("first", rid)
+            return web.Response(body=raw, content_type="application/json"), how
         finally:
             self.in_flight -= 1
             self.runtime.cancel(handle.request_id)
 
     async def _stream(
-        self, request: web.Request, handle: RequestHandle, writer: ChunkWriter, with_usage: bool
-    ) -> web.StreamResponse:
+        self,
+        request: web.Request,
+        handle: RequestHandle,
+        writer: ChunkWriter,
+        rid: str,
+        with_usage: bool,
+        fault: Faults | None,
+    ) -> tuple[web.StreamResponse, str]:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         n = handle.output_tokens
+        # A truncated stream stops after half its tokens; a malformed one after its first event.
+        stop = n
+        if fault is not None and (fault.truncate or fault.malformed):
+            stop = max(1, n // 2) if fault.truncate else 0
+        how = "gone"
         try:
             first = await handle.first
             if n == 1:
                 await handle.done
             head = writer.role() if writer.is_chat else b""
+            if stop == 0:  # malformed: an event that is not JSON, then the end
+                await resp.write(head + b'data: {"id": "' + rid.encode() + b'", "cho\n\n')
+                self._first_written(rid)
+                await resp.write_eof()
+                return resp, "fault"
             await resp.write(head + writer.token(self.filler(0, 1)[0], n == 1))
+            self._first_written(rid)
             sent = 1
-            while sent < n:
+            while sent < stop:
                 if not handle.done.done() and sent < n - 1:
                     await asyncio.wait((handle.done,), timeout=self.runtime.token_interval())
                     if not handle.done.done():
                         await resp.write(writer.token(self.filler(sent, sent + 1)[0], False))
                         sent += 1
                         continue
+                if stop < n:  # truncated: the tokens up to the cut, at once
+                    await resp.write(
+                        b"".join(writer.token(t, False) for t in self.filler(sent, stop))
+                    )
+                    break
                 await handle.done
                 rest = self.filler(sent, n)
                 await resp.write(
                     b"".join(writer.token(t, sent + i == n - 1) for i, t in enumerate(rest))
                 )
                 sent = n
-            tail = (
-                writer.usage(usage(handle.prompt_tokens, n, first.cached_tokens))
-                if with_usage
-                else b""
-            )
+            if stop < n:  # truncated: a clean end of body, no usage, no [DONE]
+                await resp.write_eof()
+                return resp, "fault"
+            use = usage(handle.prompt_tokens, n, first.cached_tokens)
+            if fault is not None and fault.bad_usage:
+                use = bad_usage(handle.prompt_tokens, n)
+            tail = writer.usage(use) if with_usage else b""
             await resp.write(tail + ChunkWriter.DONE)
             await resp.write_eof()
+            how = "done"
         except ConnectionError:
-            pass  # the client went away: stop writing; _generate forgets the request
-        return resp
+            pass  # the client went away: stop writing; _answer forgets the request
+        return resp, how
+
+    def _first_written(self, rid: str) -> None:
+        if self.served is not None:
+            self.served.event("first", rid)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
@@ -382,6 +459,22 @@ class EngineServer:
         }
         return _json({"object": "list", "data": [card]})
 
+    # ------------------------------------------------------- fault injection
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        """``GET /admin/faults`` (``--fault-injection``): the faults now on."""
+        return _json(self.faults.to_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """``POST /admin/faults`` (``--fault-injection``): replace the faults (``{}`` heals)."""
+        faults = parse_faults(parse_json_object(await request.read()))
+        self.faults = faults
+        self._fault_turn = 0
+        self.runtime.set_time_scale(self.config.time_scale / faults.slow)
+        if self.publisher is not None:
+            self.publisher.drop_next(faults.drop_kv_events)
+        return _json(faults.to_dict())
+
     # ------------------------------------------------------- SGLang discovery
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -477,11 +570,24 @@ def create_app(
     app = web.Application(middlewares=[_errors], client_max_size=256 * 2**20)
     app[SERVER_KEY] = server
 
+    replay: list[asyncio.Task[None]] = []
+
+    async def _start(_app: web.Application) -> None:
+        if server.publisher is not None and server.publisher.replay_endpoint is not None:
+            replay.append(asyncio.create_task(server.publisher.serve_replay()))
+
     async def _stop(_app: web.Application) -> None:
         server.runtime.stop()
+        for task in replay:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if server.publisher is not None:
             server.publisher.close()
+        if server.served is not None:
+            server.served.close()
 
+    app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     s = server
     app.router.add_post("/v1/chat/completions", s.chat_completions)
@@ -501,4 +607,7 @@ def create_app(
         app.router.add_get(path, s.server_info)
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, s.model_info)
+    if config.fault_injection:
+        app.router.add_get("/admin/faults", s.get_faults)
+        app.router.add_post("/admin/faults", s.set_faults)
     return app

@@ -110,6 +110,17 @@ def engine(
     kv_events_topic: Annotated[
         str | None, typer.Option(help="Topic of the KV events (default kv@ENGINE_ID).")
     ] = None,
+    kv_replay_endpoint: Annotated[
+        str | None,
+        typer.Option(help="Bind a KV-event replay socket here (vLLM's replay_endpoint)."),
+    ] = None,
+    served_log: Annotated[
+        Path | None,
+        typer.Option(help="Append one JSON line per served-request event to this file."),
+    ] = None,
+    fault_injection: Annotated[
+        bool, typer.Option(help="Serve /admin/faults: switch engine faults on mid-run.")
+    ] = False,
 ) -> None:
     """Serve a simulated vLLM engine: OpenAI API, vLLM metrics, real token counts."""
     try:
@@ -125,6 +136,9 @@ def engine(
             tokenizer=str(tokenizer) if tokenizer is not None else None,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_topic=kv_events_topic,
+            kv_replay_endpoint=kv_replay_endpoint,
+            served_log=str(served_log) if served_log is not None else None,
+            fault_injection=fault_injection,
         )
         _run(serve(config, host, port))
     except (ConfigError, OSError, zmq.ZMQError) as exc:

@@ -56,6 +56,11 @@ class EngineServerConfig:
         kv_events_endpoint: Publish KV events like vLLM to this ZMQ address
             (None: no events); see :mod:`prefixrouter.simulated_engine.kv_publisher`.
         kv_events_topic: The events' topic (default ``kv@<engine_id>``).
+        kv_replay_endpoint: Bind a replay socket (vLLM's ``replay_endpoint``) here
+            that answers missed KV-event batches (None: no replay).
+        served_log: Append one line per served-request event to this file
+            (:mod:`prefixrouter.simulated_engine.faults`; None: no log).
+        fault_injection: Serve ``/admin/faults`` (switch faults on mid-run).
     """
 
     model: str = "tiny"
@@ -69,6 +74,9 @@ class EngineServerConfig:
     tokenizer: str | None = None
     kv_events_endpoint: str | None = None
     kv_events_topic: str | None = None
+    kv_replay_endpoint: str | None = None
+    served_log: str | None = None
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -82,6 +90,11 @@ class EngineServerConfig:
         ep = self.kv_events_endpoint
         if ep is not None and not ep.startswith(ZMQ_SCHEMES):
             raise ConfigError(f"kv_events_endpoint: must be a ZMQ address, got {ep!r}")
+        rep = self.kv_replay_endpoint
+        if rep is not None and (ep is None or not rep.startswith(ZMQ_SCHEMES)):
+            raise ConfigError(
+                f"kv_replay_endpoint: must be a ZMQ address, with kv_events_endpoint, got {rep!r}"
+            )
         if self.default_max_tokens < 1:
             raise ConfigError(
                 f"default_max_tokens: must be at least 1, got {self.default_max_tokens}"

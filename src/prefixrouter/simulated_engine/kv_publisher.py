@@ -24,21 +24,33 @@ engine evicts it.
 A message that cannot be queued (no subscriber connected and the queue full)
 is dropped, silently, by the PUB socket (a PUB send never blocks nor fails);
 the sequence number still advances, so the router sees a gap, as it would
-with vLLM.
+with vLLM. :meth:`KvEventPublisher.drop_next` drops batches on purpose (fault
+injection) the same way.
+
+Replay (``replay_endpoint``, vLLM's): a ROUTER socket, bound, answers
+``[b"", start_seq]`` with one ``[b"", topic, seq, payload]`` per buffered
+batch from ``start_seq`` on (the last ``REPLAY_BATCHES``, sent or dropped),
+then the end marker ``[b"", topic, END_SEQ, b""]``, as vLLM 0.32 does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
 import zmq
+import zmq.asyncio
 
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from prefixrouter.core.types import BlockHash
+from prefixrouter.real_engines.kv_events import END_SEQ
+
+REPLAY_BATCHES = 4096
+"""Batches the replay socket keeps (vLLM keeps a bounded buffer too)."""
 
 
 def binds(endpoint: str) -> bool:
@@ -58,6 +70,8 @@ class KvEventPublisher:
         block_size: Tokens per block.
         max_blocks: Blocks whose token ids are remembered (at least the KV size).
         clock: Wall clock for the batch timestamp.
+        replay_endpoint: Bind a replay socket here (None: no replay); it is
+            served by :meth:`serve_replay`, which the app runs as a task.
     """
 
     def __init__(
@@ -67,12 +81,16 @@ class KvEventPublisher:
         block_size: int,
         max_blocks: int,
         clock: Callable[[], float] = time.time,
+        replay_endpoint: str | None = None,
     ) -> None:
         self.topic = topic.encode("utf-8")
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.clock = clock
         self.seq = 0
+        self.replay_endpoint = replay_endpoint
+        self._dropping = 0
+        self._sent: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._blocks: OrderedDict[BlockHash, tuple[tuple[int, ...], str | None]] = OrderedDict()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
@@ -101,9 +119,44 @@ class KvEventPublisher:
         if not encoded:
             return
         payload = msgpack.packb([self.clock(), encoded, 0])
-        seq = self.seq.to_bytes(8, "big")
+        seq = self.seq
         self.seq += 1
-        self._sock.send_multipart([self.topic, seq, payload], flags=zmq.NOBLOCK)
+        if self.replay_endpoint is not None:
+            self._sent.append((seq, payload))
+        if self._dropping:
+            self._dropping -= 1  # lost on the way: the sequence number is used all the same
+            return
+        self._sock.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+
+    def drop_next(self, n: int) -> None:
+        """Do not send the next ``n`` batches (they stay replayable): a gap for the router."""
+        self._dropping = n
+
+    async def serve_replay(self) -> None:
+        """Answer replay requests on :attr:`replay_endpoint` until cancelled (module doc)."""
+        if self.replay_endpoint is None:
+            return
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.replay_endpoint)
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) < 3:
+                    continue  # not a replay request
+                ident, start_frame = frames[0], frames[-1]
+                start = int.from_bytes(start_frame[:8], "big")
+                for seq, payload in list(self._sent):
+                    if seq >= start:
+                        await sock.send_multipart(
+                            [ident, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                        )
+                await sock.send_multipart([ident, b"", self.topic, END_SEQ, b""])
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.close()
+            ctx.term()
 
     def _encode(self, event: KvEvent) -> dict[str, Any] | None:
         if isinstance(event, BlockStored):

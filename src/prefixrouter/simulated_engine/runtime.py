@@ -126,6 +126,24 @@ class EngineRuntime:
         """The engine's current simulated time."""
         return (self._clock() - self._t0) * self.time_scale
 
+    def set_time_scale(self, time_scale: float) -> None:
+        """Run at ``time_scale`` from now on (a slowed engine, fault injection).
+
+        Simulated time stays continuous: the origin moves so that ``sim_now``
+        is the same just before and after, and the timer is re-armed for the
+        engine's next wakeup at the new speed.
+        """
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be positive, got {time_scale}")
+        now = self.sim_now()
+        self.time_scale = time_scale
+        self._t0 = self._clock() - now / time_scale
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._closed:
+            self._arm()
+
     # ---------------------------------------------------------------- queries
 
     @property
