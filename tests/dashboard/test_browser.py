@@ -9,7 +9,8 @@ that clicking a decision explains it (its candidates with their cost terms,
 the tier, the reason), that without the key the page asks for it, and that
 the page loaded nothing from anywhere but the gateway. It saves a screenshot
 in the test's temporary directory; with ``PREFIXROUTER_DASHBOARD_PNG=PATH``
-also at ``PATH`` (``docs/dashboard.png`` is made this way).
+it sends half a minute more traffic and saves one at ``PATH`` too
+(``docs/dashboard.png`` is made this way).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import os
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -134,6 +136,13 @@ def test_the_dashboard_shows_live_figures_and_explains_a_decision(
             page.screenshot(path=str(shot), full_page=True)
             assert shot.read_bytes()[:4] == b"\x89PNG"
             if target := os.environ.get("PREFIXROUTER_DASHBOARD_PNG"):
+                # For the README: half a minute of traffic first, so the charts have a history.
+                end = time.monotonic() + 30
+                seed = 100
+                while time.monotonic() < end:
+                    _traffic(live.url, rounds=1, unique=2, seed=seed)
+                    seed += 1
+                    page.wait_for_timeout(300)  # pacing the traffic, not waiting on a condition
                 page.screenshot(path=target, full_page=True)
 
             # A tab without the key is asked for it; the key opens the stream.

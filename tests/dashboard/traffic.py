@@ -1,8 +1,10 @@
 """Traffic for the dashboard's tests: questions about a few documents, plus unique prompts.
 
 Seeded, so every run sends the same bytes. Streamed, so the gateway measures
-time to first token; the documents carry ``X-Prefix-Class: document``, the
-unique prompts none (the gateway classifies them).
+time to first token; the documents carry ``X-Prefix-Class: document`` (warm
+after their first question); the unique prompts share a short system
+instruction (a partial hit, a fifth of the prompt) and carry no class header
+(the gateway classifies them).
 """
 
 from __future__ import annotations
@@ -30,20 +32,29 @@ async def send(url: str, rounds: int, unique: int, seed: int = 0) -> int:
     """
     rng = random.Random(seed)
     docs = documents()
-    bodies: list[tuple[str, str | None]] = []
+    system = "Answer in one line. " + syllable_words(random.Random(1000), 60)
+    bodies: list[tuple[list[dict[str, str]], str | None]] = []
     for _ in range(rounds):
         for doc in docs:
-            bodies.append((doc + "\n\nQuestion: " + syllable_words(rng, 12) + "?", "document"))
-    bodies += [(syllable_words(rng, 200), None) for _ in range(unique)]
+            question = doc + "\n\nQuestion: " + syllable_words(rng, 12) + "?"
+            bodies.append(([{"role": "user", "content": question}], "document"))
+    for _ in range(unique):
+        chat = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": syllable_words(rng, 200)},
+        ]
+        bodies.append((chat, None))
     rng.shuffle(bodies)
     limit = asyncio.Semaphore(4)
     ok = 0
 
-    async def one(session: aiohttp.ClientSession, content: str, cls: str | None) -> None:
+    async def one(
+        session: aiohttp.ClientSession, messages: list[dict[str, str]], cls: str | None
+    ) -> None:
         nonlocal ok
         body = {
             "model": "tiny",
-            "messages": [{"role": "user", "content": content}],
+            "messages": messages,
             "max_tokens": 8,
             "stream": True,
         }

@@ -170,7 +170,10 @@
     const badge = $("drift-badge");
     $("t-drift").textContent = d.state;
     $("t-drift").className = "value" + (d.firing ? " bad" : "");
-    badge.textContent = d.exported ? (d.firing ? "drift alarm firing" : "no alarm") : "no alarm (no drift metric)";
+    badge.textContent = d.firing ? "drift alarm firing" : "no alarm";
+    badge.title = d.exported
+      ? d.samples.map((x) => `${x.name} ${x.value}`).join("\n")
+      : "this gateway exports no drift series";
     badge.className = "badge" + (d.firing ? " firing" : d.exported ? "" : " none");
   }
 
