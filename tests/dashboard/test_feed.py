@@ -125,7 +125,7 @@ def test_a_snapshot_holds_the_figures_of_the_traffic() -> None:
             assert again["window"]["classes"][ALL]["n"] == 7
             # A prefix the router's index no longer holds is not listed.
             worker = WorkerId(holders[0]["id"])
-            env.state.dispatch.router.index.clear_worker(worker)
+            env.state.dispatch.worker_restarted(worker, env.state.clock())  # an empty cache
             after = env.client.app[FEED].tick()
             (row,) = [w for w in after["workers"] if w["id"] == worker]
             assert row["prefixes"] == []

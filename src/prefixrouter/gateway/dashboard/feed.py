@@ -17,7 +17,7 @@ touching the request path:
   whose name holds ``drift`` (the drift alarm, where the gateway exports one);
 * the **worker registry** and the **dispatcher**: health, in flight, engine
   queue and KV use per worker, and whether the router's index still holds a
-  prefix (its key is the hash of the prefix's last block);
+  prefix (:meth:`~prefixrouter.core.dispatch.Dispatcher.holds_prefix`);
 * the **cluster node**, for a replica: peers, their routings in flight here,
   and the propagation lag of recent messages.
 
@@ -44,8 +44,6 @@ from typing import Any
 
 import orjson
 
-from prefixrouter.core.index import PrefixIndex
-from prefixrouter.core.types import BlockHash, WorkerId
 from prefixrouter.gateway.decision_log import LogEntry, render
 from prefixrouter.gateway.metrics import AGE_BUCKETS
 from prefixrouter.gateway.state import GatewayState
@@ -347,7 +345,6 @@ class DashboardFeed:
     def _workers(self) -> list[dict[str, Any]]:
         st = self.st
         dispatch = st.dispatch
-        index = dispatch.router.index
         window: dict[str, list[int]] = {}
         for tick in self._by_worker:
             for wid, (n, cached, prompt) in tick.items():
@@ -368,7 +365,7 @@ class DashboardFeed:
             ):
                 if len(prefixes) == TOP_PREFIXES:
                     break
-                if not _index_holds(index, w.id, key):
+                if not dispatch.holds_prefix(w.id, key):
                     continue
                 prefixes.append(
                     {"key": key, "class": rec[1], "saved_tokens": saved, "hits": rec[2]}
@@ -507,15 +504,6 @@ def _add_entry(agg: dict[str, Any], e: LogEntry, hit_label: Any) -> int | None:
         t[0] += o.ttft_s * 1e3
         t[1] += 1
     return cached
-
-
-def _index_holds(index: PrefixIndex, worker: WorkerId, key: str) -> bool:
-    """Whether the router's index holds the block a prefix key names, for ``worker``."""
-    try:
-        block = BlockHash(int(key, 16))
-    except ValueError:
-        return False
-    return index.entry(worker, block) is not None
 
 
 def _worker_state(healthy: bool, suspect: bool, draining: bool) -> str:
