@@ -14,13 +14,14 @@ import asyncio
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixrouter.core.types import WorkerId
-from prefixrouter.gateway.dashboard.feed import ALL, DashboardFeed
+from prefixrouter.gateway.dashboard.feed import ALL, DRIFT_EVERY, DashboardFeed
 from prefixrouter.gateway.dashboard.routes import FEED, STATIC
 from tests.admin_client import ADMIN_HEADERS
 from tests.gateway.helpers import Env, gateway_env, run
@@ -91,10 +92,12 @@ def test_without_an_admin_key_the_dashboard_is_open() -> None:
 def test_a_snapshot_holds_the_figures_of_the_traffic() -> None:
     async def body() -> None:
         async with gateway_env(2) as env:
+            # A feed of the test's own, ticked by the test only (the app's ticks by itself).
+            feed = DashboardFeed(env.state)
             await _ask(env, 6)
             r = await env.chat("A one-off question about nothing in particular.")
             assert r.status == 200
-            snap = env.client.app[FEED].tick()
+            snap = feed.tick()
             g = snap["gateway"]
             assert g["decisions_made"] == g["decisions_seen"] == 7
             assert g["replica"] is None and snap["cluster"] is None
@@ -120,13 +123,13 @@ def test_a_snapshot_holds_the_figures_of_the_traffic() -> None:
             assert {c["worker"] for c in d["candidate_workers"]} == {"w0", "w1"}
             assert "queue_wait_ms" in d["candidate_workers"][0]
             # Nothing new: the next tick counts nothing, the window still holds it all.
-            again = env.client.app[FEED].tick()
+            again = feed.tick()
             assert again["gateway"]["decisions_made"] == 0 and again["decisions"] == []
             assert again["window"]["classes"][ALL]["n"] == 7
             # A prefix the router's index no longer holds is not listed.
             worker = WorkerId(holders[0]["id"])
             env.state.dispatch.worker_restarted(worker, env.state.clock())  # an empty cache
-            after = env.client.app[FEED].tick()
+            after = feed.tick()
             (row,) = [w for w in after["workers"] if w["id"] == worker]
             assert row["prefixes"] == []
 
@@ -199,18 +202,48 @@ class _Drift(Collector):
 
 
 def test_the_drift_alarm_is_read_from_the_metrics_where_there_is_one() -> None:
+    def read(feed: DashboardFeed) -> dict[str, Any]:
+        """The drift state after a read (one tick in every ``DRIFT_EVERY`` reads)."""
+        for _ in range(DRIFT_EVERY):
+            drift: dict[str, Any] = feed.tick()["drift"]
+        return drift
+
     async def body() -> None:
         async with gateway_env(1) as env:
-            feed = env.client.app[FEED]
-            drift = feed.tick()["drift"]
+            feed = DashboardFeed(env.state)
+            drift = read(feed)
             assert drift == {"exported": False, "firing": False, "state": "no alarm", "samples": []}
             alarm = _Drift()
             env.state.metrics.registry.register(alarm)
-            assert feed.tick()["drift"]["state"] == "no alarm"
-            assert feed.tick()["drift"]["exported"]
+            drift = read(feed)
+            assert drift["exported"] and drift["state"] == "no alarm"
             alarm.value = 1.0
-            drift = feed.tick()["drift"]
+            drift = read(feed)
             assert drift["firing"] and drift["state"] == "firing"
             assert drift["samples"][0]["name"] == "prefixrouter_cache_drift_alarm"
+
+    run(body)
+
+
+def test_an_unwatched_feed_counts_nothing_and_a_viewer_starts_it_afresh() -> None:
+    async def body() -> None:
+        async with gateway_env(1) as env:
+            feed = DashboardFeed(env.state, watch_s=60)
+            assert not feed.watched
+            await _ask(env, 3)
+            feed._skip()  # what a tick does while nobody watches
+            feed.watch()  # a viewer: a fresh snapshot, from an empty window
+            assert feed.watched
+            g = feed.latest["gateway"]
+            assert g["decisions_made"] == 0 and feed.latest["window"]["classes"][ALL]["n"] == 0
+            assert len(feed.hello()["history"]) == 1
+            await _ask(env, 2)
+            assert feed.tick()["gateway"]["decisions_made"] == 2
+            # The app's own feed: a snapshot request makes it watched and answers fresh.
+            app_feed = env.client.app[FEED]
+            assert not app_feed.watched
+            r = await env.client.get("/dashboard/snapshot", headers=ADMIN_HEADERS)
+            assert r.status == 200 and app_feed.watched
+            assert (await r.json())["window"]["ticks"] == 1
 
     run(body)

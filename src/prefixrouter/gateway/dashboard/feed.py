@@ -14,12 +14,20 @@ touching the request path:
   ``made / seen`` (both are in the snapshot, the page shows them);
 * the **metrics** (:class:`~prefixrouter.gateway.metrics.GatewayMetrics`):
   evictions and the age of what was evicted (exact counters), and any series
-  whose name holds ``drift`` (the drift alarm, where the gateway exports one);
+  whose name holds ``drift`` (the drift alarm, where the gateway exports one;
+  read every 5 ticks, since reading renders every metric family);
 * the **worker registry** and the **dispatcher**: health, in flight, engine
   queue and KV use per worker, and whether the router's index still holds a
   prefix (:meth:`~prefixrouter.core.dispatch.Dispatcher.holds_prefix`);
 * the **cluster node**, for a replica: peers, their routings in flight here,
   and the propagation lag of recent messages.
+
+The feed works only while someone watches: a stream is open, or was within
+``watch_s`` (5 minutes, so a reload finds the history), or a snapshot was
+asked for. Unwatched, a tick only moves its counters on, so a gateway nobody
+looks at pays one timer a second; the first viewer after a pause starts from
+an empty window and history, with the prefix rankings and the newest
+decisions learned from the decision log's ring.
 
 The decision *stream* is sampled: at most ``decisions_per_tick`` (12) records
 a tick are rendered and sent, evenly spaced over those finished in the tick
@@ -61,6 +69,12 @@ LAG_RECENT = 512
 """Newest propagation lags the lag percentiles are taken over."""
 SUBSCRIBER_QUEUE = 4
 """Snapshots a slow client may have pending; older ones are dropped for it."""
+AGE_LABELS = (*(f"≤{b:g}s" for b in AGE_BUCKETS), f">{AGE_BUCKETS[-1]:g}s")
+"""The eviction-age histogram's buckets, as the page labels them."""
+DRIFT_EVERY = 5
+"""Ticks between two reads of the drift series (a read renders every metric family)."""
+WATCH_S = 300.0
+"""How long the feed keeps working after its last viewer left (a reload finds its history)."""
 
 
 def empty_agg() -> dict[str, Any]:
@@ -112,6 +126,7 @@ class DashboardFeed:
         window_ticks: Ticks summed for the bar views and the per-worker figures.
         history_ticks: Chart points kept for a client that connects.
         decisions_per_tick: Decision records sent per tick at most.
+        watch_s: How long the feed keeps working after its last viewer.
     """
 
     def __init__(
@@ -121,8 +136,11 @@ class DashboardFeed:
         window_ticks: int = 60,
         history_ticks: int = 120,
         decisions_per_tick: int = 12,
+        watch_s: float = WATCH_S,
     ) -> None:
         self.st = state
+        self.watch_s = watch_s
+        self._watched_until = 0.0
         self.tick_s = tick_s
         self.decisions_per_tick = decisions_per_tick
         self._window: deque[dict[str, dict[str, Any]]] = deque(maxlen=window_ticks)
@@ -139,6 +157,7 @@ class DashboardFeed:
         self._last = time.monotonic()
         self._started = self._last
         self.latest: dict[str, Any] = {}
+        self._drift_cache: dict[str, Any] | None = None
         self.ticks = 0
         self._task: asyncio.Task[None] | None = None
         self.tick()
@@ -164,11 +183,44 @@ class DashboardFeed:
         for q in self._subscribers:
             _offer(q, None)
 
+    @property
+    def watched(self) -> bool:
+        """Someone has a stream open, or had one (or asked for a snapshot) within ``watch_s``."""
+        return bool(self._subscribers) or time.monotonic() < self._watched_until
+
+    def watch(self) -> None:
+        """A viewer is here: keep working for ``watch_s``; after a pause, start afresh.
+
+        An unwatched feed only keeps its counters current (:meth:`_skip`), so the
+        window and the history it left behind are from before the pause: they
+        are dropped rather than shown as the last minute. The prefix rankings
+        and the decision list catch up from the decision log's ring.
+        """
+        if not self.watched:
+            for kept in (self._window, self._by_worker, self._history, self._recent):
+                kept.clear()
+            self._evicted.clear()
+            self._catch_up()
+            self.tick()
+        self._watched_until = time.monotonic() + self.watch_s
+
+    def _skip(self) -> None:
+        """A tick nobody watches: move the counters on, aggregate nothing."""
+        st = self.st
+        self._recorded = st.decisions.recorded
+        self._requests = st.requests_seen
+        self._cluster_counts = self._cluster_totals()
+        self._last = time.monotonic()
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
+            if not self.watched:
+                self._skip()
+                continue
             self.tick()
             if self._subscribers:
+                self._watched_until = time.monotonic() + self.watch_s
                 data = sse_event("tick", self.latest)
                 for q in self._subscribers:
                     _offer(q, data)
@@ -176,6 +228,7 @@ class DashboardFeed:
     def subscribe(self) -> asyncio.Queue[bytes | None]:
         """A queue that gets every tick's event (None: the stream ends)."""
         q: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=SUBSCRIBER_QUEUE)
+        self.watch()
         self._subscribers.add(q)
         return q
 
@@ -229,7 +282,7 @@ class DashboardFeed:
             "t": round(time.time(), 3),
             "tick_s": self.tick_s,
             "gateway": {
-                "replica": st.config.cluster.replica_id if st.cluster is not None else None,
+                "replica": self._replica(),
                 "policy": st.dispatch.policy_name,
                 "mode": st.config.routing.mode,
                 "uptime_s": round(now - self._started, 1),
@@ -249,7 +302,7 @@ class DashboardFeed:
                 "evictions": self._evictions(),
             },
             "workers": self._workers(),
-            "drift": self._drift(),
+            "drift": self._drift_state(),
             "cluster": cluster,
             "decisions": decisions,
         }
@@ -267,7 +320,6 @@ class DashboardFeed:
         counts = self._class_counts
         classes: dict[str, dict[str, Any]] = {}
         by_worker: dict[str, list[int]] = {}
-        prefixes = self._prefixes
         wall = time.time()
         for e in entries:
             cls = str(e.prefix_class)
@@ -289,22 +341,49 @@ class DashboardFeed:
             w[1] += cached
             w[2] += e.outcome.prompt_tokens or 0
             if cached > 0:
-                key = (e.worker_id, e.prefix_key)
-                rec = prefixes.get(key)
-                if rec is None:
-                    rec = prefixes[key] = [0, cls, 0, wall]
-                    if len(prefixes) > PREFIX_MEMORY:
-                        prefixes.popitem(last=False)
-                else:
-                    prefixes.move_to_end(key)
-                rec[0] += cached
-                rec[2] += 1
-                rec[3] = wall
+                self._remember(e, cls, cached, wall)
         total = empty_agg()
         for agg in classes.values():
             add_agg(total, agg)
         classes[ALL] = total
         return classes, by_worker
+
+    def _remember(self, e: LogEntry, cls: str, cached: int, wall: float) -> None:
+        """Count a decision's reused tokens to its (worker, prefix) pair, most recent last."""
+        prefixes = self._prefixes
+        key = (e.worker_id, e.prefix_key)
+        rec = prefixes.get(key)
+        if rec is None:
+            rec = prefixes[key] = [0, cls, 0, wall]
+            if len(prefixes) > PREFIX_MEMORY:
+                prefixes.popitem(last=False)
+        else:
+            prefixes.move_to_end(key)
+        rec[0] += cached
+        rec[2] += 1
+        rec[3] = wall
+
+    def _catch_up(self) -> None:
+        """On waking: learn the prefixes and the newest decisions from the whole ring.
+
+        The rates start from the wake (the ring holds no timing a window could
+        use), but the workers' prefix rankings and the decision list need not.
+        """
+        backlog = self.st.decisions.newest(self.st.decisions.recorded)
+        wall = time.time()
+        for e in backlog:
+            o = e.outcome
+            actual, prompt = o.actual_cached_tokens, o.prompt_tokens
+            if actual is not None and prompt is not None and o.status < 400:
+                cached = min(actual, prompt)
+                if cached > 0:
+                    self._remember(e, str(e.prefix_class), cached, wall)
+        replica = self._replica()
+        for e in backlog[-(self._recent.maxlen or 0) :]:
+            self._recent.append({**render(e), "replica": replica, "sampled_every": 1})
+
+    def _replica(self) -> str | None:
+        return self.st.config.cluster.replica_id if self.st.cluster is not None else None
 
     def _class_order(self) -> list[str]:
         """Prefix classes seen, most frequent first (at most ``MAX_CLASSES``)."""
@@ -332,7 +411,7 @@ class DashboardFeed:
         if not entries:
             return []
         stride = math.ceil(len(entries) / self.decisions_per_tick)
-        replica = self.st.config.cluster.replica_id if self.st.cluster is not None else None
+        replica = self._replica()
         picked = entries[len(entries) - 1 :: -stride][::-1]  # the newest is always shown
         out = []
         for e in picked:
@@ -409,11 +488,17 @@ class DashboardFeed:
             "observed_total": m.observed_evictions,
             "mirrored_total": mirrored,
             "age_buckets": [
-                [_bucket_label(i), int(c - (first[i] if i < len(first) else 0))]
+                [AGE_LABELS[i], int(c - (first[i] if i < len(first) else 0))]
                 for i, c in enumerate(counts)
             ],
         }
         return out
+
+    def _drift_state(self) -> dict[str, Any]:
+        """The drift state, read every ``DRIFT_EVERY`` ticks (the first tick too)."""
+        if self._drift_cache is None or self.ticks % DRIFT_EVERY == 1:
+            self._drift_cache = self._drift()
+        return self._drift_cache
 
     def _drift(self) -> dict[str, Any]:
         """The drift alarm's series, if the gateway exports any (names holding ``drift``)."""
@@ -512,12 +597,6 @@ def _worker_state(healthy: bool, suspect: bool, draining: bool) -> str:
     if not healthy:
         return "down"
     return "suspect" if suspect else "healthy"
-
-
-def _bucket_label(i: int) -> str:
-    if i >= len(AGE_BUCKETS):
-        return f">{AGE_BUCKETS[-1]:g}s"
-    return f"≤{AGE_BUCKETS[i]:g}s"
 
 
 def _offer(q: asyncio.Queue[bytes | None], item: bytes | None) -> None:

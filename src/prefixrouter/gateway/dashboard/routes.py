@@ -100,6 +100,7 @@ class DashboardRoutes:
             self._check(request)
         except GatewayError as exc:
             return error_response(exc)
+        self.feed.watch()  # an unwatched feed builds a fresh snapshot first
         return web.Response(body=orjson.dumps(self.feed.hello()), content_type=JSON)
 
     async def events(self, request: web.Request) -> web.StreamResponse:
