@@ -383,7 +383,9 @@ class DashboardFeed:
             self._recent.append({**render(e), "replica": replica, "sampled_every": 1})
 
     def _replica(self) -> str | None:
-        return self.st.config.cluster.replica_id if self.st.cluster is not None else None
+        """This replica's id (None: a lone gateway)."""
+        node = self.st.cluster
+        return node.options.replica_id if node is not None else None
 
     def _class_order(self) -> list[str]:
         """Prefix classes seen, most frequent first (at most ``MAX_CLASSES``)."""
@@ -537,11 +539,16 @@ class DashboardFeed:
             "samples": len(lags),
         }
         return {
-            "replica": node.origin,
+            "replica": node.options.replica_id,
+            "life": node.origin,  # replica@epoch: a restart is a new life
             "connected": node.connected,
             "ready": node.ready,
             "peers": [
-                {"replica": p.origin, "in_flight_here": self.st.dispatch.peer_inflight(p.origin)}
+                {
+                    "replica": p.replica,
+                    "life": p.origin,
+                    "in_flight_here": self.st.dispatch.peer_inflight(p.origin),
+                }
                 for p in node.registry.live()
             ],
             "facts_published_per_s": round((published - before[0]) / dt, 2),

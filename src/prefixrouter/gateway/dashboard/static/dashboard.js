@@ -309,7 +309,7 @@
     if (!c) return;
     const box = $("cluster-info");
     box.replaceChildren(
-      el("p", {}, `This replica: ${c.replica} · ${c.connected ? "connected" : "disconnected"} · ` +
+      el("p", {}, `This replica: ${c.replica} (life ${c.life}) · ${c.connected ? "connected" : "disconnected"} · ` +
         `${c.ready ? "ready" : "replaying"} · facts published ${fmt(c.facts_published_per_s)}/s, ` +
         `applied ${fmt(c.facts_applied_per_s)}/s · propagation lag p50 ${fmt(c.lag_ms.p50)} ms, ` +
         `p99 ${fmt(c.lag_ms.p99)} ms (newest ${c.lag_ms.samples} messages). Every decision ` +
