@@ -401,6 +401,7 @@ def _register_commands() -> None:
     from prefixrouter.bench.cli import bench
     from prefixrouter.demo.cli import demo
     from prefixrouter.gateway.cli import serve
+    from prefixrouter.gateway.dashboard.top import top
     from prefixrouter.simulated_engine.cli import engine
 
     app.command("demo")(demo)
@@ -409,6 +410,7 @@ def _register_commands() -> None:
     app.command("lint")(lint)
     app.command("analyze")(analyze)
     app.command("bench")(bench)
+    app.command("top")(top)
 
 
 _register_commands()

@@ -128,6 +128,18 @@ def test_complete_confirms_and_reports_a_miss() -> None:
     assert d.load(W0).in_flight == 0
 
 
+def test_holds_prefix_names_a_decisions_prefix_while_the_index_holds_it() -> None:
+    d = dispatcher("prefix_aware")
+    adm = d.admit(request("a", DOC), workers(2), 0.0)
+    d.complete(adm, Outcome(0, 0.05), 1.0)
+    key, other = adm.decision.prefix_key, W1 if adm.worker == W0 else W0
+    assert d.holds_prefix(adm.worker, key)
+    assert not d.holds_prefix(other, key)
+    assert not d.holds_prefix(adm.worker, "not-hex")
+    d.worker_restarted(adm.worker, 2.0)  # an empty cache
+    assert not d.holds_prefix(adm.worker, key)
+
+
 def test_an_admission_settles_once() -> None:
     d = dispatcher()
     adm = d.admit(request("r", DOC), workers(1), 0.0)

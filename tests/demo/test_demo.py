@@ -46,6 +46,7 @@ def test_the_served_gateway_opens_its_admin_api_to_the_generated_key_only() -> N
 
     import aiohttp
 
+    from prefixrouter.demo.cli import served_lines
     from prefixrouter.demo.run import serve_forever
     from prefixrouter.harness.processes import Fleet
 
@@ -65,6 +66,14 @@ def test_the_served_gateway_opens_its_admin_api_to_the_generated_key_only() -> N
             assert await status(url, None) == 401
             assert await status(url, "Bearer nope") == 401
             assert await status(url, "Bearer demo-key-1") == 200
+            # --serve prints where the dashboard is: its page, whose data opens to the key.
+            (line,) = [x for x in served_lines(gateway.url, "demo-key-1") if "dashboard:" in x]
+            page = line.split("dashboard: ", 1)[1]
+            assert page == f"{gateway.url}/dashboard#key=demo-key-1"
+            assert await status(page.split("#")[0], None) == 200
+            snapshot = gateway.url + "/dashboard/snapshot"
+            assert await status(snapshot, None) == 401
+            assert await status(snapshot, "Bearer demo-key-1") == 200
             fleet.stop(gateway)
             gateway = await serve_forever(fleet, [engine])  # no key: the admin API is off
             assert await status(gateway.url + "/admin/workers", "Bearer demo-key-1") == 403

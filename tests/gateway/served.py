@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -16,6 +17,7 @@ from prefixrouter.gateway.app import create_app
 from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.server import start_server
 from prefixrouter.gateway.state import STATE, GatewayState
+from prefixrouter.harness.processes import Fleet, Server
 from tests.gateway.fakes import FakeEngine, make_app
 
 HOST = "127.0.0.1"
@@ -37,6 +39,34 @@ def run_on(loop: str, main: Callable[[], Awaitable[None]]) -> None:
         uvloop.run(bounded())
     else:
         asyncio.run(bounded())
+
+
+ENGINE_ARGS = ("--profile", "tiny-cpu", "--time-scale", "20", "--model", "tiny")
+ENGINE_ARGS += ("--kv-blocks", "8192")
+
+
+def engines_behind_gateway(
+    fleet: Fleet,
+    config_path: Path,
+    settings: dict[str, Any],
+    engines: int = 2,
+    env: dict[str, str] | None = None,
+) -> tuple[list[Server], Server]:
+    """``engines`` simulated engines (``ENGINE_ARGS``) behind ``python -m prefixrouter.gateway``.
+
+    The gateway's configuration is ``settings`` plus the engines as workers
+    (ids ``e0``, ``e1``...), written to ``config_path``; ``env`` adds
+    environment variables (secrets go there). Both are healthy on return.
+    """
+    procs = [
+        fleet.start(f"e{i}", "prefixrouter.simulated_engine", ENGINE_ARGS) for i in range(engines)
+    ]
+    asyncio.run(fleet.wait_healthy(procs, timeout_s=30.0))
+    workers = [{"url": e.url, "id": e.name} for e in procs]
+    config_path.write_bytes(orjson.dumps({"workers": workers, **settings}))  # JSON is YAML
+    gw = fleet.start("gateway", "prefixrouter.gateway", ["--config", str(config_path)], env=env)
+    asyncio.run(fleet.wait_healthy([gw], timeout_s=30.0))
+    return procs, gw
 
 
 @asynccontextmanager

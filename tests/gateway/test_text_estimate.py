@@ -26,6 +26,7 @@ import pytest
 
 from prefixrouter.harness.processes import Fleet
 from tests.core.test_text_estimate import SYSTEM, documents
+from tests.gateway.served import engines_behind_gateway
 
 ROUNDS = 3
 
@@ -40,23 +41,12 @@ class Gateway:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("text-estimate")
     with Fleet() as fleet:
-        args = ["--profile", "tiny-cpu", "--time-scale", "20", "--model", "tiny"]
-        args += ["--kv-blocks", "8192"]
-        engines = [fleet.start(f"e{i}", "prefixrouter.simulated_engine", args) for i in range(2)]
-        asyncio.run(fleet.wait_healthy(engines, timeout_s=30.0))
         log = tmp / "decisions.jsonl"
-        cfg = tmp / "gateway.yaml"
-        cfg.write_bytes(
-            orjson.dumps(  # JSON is YAML; routing mode: the default, text
-                {
-                    "workers": [{"url": e.url, "id": e.name} for e in engines],
-                    "metrics_poll": {"interval_s": 0.5},
-                    "decision_log": {"path": str(log), "flush_interval_s": 0.1},
-                }
-            )
-        )
-        gw = fleet.start("gateway", "prefixrouter.gateway", ["--config", str(cfg)])
-        asyncio.run(fleet.wait_healthy([gw], timeout_s=30.0))
+        settings = {  # routing mode: the default, text
+            "metrics_poll": {"interval_s": 0.5},
+            "decision_log": {"path": str(log), "flush_interval_s": 0.1},
+        }
+        _, gw = engines_behind_gateway(fleet, tmp / "gateway.yaml", settings)
         yield Gateway(gw.url, log)
 
 

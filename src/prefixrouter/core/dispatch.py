@@ -264,6 +264,19 @@ class Dispatcher:
         """The index's capacity for ``worker``, in index blocks (the mirrored KV room)."""
         return self._router.index.capacity(worker)
 
+    def holds_prefix(self, worker: WorkerId, prefix_key: str) -> bool:
+        """Whether the index holds, for ``worker``, the block a decision's prefix key names.
+
+        A prefix key is the hex hash of the block at the prefix-key depth (see
+        :class:`~prefixrouter.core.router.Router`); the dashboard asks this to
+        list only the prefixes a worker still holds.
+        """
+        try:
+            block = BlockHash(int(prefix_key, 16))
+        except ValueError:
+            return False
+        return self._router.index.entry(worker, block) is not None
+
     def index_block_tokens(self) -> float:
         """Tokens one index block stands for in this dispatcher's mode."""
         hasher = self._router.hasher

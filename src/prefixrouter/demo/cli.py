@@ -2,7 +2,8 @@
 
 Progress bars on stderr, then one table (TTFT p50, p99 and mean, the share
 of prompt tokens the engines served from cache, prefill tokens), the bench's
-PNG, and with ``--serve`` a gateway that stays up until Ctrl-C.
+PNG, and with ``--serve`` a gateway that stays up until Ctrl-C (it prints the
+gateway's address, the admin key of the run, and the dashboard's address).
 """
 
 from __future__ import annotations
@@ -23,6 +24,22 @@ from prefixrouter.harness.replay import ReplayResult
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
+
+
+def served_lines(url: str, admin_key: str) -> list[str]:
+    """What ``--serve`` prints: the gateway, a request to try, the key, the dashboard."""
+    from prefixrouter.gateway.cli import ADMIN_KEY_ENV
+    from prefixrouter.gateway.dashboard import dashboard_url
+
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
+    return [
+        f"prefixrouter gateway on {url} (Ctrl-C stops everything)",
+        f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        f"admin API key (this run only): {admin_key}",
+        f"curl -s {url}/admin/workers -H 'Authorization: Bearer {admin_key}'",
+        f"dashboard: {dashboard_url(url, admin_key)}",
+        f"in a terminal: {ADMIN_KEY_ENV}={admin_key} prefixrouter top --url {url}",
+    ]
 
 
 def demo(
@@ -99,20 +116,8 @@ def demo(
                 # so it is never open without one.
                 admin_key = secrets.token_urlsafe(24)
                 gateway = await serve_forever(fleet, engines, admin_key)
-                console.print(f"prefixrouter gateway on {gateway.url} (Ctrl-C stops everything)")
-                body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
-                console.print(
-                    f"curl -s {gateway.url}/v1/chat/completions "
-                    f"-H 'Content-Type: application/json' -d '{body}'",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-                console.print(f"admin API key (this run only): {admin_key}", highlight=False)
-                console.print(
-                    f"curl -s {gateway.url}/admin/workers -H 'Authorization: Bearer {admin_key}'",
-                    highlight=False,
-                    soft_wrap=True,
-                )
+                for line in served_lines(gateway.url, admin_key):
+                    console.print(line, markup=False, highlight=False, soft_wrap=True)
                 await wait()
 
             asyncio.run(keep_serving())

@@ -15,6 +15,7 @@ Modules (each small, each with its reason in its docstring):
 * :mod:`.metrics`: Prometheus metrics in a per-app registry;
 * :mod:`.errors`: OpenAI-shaped errors and the exception -> status mapping;
 * :mod:`.admin`: ``/admin/*``, ``/v1/models``, ``/health``, ``/metrics``;
+* :mod:`.dashboard`: ``GET /dashboard`` (live, server-sent events) and ``prefixrouter top``;
 * :mod:`.cli`: ``prefixrouter serve`` / ``python -m prefixrouter.gateway``.
 """
 

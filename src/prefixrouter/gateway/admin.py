@@ -61,6 +61,23 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type=JSON)
 
 
+def check_admin_key(request: web.Request, key: bytes) -> None:
+    """Let the call through only with ``key`` as its bearer token.
+
+    Raises:
+        Unauthorized: The key is missing or wrong.
+    """
+    given = bearer_token(request.headers.get("Authorization"))
+    # compare_digest: the time taken says nothing about how much of the key matched.
+    # (A header's bytes that are not UTF-8 arrive surrogate-escaped: keep them.)
+    raw = given.encode("utf-8", "surrogateescape") if given is not None else None
+    if raw is None or not hmac.compare_digest(raw, key):
+        raise Unauthorized(
+            "admin endpoints need the admin API key as 'Authorization: Bearer KEY'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
 class Admin:
     """Admin and discovery handlers of one gateway."""
 
@@ -78,15 +95,7 @@ class Admin:
         """
         if self._admin_key is None:
             raise Forbidden(ADMIN_DISABLED, code="admin_api_disabled")
-        given = bearer_token(request.headers.get("Authorization"))
-        # compare_digest: the time taken says nothing about how much of the key matched.
-        # (A header's bytes that are not UTF-8 arrive surrogate-escaped: keep them.)
-        raw = given.encode("utf-8", "surrogateescape") if given is not None else None
-        if raw is None or not hmac.compare_digest(raw, self._admin_key):
-            raise Unauthorized(
-                "admin endpoints need the admin API key as 'Authorization: Bearer KEY'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        check_admin_key(request, self._admin_key)
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the union of the workers' models and adapters."""

@@ -6,8 +6,9 @@
 * ``GET /v1/models``, ``/health`` (liveness), ``/ready`` (readiness: a
   cluster replica answers 503 until it has replayed its peers' facts),
   ``/metrics`` and the ``/admin/*`` endpoints
-  (:mod:`.admin`); any other path answers 404 in OpenAI's shape, and a known
-  path asked with another method 405 with ``Allow`` (:func:`_unrouted`).
+  (:mod:`.admin`), ``/dashboard`` (:mod:`.dashboard`); any other path answers
+  404 in OpenAI's shape, and a known path asked with another method 405
+  with ``Allow`` (:func:`_unrouted`).
 
 Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
 (:mod:`.upstream`, keep-alive connections to every worker) and an aiohttp
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from prefixrouter.gateway.admin import Admin
 from prefixrouter.gateway.config import GatewayConfig
+from prefixrouter.gateway.dashboard import add_dashboard_routes
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
 from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
 from prefixrouter.gateway.proxy import Proxy
@@ -148,6 +150,7 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_delete("/admin/workers/{id}", admin.remove_worker)
     r.add_get("/admin/decisions", admin.decisions)
     r.add_get("/admin/process", admin.process)
+    add_dashboard_routes(app)  # GET /dashboard and its live feed (.dashboard)
     r.add_route("*", "/{tail:.*}", _unrouted(admin))
     app.cleanup_ctx.append(_lifespan)
 

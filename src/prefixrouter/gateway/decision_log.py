@@ -40,6 +40,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import IO, Any
 
@@ -194,11 +195,14 @@ class DecisionLog:
         self._pending: list[LogEntry] = []
         self._file: IO[bytes] | None = None
         self.written = 0
+        self.recorded = 0
+        """Records kept since start (the dashboard's count of decisions made)."""
 
     def record(self, decision: Decision, outcome: RequestOutcome) -> None:
         """Keep one finished request (cheap: no serialization here)."""
         entry = LogEntry(decision, outcome)
         self._ring.append(entry)
+        self.recorded += 1
         if self.path is not None:
             self._pending.append(entry)
 
@@ -206,6 +210,17 @@ class DecisionLog:
         """The newest ``limit`` records, oldest first."""
         items = list(self._ring)[-limit:] if limit > 0 else []
         return [render(e) for e in items]
+
+    def newest(self, count: int) -> list[LogEntry]:
+        """The newest ``count`` entries the ring still holds, oldest first, unrendered."""
+        ring = self._ring
+        count = min(count, len(ring))
+        if count <= 0:
+            return []
+        # islice over the reversed deque: O(count), not O(ring).
+        out = list(islice(reversed(ring), count))
+        out.reverse()
+        return out
 
     def flush(self) -> int:
         """Write pending records to the file; returns how many."""
