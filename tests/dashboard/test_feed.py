@@ -14,14 +14,11 @@ import asyncio
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import orjson
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from prefixrouter.core.types import WorkerId
-from prefixrouter.gateway.dashboard.feed import ALL, DRIFT_EVERY, DashboardFeed
+from prefixrouter.gateway.dashboard.feed import ALL, DashboardFeed
 from prefixrouter.gateway.dashboard.routes import FEED, STATIC
 from tests.admin_client import ADMIN_HEADERS
 from tests.gateway.helpers import Env, gateway_env, run
@@ -191,36 +188,20 @@ def test_the_decision_stream_is_sampled_to_a_bound_and_rates_scaled_past_the_rin
     run(body)
 
 
-class _Drift(Collector):
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
-            "prefixrouter_cache_drift_alarm", "1 while predicted and actual disagree.", self.value
-        )
-
-
-def test_the_drift_alarm_is_read_from_the_metrics_where_there_is_one() -> None:
-    def read(feed: DashboardFeed) -> dict[str, Any]:
-        """The drift state after a read (one tick in every ``DRIFT_EVERY`` reads)."""
-        for _ in range(DRIFT_EVERY):
-            drift: dict[str, Any] = feed.tick()["drift"]
-        return drift
-
+def test_the_drift_alarm_is_the_fleet_detector_s_state() -> None:
     async def body() -> None:
         async with gateway_env(1) as env:
             feed = DashboardFeed(env.state)
-            drift = read(feed)
-            assert drift == {"exported": False, "firing": False, "state": "no alarm", "samples": []}
-            alarm = _Drift()
-            env.state.metrics.registry.register(alarm)
-            drift = read(feed)
-            assert drift["exported"] and drift["state"] == "no alarm"
-            alarm.value = 1.0
-            drift = read(feed)
-            assert drift["firing"] and drift["state"] == "firing"
-            assert drift["samples"][0]["name"] == "prefixrouter_cache_drift_alarm"
+            detector = env.state.fleet.drift
+            assert detector is not None  # on by default
+            drift = feed.tick()["drift"]
+            assert drift == {"exported": True, "firing": False, "state": "no alarm", "classes": []}
+            # predicted warm, the engine reused nothing, request after request
+            for _ in range(detector.params.window):
+                detector.observe("document", 20_000, 0)
+            drift = feed.tick()["drift"]
+            assert drift["firing"] and drift["state"] == "firing: document"
+            assert drift["classes"] == [{"prefix_class": "document", "firing": True}]
 
     run(body)
 

@@ -13,9 +13,9 @@ touching the request path:
   is counted; past that the newest ``ring_size`` are, and rates are scaled by
   ``made / seen`` (both are in the snapshot, the page shows them);
 * the **metrics** (:class:`~prefixrouter.gateway.metrics.GatewayMetrics`):
-  evictions and the age of what was evicted (exact counters), and any series
-  whose name holds ``drift`` (the drift alarm, where the gateway exports one;
-  read every 5 ticks, since reading renders every metric family);
+  evictions and the age of what was evicted (exact counters);
+* the **drift alarm** (:class:`~prefixrouter.core.drift.DriftDetector` of the
+  gateway's fleet controls): which prefix classes fire, when it is on;
 * the **worker registry** and the **dispatcher**: health, in flight, engine
   queue and KV use per worker, and whether the router's index still holds a
   prefix (:meth:`~prefixrouter.core.dispatch.Dispatcher.holds_prefix`);
@@ -71,8 +71,6 @@ SUBSCRIBER_QUEUE = 4
 """Snapshots a slow client may have pending; older ones are dropped for it."""
 AGE_LABELS = (*(f"≤{b:g}s" for b in AGE_BUCKETS), f">{AGE_BUCKETS[-1]:g}s")
 """The eviction-age histogram's buckets, as the page labels them."""
-DRIFT_EVERY = 5
-"""Ticks between two reads of the drift series (a read renders every metric family)."""
 WATCH_S = 300.0
 """How long the feed keeps working after its last viewer left (a reload finds its history)."""
 
@@ -157,7 +155,6 @@ class DashboardFeed:
         self._last = time.monotonic()
         self._started = self._last
         self.latest: dict[str, Any] = {}
-        self._drift_cache: dict[str, Any] | None = None
         self.ticks = 0
         self._task: asyncio.Task[None] | None = None
         self.tick()
@@ -302,7 +299,7 @@ class DashboardFeed:
                 "evictions": self._evictions(),
             },
             "workers": self._workers(),
-            "drift": self._drift_state(),
+            "drift": self._drift(),
             "cluster": cluster,
             "decisions": decisions,
         }
@@ -496,28 +493,23 @@ class DashboardFeed:
         }
         return out
 
-    def _drift_state(self) -> dict[str, Any]:
-        """The drift state, read every ``DRIFT_EVERY`` ticks (the first tick too)."""
-        if self._drift_cache is None or self.ticks % DRIFT_EVERY == 1:
-            self._drift_cache = self._drift()
-        return self._drift_cache
-
     def _drift(self) -> dict[str, Any]:
-        """The drift alarm's series, if the gateway exports any (names holding ``drift``)."""
-        samples: list[dict[str, Any]] = []
-        firing = False
-        for fam in self.st.metrics.registry.collect():
-            if "drift" not in fam.name:
-                continue
-            for s in fam.samples:
-                samples.append({"name": s.name, "labels": dict(s.labels), "value": s.value})
-                if ("alarm" in s.name or "firing" in s.name) and s.value > 0:
-                    firing = True
+        """The drift alarm's state per prefix class, from the gateway's own detector.
+
+        ``exported`` is False when the alarm is off in the configuration
+        (``drift.enabled``); ``classes`` are the classes it has seen, each
+        with whether it fires (``prefixrouter_drift_alarm{prefix_class}``).
+        """
+        detector = self.st.fleet.drift
+        if detector is None:
+            return {"exported": False, "firing": False, "state": "off", "classes": []}
+        states = detector.states()
+        firing = sorted(c for c, on in states.items() if on)
         return {
-            "exported": bool(samples),
-            "firing": firing,
-            "state": "firing" if firing else "no alarm",
-            "samples": samples[:16],
+            "exported": True,
+            "firing": bool(firing),
+            "state": "firing: " + ", ".join(firing) if firing else "no alarm",
+            "classes": [{"prefix_class": c, "firing": on} for c, on in sorted(states.items())],
         }
 
     def _cluster_totals(self) -> tuple[int, int]:

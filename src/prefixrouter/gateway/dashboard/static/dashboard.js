@@ -172,8 +172,8 @@
     $("t-drift").className = "value" + (d.firing ? " bad" : "");
     badge.textContent = d.firing ? "drift alarm firing" : "no alarm";
     badge.title = d.exported
-      ? d.samples.map((x) => `${x.name} ${x.value}`).join("\n")
-      : "this gateway exports no drift series";
+      ? d.classes.map((c) => `${c.prefix_class}: ${c.firing ? "firing" : "clear"}`).join("\n")
+      : "the drift alarm is off (drift.enabled)";
     badge.className = "badge" + (d.firing ? " firing" : d.exported ? "" : " none");
   }
 
