@@ -11,6 +11,10 @@ Bytes are forwarded per *complete event* (events end with a blank line): a
 partial event stays buffered until its end arrives, which costs one
 ``rfind`` per upstream chunk and keeps events byte-identical. Only a span of
 events that contains ``"usage"`` is split and parsed.
+
+Both front ends read usage here: the HTTP proxy and the endpoint picker
+(:mod:`prefixrouter.epp`, which sees the response bodies Envoy streams to it),
+a stream through :class:`SseRelay`, a whole answer through :func:`json_usage`.
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ class SseRelay:
             self.usage = usage
             return self.strip_usage and not obj.get("choices")
         return False
+
+
+def json_usage(body: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a whole (non-streamed) JSON answer, if it has one."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def usage_figures(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
