@@ -138,6 +138,8 @@ async def start_picker(
     picker = Picker(state, fallbacks)
     server = grpc.aio.server(
         options=[
+            # A port another process holds is an error, not a shared port.
+            ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", config.server.max_body_bytes + 65536),
             ("grpc.max_send_message_length", config.server.max_body_bytes + 65536),
         ]
