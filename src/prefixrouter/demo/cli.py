@@ -2,7 +2,9 @@
 
 Progress bars on stderr, then one table (TTFT p50, p99 and mean, the share
 of prompt tokens the engines served from cache, prefill tokens), the bench's
-PNG, and with ``--serve`` a gateway that stays up until Ctrl-C.
+PNG, and with ``--serve`` a gateway that stays up until Ctrl-C. ``--envoy``
+instead starts engines, ``prefixrouter epp`` and a real Envoy in front of
+them (:mod:`prefixrouter.demo.envoy`) and keeps them up until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def demo(
         bool, typer.Option("--serve", help="Keep a prefixrouter gateway running afterwards.")
     ] = False,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    envoy: Annotated[
+        bool,
+        typer.Option(
+            "--envoy",
+            help="Instead: engines, prefixrouter epp and Envoy in front of them, until Ctrl-C.",
+        ),
+    ] = False,
 ) -> None:
     """Start engines and the gateway on loopback; compare round robin and prefixrouter live."""
     from prefixrouter.bench.report import plot as plot_runs
@@ -42,6 +51,9 @@ def demo(
     from prefixrouter.demo.run import wait_for_interrupt as wait
 
     cfg = DemoConfig(workers=workers, requests=requests, rate=rate, kv_blocks=kv_blocks, seed=seed)
+    if envoy:
+        _envoy(cfg)
+        return
     with Fleet() as fleet:
         with Progress(
             TextColumn("[bold]{task.description:<24}"),
@@ -116,3 +128,40 @@ def demo(
                 await wait()
 
             asyncio.run(keep_serving())
+
+
+def _envoy(cfg: Any) -> None:
+    """``--envoy``: the endpoint picker behind a real Envoy (:mod:`prefixrouter.demo.envoy`)."""
+    from prefixrouter.demo.envoy import serve_envoy
+    from prefixrouter.demo.run import wait_for_interrupt
+
+    async def keep_serving() -> None:
+        admin_key = secrets.token_urlsafe(24)
+        with Fleet() as fleet:
+            err_console.print(f"starting {cfg.workers} engines, prefixrouter epp and Envoy ...")
+            try:
+                stack = await serve_envoy(cfg, fleet, admin_key)
+            except RuntimeError as exc:
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(code=1) from None
+            url, picker = stack.envoy.url, stack.picker.url
+            console.print(f"Envoy on {url}, asking prefixrouter epp on grpc://127.0.0.1:"
+                          f"{stack.grpc_port} (Ctrl-C stops everything)")  # fmt: skip
+            body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
+            console.print(
+                f"curl -si {url}/v1/chat/completions -H 'Content-Type: application/json' "
+                f"-d '{body}'",
+                highlight=False,
+                soft_wrap=True,
+            )
+            console.print(f"the picker's metrics: curl -s {picker}/metrics", highlight=False)
+            console.print(f"admin API key (this run only): {admin_key}", highlight=False)
+            console.print(
+                f"curl -s {picker}/admin/decisions -H 'Authorization: Bearer {admin_key}'",
+                highlight=False,
+                soft_wrap=True,
+            )
+            console.print(f"Envoy's bootstrap: {stack.envoy.config_path}", highlight=False)
+            await wait_for_interrupt()
+
+    asyncio.run(keep_serving())

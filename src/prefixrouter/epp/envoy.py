@@ -89,9 +89,13 @@ def render(
     failure_mode_allow: bool = False,
     listen_host: str = HOST,
     epp_host: str = HOST,
+    picker: bool = True,
     template: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The bootstrap with a run's choices (module docstring); the template is not changed.
+
+    ``picker=False`` drops the ext_proc filter: Envoy alone, round robin over
+    the pool (what a benchmark subtracts to see the picker's own cost).
 
     Raises:
         ValueError: An unknown body mode.
@@ -102,7 +106,10 @@ def render(
     data["admin"]["address"] = _socket(HOST, admin_port)
     listener = data["static_resources"]["listeners"][0]
     listener["address"] = _socket(listen_host, listen_port)
-    ext_proc = _filter(_hcm(listener), "envoy.filters.http.ext_proc")
+    hcm = _hcm(listener)
+    ext_proc = _filter(hcm, "envoy.filters.http.ext_proc")
+    if not picker:
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["typed_config"] is not ext_proc]
     mode = ext_proc["processing_mode"]
     mode["request_body_mode"] = mode["response_body_mode"] = body_mode
     ext_proc["failure_mode_allow"] = failure_mode_allow
