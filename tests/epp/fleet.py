@@ -179,7 +179,10 @@ async def post(
                 events.append(orjson.loads(payload))
             return Answer(resp.status, out_headers, {}, events, done)
         raw_body = await resp.read()
-        parsed = orjson.loads(raw_body) if raw_body else {}
+        try:
+            parsed = orjson.loads(raw_body) if raw_body else {}
+        except orjson.JSONDecodeError:  # not JSON (Envoy's own plain-text answers)
+            parsed = {"text": raw_body.decode(errors="replace")}
         return Answer(resp.status, out_headers, parsed, [], False)
 
 

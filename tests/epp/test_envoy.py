@@ -218,18 +218,7 @@ async def _pick(stub: Any, subset: list[str], content: str) -> pb.ProcessingResp
     meta = base_pb2.Metadata()
     meta.filter_metadata[protocol.SUBSET_NAMESPACE].CopyFrom(hint)
     body = orjson.dumps(chat_body(content))
-    headers = pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(
-            headers=[
-                base_pb2.HeaderValue(key=k, raw_value=v.encode())
-                for k, v in {
-                    ":method": "POST",
-                    ":path": "/v1/chat/completions",
-                    "content-type": "application/json",
-                }.items()
-            ]
-        )
-    )
+    headers = _headers(":path", "/v1/chat/completions")
     messages = [
         pb.ProcessingRequest(request_headers=headers, metadata_context=meta),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
@@ -244,3 +233,58 @@ async def _pick(stub: Any, subset: list[str], content: str) -> pb.ProcessingResp
     answer = await call.read()
     call.cancel()
     return answer  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_long_prompt_goes_through(stack: Stack, mode: str) -> None:
+    # Past the gateway's off-loop parse size (256 KiB): parsed on the parse thread.
+    long_doc = _doc(f"long-{mode}") * 62  # about 270 KiB, 90,000 tokens
+    async with client() as s:
+        answer = await post(s, stack.envoys[mode].url, chat_body(long_doc, max_tokens=1))
+    assert answer.status == 200, answer.body
+    assert answer.usage is not None and answer.usage["prompt_tokens"] > 50_000
+
+
+async def test_a_fallback_that_served_takes_the_pick_back(stack: Stack) -> None:
+    """The data plane reports another endpoint served: the pick did no prefill there."""
+    from google.protobuf import struct_pb2
+
+    target = f"127.0.0.1:{stack.picker.grpc_port}"
+    before = await metric_lines(stack.picker.http, "prefixrouter_retries_total")
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(pb.ProcessingRequest(request_headers=_headers(":path", "/v1/completions")))
+        await call.read()
+        body = b'{"model": "tiny", "prompt": "fallback served", "max_tokens": 1}'
+        await call.write(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+        picked = await call.read()
+        mutation = picked.request_body.response.header_mutation
+        dest = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+        other = next(f"127.0.0.1:{e.port}" for e in stack.engines
+                     if f"127.0.0.1:{e.port}" != dest[protocol.DESTINATION])  # fmt: skip
+        served = struct_pb2.Struct()
+        served.fields[protocol.UPSTREAM_ADDRESS].string_value = other
+        await call.write(
+            pb.ProcessingRequest(
+                response_headers=_headers(":status", "200"),
+                attributes={protocol.EXT_PROC_ATTRIBUTES: served},
+            )
+        )
+        answer = await call.read()
+        # Not the picked worker's answer: no X-Prefixrouter-Worker on it.
+        assert not answer.response_headers.response.header_mutation.set_headers
+        call.cancel()
+    after = await metric_lines(stack.picker.http, "prefixrouter_retries_total")
+    assert any('status="fallback"' in line for line in after) and after != before
+
+
+def _headers(name: str, value: str) -> pb.HttpHeaders:
+    pairs = {":method": "POST", "content-type": "application/json", name: value}
+    return pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+        )
+    )

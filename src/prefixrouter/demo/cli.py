@@ -112,19 +112,7 @@ def demo(
                 admin_key = secrets.token_urlsafe(24)
                 gateway = await serve_forever(fleet, engines, admin_key)
                 console.print(f"prefixrouter gateway on {gateway.url} (Ctrl-C stops everything)")
-                body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
-                console.print(
-                    f"curl -s {gateway.url}/v1/chat/completions "
-                    f"-H 'Content-Type: application/json' -d '{body}'",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-                console.print(f"admin API key (this run only): {admin_key}", highlight=False)
-                console.print(
-                    f"curl -s {gateway.url}/admin/workers -H 'Authorization: Bearer {admin_key}'",
-                    highlight=False,
-                    soft_wrap=True,
-                )
+                _how_to_try(gateway.url, f"{gateway.url}/admin/workers", admin_key)
                 await wait()
 
             asyncio.run(keep_serving())
@@ -147,21 +135,25 @@ def _envoy(cfg: Any) -> None:
             url, picker = stack.envoy.url, stack.picker.url
             console.print(f"Envoy on {url}, asking prefixrouter epp on grpc://127.0.0.1:"
                           f"{stack.grpc_port} (Ctrl-C stops everything)")  # fmt: skip
-            body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
-            console.print(
-                f"curl -si {url}/v1/chat/completions -H 'Content-Type: application/json' "
-                f"-d '{body}'",
-                highlight=False,
-                soft_wrap=True,
-            )
             console.print(f"the picker's metrics: curl -s {picker}/metrics", highlight=False)
-            console.print(f"admin API key (this run only): {admin_key}", highlight=False)
-            console.print(
-                f"curl -s {picker}/admin/decisions -H 'Authorization: Bearer {admin_key}'",
-                highlight=False,
-                soft_wrap=True,
-            )
+            _how_to_try(url, f"{picker}/admin/decisions", admin_key)
             console.print(f"Envoy's bootstrap: {stack.envoy.config_path}", highlight=False)
             await wait_for_interrupt()
 
     asyncio.run(keep_serving())
+
+
+def _how_to_try(url: str, admin_url: str, admin_key: str) -> None:
+    """A chat request to ``url`` and an admin call with the run's key, as curl lines."""
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
+    console.print(
+        f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(f"admin API key (this run only): {admin_key}", highlight=False)
+    console.print(
+        f"curl -s {admin_url} -H 'Authorization: Bearer {admin_key}'",
+        highlight=False,
+        soft_wrap=True,
+    )

