@@ -288,3 +288,14 @@ def _headers(name: str, value: str) -> pb.HttpHeaders:
             headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
         )
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_other_paths_go_to_a_ready_engine_as_they_are(stack: Stack, mode: str) -> None:
+    url = stack.envoys[mode].url
+    async with client() as s:
+        async with s.get(url + "/v1/models") as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+        # A body on a path the picker does not route by: streamed through unchanged.
+        tokens = await post(s, url, {"model": "tiny", "prompt": "hello world"}, path="/tokenize")
+    assert tokens.status == 200 and tokens.body["tokens"]

@@ -139,9 +139,7 @@ class Exchange:
             except GatewayError as exc:
                 return [self._refuse(exc)]
         if req.request_headers.end_of_stream or self.kind is None:
-            if not req.request_headers.end_of_stream:
-                # Another path with a body: nothing to route by; it goes where a bodiless one does.
-                self.full_duplex_request = False
+            # Another path (or no body): nothing to route by; its body, if any, goes as it is.
             return self._pass_through()
         if self.full_duplex_request:
             return []  # answered with the pick, once the body is in
@@ -174,7 +172,9 @@ class Exchange:
 
     async def _request_body(self, body: pb.HttpBody) -> Responses:
         if self.kind is None:  # a pass-through request's body goes as it is
-            return [] if self.full_duplex_request else [_continue_body()]
+            if self.full_duplex_request:  # a streamed body comes back chunk by chunk
+                return [_streamed_body(body.body, body.end_of_stream)]
+            return [_continue_body()]
         self.body += body.body
         if len(self.body) > self.flow.max_body:
             limit = self.flow.max_body
@@ -232,17 +232,7 @@ class Exchange:
                     ),
                     dynamic_metadata=md,
                 ),
-                pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(
-                        response=pb.CommonResponse(
-                            body_mutation=pb.BodyMutation(
-                                streamed_response=pb.StreamedBodyResponse(
-                                    body=payload, end_of_stream=True
-                                )
-                            )
-                        )
-                    )
-                ),
+                _streamed_body(payload, True),
             ]
         common = pb.CommonResponse(header_mutation=mutation)
         if mutated:
@@ -336,19 +326,7 @@ class Exchange:
         if body.end_of_stream:
             self._settle()
         if self.full_duplex_response:
-            return [
-                pb.ProcessingResponse(
-                    response_body=pb.BodyResponse(
-                        response=pb.CommonResponse(
-                            body_mutation=pb.BodyMutation(
-                                streamed_response=pb.StreamedBodyResponse(
-                                    body=out, end_of_stream=body.end_of_stream
-                                )
-                            )
-                        )
-                    )
-                )
-            ]
+            return [_streamed_body(out, body.end_of_stream, response=True)]
         common = pb.CommonResponse()
         if out != chunk:
             common.body_mutation.body = out
@@ -361,6 +339,7 @@ class Exchange:
         self.done = True
         picked = self.picked
         if picked is None or self.settled:
+            self.settled = True  # a pass-through request: nothing to feed back
             return
         self.settled = True
         built = picked.built
@@ -411,6 +390,18 @@ class Exchange:
 
 def _continue_body() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def _streamed_body(data: bytes, end: bool, response: bool = False) -> pb.ProcessingResponse:
+    """A ``FULL_DUPLEX_STREAMED`` body chunk: what Envoy forwards in place of the one it sent."""
+    common = pb.CommonResponse(
+        body_mutation=pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=data, end_of_stream=end)
+        )
+    )
+    if response:
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
 def _destination(worker: Worker) -> str:
