@@ -134,6 +134,10 @@ async def test_a_repeated_document_sticks_to_one_engine_with_cached_tokens(
     records = await decisions(stack.picker.http, [a.headers["x-request-id"] for a in answers])
     cached = [r["actual_cached_tokens"] for r in records]
     assert cached[0] < COLD and all(c > WARM for c in cached[1:]), cached
+    # A stream's time to first token (the picker's first response chunk) is fed back.
+    assert [r["stream"] for r in records] == [False, True, False, True]
+    assert all(r["ttft_ms"] > 0 for r in records[1::2])
+    assert all(r["ttft_ms"] is None for r in records[::2])
 
 
 async def test_tenants_do_not_share_cache(stack: Stack) -> None:
