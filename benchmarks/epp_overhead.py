@@ -34,6 +34,12 @@ Usage::
                                       [--connections 16] [--body-mode BUFFERED]
                                       [--json-out benchmarks/results/epp_overhead.json]
 
+``--in-process N`` measures no network at all: N requests' four ext_proc
+messages (request headers, the body, response headers, the answer) handed
+straight to :class:`prefixrouter.epp.exchange.Exchange` in this process,
+best of five: the picker's own work per request (admission, routing,
+feedback, the protobuf messages), without gRPC.
+
 The machine's other load lands on every path alike (rounds interleave), but
 figures from a shared machine are noisier than from an idle one.
 """
@@ -41,6 +47,7 @@ figures from a shared machine are noisier than from an idle one.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import tempfile
 from pathlib import Path
@@ -253,6 +260,63 @@ def table(r: dict[str, Any]) -> Table:
     return t
 
 
+def exchange_us(n: int) -> float:
+    """Microseconds per request of the picker's exchange, in process (``--in-process``)."""
+    import time
+
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from prefixrouter.bench.instant import RESPONSE_USAGE
+    from prefixrouter.epp.exchange import Exchange
+    from prefixrouter.gateway.config import config_from_dict
+    from prefixrouter.gateway.flow import RequestFlow
+    from prefixrouter.gateway.state import build_state
+
+    cfg = config_from_dict({"workers": [{"url": f"http://{HOST}:{9000 + i}"} for i in range(3)]})
+    st = build_state(cfg)
+    for w in st.registry.workers.values():
+        w.healthy = True  # no health checks run here
+    flow = RequestFlow(st)
+
+    def headers(values: dict[str, str]) -> Any:
+        return pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()
+                ]
+            )
+        )
+
+    request = headers({":method": "POST", ":path": PATH, "content-type": "application/json"})
+    response = headers({":status": "200", "content-type": "application/json"})
+    answer = orjson.dumps({"choices": [{"message": {"content": "ok"}}], "usage": RESPONSE_USAGE})
+    bodies = overhead_bodies("tiny")
+
+    async def one(body: bytes) -> None:
+        ex = Exchange(st, flow)
+        await ex.on(pb.ProcessingRequest(request_headers=request))
+        await ex.on(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+        await ex.on(pb.ProcessingRequest(response_headers=response))
+        await ex.on(
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True))
+        )
+        ex.close()
+
+    async def best() -> float:
+        for i in range(3000):  # fill the index, the decision ring and the memos
+            await one(bodies[i % len(bodies)])
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(n):
+                await one(bodies[i % len(bodies)])
+            times.append((time.perf_counter() - t0) / n)
+        return min(times) * 1e6
+
+    return asyncio.run(best())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=50.0, help="offered rate, requests/s")
@@ -263,7 +327,11 @@ def main() -> None:
         "--body-mode", default="FULL_DUPLEX_STREAMED", choices=("FULL_DUPLEX_STREAMED", "BUFFERED")
     )
     ap.add_argument("--json-out", type=Path, help="write the report here")
+    ap.add_argument("--in-process", type=int, metavar="N", help="only the in-process exchange")
     args = ap.parse_args()
+    if args.in_process:
+        console.print(f"exchange in process: {exchange_us(args.in_process):.0f} us per request")
+        return
     with Fleet() as fleet, tempfile.TemporaryDirectory(prefix="epp-overhead-") as tmp:
         err.print("starting engines, gateway, picker and two Envoys ...")
         paths = start(fleet, args.body_mode, Path(tmp))
