@@ -103,6 +103,22 @@ async def wait_up(fleet: Fleet, servers: Sequence[Server], envoys: Sequence[Envo
     await asyncio.to_thread(wait_healthy, [e.server for e in envoys], BOUND_S, path="/ready")
 
 
+async def wait_discovered(picker: Picker, headers: dict[str, str]) -> None:
+    """Until the picker knows every worker's models (bounded; needs the admin key's ``headers``).
+
+    Before a worker's ``/v1/models`` was read it may serve any model, so an
+    unknown model is not yet a 404 (the gateway's rule as well).
+    """
+    async with client() as s:
+        for _ in range(int(BOUND_S / 0.05)):
+            async with s.get(picker.http + "/admin/workers", headers=headers) as r:
+                workers = (await r.json())["workers"]
+            if workers and all(w["models"] for w in workers):
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the picker did not discover every worker's models: {workers}")
+
+
 def chat_body(
     content: str, system: str = "You answer questions about documents.", **kw: Any
 ) -> dict[str, Any]:
@@ -193,3 +209,16 @@ def client() -> aiohttp.ClientSession:
 async def metric_lines(url: str, prefix: str) -> list[str]:
     async with client() as s, s.get(url + "/metrics") as r:
         return [line for line in (await r.text()).splitlines() if line.startswith(prefix)]
+
+
+def ext_proc_headers(values: dict[str, str]) -> Any:
+    """An ext_proc header map, as Envoy sends one (``raw_value``), of a POST with ``values``."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    pairs = {":method": "POST", "content-type": "application/json", **values}
+    return pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+        )
+    )

@@ -25,16 +25,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefixrouter.epp import protocol
 from prefixrouter.epp.envoy import Envoy
 from prefixrouter.harness.processes import Fleet, Server
-from tests.admin_client import ADMIN_CONFIG, decisions
+from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS, decisions
 from tests.epp.fleet import (
     Picker,
     chat_body,
     client,
+    ext_proc_headers,
     metric_lines,
     post,
     start_engines,
     start_picker,
     start_proxy,
+    wait_discovered,
     wait_up,
     write_config,
 )
@@ -73,6 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             for mode in MODES
         }
         asyncio.run(wait_up(fleet, [*engines, picker.server], list(envoys.values())))
+        asyncio.run(wait_discovered(picker, ADMIN_HEADERS))
         yield Stack(engines, picker, envoys)
 
 
@@ -222,7 +225,7 @@ async def _pick(stub: Any, subset: list[str], content: str) -> pb.ProcessingResp
     meta = base_pb2.Metadata()
     meta.filter_metadata[protocol.SUBSET_NAMESPACE].CopyFrom(hint)
     body = orjson.dumps(chat_body(content))
-    headers = _headers(":path", "/v1/chat/completions")
+    headers = ext_proc_headers({":path": "/v1/chat/completions"})
     messages = [
         pb.ProcessingRequest(request_headers=headers, metadata_context=meta),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
@@ -258,7 +261,9 @@ async def test_a_fallback_that_served_takes_the_pick_back(stack: Stack) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         call = stub.Process()
-        await call.write(pb.ProcessingRequest(request_headers=_headers(":path", "/v1/completions")))
+        await call.write(
+            pb.ProcessingRequest(request_headers=ext_proc_headers({":path": "/v1/completions"}))
+        )
         await call.read()
         body = b'{"model": "tiny", "prompt": "fallback served", "max_tokens": 1}'
         await call.write(
@@ -273,7 +278,7 @@ async def test_a_fallback_that_served_takes_the_pick_back(stack: Stack) -> None:
         served.fields[protocol.UPSTREAM_ADDRESS].string_value = other
         await call.write(
             pb.ProcessingRequest(
-                response_headers=_headers(":status", "200"),
+                response_headers=ext_proc_headers({":status": "200"}),
                 attributes={protocol.EXT_PROC_ATTRIBUTES: served},
             )
         )
@@ -283,15 +288,6 @@ async def test_a_fallback_that_served_takes_the_pick_back(stack: Stack) -> None:
         call.cancel()
     after = await metric_lines(stack.picker.http, "prefixrouter_retries_total")
     assert any('status="fallback"' in line for line in after) and after != before
-
-
-def _headers(name: str, value: str) -> pb.HttpHeaders:
-    pairs = {":method": "POST", "content-type": "application/json", name: value}
-    return pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-        )
-    )
 
 
 @pytest.mark.parametrize("mode", MODES)

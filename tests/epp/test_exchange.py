@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import orjson
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from prefixrouter.epp import protocol
@@ -11,7 +10,7 @@ from prefixrouter.epp.exchange import Exchange
 from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.flow import RequestFlow
 from prefixrouter.gateway.state import GatewayState, build_state
-from tests.epp.fleet import chat_body
+from tests.epp.fleet import chat_body, ext_proc_headers
 
 WORKERS = [f"127.0.0.1:{9100 + i}" for i in range(3)]
 
@@ -25,17 +24,12 @@ def _state(**extra: object) -> GatewayState:
     return st
 
 
-def _headers(**values: str) -> pb.HttpHeaders:
-    pairs = {":method": "POST", ":path": "/v1/chat/completions", **values}
-    return pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-        )
-    )
-
-
 async def _pick(ex: Exchange, body: bytes, **headers: str) -> pb.ProcessingResponse:
-    await ex.on(pb.ProcessingRequest(request_headers=_headers(**headers)))  # BUFFERED: answered
+    await ex.on(
+        pb.ProcessingRequest(
+            request_headers=ext_proc_headers({":path": "/v1/chat/completions", **headers})
+        )
+    )  # BUFFERED: answered
     (answer,) = await ex.on(
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
     )
