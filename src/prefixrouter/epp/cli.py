@@ -34,6 +34,7 @@ from prefixrouter.gateway.cli import (
     ClusterOption,
     ConfigOption,
     DecisionLogOption,
+    DiscoverOption,
     HostOption,
     PolicyOption,
     ReplicaIdOption,
@@ -93,6 +94,7 @@ def epp(
     admin_api_key: AdminKeyOption = None,
     cluster: ClusterOption = None,
     replica_id: ReplicaIdOption = None,
+    discover: DiscoverOption = None,
     fallbacks: Annotated[
         int, typer.Option(min=0, max=8, help="More endpoints after the pick, for retries.")
     ] = 0,
@@ -109,6 +111,7 @@ def epp(
             admin_api_key,
             cluster,
             replica_id,
+            discover,
         )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -78,8 +78,8 @@ async def background(app: web.Application) -> AsyncIterator[None]:
 
     An aiohttp session for the pollers; every worker checked once, then the
     per-worker health/metrics pollers; the decision-log flusher; the KV-event
-    subscriber and, for a cluster replica, its node. The gateway and the
-    endpoint picker (:mod:`prefixrouter.epp`) both run it.
+    subscriber; for a cluster replica, its node; endpoint discovery. The
+    gateway and the endpoint picker (:mod:`prefixrouter.epp`) both run it.
     """
     st = app[STATE]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
@@ -91,8 +91,14 @@ async def background(app: web.Application) -> AsyncIterator[None]:
         if st.cluster is not None:
             await st.cluster.start()  # connects and replays in the background
         await st.registry.start(st.session)
+        if st.discovery is not None:
+            # Endpoint discovery adds workers to the started registry; the
+            # first list's are in before traffic.
+            await st.discovery.start()
         yield
     finally:
+        if st.discovery is not None:
+            await st.discovery.stop()
         if st.cluster is not None:
             await st.cluster.stop()
         if st.events is not None:
