@@ -107,6 +107,8 @@ VLLM = Path(__file__).with_name("vllm_results.md")
 REPLICAS = Path(__file__).with_name("replicas_results.md")
 REPLICAS_LIVE = Path(__file__).with_name("replicas_live_results.md")
 """Router replicas, simulated (``benchmarks/replica_sweep.py``), appended."""
+EPP = Path(__file__).with_name("epp_results.md")
+"""The endpoint picker behind Envoy (``benchmarks/epp_overhead.py``), appended."""
 
 
 PERCENTILES = (
@@ -246,7 +248,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
                 f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
                 f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
             )
-    for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS):
+    for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS, EPP):
         if appended.exists():
             lines += ["", appended.read_text(encoding="utf-8").strip()]
     return "\n".join(lines) + "\n"

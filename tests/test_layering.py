@@ -17,7 +17,8 @@ same dependency on paper):
    4. ``sim``, ``simulated_engine``, ``real_engines``, ``analyze``,
       ``cluster`` (replicas' routing facts over NATS; the gateway wires it in),
       and ``discovery`` (engines found in Kubernetes; the gateway wires it in);
-   5. ``gateway``;
+   5. ``gateway``, and ``epp`` (the endpoint picker behind Envoy, on the
+      gateway's state: it imports the gateway, never the reverse);
    6. ``bench``, ``demo``;
    7. ``cli`` (the command line).
 
@@ -40,7 +41,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"prompt", "tokenization", "stats", "prometheus"}),
     frozenset({"harness"}),
     frozenset({"sim", "simulated_engine", "real_engines", "analyze", "cluster", "discovery"}),
-    frozenset({"gateway"}),
+    frozenset({"gateway", "epp"}),
     frozenset({"bench", "demo"}),
     frozenset({"cli"}),
 )

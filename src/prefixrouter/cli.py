@@ -11,6 +11,7 @@ Commands:
 * ``demo``: engines and the gateway on loopback, round robin against prefixrouter;
 * ``bench``: our gateway against sglang-router and vllm-router on one live fleet;
 * ``serve``: the OpenAI-compatible gateway in front of a fleet;
+* ``epp``: the endpoint picker behind Envoy (ext_proc), routing as the gateway does;
 * ``lint``: volatile fields placed before long stable prompt content;
 * ``analyze``: how much of a request log's prefill a prefix cache would save.
 
@@ -400,12 +401,14 @@ def _register_commands() -> None:
     from prefixrouter.analyze.lint_cli import lint
     from prefixrouter.bench.cli import bench
     from prefixrouter.demo.cli import demo
+    from prefixrouter.epp.cli import epp
     from prefixrouter.gateway.cli import serve
     from prefixrouter.gateway.dashboard.top import top
     from prefixrouter.simulated_engine.cli import engine
 
     app.command("demo")(demo)
     app.command("serve")(serve)
+    app.command("epp")(epp)
     app.command("engine")(engine)
     app.command("lint")(lint)
     app.command("analyze")(analyze)

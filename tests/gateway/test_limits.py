@@ -20,7 +20,7 @@ from prefixrouter.core.router import Router
 from prefixrouter.gateway import server as server_mod
 from prefixrouter.gateway.body import SLICE_BYTES
 from prefixrouter.gateway.config import LimitsConfig
-from prefixrouter.gateway.proxy import OFF_LOOP_BODY_BYTES
+from prefixrouter.gateway.flow import OFF_LOOP_BODY_BYTES
 from prefixrouter.gateway.server import connection_cap
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import gateway_env, run
@@ -312,7 +312,7 @@ def test_a_retry_routes_the_blocks_hashed_for_the_first_attempt() -> None:
 async def test_a_large_body_is_freed_on_the_parse_thread_once_answered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from prefixrouter.gateway import proxy as proxy_mod
+    from prefixrouter.gateway import flow as proxy_mod
 
     dropped: list[tuple[str, int, Any]] = []
     drop = proxy_mod._drop_parsed

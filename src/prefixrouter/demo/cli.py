@@ -4,6 +4,8 @@ Progress bars on stderr, then one table (TTFT p50, p99 and mean, the share
 of prompt tokens the engines served from cache, prefill tokens), the bench's
 PNG, and with ``--serve`` a gateway that stays up until Ctrl-C (it prints the
 gateway's address, the admin key of the run, and the dashboard's address).
+``--envoy`` instead starts engines, ``prefixrouter epp`` and a real Envoy in
+front of them (:mod:`prefixrouter.demo.envoy`) and keeps them up until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,19 +28,23 @@ console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
 
 
-def served_lines(url: str, admin_key: str) -> list[str]:
-    """What ``--serve`` prints: the gateway, a request to try, the key, the dashboard."""
+def served_lines(url: str, admin_key: str, admin_url: str | None = None) -> list[str]:
+    """What ``--serve`` prints: where to send requests, a request to try, the key, the dashboard.
+
+    ``admin_url`` is where ``/admin``, ``/metrics`` and the dashboard are when
+    that is not ``url`` (``--envoy``: the picker's HTTP port behind Envoy).
+    """
     from prefixrouter.gateway.cli import ADMIN_KEY_ENV
     from prefixrouter.gateway.dashboard import dashboard_url
 
+    admin = admin_url or url
     body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
     return [
-        f"prefixrouter gateway on {url} (Ctrl-C stops everything)",
         f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         f"admin API key (this run only): {admin_key}",
-        f"curl -s {url}/admin/workers -H 'Authorization: Bearer {admin_key}'",
-        f"dashboard: {dashboard_url(url, admin_key)}",
-        f"in a terminal: {ADMIN_KEY_ENV}={admin_key} prefixrouter top --url {url}",
+        f"curl -s {admin}/admin/workers -H 'Authorization: Bearer {admin_key}'",
+        f"dashboard: {dashboard_url(admin, admin_key)}",
+        f"in a terminal: {ADMIN_KEY_ENV}={admin_key} prefixrouter top --url {admin}",
     ]
 
 
@@ -52,6 +58,13 @@ def demo(
         bool, typer.Option("--serve", help="Keep a prefixrouter gateway running afterwards.")
     ] = False,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    envoy: Annotated[
+        bool,
+        typer.Option(
+            "--envoy",
+            help="Instead: engines, prefixrouter epp and Envoy in front of them, until Ctrl-C.",
+        ),
+    ] = False,
 ) -> None:
     """Start engines and the gateway on loopback; compare round robin and prefixrouter live."""
     from prefixrouter.bench.report import plot as plot_runs
@@ -59,6 +72,9 @@ def demo(
     from prefixrouter.demo.run import wait_for_interrupt as wait
 
     cfg = DemoConfig(workers=workers, requests=requests, rate=rate, kv_blocks=kv_blocks, seed=seed)
+    if envoy:
+        _envoy(cfg)
+        return
     with Fleet() as fleet:
         with Progress(
             TextColumn("[bold]{task.description:<24}"),
@@ -116,8 +132,35 @@ def demo(
                 # so it is never open without one.
                 admin_key = secrets.token_urlsafe(24)
                 gateway = await serve_forever(fleet, engines, admin_key)
+                console.print(f"prefixrouter gateway on {gateway.url} (Ctrl-C stops everything)")
                 for line in served_lines(gateway.url, admin_key):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
                 await wait()
 
             asyncio.run(keep_serving())
+
+
+def _envoy(cfg: Any) -> None:
+    """``--envoy``: the endpoint picker behind a real Envoy (:mod:`prefixrouter.demo.envoy`)."""
+    from prefixrouter.demo.envoy import serve_envoy
+    from prefixrouter.demo.run import wait_for_interrupt
+
+    async def keep_serving() -> None:
+        admin_key = secrets.token_urlsafe(24)
+        with Fleet() as fleet:
+            err_console.print(f"starting {cfg.workers} engines, prefixrouter epp and Envoy ...")
+            try:
+                stack = await serve_envoy(cfg, fleet, admin_key)
+            except RuntimeError as exc:
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(code=1) from None
+            url, picker = stack.envoy.url, stack.picker.url
+            console.print(f"Envoy on {url}, asking prefixrouter epp on grpc://127.0.0.1:"
+                          f"{stack.grpc_port} (Ctrl-C stops everything)")  # fmt: skip
+            console.print(f"the picker's metrics: curl -s {picker}/metrics", highlight=False)
+            for line in served_lines(url, admin_key, picker):
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            console.print(f"Envoy's bootstrap: {stack.envoy.config_path}", highlight=False)
+            await wait_for_interrupt()
+
+    asyncio.run(keep_serving())

@@ -241,3 +241,21 @@ class Admin:
     async def not_found(self, request: web.Request) -> web.Response:
         """Any other path: 404 in OpenAI's shape."""
         return error_response(NotFound(f"no route {request.method} {request.path}"))
+
+
+def add_observability_routes(app: web.Application, admin: Admin) -> None:
+    """Serve ``/health``, ``/ready``, ``/metrics`` and ``/admin/*`` on ``app``.
+
+    The one place these routes are listed: the gateway's application and the
+    endpoint picker's HTTP port (:mod:`prefixrouter.epp`) both call it, so the
+    two serve the same observability, from the same state.
+    """
+    r = app.router
+    r.add_get("/health", admin.health)
+    r.add_get("/ready", admin.ready)
+    r.add_get("/metrics", admin.metrics)
+    r.add_get("/admin/workers", admin.list_workers)
+    r.add_post("/admin/workers", admin.add_worker)
+    r.add_delete("/admin/workers/{id}", admin.remove_worker)
+    r.add_get("/admin/decisions", admin.decisions)
+    r.add_get("/admin/process", admin.process)

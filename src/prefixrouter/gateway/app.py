@@ -10,12 +10,13 @@
   404 in OpenAI's shape, and a known path asked with another method 405
   with ``Allow`` (:func:`_unrouted`).
 
-Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
-(:mod:`.upstream`, keep-alive connections to every worker) and an aiohttp
-session for the pollers, checks every worker once, starts
+Its cleanup contexts (aiohttp's lifespan) open the proxy's upstream client
+(:mod:`.upstream`, keep-alive connections to every worker) and
+(:func:`background`, which the endpoint picker runs too) an aiohttp
+session for the pollers, check every worker once, start
 the per-worker health/metrics pollers, the decision-log flusher and, for a
 cluster replica, its :class:`~prefixrouter.cluster.node.ClusterNode`, and on
-shutdown stops them and closes both. Run it with handler cancellation
+shutdown stop them and close both. Run it with handler cancellation
 on (:func:`prefixrouter.gateway.cli.run_gateway` does) so a client that
 disconnects cancels its upstream request.
 """
@@ -29,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from prefixrouter.gateway.admin import Admin
+from prefixrouter.gateway.admin import Admin, add_observability_routes
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.dashboard import add_dashboard_routes
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
@@ -40,10 +41,9 @@ from prefixrouter.gateway.state import STATE, GatewayState, build_state
 from prefixrouter.gateway.upstream import UpstreamClient
 
 
-async def _lifespan(app: web.Application) -> AsyncIterator[None]:
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
+    """The proxy's upstream client (keep-alive connections to every worker) and its gauges."""
     st = app[STATE]
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
-    st.session = aiohttp.ClientSession(connector=connector)
     proxy_cfg = st.config.proxy
     upstream = st.upstream = UpstreamClient(
         proxy_cfg.connect_timeout_s,
@@ -66,6 +66,26 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     st.metrics.registry.register(collector)
     # Health checks tell the upstream timeouts whether a worker is alive.
     st.registry.on_check = lambda w, ok: upstream.heard_from(w.endpoint, alive=ok)
+    try:
+        yield
+    finally:
+        st.registry.on_check = None
+        st.metrics.registry.unregister(collector)
+        await upstream.close()
+        st.upstream = None
+
+
+async def background(app: web.Application) -> AsyncIterator[None]:
+    """The state's background work, for any application that holds a :data:`STATE`.
+
+    An aiohttp session for the pollers; every worker checked once, then the
+    per-worker health/metrics pollers; the decision-log flusher; the KV-event
+    subscriber; for a cluster replica, its node; endpoint discovery. The
+    gateway and the endpoint picker (:mod:`prefixrouter.epp`) both run it.
+    """
+    st = app[STATE]
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+    st.session = aiohttp.ClientSession(connector=connector)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
     try:
         if st.events is not None:
@@ -89,10 +109,6 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
         await st.registry.stop()
-        st.registry.on_check = None
-        st.metrics.registry.unregister(collector)
-        await upstream.close()
-        st.upstream = None
         await st.session.close()
         st.session = None
 
@@ -142,17 +158,11 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_post("/v1/chat/completions", proxy.chat)
     r.add_post("/v1/completions", proxy.completions)
     r.add_get("/v1/models", admin.models)
-    r.add_get("/health", admin.health)
-    r.add_get("/ready", admin.ready)
-    r.add_get("/metrics", admin.metrics)
-    r.add_get("/admin/workers", admin.list_workers)
-    r.add_post("/admin/workers", admin.add_worker)
-    r.add_delete("/admin/workers/{id}", admin.remove_worker)
-    r.add_get("/admin/decisions", admin.decisions)
-    r.add_get("/admin/process", admin.process)
+    add_observability_routes(app, admin)
     add_dashboard_routes(app)  # GET /dashboard and its live feed (.dashboard)
     r.add_route("*", "/{tail:.*}", _unrouted(admin))
-    app.cleanup_ctx.append(_lifespan)
+    app.cleanup_ctx.append(_upstream)
+    app.cleanup_ctx.append(background)
 
     async def close_proxy(_: web.Application) -> None:
         proxy.close()

@@ -182,49 +182,58 @@ def _run(coro_config: GatewayConfig) -> None:
         asyncio.run(run_gateway(coro_config))
 
 
+# The options ``serve`` shares with ``prefixrouter epp`` (one definition each).
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML configuration file.")
+]
+WorkerOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--worker", "-w", help="Worker base URL (repeatable), e.g. http://127.0.0.1:8001."
+    ),
+]
+HostOption = Annotated[str, typer.Option(help="Listen address.")]
+DecisionLogOption = Annotated[
+    Path | None, typer.Option(help="Append the decision log (JSON lines) to this file.")
+]
+PolicyOption = Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")]
+AdminKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=ADMIN_KEY_ENV,
+        show_envvar=True,
+        help="Key of the /admin/* endpoints (Authorization: Bearer KEY); "
+        "without one they answer 403. Overrides server.admin_api_key.",
+    ),
+]
+ClusterOption = Annotated[
+    str | None,
+    typer.Option(
+        help="NATS server of the replicas (nats://HOST:PORT, JetStream on): share "
+        "routing facts with the other gateways. Overrides cluster.url.",
+    ),
+]
+ReplicaIdOption = Annotated[
+    str | None,
+    typer.Option(
+        help="This replica's id, stable across restarts (default HOSTNAME:PORT). "
+        "Overrides cluster.replica_id.",
+    ),
+]
+
+
 def serve(
-    config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="YAML configuration file.")
-    ] = None,
-    worker: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--worker", "-w", help="Worker base URL (repeatable), e.g. http://127.0.0.1:8001."
-        ),
-    ] = None,
+    config: ConfigOption = None,
+    worker: WorkerOption = None,
     port: Annotated[int, typer.Option(min=0, max=65535, help="Listen port (0: any free port).")] = (
         DEFAULT_PORT
     ),
-    host: Annotated[str, typer.Option(help="Listen address.")] = DEFAULT_HOST,
-    decision_log: Annotated[
-        Path | None, typer.Option(help="Append the decision log (JSON lines) to this file.")
-    ] = None,
-    policy: Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")] = (
-        DEFAULT_POLICY
-    ),
-    admin_api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=ADMIN_KEY_ENV,
-            show_envvar=True,
-            help="Key of the /admin/* endpoints (Authorization: Bearer KEY); "
-            "without one they answer 403. Overrides server.admin_api_key.",
-        ),
-    ] = None,
-    cluster: Annotated[
-        str | None,
-        typer.Option(
-            help="NATS server of the replicas (nats://HOST:PORT, JetStream on): share "
-            "routing facts with the other gateways. Overrides cluster.url.",
-        ),
-    ] = None,
-    replica_id: Annotated[
-        str | None,
-        typer.Option(
-            help="This replica's id, stable across restarts (default HOSTNAME:PORT). "
-            "Overrides cluster.replica_id.",
-        ),
-    ] = None,
+    host: HostOption = DEFAULT_HOST,
+    decision_log: DecisionLogOption = None,
+    policy: PolicyOption = DEFAULT_POLICY,
+    admin_api_key: AdminKeyOption = None,
+    cluster: ClusterOption = None,
+    replica_id: ReplicaIdOption = None,
     discover: DiscoverOption = None,
 ) -> None:
     """Run the OpenAI-compatible gateway in front of the workers."""
@@ -244,6 +253,16 @@ def serve(
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
+    warn_about(cfg)
+    try:
+        _run(cfg)
+    except PrefixRouterError as exc:  # ListenError, ClusterRefused: one line
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def warn_about(cfg: GatewayConfig) -> None:
+    """Warnings of a configuration that runs but is likely not what was meant (stderr)."""
     isolated = not cfg.default_tenant.share_cache or any(
         not rule.share_cache and rule.cache_salt is None for rule in cfg.tenants.values()
     )
@@ -257,11 +276,6 @@ def serve(
     if not cfg.workers and cfg.discovery.kind == "static":
         hint = "" if cfg.server.admin_api_key else f" (after setting {ADMIN_KEY_ENV})"
         typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)
-    try:
-        _run(cfg)
-    except PrefixRouterError as exc:  # ListenError, ClusterRefused: one line
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -185,22 +185,31 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     )
 
 
+def as_gateway_error(exc: BaseException, retry_after_s: int = 1) -> GatewayError:
+    """The :class:`GatewayError` any exception is answered as (the module docstring's mapping).
+
+    The HTTP proxy answers it with :func:`error_response`; the endpoint picker
+    (:mod:`prefixrouter.epp`) as an ext_proc ImmediateResponse.
+    """
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, NoWorkerAvailable):
+        return ServiceUnavailable(str(exc), headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, ConfigError):
+        return BadRequest(str(exc), code="invalid_config")
+    if isinstance(exc, UnknownNameError):
+        return NotFound(str(exc))
+    return GatewayError(f"internal error: {type(exc).__name__}")
+
+
 def error_response(exc: BaseException, retry_after_s: int = 1) -> web.Response:
     """The response for any exception, following the mapping in the module docstring."""
-    if isinstance(exc, GatewayError):
-        body = error_body(exc.message, exc.type, exc.code, exc.param)
-        resp = web.Response(status=exc.status, body=body, content_type=JSON, headers=exc.headers)
-        if exc.close:
-            resp.force_close()
-        return resp
-    if isinstance(exc, NoWorkerAvailable):
-        err = ServiceUnavailable(str(exc), headers={"Retry-After": str(retry_after_s)})
-        return error_response(err)
-    if isinstance(exc, ConfigError):
-        return error_response(BadRequest(str(exc), code="invalid_config"))
-    if isinstance(exc, UnknownNameError):
-        return error_response(NotFound(str(exc)))
-    return error_response(GatewayError(f"internal error: {type(exc).__name__}"))
+    err = as_gateway_error(exc, retry_after_s)
+    body = error_body(err.message, err.type, err.code, err.param)
+    resp = web.Response(status=err.status, body=body, content_type=JSON, headers=err.headers)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 def upstream_error_body(body: bytes, status: int) -> bytes:

@@ -1,5 +1,9 @@
 """Forwarding: route, send, retry before the first byte, stream, feed back.
 
+Admission (steps 1-2 below) and settlement (step 4) are
+:class:`~prefixrouter.gateway.flow.RequestFlow`'s, shared with the endpoint
+picker (:mod:`prefixrouter.epp`); this module carries the bytes.
+
 Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 
 1. read the body (413 past ``server.max_body_bytes``; 408 when it comes too
@@ -66,12 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from array import array
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import orjson
@@ -80,51 +79,32 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from prefixrouter.core.dispatch import Admission
-from prefixrouter.core.policy import Outcome
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
 from prefixrouter.errors import NoWorkerAvailable
-from prefixrouter.gateway import body as large_json
-from prefixrouter.gateway.decision_log import RequestOutcome
 from prefixrouter.gateway.errors import (
     JSON,
     BadRequest,
-    Forbidden,
     GatewayError,
-    NotFound,
     PayloadTooLarge,
-    ServiceUnavailable,
     UpstreamFailed,
     error_body,
     error_response,
     upstream_error_body,
 )
 from prefixrouter.gateway.fleet import Steer
+from prefixrouter.gateway.flow import RequestFlow, Served
 from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
-from prefixrouter.gateway.sse import SseRelay, usage_figures
+from prefixrouter.gateway.sse import SseRelay, answer_usage
 from prefixrouter.gateway.state import GatewayState
-from prefixrouter.gateway.tenancy import TenantScope
 from prefixrouter.gateway.upstream import FirstByteTimeout, StallTimeout, UpstreamResponse
 from prefixrouter.gateway.workers import Worker
 
 log = logging.getLogger("prefixrouter.gateway")
 
 CLIENT_GONE = 499
-# Bodies from this size up are parsed and built (orjson, validation, token
-# ids) on one worker thread, not on the event loop: a 7.8 MB body of token
-# ids takes about 0.2 s of CPU, which on the loop stalls every other request
-# and /health with it. One thread, not several: orjson holds the GIL for a
-# whole parse, so each concurrent parse is one more holder the loop thread
-# must wait behind. Below this size the hand-off (about 50 us) would cost more
-# than the parse it moves. Even so, one orjson call holds the GIL for the whole
-# parse (0.1 s for 7.5 MB of token ids), which the loop thread needs too: the
-# thread parses a long prompt array in slices (:mod:`.body`) and hashes the
-# prompt's blocks (20-40 ms for 75,000 blocks) where it can be preempted.
-OFF_LOOP_BODY_BYTES = 256 * 1024
 # Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
 _UPSTREAM_ERRORS = (TimeoutError, OSError)
-_DUMP_SLICE = 32_768
-"""Token ids serialized per orjson call by :func:`_pack_token_ids` (well under a millisecond)."""
 
 
 @dataclass(slots=True)
@@ -178,7 +158,7 @@ class Proxy:
         self.max_attempts = cfg.proxy.max_attempts
         self.retry_statuses = frozenset(cfg.proxy.retry_statuses)
         self.retry_after = str(cfg.proxy.retry_after_s)
-        self._pool: ThreadPoolExecutor | None = None
+        self.flow = RequestFlow(state)
         self.first_byte_floor = cfg.proxy.first_byte_timeout_floor_s
         self.first_byte_factor = cfg.proxy.first_byte_timeout_factor
 
@@ -208,18 +188,12 @@ class Proxy:
             return await self._forward(request, built, path, t0)
         finally:
             if built.blocks is not None:  # parsed on the parse thread: a large body
-                self._release(built)
+                self.flow.release(built)
 
     async def _build(self, request: web.Request, kind: str) -> BuiltRequest:
-        st = self.st
         # A missing or unknown key is refused from the headers alone, before a
         # body of up to max_body_bytes is read and parsed for nothing.
-        st.tenancy.check_key(request.headers.get("Authorization"))
-        length = request.content_length
-        if length is not None and length > self.max_body:
-            raise PayloadTooLarge(
-                f"request body of {length} bytes exceeds the limit of {self.max_body} bytes"
-            )
+        self.flow.check_headers(request.headers.get("Authorization"), request.content_length)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -231,75 +205,17 @@ class Proxy:
                 f"malformed request body ({type(exc).__name__})", code="invalid_body"
             ) from None
         headers = request.headers
-        parse = partial(
-            self._parse,
+        return await self.flow.build(
             raw,
             kind,
-            # The scope's last argument is the body's cache_salt, which the builder validates.
-            partial(st.tenancy.resolve, headers.get("Authorization"), headers.get("X-Tenant")),
+            headers.get("Authorization"),
+            headers.get("X-Tenant"),
             headers.get("X-Prefix-Class"),
         )
-        if len(raw) < OFF_LOOP_BODY_BYTES:
-            built = parse()
-        else:
-            built = await asyncio.get_running_loop().run_in_executor(
-                self._parse_pool(), partial(parse, large=True)
-            )
-        if not st.registry.serves(built.model):
-            if built.blocks is not None:
-                self._release(built)
-            raise NotFound(
-                f"The model `{built.model}` does not exist.", code="model_not_found", param="model"
-            )
-        return built
-
-    def _parse(
-        self,
-        raw: bytes,
-        kind: str,
-        scope_of: Callable[[str | None], TenantScope],
-        prefix_class: str | None,
-        large: bool = False,
-    ) -> BuiltRequest:
-        """Parse and validate a body: CPU only, safe on the parse thread (reads shared state).
-
-        A ``large`` body (on the parse thread) is parsed by :func:`.body.loads`
-        and its prompt hashed here too: ``Dispatcher.hash`` changes no state
-        (text mode reads the learned chars-per-token, a float attribute that
-        the loop thread replaces whole; two reads may straddle one update, a
-        difference of one observation's weight), and ``_forward`` hands the
-        blocks to ``Dispatcher.admit``.
-        """
-        try:
-            body = large_json.loads(raw) if large else orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
-        built = self.st.builder.build(body, raw, kind, scope_of, prefix_class)
-        if large:
-            built.blocks = self.st.dispatch.hash(built.routing)
-            _pack_token_ids(built)
-        return built
-
-    def _release(self, built: BuiltRequest) -> None:
-        """Free a large request's parsed body on the parse thread, not the loop.
-
-        A million token ids are a million int objects: freeing them took the
-        loop about 10 ms a body. Called once the request is answered, when
-        nothing reads its body or routing request again.
-        """
-        self._parse_pool().submit(_drop_parsed, built)
-
-    def _parse_pool(self) -> ThreadPoolExecutor:
-        """The parse thread (made on first use)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefixrouter-parse")
-        return self._pool
 
     def close(self) -> None:
         """Stop the parse thread (the application's cleanup)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self.flow.close()
 
     async def _forward(
         self, request: web.Request, built: BuiltRequest, path: str, t0: float
@@ -310,7 +226,6 @@ class Proxy:
         # Made only when an attempt fails: most requests succeed at once.
         retry: _Retry | None = None
         adm: Admission | None = None
-        dispatch = st.dispatch
         fleet = st.fleet
         header = fleet.session_header
         try:  # rollout group, pool and policy; the session's pin
@@ -318,16 +233,9 @@ class Proxy:
         except GatewayError as exc:
             st.metrics.request_done("", "none", exc.status)
             return error_response(exc)
-        blocks = built.blocks if steer.blocks is None else steer.blocks
         for _ in range(self.max_attempts):
-            views = st.registry.views()
-            now = st.clock()
             try:
-                # A retry reuses the first attempt's hashes, on a worker not tried yet.
-                if adm is None:
-                    adm = dispatch.admit(rr, views, now, blocks, steer.steering)
-                else:
-                    adm = dispatch.retry(adm, views, now)
+                adm = self.flow.admit(built, adm, st.registry.views(), steer)
             except NoWorkerAvailable as exc:
                 return self._no_worker(built, retry, exc, adm, t0)
             except Exception as exc:  # a routing bug answers 500, never crashes the gateway
@@ -336,20 +244,6 @@ class Proxy:
                 return error_response(exc)
             decision = adm.decision
             worker = st.registry.workers[decision.worker_id]
-            if retry is None:
-                if st.lint is not None:
-                    # Observe mode: lint the prompt rendered for routing; never change the body.
-                    cls = decision.prefix_class
-                    st.metrics.linted(cls, st.lint.observe(built.prompt, cls))
-                chosen = decision.chosen
-                terms = chosen.terms if chosen is not None else None
-                st.metrics.routed(
-                    decision.tier,
-                    terms.queue_wait_s if terms is not None else None,
-                    decision.warm_abandoned,
-                    decision.prefix_class,
-                )
-                fleet.routed(steer, decision)
             try:
                 # What a stream has relayed so far: a client that leaves after
                 # the engine's usage chunk still leaves its feedback behind.
@@ -404,24 +298,6 @@ class Proxy:
         wait = terms.ttft_s if stream else terms.ttft_s + terms.decode_s
         return max(floor, self.first_byte_factor * wait)
 
-    def _payload(self, built: BuiltRequest, worker: Worker) -> bytes:
-        salt = built.scope.cache_salt
-        if salt is not None and not worker.config.supports_cache_salt:
-            salt = None
-        inject = built.stream and not built.client_wants_usage
-        if salt is None and not inject:
-            return built.raw
-        body = dict(built.body)
-        if salt is not None:
-            body["cache_salt"] = salt
-        if inject:
-            opts = body.get("stream_options")
-            body["stream_options"] = {
-                **(opts if isinstance(opts, dict) else {}),
-                "include_usage": True,
-            }
-        return orjson.dumps(body)
-
     async def _unary(
         self, built: BuiltRequest, worker: Worker, path: str, first_byte_s: float | None
     ) -> Attempt:
@@ -429,7 +305,7 @@ class Proxy:
         assert upstream is not None
         try:
             resp = await upstream.post(
-                worker.endpoint, path, self._payload(built, worker), first_byte_s
+                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
             )
             try:
                 body = await resp.read()
@@ -442,16 +318,15 @@ class Proxy:
         hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
         if status == 200:
             try:
-                data = orjson.loads(body)
+                usage = answer_usage(orjson.loads(body))
             except orjson.JSONDecodeError:
                 # Cut short or garbled: never pass it on as a 200 answer.
                 msg = "upstream answered 200 with a body that is not JSON"
                 err = error_body(msg, "upstream_error", "502")
                 out = web.Response(body=err, status=502, content_type=JSON, headers=hdrs)
                 return Attempt(out, 502, error="upstream sent invalid JSON")
-            usage = data.get("usage") if isinstance(data, dict) else None
             resp_out = web.Response(body=body, status=200, content_type=ctype, headers=hdrs)
-            return Attempt(resp_out, 200, ok=True, usage=usage if isinstance(usage, dict) else None)
+            return Attempt(resp_out, 200, ok=True, usage=usage)
         return self._upstream_error(status, body, hdrs)
 
     def _upstream_error(self, status: int, body: bytes, hdrs: dict[str, str]) -> Attempt:
@@ -481,7 +356,7 @@ class Proxy:
         t_send = st.clock()
         try:
             resp = await upstream.post(
-                worker.endpoint, path, self._payload(built, worker), first_byte_s
+                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
             )
         except _UPSTREAM_ERRORS as exc:
             return _failed(exc)
@@ -595,92 +470,11 @@ class Proxy:
         retry: _Retry | None,
         steer: Steer,
     ) -> None:
-        st = self.st
-        dispatch = st.dispatch
-        decision = adm.decision
-        now = st.clock()
-        if att.suspect:  # the stream stalled after its first byte
-            st.registry.mark_suspect(worker, att.error or "stalled")
-        prompt, cached = usage_figures(att.usage)
-        ok = att.ok
-        # Text mode: the engine's token count for the prompt's characters
-        # teaches characters per token (first, inside complete(), which then
-        # converts the cached tokens at the estimate; and peers learn it too).
-        chars, tokens = (built.text_chars, prompt) if ok and prompt and built.text_chars else (0, 0)
-        # A removed worker's admission settles without feedback (the dispatcher
-        # knows); its prefix is not noted as served either.
-        if ok and cached is not None:
-            answer = Outcome(cached, att.ttft_s, True)
-            miss = dispatch.complete(adm, answer, now, prompt_chars=chars, prompt_tokens=tokens)
-            if not worker.removed:
-                last = st.note_served(worker.id, decision.prefix_key, now)
-                if miss and last is not None:
-                    st.metrics.eviction_observed(now - last, decision.prefix_class)
-        elif att.no_prefill:
-            if chars:
-                dispatch.observe_prompt_tokens(chars, tokens, adm)
-            dispatch.reject(adm, now)
-        else:
-            # No report of reuse (or a failure): nothing to confirm or correct.
-            dispatch.complete(
-                adm, Outcome(0, att.ttft_s, ok=False), now, prompt_chars=chars, prompt_tokens=tokens
-            )
-        if ok and prompt and cached is not None:
-            st.metrics.usage(
-                built.model,
-                worker.config.pool,
-                decision.prefix_class,
-                prompt,
-                cached,
-                decision.predicted_cached_tokens,
-                att.ttft_s,
-            )
-        st.metrics.request_done(worker.id, decision.tier, att.status)
-        # Where predicted and actual cached tokens meet: the pin, the groups, the drift alarm.
-        st.fleet.completed(steer, built, decision, ok, prompt, cached, att.ttft_s)
-        self._log(
-            built,
-            decision,
-            att.status,
-            cached,
-            prompt,
-            att.ttft_s,
-            now - t0,
-            retry,
-            att.error,
-            1 if retry is None else len(retry.tried) + 1,
+        served = Served(
+            att.status, att.ok, att.usage, att.ttft_s, att.error, att.suspect, att.no_prefill
         )
-
-    def _log(
-        self,
-        built: BuiltRequest,
-        decision: Decision,
-        status: int,
-        cached: int | None,
-        prompt: int | None,
-        ttft_s: float | None,
-        latency_s: float,
-        retry: _Retry | None,
-        error: str | None,
-        attempts: int,
-    ) -> None:
-        self.st.decisions.record(
-            decision,
-            RequestOutcome(
-                model=built.model,
-                tenant=built.scope.tenant,
-                status=status,
-                actual_cached_tokens=cached,
-                prompt_tokens=prompt,
-                ttft_s=ttft_s,
-                latency_s=latency_s,
-                attempts=attempts,
-                retried_from=() if retry is None else tuple(retry.tried),
-                stream=built.stream,
-                error=error,
-                ts=time.time(),
-            ),
-        )
+        tried = retry.tried if retry is not None else ()
+        self.flow.finish(built, adm, worker, served, t0, tried, steer)
 
     def _no_worker(
         self,
@@ -692,16 +486,12 @@ class Proxy:
     ) -> web.StreamResponse:
         """The answer when no (further) worker can take the request.
 
-        When the tenant filter removed workers the message says so: "no
-        healthy worker" would send an operator looking at the wrong thing.
-        A 403 when no worker that is down could serve the tenant either (no
-        worker is configured for it: retrying cannot help), else a 503 (the
-        tenant's own workers are down).
+        The last refusal's own answer, else a 502 naming every worker tried,
+        else :meth:`RequestFlow.no_worker_error` (403 or 503).
         """
         why = str(no_worker)
         hdrs = {"X-Request-Id": str(built.routing.request_id)}
         refusal = retry.last_refusal if retry is not None else None
-        filtered = no_worker.filtered if isinstance(no_worker, NoWorkerAvailable) else {}
         resp: web.Response
         if refusal is not None and refusal.fallback is not None:
             resp = refusal.fallback  # the upstream's own error keeps its status
@@ -710,33 +500,15 @@ class Proxy:
             resp = error_response(
                 UpstreamFailed(f"no worker could serve the request ({detail})", headers=hdrs)
             )
-        elif "tenant" in filtered.values():
-            tenant = built.routing.tenant
-            who = f"tenant {tenant!r}" if tenant else "requests without a tenant"
-            reasons = ", ".join(f"{w}: {f}" for w, f in sorted(filtered.items()))
-            msg = f"no worker serves {who} for model {built.model!r} ({reasons})"
-            # Only a worker that is down could still serve it later (one of
-            # another model or pool never will): retrying cannot help without one.
-            if "health" not in filtered.values():
-                resp = error_response(Forbidden(msg, code="tenant_not_served", headers=hdrs))
-            else:
-                resp = error_response(
-                    ServiceUnavailable(msg, headers={"Retry-After": self.retry_after, **hdrs})
-                )
         else:
-            resp = error_response(
-                ServiceUnavailable(
-                    f"no healthy worker can serve model {built.model!r}: {why}",
-                    headers={"Retry-After": self.retry_after, **hdrs},
-                )
-            )
+            resp = error_response(self.flow.no_worker_error(built, no_worker, hdrs))
         decision = adm.decision if adm is not None else None
         tier = decision.tier if decision is not None else "none"
         self.st.metrics.request_done("", tier, resp.status)
         if decision is not None:  # attempts were made: none is lost silently
             errors = "; ".join(retry.errors) if retry is not None else ""
             latency = self.st.clock() - t0
-            self._log(
+            self.flow.record(
                 built,
                 decision,
                 resp.status,
@@ -744,7 +516,7 @@ class Proxy:
                 None,
                 None,
                 latency,
-                retry,
+                tuple(retry.tried) if retry is not None else (),
                 errors or why,
                 len(retry.tried) if retry is not None else 0,
             )
@@ -770,43 +542,3 @@ def _failed(exc: BaseException) -> Attempt:
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _pack_token_ids(built: BuiltRequest) -> None:
-    """Hold a large prompt of token ids as packed bytes, not a list of int objects.
-
-    A list is a container the cyclic garbage collector walks element by
-    element, and a young one is walked at every young collection: with a
-    million ids alive through a request, the collections that routing's
-    allocations trigger took up to 84 ms each on the event loop (measured
-    with 8 such bodies in flight). An ``array("I")`` (the ids are checked to
-    be in ``[0, 2^32)``) is walked in O(1) and is what the hasher packs
-    anyway; the body keeps the ids as a pre-serialized JSON fragment, dumped
-    in slices (each a short C call, so the loop thread gets the GIL between
-    them), for the rare re-serialization (:meth:`Proxy._payload`).
-    """
-    tokens = built.routing.tokens
-    same_list = built.body.get("prompt") is tokens  # not a flattened list of lists
-    if not isinstance(tokens, list) or not same_list:
-        return
-    pieces = [
-        orjson.dumps(tokens[lo : lo + _DUMP_SLICE])[1:-1]
-        for lo in range(0, len(tokens), _DUMP_SLICE)
-    ]
-    built.body["prompt"] = orjson.Fragment(b"[" + b",".join(pieces) + b"]")
-    built.routing.tokens = array("I", tokens)
-    _clear_in_slices(tokens)
-
-
-def _clear_in_slices(items: list[Any]) -> None:
-    """Empty a long list from its end, a slice per C call (freeing a million ints takes ~10 ms)."""
-    while items:
-        del items[-_DUMP_SLICE:]
-
-
-def _drop_parsed(built: BuiltRequest) -> None:
-    """Empty the containers that hold a parsed body's values (on the parse thread)."""
-    tokens = built.routing.tokens
-    if isinstance(tokens, list):
-        _clear_in_slices(tokens)
-    built.body.clear()

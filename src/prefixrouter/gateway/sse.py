@@ -16,6 +16,9 @@ events that contains ``"usage"`` is split and parsed.
 engine's stream that ends without it was cut short (an engine that crashed
 while writing, or closed its response early), and the gateway must end it
 with an error event rather than let it pass for a complete answer.
+Both front ends read usage here: the HTTP proxy and the endpoint picker
+(:mod:`prefixrouter.epp`, which sees the response bodies Envoy streams to it),
+a stream through :class:`SseRelay`, a whole answer through :func:`json_usage`.
 """
 
 from __future__ import annotations
@@ -101,6 +104,21 @@ class SseRelay:
             self.usage = usage
             return self.strip_usage and not obj.get("choices")
         return False
+
+
+def json_usage(body: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a whole (non-streamed) JSON answer, if it has one."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return answer_usage(data)
+
+
+def answer_usage(data: Any) -> dict[str, Any] | None:
+    """The ``usage`` object of a parsed JSON answer, if it has one."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def usage_figures(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:

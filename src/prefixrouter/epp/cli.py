@@ -1,0 +1,134 @@
+"""``prefixrouter epp``: run the endpoint picker (``python -m prefixrouter.epp`` too).
+
+The configuration is the gateway's (``--config`` file, ``--worker URL``,
+``--policy``, tenants, KV events, cluster: the options are ``serve``'s own,
+shared from :mod:`prefixrouter.gateway.cli`). ``--port`` is the ext_proc gRPC
+port Envoy connects to (the extension's default, 9002), ``--http-port`` the
+port of ``/metrics``, ``/admin/*`` and ``/health`` (``server.port``).
+``--fallbacks N`` names up to N more endpoints after the pick (for data
+planes that retry down the list; Envoy's ``ORIGINAL_DST`` cluster takes one).
+Worker URLs should name IP addresses: Envoy connects to the picked
+``IP:PORT`` as given.
+
+The first lines printed are ``prefixrouter epp listening on grpc://HOST:PORT``
+and ``prefixrouter epp http on http://HOST:PORT``. Errors the user can fix
+print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import ipaddress
+import signal
+import sys
+from typing import Annotated
+
+import typer
+
+from prefixrouter.errors import PrefixRouterError
+from prefixrouter.gateway.cli import (
+    DEFAULT_HOST,
+    DEFAULT_POLICY,
+    AdminKeyOption,
+    ClusterOption,
+    ConfigOption,
+    DecisionLogOption,
+    DiscoverOption,
+    HostOption,
+    PolicyOption,
+    ReplicaIdOption,
+    WorkerOption,
+    build_config,
+    warn_about,
+)
+from prefixrouter.gateway.config import GatewayConfig
+
+DEFAULT_GRPC_PORT = 9002
+DEFAULT_HTTP_PORT = 9090
+
+
+async def run_picker(config: GatewayConfig, grpc_host: str, grpc_port: int, fallbacks: int) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    from prefixrouter.epp.server import start_picker
+
+    running = await start_picker(config, grpc_host, grpc_port, fallbacks)
+    gc.collect()
+    gc.freeze()  # what lives as long as the process stays out of full collections
+    print(f"prefixrouter epp listening on grpc://{grpc_host}:{running.grpc_port}", flush=True)
+    print(f"prefixrouter epp http on http://{config.server.host}:{running.http_port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()
+
+
+def _not_ip(config: GatewayConfig) -> list[str]:
+    out = []
+    for w in config.workers:
+        host = w.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            out.append(w.url)
+    return out
+
+
+def epp(
+    config: ConfigOption = None,
+    worker: WorkerOption = None,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="ext_proc gRPC port (0: any free port).")
+    ] = DEFAULT_GRPC_PORT,
+    http_port: Annotated[
+        int,
+        typer.Option(min=0, max=65535, help="Port of /metrics, /admin/*, /health (0: any)."),
+    ] = DEFAULT_HTTP_PORT,
+    host: HostOption = DEFAULT_HOST,
+    decision_log: DecisionLogOption = None,
+    policy: PolicyOption = DEFAULT_POLICY,
+    admin_api_key: AdminKeyOption = None,
+    cluster: ClusterOption = None,
+    replica_id: ReplicaIdOption = None,
+    discover: DiscoverOption = None,
+    fallbacks: Annotated[
+        int, typer.Option(min=0, max=8, help="More endpoints after the pick, for retries.")
+    ] = 0,
+) -> None:
+    """Run the endpoint picker: Envoy's ext_proc server, routing as the gateway does."""
+    try:
+        cfg = build_config(
+            config,
+            worker,
+            http_port,
+            host,
+            decision_log,
+            policy,
+            admin_api_key,
+            cluster,
+            replica_id,
+            discover,
+        )
+    except PrefixRouterError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    warn_about(cfg)
+    for url in _not_ip(cfg):
+        typer.echo(f"warning: worker {url} is not an IP address: Envoy needs IP:PORT", err=True)
+    try:
+        # asyncio's own loop: grpcio's asyncio server supports no other.
+        asyncio.run(run_picker(cfg, host, port, fallbacks))
+    except (PrefixRouterError, RuntimeError) as exc:  # ListenError, a gRPC port in use
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m prefixrouter.epp``: the ``epp`` command on its own."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(epp)
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="prefixrouter-epp")

@@ -1,0 +1,419 @@
+"""One HTTP request through Envoy, as the endpoint picker sees it: one ext_proc stream.
+
+Envoy opens one ``Process`` stream per HTTP request and sends, in order, the
+request headers, the request body (in chunks, or whole), then the response
+headers and the response body. An :class:`Exchange` answers each message:
+
+1. **request headers**: the key is checked and the declared length bounded
+   from the headers alone (401/413 as an ImmediateResponse at once, as the
+   gateway refuses them before reading a body). A request without a body
+   (``GET /v1/models``) is sent to the least-loaded ready worker. With a
+   ``BUFFERED`` body Envoy waits for this answer before sending the body,
+   so it is answered at once (no change); in ``FULL_DUPLEX_STREAMED`` mode
+   the body follows without waiting and the answer is held until the pick;
+2. **request body**, once whole: admission exactly as the gateway's
+   (:class:`~prefixrouter.gateway.flow.RequestFlow`: parse, tenant, model,
+   route), over the workers the subset hint allows. The answer names the
+   endpoint (header and ``envoy.lb`` metadata, :mod:`.protocol`) and
+   carries the body as the worker must get it (``cache_salt`` for a tenant
+   that must not share cache, ``stream_options.include_usage`` for a
+   stream), with its new ``Content-Length``. Any refusal is the gateway's
+   OpenAI-style error as an ImmediateResponse with the gateway's status
+   (400, 401, 403, 404, 413, 429, 503);
+3. **response headers**: the status and the endpoint that served (when it
+   is not the one picked, a fallback served: the pick is taken back and no
+   usage is fed back for it, since its worker's prefill is unknown). The
+   gateway's ``X-Prefixrouter-Worker`` and ``X-Request-Id`` are added;
+4. **response body**: the first chunk is the time to first token of a
+   stream (measured from the pick: the engine's queue, prefill and Envoy's
+   forwarding); a stream runs through the gateway's
+   :class:`~prefixrouter.gateway.sse.SseRelay`, which reads the usage chunk
+   and drops it when the client did not ask for it; a whole answer's usage
+   is read at its end. At the end of the body the request is settled as the
+   gateway settles it (``Dispatcher.complete`` or ``reject``, metrics,
+   decision log).
+
+A stream that ends before its request was settled (the client left, Envoy
+gave up) settles as the gateway's client-gone case: status 499, and for a
+stream without its first byte, ``reject`` (the engine aborted before prefill).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from prefixrouter.core.dispatch import Admission
+from prefixrouter.epp import protocol
+from prefixrouter.errors import NoWorkerAvailable
+from prefixrouter.gateway.errors import GatewayError, PayloadTooLarge, as_gateway_error, error_body
+from prefixrouter.gateway.fleet import Steer
+from prefixrouter.gateway.flow import RequestFlow, Served
+from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
+from prefixrouter.gateway.sse import SseRelay, json_usage
+from prefixrouter.gateway.state import GatewayState
+from prefixrouter.gateway.workers import Worker
+
+log = logging.getLogger("prefixrouter.epp")
+
+KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+CLIENT_GONE = 499
+_JSON = {"content-type": "application/json"}
+_UNARY_USAGE_MAX = 4 * 1024 * 1024
+"""A whole answer longer than this is not kept for its usage (the gateway never sees one)."""
+
+Responses = list[pb.ProcessingResponse]
+
+
+@dataclass(slots=True)
+class Picked:
+    """Where a request went, for its response path."""
+
+    built: BuiltRequest
+    adm: Admission
+    worker: Worker
+    t_routed: float
+    steer: Steer | None = None
+
+
+class Exchange:
+    """The state of one ext_proc stream (module docstring)."""
+
+    def __init__(self, state: GatewayState, flow: RequestFlow, fallbacks: int = 0) -> None:
+        self.st = state
+        self.flow = flow
+        self.fallbacks = fallbacks
+        self.t0 = state.clock()
+        self.headers: protocol.Headers = {}
+        self.full_duplex_request = False
+        self.full_duplex_response = False
+        self.body = bytearray()
+        self.subset: list[str] | None = None
+        self.picked: Picked | None = None
+        self.status = 0
+        self.relay: SseRelay | None = None
+        self.answer = bytearray()
+        self.ttft_s: float | None = None
+        self.usage: dict[str, object] | None = None
+        self.settled = False
+        self.done = False
+        self.kind: str | None = None
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def on(self, req: pb.ProcessingRequest) -> Responses:
+        """Answer one message (possibly with none yet, or several)."""
+        which = req.WhichOneof("request")
+        if req.HasField("protocol_config"):
+            cfg = req.protocol_config
+            self.full_duplex_request = cfg.request_body_mode == protocol.FULL_DUPLEX
+            self.full_duplex_response = cfg.response_body_mode == protocol.FULL_DUPLEX
+        if which == "request_headers":
+            return self._request_headers(req)
+        if which == "request_body":
+            return await self._request_body(req.request_body)
+        if which == "response_headers":
+            return self._response_headers(req)
+        if which == "response_body":
+            return self._response_body(req.response_body)
+        if which == "request_trailers":
+            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if which == "response_trailers":
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    # ------------------------------------------------------------------ request
+
+    def _request_headers(self, req: pb.ProcessingRequest) -> Responses:
+        self.st.requests_seen += 1
+        self.headers = h = protocol.read_headers(req.request_headers)
+        self.subset = protocol.subset_hint(req)
+        path = h.get(":path", "").split("?", 1)[0]
+        self.kind = KINDS.get(path) if h.get(":method", "POST") == "POST" else None
+        if self.kind is not None:
+            length = h.get("content-length")
+            try:
+                self.flow.check_headers(
+                    h.get("authorization"), int(length) if length and length.isdigit() else None
+                )
+            except GatewayError as exc:
+                return [self._refuse(exc)]
+        if req.request_headers.end_of_stream or self.kind is None:
+            # Another path (or no body): nothing to route by; its body, if any, goes as it is.
+            return self._pass_through()
+        if self.full_duplex_request:
+            return []  # answered with the pick, once the body is in
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    def _pass_through(self) -> Responses:
+        """Any other request: the least-loaded ready worker, no prefix routing and no books."""
+        ready = [w for w in self._allowed_workers() if w.healthy and not w.draining]
+        if not ready:
+            return [self._refuse(as_gateway_error(NoWorkerAvailable("no ready worker", {})))]
+        best = min(ready, key=lambda w: self.st.dispatch.load(w.id).in_flight)
+        dest = _destination(best)
+        return [
+            pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(
+                        header_mutation=protocol.header_mutation({protocol.DESTINATION: dest})
+                    )
+                ),
+                dynamic_metadata=protocol.destination_metadata(dest),
+            )
+        ]
+
+    def _allowed_workers(self) -> list[Worker]:
+        workers = list(self.st.registry.workers.values())
+        if self.subset is None:
+            return workers
+        allowed = set(self.subset)
+        return [w for w in workers if _destination(w) in allowed]
+
+    async def _request_body(self, body: pb.HttpBody) -> Responses:
+        if self.kind is None:  # a pass-through request's body goes as it is
+            if self.full_duplex_request:  # a streamed body comes back chunk by chunk
+                return [_streamed_body(body.body, body.end_of_stream)]
+            return [_continue_body()]
+        self.body += body.body
+        if len(self.body) > self.flow.max_body:
+            limit = self.flow.max_body
+            exc = PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            return [self._refuse(exc)]
+        if not body.end_of_stream:
+            return [] if self.full_duplex_request else [_continue_body()]
+        raw, self.body = bytes(self.body), bytearray()
+        return await self._pick(raw)
+
+    async def _pick(self, raw: bytes) -> Responses:
+        st = self.st
+        h = self.headers
+        assert self.kind is not None
+        try:
+            built = await self.flow.build(
+                raw, self.kind, h.get("authorization"), h.get("x-tenant"), h.get("x-prefix-class")
+            )
+        except Exception as exc:  # GatewayError: its status; anything else: 500
+            if not isinstance(exc, GatewayError):
+                log.exception("admission failed")
+            return [self._refuse(as_gateway_error(exc))]
+        fleet = st.fleet
+        header = fleet.session_header
+        try:  # rollout group, pool and policy; the session's pin (as the gateway's)
+            steer = fleet.steer(h.get(header.lower()) if header else None, built)
+        except GatewayError as exc:
+            self._release(built)
+            return [self._refuse(exc)]
+        views = st.registry.views()
+        if self.subset is not None:
+            allowed = {w.id for w in self._allowed_workers()}
+            views = [v for v in views if v.worker_id in allowed]
+        try:
+            adm = self.flow.admit(built, None, views, steer)
+        except NoWorkerAvailable as exc:
+            rid = {"x-request-id": str(built.routing.request_id)}
+            why: str | NoWorkerAvailable = exc
+            if not views:
+                why = "no endpoint of the subset hint is a worker"
+            self._release(built)
+            return [self._refuse(self.flow.no_worker_error(built, why, rid))]
+        except Exception as exc:  # a routing bug answers 500, never crashes the picker
+            log.exception("routing failed for %s", built.routing.request_id)
+            self._release(built)
+            return [self._refuse(as_gateway_error(exc))]
+        worker = st.registry.workers[adm.decision.worker_id]
+        payload = self.flow.payload(built, worker)
+        self.picked = Picked(built, adm, worker, st.clock(), steer)
+        dest = protocol.join_endpoints([_destination(worker), *self._fallbacks(adm, worker)])
+        set_headers = {protocol.DESTINATION: dest}
+        mutated = payload is not built.raw
+        if mutated or self.full_duplex_request:
+            set_headers["content-length"] = str(len(payload))
+        mutation = protocol.header_mutation(set_headers)
+        md = protocol.destination_metadata(dest)
+        if self.full_duplex_request:
+            return [
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(
+                        response=pb.CommonResponse(header_mutation=mutation)
+                    ),
+                    dynamic_metadata=md,
+                ),
+                _streamed_body(payload, True),
+            ]
+        common = pb.CommonResponse(header_mutation=mutation)
+        if mutated:
+            common.body_mutation.body = payload
+        return [
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=common), dynamic_metadata=md
+            )
+        ]
+
+    def _fallbacks(self, adm: Admission, chosen: Worker) -> list[str]:
+        """Up to ``fallbacks`` more endpoints, the policy's next-best candidates first."""
+        if self.fallbacks <= 0:
+            return []
+        ranked = sorted(
+            (c for c in adm.decision.candidates if c.worker_id != chosen.id),
+            key=lambda c: c.terms.ttft_s if c.terms is not None else c.score,
+        )
+        workers = self.st.registry.workers
+        return [
+            _destination(workers[c.worker_id])
+            for c in ranked[: self.fallbacks]
+            if c.worker_id in workers
+        ]
+
+    def _refuse(self, exc: GatewayError) -> pb.ProcessingResponse:
+        """The gateway's OpenAI-style error, as Envoy's answer to the client; counted and done."""
+        self.done = True
+        self.settled = True
+        picked = self.picked
+        tier = picked.adm.decision.tier if picked is not None else "none"
+        self.st.metrics.request_done("", tier, exc.status)
+        body = error_body(exc.message, exc.type, exc.code, exc.param)
+        return protocol.immediate(exc.status, body, {**_JSON, **exc.headers})
+
+    # ------------------------------------------------------------------ response
+
+    def _response_headers(self, req: pb.ProcessingRequest) -> Responses:
+        h = protocol.read_headers(req.response_headers)
+        status = h.get(":status", "0")
+        self.status = int(status) if status.isdigit() else 0
+        picked = self.picked
+        add: dict[str, str] = {}
+        if picked is not None:
+            served = protocol.served_endpoint(req)
+            if served is not None and served != _destination(picked.worker):
+                self._fallback_served(picked, served)
+            else:
+                add = {
+                    "x-prefixrouter-worker": picked.worker.id,
+                    "x-request-id": str(picked.built.routing.request_id),
+                }
+                if self.status == 200 and picked.built.stream:
+                    self.relay = SseRelay(strip_usage=not picked.built.client_wants_usage)
+        common = pb.CommonResponse(header_mutation=protocol.header_mutation(add)) if add else None
+        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+        if req.response_headers.end_of_stream:
+            self._settle()
+        return [resp]
+
+    def _fallback_served(self, picked: Picked, served: str) -> None:
+        """A fallback endpoint served: the pick did no prefill; nothing is known of the other."""
+        st = self.st
+        st.dispatch.reject(picked.adm, st.clock())
+        st.metrics.retried(picked.worker.id, "fallback")
+        self.settled = True
+        log.info(
+            "%s: served by fallback %s, not %s",
+            picked.built.routing.request_id,
+            served,
+            picked.worker.id,
+        )
+        self._release(picked.built)
+
+    def _response_body(self, body: pb.HttpBody) -> Responses:
+        picked = self.picked
+        chunk = body.body
+        out = chunk
+        if picked is not None and not self.settled:
+            if self.ttft_s is None and chunk:
+                self.ttft_s = self.st.clock() - picked.t_routed
+                if picked.built.stream:
+                    self.st.dispatch.first_token(picked.adm, self.st.clock())
+            if self.relay is not None:
+                out = self.relay.feed(chunk)
+                if body.end_of_stream:
+                    out += self.relay.finish()
+                self.usage = self.relay.usage
+            elif self.status == 200 and len(self.answer) + len(chunk) <= _UNARY_USAGE_MAX:
+                self.answer += chunk
+        if body.end_of_stream:
+            self._settle()
+        if self.full_duplex_response:
+            return [_streamed_body(out, body.end_of_stream, response=True)]
+        common = pb.CommonResponse()
+        if out != chunk:
+            common.body_mutation.body = out
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))]
+
+    # ------------------------------------------------------------------ settlement
+
+    def _settle(self) -> None:
+        """The response is complete: feed back what the engine reported."""
+        self.done = True
+        picked = self.picked
+        if picked is None or self.settled:
+            self.settled = True  # a pass-through request: nothing to feed back
+            return
+        self.settled = True
+        built = picked.built
+        ok = self.status == 200
+        if ok and self.relay is None:
+            self.usage = json_usage(bytes(self.answer))
+        served = Served(
+            self.status,
+            ok=ok and (self.relay is None or self.usage is not None),
+            usage=self.usage if ok else None,
+            ttft_s=self.ttft_s if built.stream else None,
+            error=None if ok else f"upstream answered {self.status}",
+            # An error status before any body byte: the engine did no prefill.
+            no_prefill=not ok,
+        )
+        try:
+            self.flow.finish(built, picked.adm, picked.worker, served, self.t0, (), picked.steer)
+        except Exception:  # bookkeeping must not cost the client its answer
+            log.exception("feedback failed for %s", built.routing.request_id)
+        self._release(built)
+
+    def close(self) -> None:
+        """The stream ended: settle a request it left unsettled (the client left, Envoy gave up)."""
+        picked = self.picked
+        if picked is None or self.settled:
+            return
+        self.settled = True
+        built = picked.built
+        gone = Served(
+            CLIENT_GONE,
+            ok=self.relay is not None and self.usage is not None,
+            usage=self.usage,
+            ttft_s=self.ttft_s if built.stream else None,
+            error="client disconnected",
+            # A stream whose client left before the first byte: the engine, aborted, did no prefill.
+            no_prefill=built.stream and not picked.adm.first_token,
+        )
+        try:
+            self.flow.finish(built, picked.adm, picked.worker, gone, self.t0, (), picked.steer)
+        except Exception:
+            log.exception("feedback failed for %s", built.routing.request_id)
+        self._release(built)
+
+    def _release(self, built: BuiltRequest) -> None:
+        if built.blocks is not None:  # parsed on the parse thread: a large body
+            self.flow.release(built)
+
+
+def _continue_body() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def _streamed_body(data: bytes, end: bool, response: bool = False) -> pb.ProcessingResponse:
+    """A ``FULL_DUPLEX_STREAMED`` body chunk: what Envoy forwards in place of the one it sent."""
+    common = pb.CommonResponse(
+        body_mutation=pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=data, end_of_stream=end)
+        )
+    )
+    if response:
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def _destination(worker: Worker) -> str:
+    """The worker as Envoy's ``ORIGINAL_DST`` cluster needs it: ``IP:PORT``."""
+    ep = worker.endpoint
+    return protocol.endpoint_text(ep.host, ep.port)

@@ -1,0 +1,454 @@
+"""A request's way through prefixrouter, whatever carries its bytes: admission and settlement.
+
+Two front ends carry requests: the HTTP proxy (:mod:`.proxy`), which reads
+the body and forwards it itself, and the endpoint picker
+(:mod:`prefixrouter.epp`), to which Envoy streams the body over ext_proc and
+which only names the endpoint. Both make the same decisions and keep the
+same books, so those live here, once:
+
+* **admission** (:meth:`RequestFlow.build`, :meth:`RequestFlow.admit`): the
+  key check from the headers alone, the body limit, the parse (400 on
+  invalid JSON; bodies of :data:`OFF_LOOP_BODY_BYTES` and more parsed,
+  built and hashed on the parse thread, so a large one does not stall the
+  event loop), the tenant scope, the routing request (400 naming a bad
+  field), the model check (404), then ``Dispatcher.admit`` (first attempt:
+  the routing metrics and the prompt lint) or ``Dispatcher.retry``;
+* **the refusal** when no worker can take it (:meth:`RequestFlow.no_worker_error`):
+  403 when no worker serves the tenant at all, else 503 with ``Retry-After``;
+* **the forwarded body** (:meth:`RequestFlow.payload`): re-serialized only to
+  set a tenant's ``cache_salt`` or to ask a stream for its usage chunk;
+* **settlement** (:meth:`RequestFlow.finish`): what the engine reported
+  (``usage.prompt_tokens`` teaches the text-mode estimator,
+  ``prompt_tokens_details.cached_tokens`` and the time to first byte go to
+  ``Dispatcher.complete``), or ``Dispatcher.reject`` for an attempt the
+  engine did no prefill for; the usage and request metrics; one decision-log
+  record (:meth:`RequestFlow.record`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import orjson
+
+from prefixrouter.core.dispatch import Admission
+from prefixrouter.core.policy import Outcome
+from prefixrouter.core.router import Decision
+from prefixrouter.core.types import WorkerId, WorkerView
+from prefixrouter.errors import NoWorkerAvailable
+from prefixrouter.gateway import body as large_json
+from prefixrouter.gateway.decision_log import RequestOutcome
+from prefixrouter.gateway.errors import (
+    BadRequest,
+    Forbidden,
+    GatewayError,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from prefixrouter.gateway.fleet import Steer
+from prefixrouter.gateway.request_builder import BuiltRequest
+from prefixrouter.gateway.sse import usage_figures
+from prefixrouter.gateway.state import GatewayState
+from prefixrouter.gateway.tenancy import TenantScope
+from prefixrouter.gateway.workers import Worker
+
+# Bodies from this size up are parsed and built (orjson, validation, token
+# ids) on one worker thread, not on the event loop: a 7.8 MB body of token
+# ids takes about 0.2 s of CPU, which on the loop stalls every other request
+# and /health with it. One thread, not several: orjson holds the GIL for a
+# whole parse, so each concurrent parse is one more holder the loop thread
+# must wait behind. Below this size the hand-off (about 50 us) would cost more
+# than the parse it moves. Even so, one orjson call holds the GIL for the whole
+# parse (0.1 s for 7.5 MB of token ids), which the loop thread needs too: the
+# thread parses a long prompt array in slices (:mod:`.body`) and hashes the
+# prompt's blocks (20-40 ms for 75,000 blocks) where it can be preempted.
+OFF_LOOP_BODY_BYTES = 256 * 1024
+_DUMP_SLICE = 32_768
+"""Token ids serialized per orjson call by :func:`_pack_token_ids` (well under a millisecond)."""
+
+
+@dataclass(slots=True)
+class Served:
+    """How the attempt a request ended on went, as settlement needs it.
+
+    Attributes:
+        status: HTTP status the client got.
+        ok: The engine completed the request.
+        usage: The engine's ``usage`` object, if it sent one.
+        ttft_s: Time to the first upstream body byte of a stream.
+        error: What went wrong.
+        suspect: The worker went silent after its first byte (mark it suspect).
+        no_prefill: The engine cannot have prefilled the prompt: the routing is
+            taken back (``Dispatcher.reject``).
+    """
+
+    status: int
+    ok: bool = False
+    usage: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    error: str | None = None
+    suspect: bool = False
+    no_prefill: bool = False
+
+
+class RequestFlow:
+    """Admission and settlement of one gateway's requests (module docstring)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.st = state
+        self.max_body = state.config.server.max_body_bytes
+        self.retry_after = str(state.config.proxy.retry_after_s)
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ admission
+
+    def check_headers(self, authorization: str | None, length: int | None) -> None:
+        """Refuse from the headers alone, before a body is read and parsed for nothing.
+
+        Raises:
+            Unauthorized: A missing or unknown key where one is required.
+            PayloadTooLarge: ``length`` exceeds ``server.max_body_bytes``.
+        """
+        self.st.tenancy.check_key(authorization)
+        if length is not None and length > self.max_body:
+            raise PayloadTooLarge(
+                f"request body of {length} bytes exceeds the limit of {self.max_body} bytes"
+            )
+
+    async def build(
+        self,
+        raw: bytes,
+        kind: str,
+        authorization: str | None,
+        tenant: str | None,
+        prefix_class: str | None,
+    ) -> BuiltRequest:
+        """Parse, validate and scope a body; check its model (a large body off the loop).
+
+        Raises:
+            GatewayError: 400 (JSON, a field), 401/403 (tenancy), 404 (model).
+        """
+        st = self.st
+        parse = partial(
+            self._parse,
+            raw,
+            kind,
+            # The scope's last argument is the body's cache_salt, which the builder validates.
+            partial(st.tenancy.resolve, authorization, tenant),
+            prefix_class,
+        )
+        if len(raw) < OFF_LOOP_BODY_BYTES:
+            built = parse()
+        else:
+            built = await asyncio.get_running_loop().run_in_executor(
+                self._parse_pool(), partial(parse, large=True)
+            )
+        if not st.registry.serves(built.model):
+            if built.blocks is not None:
+                self.release(built)
+            raise NotFound(
+                f"The model `{built.model}` does not exist.", code="model_not_found", param="model"
+            )
+        return built
+
+    def _parse(
+        self,
+        raw: bytes,
+        kind: str,
+        scope_of: Callable[[str | None], TenantScope],
+        prefix_class: str | None,
+        large: bool = False,
+    ) -> BuiltRequest:
+        """Parse and validate a body: CPU only, safe on the parse thread (reads shared state).
+
+        A ``large`` body (on the parse thread) is parsed by :func:`.body.loads`
+        and its prompt hashed here too: ``Dispatcher.hash`` changes no state
+        (text mode reads the learned chars-per-token, a float attribute that
+        the loop thread replaces whole; two reads may straddle one update, a
+        difference of one observation's weight), and :meth:`admit` hands the
+        blocks to ``Dispatcher.admit``.
+        """
+        try:
+            body = large_json.loads(raw) if large else orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+        built = self.st.builder.build(body, raw, kind, scope_of, prefix_class)
+        if large:
+            built.blocks = self.st.dispatch.hash(built.routing)
+            _pack_token_ids(built)
+        return built
+
+    def release(self, built: BuiltRequest) -> None:
+        """Free a large request's parsed body on the parse thread, not the loop.
+
+        A million token ids are a million int objects: freeing them took the
+        loop about 10 ms a body. Called once the request is answered, when
+        nothing reads its body or routing request again.
+        """
+        self._parse_pool().submit(_drop_parsed, built)
+
+    def _parse_pool(self) -> ThreadPoolExecutor:
+        """The parse thread (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefixrouter-parse")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the parse thread (the application's cleanup)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def admit(
+        self,
+        built: BuiltRequest,
+        previous: Admission | None,
+        views: Sequence[WorkerView],
+        steer: Steer | None = None,
+    ) -> Admission:
+        """Route a first attempt (``previous`` None) or a retry among the workers not tried.
+
+        ``steer`` is what the fleet controls said about the request
+        (:meth:`FleetControls.steer`: its rollout group's policy and pool, its
+        session's pin); a retry keeps the first attempt's. A first attempt's
+        routing is counted in the metrics and the fleet controls, and in
+        observe mode its prompt linted (never changing the body).
+
+        Raises:
+            NoWorkerAvailable: No (untried) worker can take it.
+        """
+        st = self.st
+        now = st.clock()
+        # A retry reuses the first attempt's hashes, on a worker not tried yet.
+        if previous is not None:
+            return st.dispatch.retry(previous, views, now)
+        if steer is None:
+            adm = st.dispatch.admit(built.routing, views, now, built.blocks)
+        else:
+            blocks = built.blocks if steer.blocks is None else steer.blocks
+            adm = st.dispatch.admit(built.routing, views, now, blocks, steer.steering)
+        decision = adm.decision
+        if st.lint is not None:
+            cls = decision.prefix_class
+            st.metrics.linted(cls, st.lint.observe(built.prompt, cls))
+        chosen = decision.chosen
+        terms = chosen.terms if chosen is not None else None
+        st.metrics.routed(
+            decision.tier,
+            terms.queue_wait_s if terms is not None else None,
+            decision.warm_abandoned,
+            decision.prefix_class,
+        )
+        if steer is not None:
+            st.fleet.routed(steer, decision)
+        return adm
+
+    def no_worker_error(
+        self, built: BuiltRequest, no_worker: str | NoWorkerAvailable, headers: dict[str, str]
+    ) -> GatewayError:
+        """The refusal when no worker can take the request (no attempt failed).
+
+        When the tenant filter removed workers the message says so: "no
+        healthy worker" would send an operator looking at the wrong thing.
+        A 403 when no worker that is down could serve the tenant either (no
+        worker is configured for it: retrying cannot help), else a 503 (the
+        tenant's own workers are down).
+        """
+        filtered = no_worker.filtered if isinstance(no_worker, NoWorkerAvailable) else {}
+        retry_after = {"Retry-After": self.retry_after, **headers}
+        if "tenant" in filtered.values():
+            tenant = built.routing.tenant
+            who = f"tenant {tenant!r}" if tenant else "requests without a tenant"
+            reasons = ", ".join(f"{w}: {f}" for w, f in sorted(filtered.items()))
+            msg = f"no worker serves {who} for model {built.model!r} ({reasons})"
+            # Only a worker that is down could still serve it later (one of
+            # another model or pool never will): retrying cannot help without one.
+            if "health" not in filtered.values():
+                return Forbidden(msg, code="tenant_not_served", headers=headers)
+            return ServiceUnavailable(msg, headers=retry_after)
+        return ServiceUnavailable(
+            f"no healthy worker can serve model {built.model!r}: {no_worker}", headers=retry_after
+        )
+
+    def payload(self, built: BuiltRequest, worker: Worker) -> bytes:
+        """The body to forward to ``worker`` (``built.raw`` itself when nothing is to change).
+
+        A tenant that must not share cache gets its ``cache_salt`` (on workers
+        that take one); a stream whose client did not ask for the usage chunk
+        asks for it (``stream_options.include_usage``), because the usage is
+        the only place a stream reports its prefix-cache reuse.
+        """
+        salt = built.scope.cache_salt
+        if salt is not None and not worker.config.supports_cache_salt:
+            salt = None
+        inject = built.stream and not built.client_wants_usage
+        if salt is None and not inject:
+            return built.raw
+        body = dict(built.body)
+        if salt is not None:
+            body["cache_salt"] = salt
+        if inject:
+            opts = body.get("stream_options")
+            body["stream_options"] = {
+                **(opts if isinstance(opts, dict) else {}),
+                "include_usage": True,
+            }
+        return orjson.dumps(body)
+
+    # ------------------------------------------------------------------ settlement
+
+    def finish(
+        self,
+        built: BuiltRequest,
+        adm: Admission,
+        worker: Worker,
+        served: Served,
+        t0: float,
+        tried: Sequence[WorkerId] = (),
+        steer: Steer | None = None,
+    ) -> None:
+        """Feed back how the request ended on ``worker`` (after ``tried`` failed first).
+
+        With the request's ``steer``, the fleet controls hear it too: where
+        predicted and actual cached tokens meet (the pin, the groups, the
+        drift alarm).
+        """
+        st = self.st
+        dispatch = st.dispatch
+        decision = adm.decision
+        now = st.clock()
+        if served.suspect:  # the stream stalled after its first byte
+            st.registry.mark_suspect(worker, served.error or "stalled")
+        prompt, cached = usage_figures(served.usage)
+        ok = served.ok
+        # Text mode: the engine's token count for the prompt's characters
+        # teaches characters per token (first, inside complete(), which then
+        # converts the cached tokens at the estimate; and peers learn it too).
+        chars, tokens = (built.text_chars, prompt) if ok and prompt and built.text_chars else (0, 0)
+        # A removed worker's admission settles without feedback (the dispatcher
+        # knows); its prefix is not noted as served either.
+        if ok and cached is not None:
+            answer = Outcome(cached, served.ttft_s, True)
+            miss = dispatch.complete(adm, answer, now, prompt_chars=chars, prompt_tokens=tokens)
+            if not worker.removed:
+                last = st.note_served(worker.id, decision.prefix_key, now)
+                if miss and last is not None:
+                    st.metrics.eviction_observed(now - last, decision.prefix_class)
+        elif served.no_prefill:
+            if chars:
+                dispatch.observe_prompt_tokens(chars, tokens, adm)
+            dispatch.reject(adm, now)
+        else:
+            # No report of reuse (or a failure): nothing to confirm or correct.
+            dispatch.complete(
+                adm,
+                Outcome(0, served.ttft_s, ok=False),
+                now,
+                prompt_chars=chars,
+                prompt_tokens=tokens,
+            )
+        if ok and prompt and cached is not None:
+            st.metrics.usage(
+                built.model,
+                worker.config.pool,
+                decision.prefix_class,
+                prompt,
+                cached,
+                decision.predicted_cached_tokens,
+                served.ttft_s,
+            )
+        st.metrics.request_done(worker.id, decision.tier, served.status)
+        if steer is not None:
+            st.fleet.completed(steer, built, decision, ok, prompt, cached, served.ttft_s)
+        self.record(
+            built,
+            decision,
+            served.status,
+            cached,
+            prompt,
+            served.ttft_s,
+            now - t0,
+            tuple(tried),
+            served.error,
+            len(tried) + 1,
+        )
+
+    def record(
+        self,
+        built: BuiltRequest,
+        decision: Decision,
+        status: int,
+        cached: int | None,
+        prompt: int | None,
+        ttft_s: float | None,
+        latency_s: float,
+        tried: tuple[WorkerId, ...],
+        error: str | None,
+        attempts: int,
+    ) -> None:
+        """One decision-log record."""
+        self.st.decisions.record(
+            decision,
+            RequestOutcome(
+                model=built.model,
+                tenant=built.scope.tenant,
+                status=status,
+                actual_cached_tokens=cached,
+                prompt_tokens=prompt,
+                ttft_s=ttft_s,
+                latency_s=latency_s,
+                attempts=attempts,
+                retried_from=tried,
+                stream=built.stream,
+                error=error,
+                ts=time.time(),
+            ),
+        )
+
+
+def _pack_token_ids(built: BuiltRequest) -> None:
+    """Hold a large prompt of token ids as packed bytes, not a list of int objects.
+
+    A list is a container the cyclic garbage collector walks element by
+    element, and a young one is walked at every young collection: with a
+    million ids alive through a request, the collections that routing's
+    allocations trigger took up to 84 ms each on the event loop (measured
+    with 8 such bodies in flight). An ``array("I")`` (the ids are checked to
+    be in ``[0, 2^32)``) is walked in O(1) and is what the hasher packs
+    anyway; the body keeps the ids as a pre-serialized JSON fragment, dumped
+    in slices (each a short C call, so the loop thread gets the GIL between
+    them), for the rare re-serialization (:meth:`RequestFlow.payload`).
+    """
+    tokens = built.routing.tokens
+    same_list = built.body.get("prompt") is tokens  # not a flattened list of lists
+    if not isinstance(tokens, list) or not same_list:
+        return
+    pieces = [
+        orjson.dumps(tokens[lo : lo + _DUMP_SLICE])[1:-1]
+        for lo in range(0, len(tokens), _DUMP_SLICE)
+    ]
+    built.body["prompt"] = orjson.Fragment(b"[" + b",".join(pieces) + b"]")
+    built.routing.tokens = array("I", tokens)
+    _clear_in_slices(tokens)
+
+
+def _clear_in_slices(items: list[Any]) -> None:
+    """Empty a long list from its end, a slice per C call (freeing a million ints takes ~10 ms)."""
+    while items:
+        del items[-_DUMP_SLICE:]
+
+
+def _drop_parsed(built: BuiltRequest) -> None:
+    """Empty the containers that hold a parsed body's values (on the parse thread)."""
+    tokens = built.routing.tokens
+    if isinstance(tokens, list):
+        _clear_in_slices(tokens)
+    built.body.clear()

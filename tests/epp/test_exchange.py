@@ -1,0 +1,72 @@
+"""The exchange in process, where Envoy cannot show it: fallbacks and the buffered mutations."""
+
+from __future__ import annotations
+
+import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from prefixrouter.epp import protocol
+from prefixrouter.epp.exchange import Exchange
+from prefixrouter.gateway.config import config_from_dict
+from prefixrouter.gateway.flow import RequestFlow
+from prefixrouter.gateway.state import GatewayState, build_state
+from tests.epp.fleet import chat_body, ext_proc_headers
+
+WORKERS = [f"127.0.0.1:{9100 + i}" for i in range(3)]
+
+
+def _state(**extra: object) -> GatewayState:
+    st = build_state(
+        config_from_dict({"workers": [{"url": f"http://{w}"} for w in WORKERS], **extra})
+    )
+    for w in st.registry.workers.values():
+        w.healthy = True  # no health checks run in process
+    return st
+
+
+async def _pick(ex: Exchange, body: bytes, **headers: str) -> pb.ProcessingResponse:
+    await ex.on(
+        pb.ProcessingRequest(
+            request_headers=ext_proc_headers({":path": "/v1/chat/completions", **headers})
+        )
+    )  # BUFFERED: answered
+    (answer,) = await ex.on(
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    )
+    return answer
+
+
+def _set(answer: pb.ProcessingResponse) -> dict[str, str]:
+    mutation = answer.request_body.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+async def test_fallbacks_follow_the_pick_and_the_metadata_says_the_same() -> None:
+    st = _state()
+    ex = Exchange(st, RequestFlow(st), fallbacks=2)
+    answer = await _pick(ex, orjson.dumps(chat_body("fallbacks")))
+    dest = _set(answer)[protocol.DESTINATION]
+    listed = dest.split(",")
+    assert len(listed) == 3 and set(listed) == set(WORKERS)
+    assert ex.picked is not None
+    chosen = st.registry.workers[ex.picked.adm.decision.worker_id]
+    assert listed[0] == f"127.0.0.1:{chosen.endpoint.port}"  # the pick first
+    md = answer.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value
+    assert md.fields[protocol.DESTINATION].string_value == dest
+    ex.close()
+
+
+async def test_a_buffered_body_is_replaced_only_when_it_must_change() -> None:
+    st = _state(api_keys={"sk-a": "a"}, tenants={"a": {"share_cache": False}}, salt_secret="s")
+    flow = RequestFlow(st)
+    plain = orjson.dumps(chat_body("unchanged"))
+    kept = await _pick(Exchange(st, flow), plain)
+    assert not kept.request_body.response.HasField("body_mutation")
+    assert "content-length" not in _set(kept)
+    salted = await _pick(Exchange(st, flow), plain, authorization="Bearer sk-a")
+    body = salted.request_body.response.body_mutation.body
+    assert orjson.loads(body)["cache_salt"]  # the tenant's salt, injected
+    assert _set(salted)["content-length"] == str(len(body))
+    streamed = await _pick(Exchange(st, flow), orjson.dumps(chat_body("s", stream=True)))
+    sent = orjson.loads(streamed.request_body.response.body_mutation.body)
+    assert sent["stream_options"] == {"include_usage": True}
