@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from prefixrouter.gateway.access_log import note_requests
 from prefixrouter.gateway.admin import Admin
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
@@ -65,6 +66,12 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     # Health checks tell the upstream timeouts whether a worker is alive.
     st.registry.on_check = lambda w, ok: upstream.heard_from(w.endpoint, alive=ok)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
+    access = st.access
+    access_flusher = (
+        asyncio.get_running_loop().create_task(access.run(), name="access-log")
+        if access is not None
+        else None
+    )
     try:
         if st.events is not None:
             await st.events.start()  # bind before the engines' first events
@@ -77,9 +84,12 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
             await st.cluster.stop()
         if st.events is not None:
             await st.events.stop()
-        flusher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await flusher
+        for task in (flusher, access_flusher):
+            if task is None:
+                continue
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await st.registry.stop()
         st.registry.on_check = None
         st.metrics.registry.unregister(collector)
@@ -126,7 +136,9 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
         The application; its state is ``app[STATE]``.
     """
     state: GatewayState = build_state(config, tokenizer)
-    app = web.Application(client_max_size=config.server.max_body_bytes)
+    # Every request gets a note: per-tenant metrics and the access log read it at its end.
+    notes = note_requests(state.request_done, state.builder.new_request_id)
+    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[notes])
     app[STATE] = state
     proxy = Proxy(state)
     admin = Admin(state)

@@ -4,7 +4,7 @@ Configuration comes from a YAML file (``--config``, see
 :mod:`prefixrouter.gateway.config`); command-line options override it when they
 differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 ``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
-file, ``--policy`` the routing policy (its parameters then come from the file
+file, ``--access-log`` the access log's (:mod:`prefixrouter.gateway.access_log`), ``--policy`` the routing policy (its parameters then come from the file
 only if the names match), ``--admin-api-key`` (or the environment variable
 ``PREFIXROUTER_ADMIN_API_KEY``; prefer it, a command line is visible to every
 local user) the key of ``/admin/*``, which are off without one, and
@@ -56,6 +56,7 @@ def build_config(
     admin_api_key: str | None = None,
     cluster: str | None = None,
     replica_id: str | None = None,
+    access_log: Path | None = None,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
 
@@ -84,6 +85,8 @@ def build_config(
         data["cluster"]["url"] = cluster
     if replica_id is not None:
         data["cluster"]["replica_id"] = replica_id
+    if access_log is not None:
+        data["access_log"]["path"] = access_log
     source = str(config) if config is not None else "command line"
     return config_from_dict(data, source)
 
@@ -160,6 +163,10 @@ def serve(
     decision_log: Annotated[
         Path | None, typer.Option(help="Append the decision log (JSON lines) to this file.")
     ] = None,
+    access_log: Annotated[
+        Path | None,
+        typer.Option(help="Append the access log (one JSON line per request) to this file."),
+    ] = None,
     policy: Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")] = (
         DEFAULT_POLICY
     ),
@@ -190,7 +197,16 @@ def serve(
     """Run the OpenAI-compatible gateway in front of the workers."""
     try:
         cfg = build_config(
-            config, worker, port, host, decision_log, policy, admin_api_key, cluster, replica_id
+            config,
+            worker,
+            port,
+            host,
+            decision_log,
+            policy,
+            admin_api_key,
+            cluster,
+            replica_id,
+            access_log,
         )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)

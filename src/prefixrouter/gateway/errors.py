@@ -20,7 +20,11 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   ├── RequestTimeout           408  invalid_request_error  request_timeout  (slow body)
     │   ├── Conflict                 409  invalid_request_error  conflict  (id or topic taken)
     │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
+    │   ├── TooManyRequests          429  rate_limit_error       rate_limit_exceeded
+    │   │                                                         | too_many_in_flight
+    │   │                                                           (+ Retry-After)
     │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
+    │   │   └── Overloaded           503  service_unavailable    overloaded  (shed; + Retry-After)
     │   └── UpstreamFailed           502  upstream_error         upstream_unreachable
     ├── RoutingError
     │   └── NoWorkerAvailable        503  service_unavailable    no_healthy_worker  (+ Retry-After)
@@ -162,12 +166,26 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class TooManyRequests(GatewayError):
+    """429: the tenant is over its rate or in-flight limit; carries ``Retry-After``."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class ServiceUnavailable(GatewayError):
     """503: no healthy worker can take the request; carries ``Retry-After``."""
 
     status = 503
     type = "service_unavailable"
     code = "no_healthy_worker"
+
+
+class Overloaded(ServiceUnavailable):
+    """503: the gateway is full and shed the request (queue full or waited too long)."""
+
+    code = "overloaded"
 
 
 class UpstreamFailed(GatewayError):

@@ -82,6 +82,8 @@ from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
 from prefixrouter.errors import NoWorkerAvailable
 from prefixrouter.gateway import body as large_json
+from prefixrouter.gateway.access_log import note_of
+from prefixrouter.gateway.controls import PRIORITY_HEADER
 from prefixrouter.gateway.decision_log import RequestOutcome
 from prefixrouter.gateway.errors import (
     JSON,
@@ -192,16 +194,36 @@ class Proxy:
         st = self.st
         st.requests_seen += 1
         t0 = st.clock()
+        note = note_of(request)
         try:
             built = await self._build(request, kind)
         except GatewayError as exc:
             st.metrics.request_done("", "none", exc.status)
+            note.error = exc.code
             return error_response(exc)
         except Exception as exc:  # never crash: answer 500 in OpenAI's shape
             st.metrics.request_done("", "none", 500)
+            note.error = "internal_error"
             return error_response(exc)
+        rid = built.routing.request_id
+        built.note = note
+        note.request_id, note.tenant, note.stream = rid, built.scope.tenant, built.stream
         try:
-            return await self._forward(request, built, path, t0)
+            # Tenant limits and, under overload, the priority queue (:mod:`.controls`).
+            try:
+                ticket = await st.controls.admit(
+                    built.scope.tenant, request.headers.get(PRIORITY_HEADER)
+                )
+            except GatewayError as exc:
+                st.metrics.request_done("", "none", exc.status)
+                note.error = exc.code
+                exc.headers["X-Request-Id"] = rid
+                return error_response(exc)
+            note.priority, note.queue_wait_s = ticket.priority, ticket.waited_s
+            try:
+                return await self._forward(request, built, path, t0)
+            finally:
+                st.controls.release(ticket)
         finally:
             if built.blocks is not None:  # parsed on the parse thread: a large body
                 self._release(built)
@@ -641,6 +663,11 @@ class Proxy:
         error: str | None,
         attempts: int,
     ) -> None:
+        note = built.note
+        if note is not None:
+            note.worker, note.tier, note.status = decision.worker_id, decision.tier, status
+            note.cached_tokens, note.prompt_tokens, note.ttft_s = cached, prompt, ttft_s
+            note.error = error
         self.st.decisions.record(
             decision,
             RequestOutcome(
@@ -710,6 +737,8 @@ class Proxy:
         decision = adm.decision if adm is not None else None
         tier = decision.tier if decision is not None else "none"
         self.st.metrics.request_done("", tier, resp.status)
+        if built.note is not None:
+            built.note.error = why  # _log below names the attempts' errors instead
         if decision is not None:  # attempts were made: none is lost silently
             errors = "; ".join(retry.errors) if retry is not None else ""
             latency = self.st.clock() - t0
