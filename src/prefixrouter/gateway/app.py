@@ -6,7 +6,8 @@
 * ``GET /v1/models``, ``/health`` (liveness), ``/ready`` (readiness: a
   cluster replica answers 503 until it has replayed its peers' facts),
   ``/metrics`` and the ``/admin/*`` endpoints
-  (:mod:`.admin`); any other path answers 404 in OpenAI's shape, and a known
+  (:mod:`.admin`); ``GET /openapi.json``, their OpenAPI document
+  (:mod:`.openapi`); any other path answers 404 in OpenAI's shape, and a known
   path asked with another method 405 with ``Allow`` (:func:`_unrouted`).
 
 Its cleanup context (aiohttp's lifespan) opens the proxy's upstream client
@@ -33,6 +34,7 @@ from prefixrouter.gateway.admin import Admin
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
 from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
+from prefixrouter.gateway.openapi import OPENAPI_PATH, openapi_handler
 from prefixrouter.gateway.proxy import Proxy
 from prefixrouter.gateway.request_builder import ChatTokenizer
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
@@ -154,6 +156,7 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_delete("/admin/workers/{id}", admin.remove_worker)
     r.add_get("/admin/decisions", admin.decisions)
     r.add_get("/admin/process", admin.process)
+    r.add_get(OPENAPI_PATH, openapi_handler(config))
     r.add_route("*", "/{tail:.*}", _unrouted(admin))
     app.cleanup_ctx.append(_lifespan)
 

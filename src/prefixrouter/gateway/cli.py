@@ -4,8 +4,9 @@ Configuration comes from a YAML file (``--config``, see
 :mod:`prefixrouter.gateway.config`); command-line options override it when they
 differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 ``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
-file, ``--access-log`` the access log's (:mod:`prefixrouter.gateway.access_log`), ``--policy`` the routing policy (its parameters then come from the file
-only if the names match), ``--admin-api-key`` (or the environment variable
+file, ``--access-log`` the access log's (:mod:`prefixrouter.gateway.access_log`),
+``--policy`` the routing policy (its parameters then come from the file only
+if the names match), ``--admin-api-key`` (or the environment variable
 ``PREFIXROUTER_ADMIN_API_KEY``; prefer it, a command line is visible to every
 local user) the key of ``/admin/*``, which are off without one, and
 ``--cluster nats://HOST:PORT`` with ``--replica-id NAME`` make this gateway
