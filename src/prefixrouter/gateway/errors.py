@@ -48,7 +48,9 @@ the client ends with an SSE ``data: {"error": ...}`` event (never a retry).
 An upstream engine's own error keeps its status: its body is passed through
 when it already has the OpenAI shape and wrapped into it otherwise
 (:func:`upstream_error_body`); vLLM's older ``{"object": "error", "message",
-"type", "code"}`` shape is converted.
+"type", "code"}`` shape is converted, and so is its ``{"error": {...}}`` whose
+``code`` is the status as an integer (OpenAI's is a string or null: the
+fuzzer found clients being handed ``"code": 400``).
 """
 
 from __future__ import annotations
@@ -221,6 +223,16 @@ def error_response(exc: BaseException, retry_after_s: int = 1) -> web.Response:
     return error_response(GatewayError(f"internal error: {type(exc).__name__}"))
 
 
+def _openai_shaped(err: dict[str, Any]) -> bool:
+    """``message`` and ``type`` strings, ``param`` and ``code`` strings or null."""
+    return (
+        isinstance(err.get("message"), str)
+        and isinstance(err.get("type"), str)
+        and isinstance(err.get("param"), str | None)
+        and isinstance(err.get("code"), str | None)
+    )
+
+
 def upstream_error_body(body: bytes, status: int) -> bytes:
     """An upstream error body in OpenAI's shape (passed through when it already is)."""
     try:
@@ -228,9 +240,12 @@ def upstream_error_body(body: bytes, status: int) -> bytes:
     except orjson.JSONDecodeError:
         data = None
     if isinstance(data, dict):
-        if isinstance(data.get("error"), dict):
-            return body
-        if "message" in data:  # vLLM's older {"object": "error", ...}
+        err = data.get("error")
+        if isinstance(err, dict):
+            if _openai_shaped(err):
+                return body
+            data = err  # vLLM's {"error": {..., "code": 400}}: code an integer
+        if "message" in data:  # or vLLM's older {"object": "error", ...}
             code = data.get("code")
             return error_body(
                 str(data["message"]),
