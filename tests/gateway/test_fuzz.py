@@ -28,7 +28,6 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -123,36 +122,41 @@ def _fuzz(url: str, doc: dict[str, Any], mode: GenerationMode, totals: Totals) -
     schema = schemathesis.openapi.from_dict(doc)
     for result in schema.get_all_operations():
         op = result.ok()
-        if mode is GenerationMode.NEGATIVE and not (
-            op.body or op.query or op.headers or op.path_parameters
-        ):
+        has_input = op.body or op.query or op.headers or op.path_parameters
+        if mode is GenerationMode.NEGATIVE and not has_input:
             continue  # nothing to make invalid
-        headers = {"Authorization": f"Bearer {ADMIN_KEY}"} if op.path.startswith("/admin") else {}
-        documented = {k for k in op.definition.raw.get("responses", {}) if k != "default"}
+        _fuzz_operation(url, op, mode, totals)
 
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            database=None,
-            derandomize=DERANDOMIZE,  # seeded: the same requests every run
-            phases=[Phase.explicit, Phase.generate],
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=op.as_strategy(generation_mode=mode))
-        def send(case: Any) -> None:
-            resp = case.call(base_url=url, headers=headers, timeout=30)
-            totals.examples += 1
-            name = f"{op.method.upper()} {op.path}"
-            totals.by_operation[name] = totals.by_operation.get(name, 0) + 1
-            totals.by_status[resp.status_code] = totals.by_status.get(resp.status_code, 0) + 1
-            for problem in _problems(case, resp, documented):
-                body = case.body if not isinstance(case.body, bytes) else case.body[:200]
-                totals.failures.append(
-                    f"{op.method.upper()} {op.path} [{mode.value}] -> {resp.status_code}: "
-                    f"{problem}; sent {str(body)[:200]} headers {case.headers}"
-                )
 
-        send()
+def _fuzz_operation(url: str, op: Any, mode: GenerationMode, totals: Totals) -> None:
+    """:data:`EXAMPLES` requests of one operation in one mode."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"} if op.path.startswith("/admin") else {}
+    documented = {k for k in op.definition.raw.get("responses", {}) if k != "default"}
+    name = f"{op.method.upper()} {op.path}"
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=DERANDOMIZE,  # seeded: the same requests every run
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def send(case: Any) -> None:
+        resp = case.call(base_url=url, headers=headers, timeout=30)
+        totals.examples += 1
+        totals.by_operation[name] = totals.by_operation.get(name, 0) + 1
+        totals.by_status[resp.status_code] = totals.by_status.get(resp.status_code, 0) + 1
+        for problem in _problems(case, resp, documented):
+            body = case.body if not isinstance(case.body, bytes) else case.body[:200]
+            totals.failures.append(
+                f"{name} [{mode.value}] -> {resp.status_code}: {problem}; "
+                f"sent {str(body)[:200]} headers {case.headers} "
+                f"query {case.query} path {case.path_parameters}"
+            )
+
+    send()
 
 
 def test_fuzzed_gateway_answers_every_request_cleanly(gateway: LiveGateway) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.controls import TENANT_LABELS_MAX, TenantControls, request_priority
-from prefixrouter.gateway.errors import BadRequest, Overloaded, TooManyRequests
+from prefixrouter.gateway.errors import BadRequest, Overloaded
 from prefixrouter.gateway.limits import (
     TenantLimit,
     TenantLimiter,
