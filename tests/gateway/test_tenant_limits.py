@@ -238,14 +238,17 @@ def test_gateway_answers_429_with_retry_after_and_counts_per_tenant() -> None:
             assert body["error"]["type"] == "rate_limit_error"
             assert body["error"]["code"] == "rate_limit_exceeded"
             assert "key-a" not in await resp.text()
+            # Refused from the headers alone: the body is never parsed.
+            unread = await env.client.post("/v1/chat/completions", data=b"{", headers=a)
+            assert unread.status == 429
             assert (await env.chat("hello", headers=b)).status == 200  # b has no limit
             bad = await env.chat("hello", headers={**b, "X-Priority": "urgent"})
             assert bad.status == 400 and (await bad.json())["error"]["param"] == "X-Priority"
             text = await (await env.client.get("/metrics")).text()
             reqs = by_label(text, "prefixrouter_tenant_requests_total", "tenant")
             rejected = by_label(text, "prefixrouter_tenant_rejected_total", "reason")
-            assert reqs == {"a": 3.0, "b": 2.0}  # b's 400 (its header) is b's too
-            assert rejected == {"rate": 1.0}
+            assert reqs == {"a": 4.0, "b": 2.0}  # b's 400 (its header) is b's too
+            assert rejected == {"rate": 2.0}
             assert "key-a" not in text and "key-b" not in text
 
     run(main)

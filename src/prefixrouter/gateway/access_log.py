@@ -12,9 +12,9 @@ and refusals included, in the order requests end. The fields are stable
     status        the HTTP status; for a stream that broke after its first
                   byte the status the gateway recorded (502, 504), 499 when
                   the client went away
-    tenant        the resolved tenant ("" anonymous), null when not resolved
-                  (a request refused before: a bad key, invalid JSON).
-                  Never the API key
+    tenant        the tenant its key (or trusted X-Tenant) names ("" anonymous),
+                  null where none was resolved (a bad key; not a completion
+                  request). Never the API key
     priority      the request's priority (null when not admitted that far)
     worker        the worker that served it (null: none)
     tier          the routing decision's tier (null: not routed)

@@ -1,8 +1,8 @@
 """Per-tenant limits and priority on live requests, and their per-tenant metrics.
 
 The rules are :mod:`prefixrouter.gateway.limits`'s; this module applies them
-in the proxy, between a request's validation (its tenant is known) and its
-routing:
+in the proxy, once a request's tenant is known from its key, and before it is
+routed:
 
 1. **priority**: the tenant's ``priority``; a request's ``X-Priority`` header
    (an integer from -100 to 100) may lower it, never raise it above the
@@ -15,6 +15,9 @@ routing:
    (:class:`~prefixrouter.gateway.limits.WaitQueue`); shed (queue full, or
    waited past ``overload.max_wait_s``) -> 503 ``overloaded`` with
    ``Retry-After``. A client that leaves while waiting leaves the queue.
+
+Steps 1 and 2 need the headers only and run before the body is read (a
+refused request costs no parse); step 3 runs once the body is validated.
 
 A capacity of ``"slots"`` with no routable worker (or any capacity that is
 not a positive number) lets requests through to routing, which answers the
@@ -224,23 +227,37 @@ class TenantControls:
         """The request's priority (:func:`request_priority` with the tenant's rule)."""
         return request_priority(self._rules.get(tenant, self._default).priority, header)
 
-    async def admit(self, tenant: str, priority_header: str | None) -> Ticket:
-        """Admit one request, waiting under overload.
+    def acquire(self, tenant: str, priority_header: str | None) -> Ticket:
+        """Admit one request of ``tenant`` past its limits (from its headers alone).
+
+        Called before the body is read, so a refused request costs no parse.
+        The ticket must be given back (:meth:`release`) however the request ends.
 
         Raises:
             BadRequest: An invalid ``X-Priority``.
             TooManyRequests: Over a tenant limit.
-            Overloaded: Shed under overload.
         """
         priority = self.priority(tenant, priority_header)
         refusal = self.limiter.acquire(tenant, self._clock())
         if refusal is not None:
             self._reject(tenant, refusal)
-        ticket = Ticket(tenant, priority)
+        return Ticket(tenant, priority)
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Under overload, wait in the priority queue for a slot (at once otherwise).
+
+        Raises:
+            Overloaded: Shed (the queue is full, or it waited past ``max_wait_s``).
+        """
+        await self._take_slot(ticket)
+
+    async def admit(self, tenant: str, priority_header: str | None) -> Ticket:
+        """:meth:`acquire` then :meth:`wait` (the tenant's count given back if shed)."""
+        ticket = self.acquire(tenant, priority_header)
         try:
-            await self._take_slot(ticket)
+            await self.wait(ticket)
         except BaseException:
-            self.limiter.release(tenant)
+            self.release(ticket)
             raise
         return ticket
 
