@@ -18,6 +18,7 @@ from prefixrouter.gateway.limits import (
     retry_after,
 )
 from prefixrouter.prometheus import samples
+from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import gateway_env, run
 
 # ---------------------------------------------------------------- pure rules
@@ -252,3 +253,45 @@ def test_gateway_answers_429_with_retry_after_and_counts_per_tenant() -> None:
             assert "key-a" not in text and "key-b" not in text
 
     run(main)
+
+
+def test_gateway_under_overload_serves_the_higher_priority_first() -> None:
+    """One slot, held by a slow request: of two waiting, the higher priority goes first."""
+    overrides = {
+        "api_keys": {"key-low": "low", "key-high": "high"},
+        "tenants": {"high": {"priority": 5}},
+        "overload": {"max_in_flight": 1},
+    }
+
+    async def main() -> None:
+        engine = FakeEngine(delay_s=0.3)
+        async with gateway_env(1, overrides, engines=[engine]) as env:
+            low = {"Authorization": "Bearer key-low"}
+            high = {"Authorization": "Bearer key-high"}
+            done: list[str] = []
+
+            async def ask(name: str, headers: dict[str, str]) -> None:
+                r = await env.chat(name, headers=headers)
+                assert r.status == 200, await r.text()
+                done.append(name)
+
+            first = asyncio.create_task(ask("first", low))
+            await _until(lambda: env.state.controls.in_flight == 1)
+            waiting_low = asyncio.create_task(ask("low", low))
+            await _until(lambda: len(env.state.controls.queue) == 1)
+            waiting_high = asyncio.create_task(ask("high", high))
+            await _until(lambda: len(env.state.controls.queue) == 2)
+            await asyncio.gather(first, waiting_low, waiting_high)
+            assert done == ["first", "high", "low"]
+            text = await (await env.client.get("/metrics")).text()
+            waits = by_label(text, "prefixrouter_tenant_queue_wait_seconds_count", "tenant")
+            assert waits == {"low": 1.0, "high": 1.0}
+
+    run(main)
+
+
+async def _until(cond: Any, timeout_s: float = 5.0) -> None:
+    """Poll ``cond`` until true (bounded)."""
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.005)
