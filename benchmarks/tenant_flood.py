@@ -131,7 +131,7 @@ def _gateway_ttft(log: Path, phases: list[Phase], timeout_s: float = 10.0) -> No
         p.gateway_ttft_s = [ttft[r] for r in p.request_ids if r in ttft]
 
 
-def _gateway_config(engines: list[Server], limit: int | None) -> dict[str, Any]:
+def _gateway_config(engines: list[Server], limit: int | None, retry_after_s: int) -> dict[str, Any]:
     tenants: dict[str, Any] = {"victim": {"priority": 10}}
     if limit is not None:
         tenants["flood"] = {"max_in_flight": limit}
@@ -140,6 +140,7 @@ def _gateway_config(engines: list[Server], limit: int | None) -> dict[str, Any]:
         "api_keys": {FLOOD_KEY: "flood", VICTIM_KEY: "victim"},
         "tenants": tenants,
         "overload": {"max_in_flight": "slots"},
+        "proxy": {"retry_after_s": retry_after_s},  # Retry-After of an in-flight refusal
         "metrics_poll": {"interval_s": 0.5},
     }
 
@@ -337,7 +338,7 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         gateways: dict[str, Server] = {}
         for name, limit in (("limited", args.flood_limit), ("unlimited", None)):
             cfg = args.workdir / f"gateway-{name}.yaml"
-            data = _gateway_config(engines, limit)
+            data = _gateway_config(engines, limit, args.retry_after)
             if name == "limited":  # the victim's own TTFT as the gateway measures it
                 data["access_log"] = {"path": str(args.workdir / "access.jsonl")}
             cfg.write_bytes(orjson.dumps(data))
@@ -382,6 +383,7 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             "time_scale": args.time_scale,
             "flood_clients": args.flood,
             "flood_max_in_flight": args.flood_limit,
+            "retry_after_s": args.retry_after,
             "seconds_per_phase": args.seconds,
             "rounds": args.rounds,
             "victim_rate": args.victim_rate,
@@ -480,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plot", type=Path, help="write the victim's TTFT CDF here (PNG)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the phases")
+    ap.add_argument("--retry-after", type=int, default=1, help="the gateways' proxy.retry_after_s")
     ap.add_argument("--flood-client", metavar="URL", help=argparse.SUPPRESS)  # the child
     args = ap.parse_args(argv)
     if args.flood_client:
