@@ -14,8 +14,9 @@ same dependency on paper):
    2. ``prompt`` and ``tokenization`` (the request-to-prompt path), and the
       small pure utilities ``stats`` and ``prometheus``;
    3. ``harness`` (process fleets, ports, engine resets, the replay client);
-   4. ``sim``, ``simulated_engine``, ``real_engines``, ``analyze``, and
-      ``cluster`` (replicas' routing facts over NATS; the gateway wires it in);
+   4. ``sim``, ``simulated_engine``, ``real_engines``, ``analyze``,
+      ``cluster`` (replicas' routing facts over NATS; the gateway wires it in),
+      and ``discovery`` (engines found in Kubernetes; the gateway wires it in);
    5. ``gateway``;
    6. ``bench``, ``demo``;
    7. ``cli`` (the command line).
@@ -38,7 +39,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"core", "errors", "__init__"}),
     frozenset({"prompt", "tokenization", "stats", "prometheus"}),
     frozenset({"harness"}),
-    frozenset({"sim", "simulated_engine", "real_engines", "analyze", "cluster"}),
+    frozenset({"sim", "simulated_engine", "real_engines", "analyze", "cluster", "discovery"}),
     frozenset({"gateway"}),
     frozenset({"bench", "demo"}),
     frozenset({"cli"}),

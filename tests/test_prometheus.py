@@ -12,7 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from prefixrouter.bench.engine_metrics import EngineCounters, parse_counters
 from prefixrouter.gateway.workers import parse_engine_metrics
-from prefixrouter.prometheus import Sample, histogram, histogram_quantile, samples, totals
+from prefixrouter.prometheus import (
+    Sample,
+    families,
+    histogram,
+    histogram_quantile,
+    samples,
+    totals,
+)
 
 
 def _vllm_like_page() -> str:
@@ -51,6 +58,18 @@ def test_samples_keep_names_labels_and_values() -> None:
     ]
     (build,) = [s for s in got if s.name == "build_info"]
     assert build.labels["version"] == 'a "quoted" \\ value'  # escapes undone
+
+
+def test_families_name_each_declared_family_with_its_type_samples_or_not() -> None:
+    page = _vllm_like_page()
+    reg = CollectorRegistry()
+    Counter("never_counted", "declared, no sample yet", ["worker"], registry=reg)
+    got = families(page + generate_latest(reg).decode())
+    assert got["vllm:prefix_cache_hits"] == "counter"  # the family, without _total
+    assert got["vllm:time_to_first_token_seconds"] == "histogram"
+    assert got["vllm:num_requests_waiting"] == "gauge"
+    assert got["never_counted"] == "counter"
+    assert "never_counted_total" not in {s.name for s in samples(page)}
 
 
 def test_totals_sum_over_labels_and_leave_unseen_names_out() -> None:

@@ -8,6 +8,9 @@ Prometheus server would read. This module only gives it one shape:
 * :func:`samples`: every sample, in page order, as ``(name, labels, value)``
   (a counter's sample keeps its ``_total`` suffix, a histogram's its
   ``_bucket``/``_sum``/``_count``);
+* :func:`families`: each metric family the page declares, with its type
+  (``counter``, ``gauge``, ``histogram``, ...), samples or not: what a
+  page exports, even before its first observation;
 * :func:`totals`: named samples summed over their label sets (an engine's
   series per model or per engine, a fleet's pages), the shape a reader of
   counters and gauges wants;
@@ -40,6 +43,11 @@ def samples(text: str) -> Iterator[Sample]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             yield Sample(s.name, s.labels, float(s.value))
+
+
+def families(text: str) -> dict[str, str]:
+    """Every metric family of an exposition: its name (a counter's without ``_total``) -> type."""
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
 
 
 def totals(text: str, names: Iterable[str]) -> dict[str, float]:

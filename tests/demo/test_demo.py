@@ -55,7 +55,8 @@ def test_the_served_gateway_opens_its_admin_api_to_the_generated_key_only() -> N
             return r.status
 
     with Fleet() as fleet:
-        engine = fleet.start("engine", "prefixrouter.simulated_engine", ["--time-scale", "50"])
+        toy = ["--profile", "tiny-cpu", "--time-scale", "50"]
+        engine = fleet.start("engine", "prefixrouter.simulated_engine", toy)
         asyncio.run(fleet.wait_healthy([engine]))
 
         async def body() -> None:

@@ -33,6 +33,27 @@ def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "unknown policy 'nope'" in result.output
 
 
+def test_a_bad_discover_is_one_line_listing_the_forms() -> None:
+    result = CliRunner().invoke(_app(), ["--discover", "k8s:llm"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --discover: 'k8s:llm' is not one of k8s:NAMESPACE/LABEL_SELECTOR[:PORT], "
+        "k8s-pool:NAMESPACE/INFERENCEPOOL[:PORT], k8s-service:NAMESPACE/SERVICE[:PORT], static"
+    ]
+
+
+def test_discovery_without_a_kubeconfig_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    missing = tmp_path / "kubeconfig"
+    args = ["--port", "0", "--discover", "k8s:llm/app=vllm:8000"]
+    env = {"KUBECONFIG": str(missing), "KUBERNETES_SERVICE_HOST": ""}  # not in a cluster
+    result = CliRunner().invoke(_app(), args, env=env)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: discovery: no kubeconfig ({missing} not found) and not in a cluster "
+        "(KUBERNETES_SERVICE_HOST is unset): set discovery.kubeconfig or KUBECONFIG"
+    ]
+
+
 def test_port_in_use_is_one_line_naming_the_address_and_exit_2() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

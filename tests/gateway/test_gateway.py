@@ -467,8 +467,8 @@ def test_metrics_poll_feeds_views_and_prometheus_names() -> None:
                 "prefixrouter_requests_total",
             ):
                 assert name in text, name
-            assert 'prefixrouter_ttft_seconds_count{hit="warm"} 2.0' in text
-            assert 'prefixrouter_ttft_seconds_count{hit="cold"} 1.0' in text
+            assert 'prefixrouter_ttft_seconds_count{hit="warm",prefix_class="system"} 2.0' in text
+            assert 'prefixrouter_ttft_seconds_count{hit="cold",prefix_class="system"} 1.0' in text
             assert 'kind="cached",model="tiny",pool="default",prefix_class="system"' in text
             # Three requests one after another: one kept-alive connection, idle now.
             assert 'prefixrouter_upstream_connections_opened_total{worker="w0"} 1.0' in text

@@ -6,6 +6,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixrouter.gateway.metrics import GatewayMetrics, WorkerGauges
 
+SYSTEM = ("prefix_class", "system")
+
 
 def _samples(m: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = m.exposition().decode()
@@ -26,7 +28,7 @@ def test_exposition_parses_with_the_expected_series() -> None:
     m.request_done("w0", "exact", 200)
     m.request_done("", "none", 400)
     m.retried("w1", "502")
-    m.eviction_observed(42.0)
+    m.eviction_observed(42.0, "document")
     s = _samples(m)
     cached = (
         ("kind", "cached"),
@@ -46,13 +48,18 @@ def test_exposition_parses_with_the_expected_series() -> None:
         ]
         == 900
     )
-    assert s[("prefixrouter_ttft_seconds_count", (("hit", "warm"),))] == 1
-    assert s[("prefixrouter_ttft_seconds_bucket", (("hit", "partial"), ("le", "0.25")))] == 1
-    assert s[("prefixrouter_ttft_seconds_bucket", (("hit", "partial"), ("le", "0.1")))] == 0
-    assert s[("prefixrouter_ttft_seconds_bucket", (("hit", "partial"), ("le", "+Inf")))] == 1
-    assert (
-        s[("prefixrouter_queue_wait_seconds_bucket", (("decision", "exact"), ("le", "0.005")))] == 1
-    )
+    predicted = (("model", "tiny"), ("pool", "default"), ("prefix_class", "system"))
+    assert s[("prefixrouter_predicted_cached_tokens_total", predicted)] == 900
+    assert s[("prefixrouter_ttft_seconds_count", (("hit", "warm"), SYSTEM))] == 1
+    partial_le = (("hit", "partial"), ("le", "{}"), SYSTEM)
+
+    def bucket(le: str) -> float:
+        key = tuple((k, v.format(le)) for k, v in partial_le)
+        return s[("prefixrouter_ttft_seconds_bucket", key)]
+
+    assert (bucket("0.25"), bucket("0.1"), bucket("+Inf")) == (1, 0, 1)
+    exact = (("decision", "exact"), ("le", "0.005"), SYSTEM)
+    assert s[("prefixrouter_queue_wait_seconds_bucket", exact)] == 1
     assert s[("prefixrouter_cache_prediction_error_tokens_count", ())] == 3
     assert s[("prefixrouter_cache_prediction_error_tokens_sum", ())] == 100 + 100 + 0
     assert s[("prefixrouter_warm_abandoned_total", (("prefix_class", "system"),))] == 1
@@ -61,7 +68,8 @@ def test_exposition_parses_with_the_expected_series() -> None:
     assert s[("prefixrouter_retries_total", (("status", "502"), ("worker", "w1")))] == 1
     assert s[("prefixrouter_kv_evictions_total", (("source", "observed"),))] == 1
     assert s[("prefixrouter_kv_evictions_total", (("source", "mirrored"),))] == 7
-    assert s[("prefixrouter_evicted_prefix_age_seconds_bucket", (("le", "60.0"),))] == 1
+    age = (("le", "60.0"), ("prefix_class", "document"))
+    assert s[("prefixrouter_evicted_prefix_age_seconds_bucket", age)] == 1
     assert s[("prefixrouter_worker_in_flight", (("worker", "w0"),))] == 2
 
 

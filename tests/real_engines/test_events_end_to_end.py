@@ -67,8 +67,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 f"engine{i}",
                 "prefixrouter.simulated_engine",
                 [
-                    "--time-scale", "50", "--kv-blocks", str(KV_BLOCKS), "--block-size", "16",
-                    "--engine-id", str(i), "--kv-events-endpoint", endpoint,
+                    "--profile", "tiny-cpu", "--time-scale", "50", "--kv-blocks", str(KV_BLOCKS),
+                    "--block-size", "16", "--engine-id", str(i), "--kv-events-endpoint", endpoint,
                 ],
             )
             for i in range(2)
@@ -201,8 +201,8 @@ class Replicas:
 def engine_args(i: int, pub_port: int) -> list[str]:
     # "tcp://*:P": the engine binds, as vLLM does for an endpoint with "*".
     return [
-        "--time-scale", "50", "--kv-blocks", str(KV_BLOCKS), "--block-size", "16",
-        "--engine-id", str(i), "--kv-events-endpoint", f"tcp://*:{pub_port}",
+        "--profile", "tiny-cpu", "--time-scale", "50", "--kv-blocks", str(KV_BLOCKS),
+        "--block-size", "16", "--engine-id", str(i), "--kv-events-endpoint", f"tcp://*:{pub_port}",
     ]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from prefixrouter.simulated_engine import SERVER_KEY, EngineServer, EngineServer
 @asynccontextmanager
 async def served(**overrides: Any) -> AsyncIterator[tuple[TestClient[Any, Any], EngineServer]]:
     """A real server on a free 127.0.0.1 port; yields a client and the server state."""
+    overrides.setdefault("profile", "tiny-cpu")  # the toy: eviction and queueing in seconds
     config = EngineServerConfig(**overrides)
     app = create_app(config)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:

@@ -256,6 +256,7 @@ async def test_errors() -> None:
         assert err["message"] == "The model `gpt-9` does not exist."
         err = await _error(await post("/v1/completions", json={"prompt": long_text(2000)}), 400)
         assert "maximum context length is 1024 tokens" in err["message"]
+        assert err["message"].endswith("start it with --max-model-len up to 4,096 (its KV cache).")
         body = {"prompt": long_text(100), "max_tokens": 5000}
         err = await _error(await post("/v1/completions", json=body), 400)
         assert "'max_tokens' or 'max_completion_tokens' is too large" in err["message"]

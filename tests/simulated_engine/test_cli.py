@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from prefixrouter.harness.ports import free_port
 from prefixrouter.simulated_engine.cli import engine
+from tests.simulated_engine.conftest import long_text
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -51,6 +52,9 @@ def test_subprocess_serves_and_stops_on_sigterm(tokenizer_cache: str) -> None:
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached > 0 and cached % 32 == 0  # the --block-size took effect
+        # No --profile: the newcomer default takes the seed's 30,000-token document.
+        document = _post(base + "/v1/completions", {**body, "prompt": long_text(8100)})
+        assert document["usage"]["prompt_tokens"] >= 30_000
         with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
             assert b'vllm:prefix_cache_hits_total{engine="0",model_name="mini"}' in resp.read()
     finally:

@@ -78,6 +78,8 @@ def test_length_errors_follow_vllm() -> None:
     assert "5000 input tokens" in e.message
     e = length_error(4000, 200, 4096)
     assert e is not None and "(200 > 4096 - 4000)" in e.message
+    e = length_error(5000, 16, 4096, "Use --kv-blocks.")
+    assert e is not None and e.message.endswith("input messages. Use --kv-blocks.")
     e = length_error(0, 1, 4096)
     assert e is not None and e.param == "prompt"
 

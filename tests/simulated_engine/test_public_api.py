@@ -24,5 +24,5 @@ def test_engine_command_signature() -> None:
         "port", "host", "profile", "kv_blocks", "time_scale", "model", "block_size",
         "max_model_len",
     ]  # fmt: skip
-    assert params["host"].default == "127.0.0.1" and params["profile"].default == "tiny-cpu"
+    assert params["host"].default == "127.0.0.1" and params["profile"].default == "llama3-8b-h100"
     assert params["time_scale"].default == 1.0 and params["model"].default == "tiny"

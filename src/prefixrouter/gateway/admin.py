@@ -99,7 +99,7 @@ class Admin:
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 while at least one worker can take requests, else 503."""
         reg = self.st.registry
-        healthy = sum(1 for w in reg.workers.values() if w.healthy and not w.draining)
+        healthy = sum(1 for w in reg.workers.values() if w.healthy and w.ready and not w.draining)
         body = {
             "status": "ok" if healthy else "no_healthy_worker",
             "healthy_workers": healthy,

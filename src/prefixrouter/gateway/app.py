@@ -80,8 +80,14 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         if st.cluster is not None:
             await st.cluster.start()  # connects and replays in the background
         await st.registry.start(st.session)
+        if st.discovery is not None:
+            # Endpoint discovery adds workers to the started registry; the
+            # first list's are in before traffic.
+            await st.discovery.start()
         yield
     finally:
+        if st.discovery is not None:
+            await st.discovery.stop()
         if st.cluster is not None:
             await st.cluster.stop()
         if st.events is not None:

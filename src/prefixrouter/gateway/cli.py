@@ -11,7 +11,10 @@ if the names match), ``--admin-api-key`` (or the environment variable
 local user) the key of ``/admin/*``, which are off without one, and
 ``--cluster nats://HOST:PORT`` with ``--replica-id NAME`` make this gateway
 one of several active-active replicas (the ``cluster:`` section; see
-:mod:`prefixrouter.cluster`). Port 0 picks
+:mod:`prefixrouter.cluster`), and ``--discover k8s:NAMESPACE/SELECTOR``
+(or ``k8s-pool:``, ``k8s-service:``) finds the workers in a Kubernetes
+cluster (the ``discovery:`` section; see :mod:`prefixrouter.discovery`;
+:data:`DiscoverOption` is the option, for other commands). Port 0 picks
 a free port; the first line printed on stdout is ``prefixrouter gateway
 listening on http://HOST:PORT``, so scripts can read the port.
 
@@ -27,13 +30,20 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from prefixrouter.core.policy import alias_note, canonical_policy_name
-from prefixrouter.errors import PrefixRouterError
-from prefixrouter.gateway.config import GatewayConfig, WorkerConfig, config_from_dict, load_config
+from prefixrouter.errors import ConfigError, PrefixRouterError
+from prefixrouter.gateway.config import (
+    DISCOVERY_SPEC_FORMS,
+    GatewayConfig,
+    WorkerConfig,
+    config_from_dict,
+    discovery_spec,
+    load_config,
+)
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
@@ -41,6 +51,33 @@ DEFAULT_POLICY = "prefix_aware"
 ADMIN_KEY_ENV = "PREFIXROUTER_ADMIN_API_KEY"
 
 log = logging.getLogger("prefixrouter.gateway")
+
+
+DiscoverOption = Annotated[
+    str | None,
+    typer.Option(
+        "--discover",
+        help="Find the workers in Kubernetes and follow them: "
+        + ", ".join(DISCOVERY_SPEC_FORMS)
+        + " (pods of a label selector, of an InferencePool, or a Service's EndpointSlices), "
+        "or static. Overrides the discovery: section's kind, namespace and source.",
+    ),
+]
+"""The ``--discover`` option (``serve`` and the endpoint picker share it)."""
+
+
+def apply_discover(data: dict[str, Any], discover: str | None) -> None:
+    """Put a ``--discover`` value into a configuration's ``discovery`` mapping.
+
+    Raises:
+        ConfigError: Not one of the forms, naming ``--discover``.
+    """
+    if discover is None:
+        return
+    try:
+        data["discovery"] = {**data.get("discovery", {}), **discovery_spec(discover)}
+    except ValueError as exc:
+        raise ConfigError(f"--discover: {exc}") from None
 
 
 class ClusterRefused(PrefixRouterError):
@@ -57,6 +94,7 @@ def build_config(
     admin_api_key: str | None = None,
     cluster: str | None = None,
     replica_id: str | None = None,
+    discover: str | None = None,
     access_log: Path | None = None,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
@@ -86,6 +124,7 @@ def build_config(
         data["cluster"]["url"] = cluster
     if replica_id is not None:
         data["cluster"]["replica_id"] = replica_id
+    apply_discover(data, discover)
     if access_log is not None:
         data["access_log"]["path"] = access_log
     source = str(config) if config is not None else "command line"
@@ -194,6 +233,7 @@ def serve(
             "Overrides cluster.replica_id.",
         ),
     ] = None,
+    discover: DiscoverOption = None,
 ) -> None:
     """Run the OpenAI-compatible gateway in front of the workers."""
     try:
@@ -207,6 +247,7 @@ def serve(
             admin_api_key,
             cluster,
             replica_id,
+            discover,
             access_log,
         )
     except PrefixRouterError as exc:
@@ -222,7 +263,7 @@ def serve(
             "directly; set salt_secret (the same on every gateway in front of them)",
             err=True,
         )
-    if not cfg.workers:
+    if not cfg.workers and cfg.discovery.kind == "static":
         hint = "" if cfg.server.admin_api_key else f" (after setting {ADMIN_KEY_ENV})"
         typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)
     try:
@@ -239,4 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     app(args=argv if argv is not None else sys.argv[1:], prog_name="prefixrouter-gateway")
 
 
-__all__ = ["WorkerConfig", "build_config", "main", "run_gateway", "serve"]
+__all__ = [
+    "DiscoverOption",
+    "WorkerConfig",
+    "apply_discover",
+    "build_config",
+    "main",
+    "run_gateway",
+    "serve",
+]

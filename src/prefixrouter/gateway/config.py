@@ -33,6 +33,9 @@ Shape of the YAML file (all keys optional)::
     kv_events:     {endpoint, max_blocks_per_worker}
     cluster:       {url, replica_id, name, stream, max_age_s, max_bytes, heartbeat_s,
                     peer_ttl_s, batch_window_s, max_batch_window_s}
+    discovery:     {kind: static|kubernetes, namespace, pool, selector, service, port,
+                    kubeconfig, scheme, resync_s, retry_max_s, kv_events_port,
+                    kv_replay_port, worker}
     overload:      {max_in_flight, max_queue, max_wait_s, aging_s}
     access_log:    {path, flush_interval_s}
 
@@ -255,7 +258,15 @@ class LimitsConfig(_Model):
 
 
 class PolicyConfig(_Model):
-    """The routing policy: a registered name and its raw parameters."""
+    """The routing policy: a registered name and its raw parameters.
+
+    Attributes:
+        name: A registered policy (``prefixrouter policies`` lists them);
+            ``prefixrouter`` is the deprecated alias of ``prefix_aware``.
+        params: The policy's parameters, overriding its defaults key by key
+            (nested sections such as ``short`` too); an unknown key or a value
+            of the wrong type is an error that names it.
+    """
 
     name: str = "prefix_aware"
     params: dict[str, Any] = Field(default_factory=dict)
@@ -368,7 +379,12 @@ class HealthConfig(_Model):
 
 
 class MetricsPollConfig(_Model):
-    """Polling of each healthy worker's health and ``/metrics`` (queue, KV usage, KV size)."""
+    """Polling of each healthy worker's health and ``/metrics`` (queue, KV usage, KV size).
+
+    Attributes:
+        interval_s: How often each worker is checked and its metrics scraped.
+        timeout_s: Time allowed for one scrape of a worker's ``/metrics``.
+    """
 
     interval_s: PosFloat = 2.0
     timeout_s: PosFloat = 2.0
@@ -457,7 +473,16 @@ class AccessLogConfig(_Model):
 
 
 class DecisionLogConfig(_Model):
-    """The decision log: JSON lines in a file (optional) and a ring for ``/admin/decisions``."""
+    """The decision log: JSON lines in a file (optional) and a ring for ``/admin/decisions``.
+
+    Attributes:
+        path: JSON-lines file every decision is appended to (candidates, each
+            cost term, tier, reason, predicted and actual cached tokens);
+            None = no file (``prefixrouter serve --decision-log PATH`` sets it).
+        ring_size: Most recent decisions kept in memory for ``GET /admin/decisions``.
+        flush_interval_s: How often pending records are written to the file
+            (off the request path).
+    """
 
     path: Path | None = None
     ring_size: PosInt = 1000
@@ -567,6 +592,126 @@ class ClusterConfig(_Model):
         return self
 
 
+DISCOVERY_SPEC_FORMS = (
+    "k8s:NAMESPACE/LABEL_SELECTOR[:PORT]",
+    "k8s-pool:NAMESPACE/INFERENCEPOOL[:PORT]",
+    "k8s-service:NAMESPACE/SERVICE[:PORT]",
+)
+# Fields of a discovered worker that discovery itself fills in.
+DISCOVERED_FIELDS = ("url", "id", "kv_events_topic", "kv_events_connect", "kv_replay_endpoint")
+
+
+class DiscoveryConfig(_Model):
+    """Workers found in a Kubernetes cluster, beside ``workers:`` (:mod:`prefixrouter.discovery`).
+
+    ``kind: static`` (the default) uses only ``workers:`` and the admin API.
+    ``kind: kubernetes`` lists and watches one source in ``namespace``
+    (exactly one of ``pool``, ``selector``, ``service``) and keeps one worker
+    per pod: added when it appears, out of routing while not ready, drained
+    and removed when it goes. The worker's id (and KV-event topic) is the
+    pod's name, its URL ``SCHEME://POD_IP:PORT``.
+
+    Attributes:
+        kind: ``static`` or ``kubernetes``.
+        namespace: The engines' namespace.
+        pool: An ``InferencePool`` (``inference.networking.k8s.io/v1``): its
+            ``selector.matchLabels`` pick the pods, its ``targetPorts`` the port.
+        selector: A label selector of the engines' pods (``app=vllm``).
+        service: A Service: its EndpointSlices name the engines.
+        port: The engines' port; None = the pool's, or the slices' only port
+            (required with ``selector``).
+        kubeconfig: A kubeconfig file; None = the pod's service account in a
+            cluster, else ``$KUBECONFIG`` or ``~/.kube/config``.
+        scheme: ``http`` or ``https`` for the workers' URLs.
+        resync_s: A watch lasts this long, then everything is listed again.
+        retry_max_s: Longest wait between retries when the API server fails.
+        kv_events_port: Each pod's own bound KV-event publisher port (vLLM
+            ``--kv-events-config`` ``"endpoint": "tcp://*:PORT"``, ``"topic"``
+            the pod's name): the gateway connects to it (``kv_events_connect``),
+            so every replica hears every engine. None = no KV events from
+            discovered engines.
+        kv_replay_port: Each pod's KV-event replay port (vLLM ``replay_endpoint``).
+        worker: Settings of every discovered worker, as a ``workers:`` entry
+            without ``url``, ``id`` and the ``kv_*`` addresses (``kind``,
+            ``models``, ``max_slots``, ...).
+    """
+
+    kind: Literal["static", "kubernetes"] = "static"
+    namespace: str = "default"
+    pool: str | None = None
+    selector: str | None = None
+    service: str | None = None
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    kubeconfig: Path | None = None
+    scheme: Literal["http", "https"] = "http"
+    resync_s: PosFloat = 300.0
+    retry_max_s: PosFloat = 30.0
+    kv_events_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    kv_replay_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    worker: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("worker")
+    @classmethod
+    def _check_worker(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = [k for k in DISCOVERED_FIELDS if k in value]
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: filled in by discovery, not configurable")
+        try:
+            WorkerConfig.model_validate({**value, "url": "http://discovered:1"})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiscoveryConfig:
+        sources = [n for n in ("pool", "selector", "service") if getattr(self, n) is not None]
+        if self.kind == "static":
+            if sources:
+                raise ValueError(f"{sources[0]} is set: it needs kind: kubernetes")
+            return self
+        if len(sources) != 1:
+            found = ", ".join(sources) or "none"
+            raise ValueError(f"kind kubernetes needs one of pool, selector, service ({found})")
+        if self.selector is not None and self.port is None:
+            raise ValueError("selector needs port (the engines' port in the pods)")
+        return self
+
+
+def discovery_spec(spec: str) -> dict[str, Any]:
+    """The ``discovery:`` fields a ``--discover`` value sets (forms: ``DISCOVERY_SPEC_FORMS``).
+
+    ``k8s:llm/app=vllm:8000`` watches the pods ``app=vllm`` of namespace
+    ``llm`` (port 8000); ``k8s-pool:llm/vllm-pool`` the pods of that
+    InferencePool; ``k8s-service:llm/vllm`` the Service's EndpointSlices.
+    ``static`` turns discovery off. A label selector never holds ``:``, so a
+    trailing ``:PORT`` is unambiguous.
+
+    Raises:
+        ValueError: Not one of the forms (the message lists them).
+    """
+    if spec == "static":
+        return {"kind": "static", "pool": None, "selector": None, "service": None}
+    forms = ", ".join(DISCOVERY_SPEC_FORMS)
+    scheme, sep, rest = spec.partition(":")
+    field = {"k8s": "selector", "k8s-pool": "pool", "k8s-service": "service"}.get(scheme)
+    namespace, slash, target = rest.partition("/")
+    if not sep or field is None or not slash or not namespace or not target:
+        raise ValueError(f"{spec!r} is not one of {forms}, static")
+    port: int | None = None
+    head, colon, tail = target.rpartition(":")
+    if colon:
+        if not tail.isdigit() or not 0 < int(tail) < 65536 or not head:
+            raise ValueError(f"{spec!r}: the port after ':' must be a number from 1 to 65535")
+        target, port = head, int(tail)
+    data: dict[str, Any] = {"kind": "kubernetes", "namespace": namespace}
+    data.update({"pool": None, "selector": None, "service": None, field: target})
+    if port is not None:
+        data["port"] = port
+    return data
+
+
 class GatewayConfig(_Model):
     """The whole gateway configuration; every field has a default.
 
@@ -607,6 +752,7 @@ class GatewayConfig(_Model):
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     overload: OverloadConfig = Field(default_factory=OverloadConfig)
     access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
 
@@ -645,9 +791,15 @@ class GatewayConfig(_Model):
 
     @property
     def kv_events_on(self) -> bool:
-        """The gateway subscribes to KV events: it binds, or some worker's engine is connected."""
-        return self.kv_events.endpoint is not None or any(
-            w.kv_events_connect is not None for w in self.workers
+        """The gateway subscribes to KV events: it binds, or some worker's engine is connected.
+
+        (A discovered worker's engine too, with ``discovery.kv_events_port``.)
+        """
+        d = self.discovery
+        return (
+            self.kv_events.endpoint is not None
+            or any(w.kv_events_connect is not None for w in self.workers)
+            or (d.kind == "kubernetes" and d.kv_events_port is not None)
         )
 
     def tenant_rule(self, tenant: str) -> TenantRule:

@@ -8,16 +8,19 @@ Per request (updated once, when the request ends):
 * ``prefixrouter_input_tokens_total{model,pool,kind,prefix_class}``: prompt
   tokens the engine reused (``kind="cached"``) or prefilled (``"uncached"``);
 * ``prefixrouter_prefill_tokens_saved_total{model,prefix_class}``: the cached ones again;
-* ``prefixrouter_ttft_seconds{hit}``: streaming time to first token by what the
+* ``prefixrouter_predicted_cached_tokens_total{model,pool,prefix_class}``: the
+  cached tokens the router predicted for the same requests (against
+  ``input_tokens_total{kind="cached"}``: a gap is an input-identification problem);
+* ``prefixrouter_ttft_seconds{hit,prefix_class}``: streaming time to first token by what the
   engine reported: ``warm`` (at least ``metrics.warm_fraction`` of the prompt
   reused), ``partial`` (some) or ``cold`` (none);
-* ``prefixrouter_queue_wait_seconds{decision}``: the queue wait the cost model
+* ``prefixrouter_queue_wait_seconds{decision,prefix_class}``: the queue wait the cost model
   predicted on the chosen worker;
 * ``prefixrouter_cache_prediction_error_tokens``: ``|predicted - actual|``
   cached tokens, when the engine reports them;
 * ``prefixrouter_warm_abandoned_total{prefix_class}``: requests that left a
   warm candidate because of the wait limit;
-* ``prefixrouter_evicted_prefix_age_seconds``: when a worker no longer holds a
+* ``prefixrouter_evicted_prefix_age_seconds{prefix_class}``: when a worker no longer holds a
   prefix it served before (a miss), the time since it last served it;
 * ``prefixrouter_retries_total{worker,status}``: attempts abandoned before
   the first byte (unreachable worker: ``status="502"``, or a refusal status);
@@ -319,6 +322,11 @@ class GatewayMetrics:
             "Prompt tokens, cached (reused by the engine) or uncached (prefilled).",
             ("model", "pool", "kind", "prefix_class"),
         )
+        self.predicted_cached = _Counter(
+            "prefixrouter_predicted_cached_tokens",
+            "Prompt tokens the router predicted the engine would reuse (answered requests).",
+            ("model", "pool", "prefix_class"),
+        )
         self.saved = _Counter(
             "prefixrouter_prefill_tokens_saved",
             "Prompt tokens the engines did not have to prefill.",
@@ -337,13 +345,13 @@ class GatewayMetrics:
         self.ttft = _Histogram(
             "prefixrouter_ttft_seconds",
             "Time to first token of streamed requests, by engine-reported cache hit.",
-            ("hit",),
+            ("hit", "prefix_class"),
             TTFT_BUCKETS,
         )
         self.queue_wait = _Histogram(
             "prefixrouter_queue_wait_seconds",
             "Predicted queue wait on the chosen worker, by decision tier.",
-            ("decision",),
+            ("decision", "prefix_class"),
             WAIT_BUCKETS,
         )
         self.prediction_error = _Histogram(
@@ -355,7 +363,7 @@ class GatewayMetrics:
         self.evicted_age = _Histogram(
             "prefixrouter_evicted_prefix_age_seconds",
             "Age of prefixes a worker had lost when asked again (since it last served them).",
-            (),
+            ("prefix_class",),
             AGE_BUCKETS,
         )
         self.cluster_lag = _Histogram(
@@ -373,6 +381,7 @@ class GatewayMetrics:
             self.lint_findings,
             self.requests,
             self.input_tokens,
+            self.predicted_cached,
             self.saved,
             self.warm_abandoned,
             self.retries,
@@ -382,7 +391,9 @@ class GatewayMetrics:
             self.evicted_age,
         )
         self._cluster_collector: ClusterCollector | None = None
-        self.warm_abandoned.values[("unknown",)] = 0.0  # exported from the start
+        # Exported from the start (a dashboard's query has a series before the first event).
+        self.warm_abandoned.values[("unknown",)] = 0.0
+        self.evicted_age.series[("unknown",)] = [0.0] * (len(AGE_BUCKETS) + 2)
 
     def attach_live(
         self, workers: Callable[[], Iterable[WorkerGauges]], mirrored_evictions: Callable[[], int]
@@ -420,7 +431,7 @@ class GatewayMetrics:
     def routed(self, tier: str, queue_wait_s: float | None, warm_abandoned: bool, cls: str) -> None:
         """A request was routed (first attempt)."""
         if queue_wait_s is not None:
-            self.queue_wait.observe((tier,), queue_wait_s)
+            self.queue_wait.observe((tier, cls), queue_wait_s)
         if warm_abandoned:
             self.warm_abandoned.inc((cls,))
 
@@ -438,21 +449,22 @@ class GatewayMetrics:
         cached = min(cached_tokens, prompt_tokens) if prompt_tokens else cached_tokens
         self.input_tokens.inc((model, pool, "cached", cls), cached)
         self.input_tokens.inc((model, pool, "uncached", cls), max(0, prompt_tokens - cached))
+        self.predicted_cached.inc((model, pool, cls), predicted_cached)
         if cached:
             self.saved.inc((model, cls), cached)
         self.prediction_error.observe((), abs(predicted_cached - cached_tokens))
         if ttft_s is not None:
-            self.ttft.observe((self.hit_label(cached_tokens, prompt_tokens),), ttft_s)
+            self.ttft.observe((self.hit_label(cached_tokens, prompt_tokens), cls), ttft_s)
 
     def linted(self, prefix_class: str, findings: dict[str, int]) -> None:
         """Count the linter's findings for one request (observe mode)."""
         for kind, n in findings.items():
             self.lint_findings.inc((prefix_class, kind), n)
 
-    def eviction_observed(self, age_s: float) -> None:
-        """A worker had lost a prefix it served ``age_s`` seconds ago."""
+    def eviction_observed(self, age_s: float, cls: str = "unknown") -> None:
+        """A worker had lost a prefix (of prefix class ``cls``) it served ``age_s`` seconds ago."""
         self.observed_evictions += 1
-        self.evicted_age.observe((), max(0.0, age_s))
+        self.evicted_age.observe((cls,), max(0.0, age_s))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

@@ -634,7 +634,7 @@ class Proxy:
             if not worker.removed:
                 last = st.note_served(worker.id, decision.prefix_key, now)
                 if miss and last is not None:
-                    st.metrics.eviction_observed(now - last)
+                    st.metrics.eviction_observed(now - last, decision.prefix_class)
         elif att.no_prefill:
             if chars:
                 dispatch.observe_prompt_tokens(chars, tokens, adm)

@@ -4,8 +4,9 @@ One :class:`GatewayState` per application: the routing core (a
 :class:`~prefixrouter.core.dispatch.Dispatcher` over the router and the
 in-flight ledger, the only way the gateway changes routing state), the worker
 registry, the metrics, the decision log, the
-request builder, the tenancy rules and, for a replica of a cluster, its
-:class:`~prefixrouter.cluster.node.ClusterNode`. Handlers reach it through
+request builder, the tenancy rules, for a replica of a cluster, its
+:class:`~prefixrouter.cluster.node.ClusterNode`, and with Kubernetes endpoint
+discovery its :class:`~prefixrouter.gateway.discovery_link.DiscoveryLink`. Handlers reach it through
 ``app[STATE]``; nothing is global, so tests can run several gateways in one
 process.
 """
@@ -26,11 +27,13 @@ from prefixrouter.core.hashing import BlockHasher, TokenEstimator
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router, replica_salt
 from prefixrouter.core.types import WorkerId
+from prefixrouter.discovery.kubernetes import DiscoveryCollector
 from prefixrouter.gateway.access_log import AccessLog, RequestNote
 from prefixrouter.gateway.cluster_link import build_node
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.controls import TenantControls
 from prefixrouter.gateway.decision_log import DecisionLog
+from prefixrouter.gateway.discovery_link import DiscoveryLink
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
@@ -60,6 +63,7 @@ class GatewayState:
     access: AccessLog | None = None
     events: KvEventSubscriber | None = None
     cluster: ClusterNode | None = None
+    discovery: DiscoveryLink | None = None
     session: aiohttp.ClientSession | None = None
     upstream: UpstreamClient | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
@@ -167,7 +171,12 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
             metrics.cluster_lag_observed,
         )
         metrics.attach_cluster(node)
+    discovery = None
+    if config.discovery.kind == "kubernetes":
+        discovery = DiscoveryLink(config, registry)
+        metrics.registry.register(DiscoveryCollector(discovery.watcher))
     return GatewayState(
+        discovery=discovery,
         cluster=node,
         config=config,
         dispatch=dispatch,

@@ -50,6 +50,12 @@ its in-flight requests finish (up to a timeout); then the router forgets it
 (index, calibration, policy state) and its poller stops. Requests still running
 on a removed worker complete normally but feed nothing back, so the index never
 holds entries of a worker that is gone.
+
+Readiness (:meth:`WorkerRegistry.set_ready`, from endpoint discovery: a pod
+whose readiness probe fails, or that is terminating): a worker that is not
+ready gets no new requests, as one marked down, but keeps its index entries
+as they are and its poller: its cache is intact, and the pod usually comes
+back (or goes, and is then drained and removed).
 """
 
 from __future__ import annotations
@@ -168,6 +174,8 @@ class Worker:
     suspect_since: float = 0.0
     draining: bool = False
     removed: bool = False
+    ready: bool = True
+    """Kubernetes readiness (discovered workers): not ready = no new requests."""
     restarts: int = 0
     feed_restarts: int = 0
     """The KV-event feed's restart count at the last metrics scrape."""
@@ -209,6 +217,7 @@ class Worker:
             "pool": self.config.pool,
             "healthy": self.healthy,
             "suspect": self.suspect,
+            "ready": self.ready,
             "restarts": self.restarts,
             "draining": self.draining,
             "models": sorted(self.models),
@@ -342,7 +351,7 @@ class WorkerRegistry:
                     return feed.worker_id
         return None
 
-    def _add(self, wc: WorkerConfig) -> Worker:
+    def _add(self, wc: WorkerConfig, ready: bool = True) -> Worker:
         if WorkerId(wc.id) in self.workers:
             raise KeyError(wc.id)
         topic = wc.kv_events_topic
@@ -372,6 +381,7 @@ class WorkerRegistry:
             adapters=frozenset(wc.adapters),
             discovered=bool(wc.models),
             backoff_s=self.config.health.backoff_initial_s,
+            ready=ready,
         )
         self._listen(w)  # before joining: a refused topic leaves the registry unchanged
         self.workers[w.id] = w
@@ -379,8 +389,11 @@ class WorkerRegistry:
         self._rebuild()
         return w
 
-    async def add(self, wc: WorkerConfig) -> Worker:
+    async def add(self, wc: WorkerConfig, ready: bool = True) -> Worker:
         """Add a worker, check it once and start its poller.
+
+        ``ready=False`` adds it out of routing until :meth:`set_ready` (a pod
+        that is not ready yet).
 
         Raises:
             KeyError: A worker with that id exists, or its ``kv_events_topic``
@@ -388,10 +401,22 @@ class WorkerRegistry:
                 then unchanged).
             ValueError: Its ``kv_events_connect`` cannot be connected to.
         """
-        w = self._add(wc)
+        w = self._add(wc, ready)
         await self.check(w)
         self._start(w)
         return w
+
+    def set_ready(self, worker_id: WorkerId, ready: bool) -> None:
+        """Let a worker take new requests or not (module docstring, readiness).
+
+        Raises:
+            KeyError: No such worker.
+        """
+        w = self.workers[worker_id]
+        if w.ready != ready:
+            w.ready = ready
+            log.info("worker %s %s", w.id, "ready" if ready else "not ready: out of routing")
+            self._rebuild()
 
     async def drain_and_remove(self, worker_id: WorkerId, timeout_s: float) -> dict[str, Any]:
         """Stop routing to a worker, wait for its requests, then forget it.
@@ -438,7 +463,7 @@ class WorkerRegistry:
         self._routable = [w for w in self.workers.values() if not w.draining]
         self._views = [w.view for w in self._routable]
         for w in self._routable:
-            w.view.healthy = w.healthy and not w.suspect
+            w.view.healthy = w.healthy and not w.suspect and w.ready
         live = [w for w in self.workers.values() if not w.draining]
         self._models = frozenset().union(*(w.models for w in live)) if live else frozenset()
         self._adapters = frozenset().union(*(w.adapters for w in live)) if live else frozenset()
@@ -472,7 +497,7 @@ class WorkerRegistry:
         return [
             WorkerGauges(
                 w.id,
-                w.healthy and not w.suspect and not w.draining,
+                w.healthy and not w.suspect and not w.draining and w.ready,
                 self.dispatch.load(w.id).in_flight,
                 w.engine.kv_usage,
                 w.engine.waiting,

@@ -133,6 +133,7 @@ class EngineServer:
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
         self.profile = config.engine_profile()
         self.max_model_len = config.effective_max_model_len
+        self.length_hint = config.length_hint()
         self.engine = EngineModel(
             WorkerId(f"engine-{config.engine_id}"),
             self.profile,
@@ -223,7 +224,7 @@ class EngineServer:
         opts = parse_options(body, kind)
         ids = await self.prompt_ids(body, kind)
         max_tokens = opts.max_tokens or self.config.default_max_tokens
-        err = length_error(len(ids), max_tokens, self.max_model_len)
+        err = length_error(len(ids), max_tokens, self.max_model_len, self.length_hint)
         if err is not None:
             raise err
         hashes = hash_token_blocks(self.seed(opts.cache_salt), ids, self.profile.block_size)

@@ -28,7 +28,7 @@ from aiohttp import web
 from rich.console import Console
 
 from prefixrouter.errors import ConfigError
-from prefixrouter.simulated_engine.config import EngineServerConfig
+from prefixrouter.simulated_engine.config import DEFAULT_PROFILE, EngineServerConfig
 
 err_console = Console(stderr=True)
 
@@ -52,6 +52,7 @@ async def serve(config: EngineServerConfig, host: str, port: int) -> None:
         err_console.print(
             f"prefixrouter engine: serving {config.model!r} on http://{host}:{bound} "
             f"(profile {prof.name}, {prof.kv_blocks} KV blocks of {prof.block_size} tokens, "
+            f"up to {config.effective_max_model_len:,} tokens a request, "
             f"time scale {config.time_scale:g})",
             highlight=False,
             soft_wrap=True,
@@ -78,7 +79,9 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 def engine(
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    profile: Annotated[str, typer.Option(help="Engine profile (see `profiles`).")] = "tiny-cpu",
+    profile: Annotated[
+        str, typer.Option(help="Engine profile (see `profiles`; tiny-cpu: a 4,096-token toy).")
+    ] = DEFAULT_PROFILE,
     kv_blocks: Annotated[
         int | None, typer.Option(min=1, help="KV cache size in blocks (profile default).")
     ] = None,
@@ -90,7 +93,8 @@ def engine(
         int | None, typer.Option(min=1, help="Tokens per KV block (profile default).")
     ] = None,
     max_model_len: Annotated[
-        int | None, typer.Option(min=1, help="Longest prompt + output (default: the KV cache).")
+        int | None,
+        typer.Option(min=1, help="Longest prompt + output (default: 131,072 or the KV cache)."),
     ] = None,
     default_max_tokens: Annotated[
         int, typer.Option(min=1, help="Output tokens when a request gives no max_tokens.")

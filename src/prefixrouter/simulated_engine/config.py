@@ -7,9 +7,18 @@ block size and the number of KV blocks can be overridden, as vLLM's
 
 Changing only the block size keeps the KV *memory* of the profile, as vLLM
 would: ``kv_blocks = profile.kv_blocks * profile.block_size // block_size``.
-``max_model_len`` defaults to the whole KV cache (``kv_blocks x block_size``)
-and may not exceed it (vLLM refuses to start when one request of
-``max_model_len`` tokens cannot fit either).
+``max_model_len`` defaults to :data:`DEFAULT_MAX_MODEL_LEN` (131,072 tokens,
+Llama 3.1's context) or the whole KV cache (``kv_blocks x block_size``) when
+that is smaller, and may not exceed the KV cache (vLLM refuses to start when
+one request of ``max_model_len`` tokens cannot fit either).
+
+The default profile is :data:`DEFAULT_PROFILE`, ``llama3-8b-h100``: what a
+newcomer's ``prefixrouter engine`` serves without options is a long-context
+model whose KV cache holds about 436,000 tokens, so the seed's 30,000-token
+documents fit a dozen times over. The tests and the live checks that want
+eviction, queueing and chunking within seconds ask for ``tiny-cpu`` (4,096
+tokens of KV) by name. A request too long for the engine gets vLLM's 400 with
+one more sentence that names the options that admit it.
 """
 
 from __future__ import annotations
@@ -20,6 +29,11 @@ from dataclasses import dataclass
 from prefixrouter.errors import ConfigError
 from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
 from prefixrouter.sim.profiles import EngineProfile, get_profile
+
+DEFAULT_PROFILE = "llama3-8b-h100"
+"""The profile ``prefixrouter engine`` serves when none is named."""
+DEFAULT_MAX_MODEL_LEN = 131_072
+"""The longest request when ``max_model_len`` is not given (capped by the KV cache)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +48,8 @@ class EngineServerConfig:
         block_size: Tokens per KV block (default: the profile's).
         time_scale: Speed-up of simulated time: 10 runs ten times faster than
             the profile says (TTFTs are a tenth).
-        max_model_len: Longest prompt + output accepted (default: the KV cache).
+        max_model_len: Longest prompt + output accepted (default:
+            :data:`DEFAULT_MAX_MODEL_LEN` or the KV cache, the smaller).
         default_max_tokens: Output length when a request gives no ``max_tokens``.
         engine_id: Value of the ``engine`` label on every metric.
         tokenizer: Tokenizer file or folder (default: the project's own).
@@ -44,7 +59,7 @@ class EngineServerConfig:
     """
 
     model: str = "tiny"
-    profile: str = "tiny-cpu"
+    profile: str = DEFAULT_PROFILE
     kv_blocks: int | None = None
     block_size: int | None = None
     time_scale: float = 1.0
@@ -97,8 +112,23 @@ class EngineServerConfig:
 
     @property
     def effective_max_model_len(self) -> int:
-        """``max_model_len``, or the whole KV cache in tokens."""
+        """``max_model_len``, or :data:`DEFAULT_MAX_MODEL_LEN` capped by the KV cache."""
         if self.max_model_len is not None:
             return self.max_model_len
         prof = self.engine_profile()
-        return prof.kv_blocks * prof.block_size
+        return min(DEFAULT_MAX_MODEL_LEN, prof.kv_blocks * prof.block_size)
+
+    def length_hint(self) -> str:
+        """The sentence a too-long request's 400 ends with: the options that admit it."""
+        prof = self.engine_profile()
+        kv = prof.kv_blocks * prof.block_size
+        accepts = self.effective_max_model_len
+        head = f"This simulated engine (profile {prof.name}) accepts {accepts:,} tokens:"
+        if accepts < kv:
+            return f"{head} start it with --max-model-len up to {kv:,} (its KV cache)."
+        if prof.name != DEFAULT_PROFILE:
+            return (
+                f"{head} start it with more --kv-blocks, or without --profile "
+                f"({DEFAULT_PROFILE}: {DEFAULT_MAX_MODEL_LEN:,} tokens)."
+            )
+        return f"{head} start it with more --kv-blocks and --max-model-len."

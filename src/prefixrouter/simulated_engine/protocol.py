@@ -175,21 +175,29 @@ def chat_messages(body: Mapping[str, Any]) -> list[Any]:
     return messages
 
 
-def length_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> ApiError | None:
-    """vLLM's 400 for a request that cannot fit in ``max_model_len``, or None."""
+def length_error(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, hint: str = ""
+) -> ApiError | None:
+    """vLLM's 400 for a request that cannot fit in ``max_model_len``, or None.
+
+    ``hint`` (a sentence naming the engine's options that would admit the
+    request) follows vLLM's own message, after a space.
+    """
     if prompt_tokens == 0:
         return bad_request("The prompt cannot be empty.", "prompt")
+    tail = f" {hint}" if hint else ""
     if prompt_tokens >= max_model_len:
         return bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
-            "messages."
+            "messages." + tail
         )
     if prompt_tokens + max_tokens > max_model_len:
         return bad_request(
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
             f"maximum context length is {max_model_len} tokens and your request has "
-            f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).",
+            f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})."
+            + tail,
             "max_tokens",
         )
     return None
