@@ -43,7 +43,7 @@ from tests.gateway.live import LiveGateway, live_gateway
 
 ADMIN_KEY = "fuzz-admin-key"
 EXAMPLES = int(os.environ.get("PREFIXROUTER_FUZZ_EXAMPLES", "30"))
-"""Generated requests per operation and mode (12 operations, 2 modes): about 35 s.
+"""Generated requests per operation and mode (12 operations, 2 modes): 425 in about 15 s.
 
 A longer hunt: ``PREFIXROUTER_FUZZ_EXAMPLES=500`` (and ``PREFIXROUTER_FUZZ_RANDOM=1``
 for a fresh seed instead of the fixed one)."""
