@@ -106,6 +106,7 @@ VLLM = Path(__file__).with_name("vllm_results.md")
 """The comparison on real vLLM engines (``benchmarks/vllm_live.py``), appended."""
 REPLICAS = Path(__file__).with_name("replicas_results.md")
 REPLICAS_LIVE = Path(__file__).with_name("replicas_live_results.md")
+TENANT_FLOOD = Path(__file__).with_name("tenant_flood_results.md")
 """Router replicas, simulated (``benchmarks/replica_sweep.py``), appended."""
 EPP = Path(__file__).with_name("epp_results.md")
 """The endpoint picker behind Envoy (``benchmarks/epp_overhead.py``), appended."""
@@ -248,7 +249,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
                 f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
                 f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
             )
-    for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS, EPP):
+    for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS, EPP, TENANT_FLOOD):
         if appended.exists():
             lines += ["", appended.read_text(encoding="utf-8").strip()]
     return "\n".join(lines) + "\n"

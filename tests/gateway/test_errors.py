@@ -60,8 +60,12 @@ def test_mapping(exc: BaseException, status: int, type_: str, code: str) -> None
 
 
 def test_upstream_bodies_keep_or_get_the_openai_shape() -> None:
-    openai = orjson.dumps({"error": {"message": "m", "type": "t", "param": None, "code": 400}})
+    openai = orjson.dumps({"error": {"message": "m", "type": "t", "param": None, "code": "x"}})
     assert upstream_error_body(openai, 400) == openai
+    # vLLM's current shape has the status as an integer code (found by the fuzzer).
+    vllm = orjson.dumps({"error": {"message": "m", "type": "t", "param": 3, "code": 400}})
+    err = orjson.loads(upstream_error_body(vllm, 400))["error"]
+    assert err == {"message": "m", "type": "t", "param": None, "code": "400"}
     old = orjson.dumps(
         {"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}
     )

@@ -68,6 +68,8 @@ def _chat(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
         ),
         (_chat(SYS, max_tokens=0), CHAT, "max_tokens", "invalid_field"),
         (_chat(SYS, max_completion_tokens="8"), CHAT, "max_completion_tokens", "invalid_field"),
+        # Both are checked, as vLLM checks them, though the first one given counts.
+        (_chat(SYS, max_completion_tokens=8, max_tokens="x"), CHAT, "max_tokens", "invalid_field"),
         (_chat(SYS, tools={"a": 1}), CHAT, "tools", "invalid_field"),
         (_chat(SYS, cache_salt=7), CHAT, "cache_salt", "invalid_field"),
         ({"model": "tiny"}, COMPLETIONS, "prompt", "missing_field"),

@@ -224,7 +224,8 @@ class Admin:
         try:
             self._check(request)
             raw = request.query.get("limit", "100")
-            if not raw.isdigit():
+            # ASCII digits only: str.isdigit also takes "²" and "١", which int() refuses.
+            if not (raw.isascii() and raw.isdigit()):
                 raise BadRequest("limit: must be a non-negative integer", param="limit")
         except GatewayError as exc:
             return error_response(exc)

@@ -6,9 +6,10 @@
 * ``GET /v1/models``, ``/health`` (liveness), ``/ready`` (readiness: a
   cluster replica answers 503 until it has replayed its peers' facts),
   ``/metrics`` and the ``/admin/*`` endpoints
-  (:mod:`.admin`), ``/dashboard`` (:mod:`.dashboard`); any other path answers
-  404 in OpenAI's shape, and a known path asked with another method 405
-  with ``Allow`` (:func:`_unrouted`).
+  (:mod:`.admin`), ``/dashboard`` (:mod:`.dashboard`); ``GET /openapi.json``,
+  their OpenAPI document (:mod:`.openapi`); any other path answers 404 in
+  OpenAI's shape, and a known path asked with another method 405 with
+  ``Allow`` (:func:`_unrouted`).
 
 Its cleanup contexts (aiohttp's lifespan) open the proxy's upstream client
 (:mod:`.upstream`, keep-alive connections to every worker) and
@@ -30,11 +31,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from prefixrouter.gateway.access_log import note_requests
 from prefixrouter.gateway.admin import Admin, add_observability_routes
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.dashboard import add_dashboard_routes
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
 from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
+from prefixrouter.gateway.openapi import OPENAPI_PATH, openapi_handler
 from prefixrouter.gateway.proxy import Proxy
 from prefixrouter.gateway.request_builder import ChatTokenizer
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
@@ -87,6 +90,12 @@ async def background(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
     st.session = aiohttp.ClientSession(connector=connector)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
+    access = st.access
+    access_flusher = (
+        asyncio.get_running_loop().create_task(access.run(), name="access-log")
+        if access is not None
+        else None
+    )
     try:
         if st.events is not None:
             await st.events.start()  # bind before the engines' first events
@@ -105,9 +114,12 @@ async def background(app: web.Application) -> AsyncIterator[None]:
             await st.cluster.stop()
         if st.events is not None:
             await st.events.stop()
-        flusher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await flusher
+        for task in (flusher, access_flusher):
+            if task is None:
+                continue
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await st.registry.stop()
         await st.session.close()
         st.session = None
@@ -150,7 +162,9 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
         The application; its state is ``app[STATE]``.
     """
     state: GatewayState = build_state(config, tokenizer)
-    app = web.Application(client_max_size=config.server.max_body_bytes)
+    # Every request gets a note: per-tenant metrics and the access log read it at its end.
+    notes = note_requests(state.request_done, state.builder.new_request_id)
+    app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[notes])
     app[STATE] = state
     proxy = Proxy(state)
     admin = Admin(state)
@@ -160,6 +174,7 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_get("/v1/models", admin.models)
     add_observability_routes(app, admin)
     add_dashboard_routes(app)  # GET /dashboard and its live feed (.dashboard)
+    r.add_get(OPENAPI_PATH, openapi_handler(config))
     r.add_route("*", "/{tail:.*}", _unrouted(admin))
     app.cleanup_ctx.append(_upstream)
     app.cleanup_ctx.append(background)

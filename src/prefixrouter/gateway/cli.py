@@ -4,8 +4,9 @@ Configuration comes from a YAML file (``--config``, see
 :mod:`prefixrouter.gateway.config`); command-line options override it when they
 differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 ``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
-file, ``--policy`` the routing policy (its parameters then come from the file
-only if the names match), ``--admin-api-key`` (or the environment variable
+file, ``--access-log`` the access log's (:mod:`prefixrouter.gateway.access_log`),
+``--policy`` the routing policy (its parameters then come from the file only
+if the names match), ``--admin-api-key`` (or the environment variable
 ``PREFIXROUTER_ADMIN_API_KEY``; prefer it, a command line is visible to every
 local user) the key of ``/admin/*``, which are off without one, and
 ``--cluster nats://HOST:PORT`` with ``--replica-id NAME`` make this gateway
@@ -94,6 +95,7 @@ def build_config(
     cluster: str | None = None,
     replica_id: str | None = None,
     discover: str | None = None,
+    access_log: Path | None = None,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
 
@@ -123,6 +125,8 @@ def build_config(
     if replica_id is not None:
         data["cluster"]["replica_id"] = replica_id
     apply_discover(data, discover)
+    if access_log is not None:
+        data["access_log"]["path"] = access_log
     source = str(config) if config is not None else "command line"
     return config_from_dict(data, source)
 
@@ -196,6 +200,10 @@ HostOption = Annotated[str, typer.Option(help="Listen address.")]
 DecisionLogOption = Annotated[
     Path | None, typer.Option(help="Append the decision log (JSON lines) to this file.")
 ]
+AccessLogOption = Annotated[
+    Path | None,
+    typer.Option(help="Append the access log (one JSON line per request) to this file."),
+]
 PolicyOption = Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")]
 AdminKeyOption = Annotated[
     str | None,
@@ -230,6 +238,7 @@ def serve(
     ),
     host: HostOption = DEFAULT_HOST,
     decision_log: DecisionLogOption = None,
+    access_log: AccessLogOption = None,
     policy: PolicyOption = DEFAULT_POLICY,
     admin_api_key: AdminKeyOption = None,
     cluster: ClusterOption = None,
@@ -249,6 +258,7 @@ def serve(
             cluster,
             replica_id,
             discover,
+            access_log,
         )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -18,8 +18,9 @@ Shape of the YAML file (all keys optional)::
                     chars_per_token, template_version, tokenizer_revision,
                     prefix_key_tokens, default_max_tokens, document_chars,
                     max_prompt_tokens}
-    tenants:       {NAME: {share_cache, cache_salt}}
-    default_tenant: {share_cache, cache_salt}
+    tenants:       {NAME: {share_cache, cache_salt, priority, max_in_flight,
+                           requests_per_s, burst}}
+    default_tenant: {share_cache, cache_salt, priority, max_in_flight, requests_per_s, burst}
     api_keys:      {KEY: TENANT}
     require_api_key, trust_tenant_header, salt_secret
     health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
@@ -39,6 +40,8 @@ Shape of the YAML file (all keys optional)::
     rollout:       {enabled, classes, share, baseline_policy, prefix_pool, baseline_pool, seed}
     drift:         {enabled, min_tokens, rel_tolerance, window, min_samples, fire_share,
                     clear_after}
+    overload:      {max_in_flight, max_queue, max_wait_s, aging_s}
+    access_log:    {path, flush_interval_s}
 
 Errors: :func:`load_config` raises :class:`~prefixrouter.errors.ConfigError`
 with one line per problem, ``FILE:LINE: dotted.field: what is wrong``. The line
@@ -338,10 +341,22 @@ class TenantRule(_Model):
             (never a warm route shared with another tenant) and, on vLLM
             workers, a ``cache_salt`` so the engine keeps its blocks apart too.
         cache_salt: Explicit salt; default derived from the tenant and ``salt_secret``.
+        priority: Under overload, higher goes first (:mod:`.limits`); a request's
+            ``X-Priority`` header may lower its own, never raise it above this.
+        max_in_flight: Requests of the tenant in flight at once; past it 429.
+        requests_per_s: Sustained requests per second (a token bucket); past it 429.
+        burst: Requests above the rate taken at once (None: ``ceil(requests_per_s)``).
+
+    ``default_tenant``'s limits apply to each tenant without a rule of its own,
+    separately (each has its own count and bucket), anonymous requests included.
     """
 
     share_cache: bool = True
     cache_salt: str | None = None
+    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+    max_in_flight: PosInt | None = None
+    requests_per_s: PosFloat | None = None
+    burst: PosInt | None = None
 
 
 class HealthConfig(_Model):
@@ -425,6 +440,40 @@ class ProxyConfig(_Model):
     first_byte_timeout_floor_s: PosFloat | None = 2.0
     first_byte_timeout_factor: Annotated[float, Field(ge=1.0)] = 3.0
     stall_timeout_s: PosFloat | None = 5.0
+
+
+class OverloadConfig(_Model):
+    """What the gateway does when it holds as many requests as it can serve (:mod:`.limits`).
+
+    Attributes:
+        max_in_flight: The gateway's capacity: requests past it wait in a
+            priority queue. An integer, ``"slots"`` (the sum of the routable
+            workers' ``max_slots``: more would only queue inside the engines,
+            where no priority applies) or None (no gateway queue; every request
+            goes to routing at once, as without this section).
+        max_queue: Most requests waiting; past it the lowest priority's newest is shed (503).
+        max_wait_s: A request waiting longer than this is shed (503).
+        aging_s: Seconds of waiting one priority level is worth: the starvation
+            bound (a lower priority is served before a higher one's newcomers
+            that arrive this long per level after it).
+    """
+
+    max_in_flight: PosInt | Literal["slots"] | None = None
+    max_queue: Annotated[int, Field(ge=0)] = 1024
+    max_wait_s: PosFloat = 30.0
+    aging_s: PosFloat = 1.0
+
+
+class AccessLogConfig(_Model):
+    """The access log (:mod:`.access_log`): one JSON line per request.
+
+    Attributes:
+        path: File to append to (None: no access log).
+        flush_interval_s: How often buffered lines are written (on a thread).
+    """
+
+    path: Path | None = None
+    flush_interval_s: PosFloat = 1.0
 
 
 class DecisionLogConfig(_Model):
@@ -842,6 +891,8 @@ class GatewayConfig(_Model):
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     drift: DriftConfig = Field(default_factory=DriftConfig)
+    overload: OverloadConfig = Field(default_factory=OverloadConfig)
+    access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
 
     @field_validator("tenant_header")
     @classmethod

@@ -20,7 +20,11 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   ├── RequestTimeout           408  invalid_request_error  request_timeout  (slow body)
     │   ├── Conflict                 409  invalid_request_error  conflict  (id or topic taken)
     │   ├── PayloadTooLarge          413  invalid_request_error  request_too_large
+    │   ├── TooManyRequests          429  rate_limit_error       rate_limit_exceeded
+    │   │                                                         | too_many_in_flight
+    │   │                                                           (+ Retry-After)
     │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
+    │   │   └── Overloaded           503  service_unavailable    overloaded  (shed; + Retry-After)
     │   └── UpstreamFailed           502  upstream_error         upstream_unreachable
     ├── RoutingError
     │   └── NoWorkerAvailable        503  service_unavailable    no_healthy_worker  (+ Retry-After)
@@ -44,7 +48,9 @@ the client ends with an SSE ``data: {"error": ...}`` event (never a retry).
 An upstream engine's own error keeps its status: its body is passed through
 when it already has the OpenAI shape and wrapped into it otherwise
 (:func:`upstream_error_body`); vLLM's older ``{"object": "error", "message",
-"type", "code"}`` shape is converted.
+"type", "code"}`` shape is converted, and so is its ``{"error": {...}}`` whose
+``code`` is the status as an integer (OpenAI's is a string or null: the
+fuzzer found clients being handed ``"code": 400``).
 """
 
 from __future__ import annotations
@@ -162,12 +168,26 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class TooManyRequests(GatewayError):
+    """429: the tenant is over its rate or in-flight limit; carries ``Retry-After``."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class ServiceUnavailable(GatewayError):
     """503: no healthy worker can take the request; carries ``Retry-After``."""
 
     status = 503
     type = "service_unavailable"
     code = "no_healthy_worker"
+
+
+class Overloaded(ServiceUnavailable):
+    """503: the gateway is full and shed the request (queue full or waited too long)."""
+
+    code = "overloaded"
 
 
 class UpstreamFailed(GatewayError):
@@ -212,6 +232,16 @@ def error_response(exc: BaseException, retry_after_s: int = 1) -> web.Response:
     return resp
 
 
+def _openai_shaped(err: dict[str, Any]) -> bool:
+    """``message`` and ``type`` strings, ``param`` and ``code`` strings or null."""
+    return (
+        isinstance(err.get("message"), str)
+        and isinstance(err.get("type"), str)
+        and isinstance(err.get("param"), str | None)
+        and isinstance(err.get("code"), str | None)
+    )
+
+
 def upstream_error_body(body: bytes, status: int) -> bytes:
     """An upstream error body in OpenAI's shape (passed through when it already is)."""
     try:
@@ -219,9 +249,12 @@ def upstream_error_body(body: bytes, status: int) -> bytes:
     except orjson.JSONDecodeError:
         data = None
     if isinstance(data, dict):
-        if isinstance(data.get("error"), dict):
-            return body
-        if "message" in data:  # vLLM's older {"object": "error", ...}
+        err = data.get("error")
+        if isinstance(err, dict):
+            if _openai_shaped(err):
+                return body
+            data = err  # vLLM's {"error": {..., "code": 400}}: code an integer
+        if "message" in data:  # or vLLM's older {"object": "error", ...}
             code = data.get("code")
             return error_body(
                 str(data["message"]),

@@ -394,7 +394,12 @@ class RequestFlow:
         error: str | None,
         attempts: int,
     ) -> None:
-        """One decision-log record."""
+        """One decision-log record (and the access log's note of the request, if it has one)."""
+        note = built.note
+        if note is not None:
+            note.worker, note.tier, note.status = decision.worker_id, decision.tier, status
+            note.cached_tokens, note.prompt_tokens, note.ttft_s = cached, prompt, ttft_s
+            note.error = error
         self.st.decisions.record(
             decision,
             RequestOutcome(

@@ -144,6 +144,12 @@ class _Histogram:
         return fam
 
 
+LabelledCounter = _Counter
+"""The lock-free labelled counter, for other modules' collectors (:mod:`.controls`)."""
+LabelledHistogram = _Histogram
+"""The lock-free labelled histogram, for other modules' collectors."""
+
+
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 

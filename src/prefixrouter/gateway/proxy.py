@@ -6,10 +6,13 @@ picker (:mod:`prefixrouter.epp`); this module carries the bytes.
 
 Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 
-1. read the body (413 past ``server.max_body_bytes``; 408 when it comes too
-   slowly, :mod:`.server`), parse it once (400 on invalid JSON), build the
-   routing request (400 naming a bad field; 401 on a bad key where keys are
-   required) and check the model (404). Bodies of ``OFF_LOOP_BODY_BYTES`` and
+1. from the headers alone, the tenant (401 on a bad key where keys are
+   required, 403 on a refused ``X-Tenant``) and its limits (429 with
+   ``Retry-After``, :mod:`.controls`); then read the body (413 past
+   ``server.max_body_bytes``; 408 when it comes too slowly, :mod:`.server`),
+   parse it once (400 on invalid JSON), build the routing request (400 naming
+   a bad field) and check the model (404); under overload, wait in the
+   priority queue (503 ``overloaded`` when shed). Bodies of ``OFF_LOOP_BODY_BYTES`` and
    more are parsed (a long token-id prompt in slices, :mod:`.body`), built and
    hashed into blocks on a worker thread, so a large one does not stall the
    event loop;
@@ -82,6 +85,8 @@ from prefixrouter.core.dispatch import Admission
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
 from prefixrouter.errors import NoWorkerAvailable
+from prefixrouter.gateway.access_log import note_of
+from prefixrouter.gateway.controls import PRIORITY_HEADER, Ticket
 from prefixrouter.gateway.errors import (
     JSON,
     BadRequest,
@@ -176,15 +181,53 @@ class Proxy:
         st = self.st
         st.requests_seen += 1
         t0 = st.clock()
+        note = note_of(request)
+        headers = request.headers
+        try:
+            # Who asks, and may they now: from the headers alone, before a body
+            # of up to max_body_bytes is read and parsed for nothing (a missing
+            # or unknown key, a tenant over its limits).
+            tenant = st.tenancy.tenant_of(headers.get("Authorization"), headers.get("X-Tenant"))
+            note.tenant = tenant
+            ticket = st.controls.acquire(tenant, headers.get(PRIORITY_HEADER))
+        except GatewayError as exc:
+            st.metrics.request_done("", "none", exc.status)
+            note.error = exc.code
+            return error_response(exc)
+        note.priority = ticket.priority
+        try:
+            return await self._admitted(request, kind, path, t0, ticket)
+        finally:
+            st.controls.release(ticket)
+
+    async def _admitted(
+        self, request: web.Request, kind: str, path: str, t0: float, ticket: Ticket
+    ) -> web.StreamResponse:
+        """A request past its tenant's limits: build, wait under overload, forward."""
+        st = self.st
+        note = note_of(request)
         try:
             built = await self._build(request, kind)
         except GatewayError as exc:
             st.metrics.request_done("", "none", exc.status)
+            note.error = exc.code
             return error_response(exc)
         except Exception as exc:  # never crash: answer 500 in OpenAI's shape
             st.metrics.request_done("", "none", 500)
+            note.error = "internal_error"
             return error_response(exc)
+        rid = built.routing.request_id
+        built.note = note
+        note.request_id, note.stream = rid, built.stream
         try:
+            try:
+                await st.controls.wait(ticket)  # under overload: the priority queue
+            except GatewayError as exc:
+                st.metrics.request_done("", "none", exc.status)
+                note.error = exc.code
+                exc.headers["X-Request-Id"] = rid
+                return error_response(exc)
+            note.queue_wait_s = ticket.waited_s
             return await self._forward(request, built, path, t0)
         finally:
             if built.blocks is not None:  # parsed on the parse thread: a large body
@@ -505,6 +548,8 @@ class Proxy:
         decision = adm.decision if adm is not None else None
         tier = decision.tier if decision is not None else "none"
         self.st.metrics.request_done("", tier, resp.status)
+        if built.note is not None:
+            built.note.error = why  # record() below names the attempts' errors instead
         if decision is not None:  # attempts were made: none is lost silently
             errors = "; ".join(retry.errors) if retry is not None else ""
             latency = self.st.clock() - t0

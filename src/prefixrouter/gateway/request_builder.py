@@ -27,6 +27,7 @@ from typing import Any
 
 from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.types import CacheNamespace, RequestId, RoutingRequest
+from prefixrouter.gateway.access_log import RequestNote
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.errors import BadRequest
 from prefixrouter.gateway.tenancy import TenantScope
@@ -63,6 +64,7 @@ class BuiltRequest:
             it; None for a prompt of token ids).
         blocks: The prompt's block hashes, when hashed with the parse (large
             bodies, off the event loop); None: ``Router.route`` hashes it.
+        note: The request's access-log note, filled in as it is served.
     """
 
     routing: RoutingRequest
@@ -75,6 +77,7 @@ class BuiltRequest:
     model: str
     prompt: RenderedPrompt | None = None
     blocks: PromptBlocks | None = None
+    note: RequestNote | None = None
 
 
 def bad_request(exc: PromptError) -> BadRequest:

@@ -28,8 +28,10 @@ from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router, replica_salt
 from prefixrouter.core.types import WorkerId
 from prefixrouter.discovery.kubernetes import DiscoveryCollector
+from prefixrouter.gateway.access_log import AccessLog, RequestNote
 from prefixrouter.gateway.cluster_link import build_node
 from prefixrouter.gateway.config import GatewayConfig
+from prefixrouter.gateway.controls import TenantControls
 from prefixrouter.gateway.decision_log import DecisionLog
 from prefixrouter.gateway.discovery_link import DiscoveryLink
 from prefixrouter.gateway.fleet import FleetControls
@@ -58,7 +60,9 @@ class GatewayState:
     builder: RequestBuilder
     tenancy: Tenancy
     fleet: FleetControls
+    controls: TenantControls
     lint: LintObserver | None = None
+    access: AccessLog | None = None
     events: KvEventSubscriber | None = None
     cluster: ClusterNode | None = None
     discovery: DiscoveryLink | None = None
@@ -75,6 +79,13 @@ class GatewayState:
         is cached per loop iteration, too coarse for time to first token.
         """
         return time.monotonic()
+
+    def request_done(self, note: RequestNote) -> None:
+        """A request ended: count it for its tenant, and log it (:mod:`.access_log`)."""
+        if note.tenant is not None and note.status is not None:
+            self.controls.finished(note.tenant, note.status, note.ttft_s)
+        if self.access is not None:
+            self.access.record(note)
 
     def note_served(self, worker: WorkerId, prefix_key: str, now: float) -> float | None:
         """Remember that ``worker`` served ``prefix_key`` now; return the previous time."""
@@ -144,6 +155,10 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     tenancy = Tenancy(config)
     fleet = FleetControls(config, dispatch)  # affinity, rollout, drift alarm
     metrics.registry.register(fleet.collector())
+    controls = TenantControls(config, lambda: _routable_slots(registry), time.monotonic)
+    metrics.registry.register(controls.metrics)
+    al = config.access_log
+    access = AccessLog(al.path, al.flush_interval_s) if al.path is not None else None
     events = None
     if config.kv_events_on:
         events = KvEventSubscriber(config.kv_events.endpoint, dispatch, time.monotonic)
@@ -175,9 +190,16 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
         builder=builder,
         tenancy=tenancy,
         fleet=fleet,
+        controls=controls,
+        access=access,
         lint=LintObserver() if config.metrics.lint_observe else None,
         events=events,
     )
+
+
+def _routable_slots(registry: WorkerRegistry) -> int:
+    """The ``max_slots`` of the workers that can take requests now, summed."""
+    return sum(w.view.max_slots for w in registry.workers.values() if w.healthy and not w.draining)
 
 
 def _event_namespace(worker: Worker, builder: RequestBuilder, tenancy: Tenancy) -> NamespaceSeed:

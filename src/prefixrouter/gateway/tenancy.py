@@ -140,6 +140,23 @@ class Tenancy:
         elif key not in cfg.api_keys:
             raise Unauthorized("incorrect API key provided", code="invalid_api_key")
 
+    def tenant_of(self, authorization: str | None, tenant_header: str | None) -> str:
+        """The tenant a request's headers name ("" anonymous), from the headers alone.
+
+        Raises:
+            Unauthorized: As :meth:`check_key`.
+            Forbidden: A trusted ``X-Tenant`` names a tenant that has keys or
+                does not share its cache.
+            BadRequest: ``X-Tenant`` is not printable UTF-8.
+        """
+        self.check_key(authorization)
+        key = bearer_token(authorization)
+        if key:
+            # With no keys configured a client's key (OpenAI SDKs always send
+            # one) identifies nobody, and the request is anonymous.
+            return self.config.api_keys.get(key, "")
+        return self._header_tenant(tenant_header) if self.config.trust_tenant_header else ""
+
     def namespace_of_salt(self, salt: str | None) -> str:
         """The namespace tenant field of requests an engine saw with ``salt``.
 
@@ -180,14 +197,7 @@ class Tenancy:
         self, authorization: str | None, tenant_header: str | None, client_salt: str | None
     ) -> TenantScope:
         cfg = self.config
-        self.check_key(authorization)
-        key = bearer_token(authorization)
-        if key:
-            # With no keys configured a client's key (OpenAI SDKs always send
-            # one) identifies nobody, and the request is anonymous.
-            tenant = cfg.api_keys.get(key, "")
-        else:
-            tenant = self._header_tenant(tenant_header) if cfg.trust_tenant_header else ""
+        tenant = self.tenant_of(authorization, tenant_header)
         rule = cfg.tenant_rule(tenant)
         salt_ns = self._digest(client_salt) if client_salt else ""
         if rule.share_cache:

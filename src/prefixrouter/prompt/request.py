@@ -11,8 +11,8 @@ Steps, in the order their errors are reported:
 
 1. :func:`request_options`: the body is an object; ``model`` (a non-empty
    string); ``stream``, ``stream_options.include_usage`` (booleans);
-   ``max_completion_tokens``, else ``max_tokens`` (a positive integer), else
-   the default. The gateway validates its own fields (``cache_salt``, the
+   ``max_completion_tokens``, else ``max_tokens`` (each, when given, a
+   positive integer), else the default. The gateway validates its own fields (``cache_salt``, the
    tenant) between this step and the next.
 2. :func:`build_prompt`: ``messages`` (a non-empty list, rendered with
    :data:`~prefixrouter.prompt.render.GATEWAY` rules, or, with a tokenizer,
@@ -319,11 +319,14 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def _max_tokens(body: Mapping[str, Any], default: int) -> int:
+    # Both are checked (vLLM validates both), the first given one counts.
+    found: int | None = None
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PromptError(name, "must be a positive integer")
-        return value
-    return default
+        if found is None:
+            found = value
+    return default if found is None else found

@@ -1,0 +1,260 @@
+"""The access log: one JSON line per HTTP request, written off the event loop.
+
+Optional: ``access_log.path`` in the configuration or ``prefixrouter serve
+--access-log PATH``. Every request the gateway answers gets one line, errors
+and refusals included, in the order requests end. The fields are stable
+(new ones may be added; none is renamed or removed)::
+
+    ts            arrival, Unix seconds (float, microseconds)
+    end_ts        end of the response, Unix seconds
+    request_id    the X-Request-Id the client got
+    method, path  the request line (path without the query string)
+    status        the HTTP status; for a stream that broke after its first
+                  byte the status the gateway recorded (502, 504), 499 when
+                  the client went away
+    tenant        the tenant its key (or trusted X-Tenant) names ("" anonymous),
+                  null where none was resolved (a bad key; not a completion
+                  request). Never the API key
+    priority      the request's priority (null when not admitted that far)
+    worker        the worker that served it (null: none)
+    tier          the routing decision's tier (null: not routed)
+    cached_tokens the engine-reported prompt tokens it reused (null: not reported)
+    prompt_tokens the engine-reported prompt length (null: not reported)
+    ttft_ms       time to the first upstream byte of a stream (null: not streamed)
+    queue_wait_ms time in the overload queue (0 when it did not wait)
+    latency_ms    arrival to the end of the response
+    stream        the client asked for a stream (null: not a completion request)
+    error         the error code (OpenAI ``error.code``) or what went wrong; null on success
+
+The hot path appends one small :class:`RequestNote` to a list; every
+``flush_interval_s`` the flusher hands the batch to a thread, which renders it
+and appends it to the file, so neither JSON encoding nor the write runs on
+the event loop. Lines still buffered when the gateway stops are written at
+its cleanup.
+
+:func:`note_requests` is the middleware that makes each request's note and,
+at its end, hands it to the per-tenant metrics and to this log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+log = logging.getLogger("prefixrouter.gateway")
+
+FIELDS = (
+    "ts",
+    "end_ts",
+    "request_id",
+    "method",
+    "path",
+    "status",
+    "tenant",
+    "priority",
+    "worker",
+    "tier",
+    "cached_tokens",
+    "prompt_tokens",
+    "ttft_ms",
+    "queue_wait_ms",
+    "latency_ms",
+    "stream",
+    "error",
+)
+"""The fields of every line, in their order (module docstring)."""
+
+
+@dataclass(slots=True, eq=False)
+class RequestNote:
+    """What the gateway learns about one request while it serves it."""
+
+    ts: float
+    method: str
+    path: str
+    start: float = 0.0
+    end_ts: float = 0.0
+    latency_s: float = 0.0
+    request_id: str | None = None
+    status: int | None = None
+    tenant: str | None = None
+    priority: int | None = None
+    worker: str | None = None
+    tier: str | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    ttft_s: float | None = None
+    queue_wait_s: float = 0.0
+    stream: bool | None = None
+    error: str | None = None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1e3, 3) if seconds is not None else None
+
+
+def render(note: RequestNote) -> dict[str, Any]:
+    """One access-log line (the fields of :data:`FIELDS`)."""
+    return {
+        "ts": round(note.ts, 6),
+        "end_ts": round(note.end_ts, 6),
+        "request_id": note.request_id,
+        "method": note.method,
+        "path": note.path,
+        "status": note.status,
+        "tenant": note.tenant,
+        "priority": note.priority,
+        "worker": note.worker,
+        "tier": note.tier,
+        "cached_tokens": note.cached_tokens,
+        "prompt_tokens": note.prompt_tokens,
+        "ttft_ms": _ms(note.ttft_s),
+        "queue_wait_ms": _ms(note.queue_wait_s),
+        "latency_ms": _ms(note.latency_s),
+        "stream": note.stream,
+        "error": note.error,
+    }
+
+
+def _lines(batch: list[RequestNote]) -> bytes:
+    out = []
+    for note in batch:
+        try:
+            out.append(orjson.dumps(render(note)) + b"\n")
+        except (TypeError, orjson.JSONEncodeError):  # a path that is not UTF-8
+            log.warning("access log: dropped a line that is not JSON-serializable")
+    return b"".join(out)
+
+
+class AccessLog:
+    """Buffered JSON lines appended to ``path`` by a thread (module docstring).
+
+    Args:
+        path: The file (appended; its folder is made).
+        flush_interval_s: How often the buffer is written.
+    """
+
+    def __init__(self, path: Path, flush_interval_s: float = 1.0) -> None:
+        self.path = path
+        self.flush_interval_s = flush_interval_s
+        self._pending: list[RequestNote] = []
+        self._file: IO[bytes] | None = None
+        self.written = 0
+
+    def record(self, note: RequestNote) -> None:
+        """Keep one finished request's line (the hot path: one append)."""
+        self._pending.append(note)
+
+    def _write(self, batch: list[RequestNote]) -> None:
+        """Render and append ``batch`` (on the flusher's thread, or at close)."""
+        data = _lines(batch)
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("ab")
+        self._file.write(data)
+        self._file.flush()
+        self.written += len(batch)
+
+    def take(self) -> list[RequestNote]:
+        """The buffered notes, emptying the buffer."""
+        batch, self._pending = self._pending, []
+        return batch
+
+    async def run(self) -> None:
+        """Write the buffer on a thread every ``flush_interval_s`` until cancelled; then close."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await asyncio.sleep(self.flush_interval_s)
+                batch = self.take()
+                if batch:
+                    try:
+                        await loop.run_in_executor(None, self._write, batch)
+                    except OSError as exc:  # a full disk must not stop the gateway
+                        log.warning("access log: cannot write %s: %s", self.path, exc)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Write what is buffered and close the file."""
+        batch = self.take()
+        try:
+            if batch:
+                self._write(batch)
+        except OSError as exc:
+            log.warning("access log: cannot write %s: %s", self.path, exc)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+NOTE = web.RequestKey("prefixrouter_note", RequestNote)
+"""Where a request keeps its :class:`RequestNote`."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def note_of(request: web.Request, clock: Callable[[], float] = time.monotonic) -> RequestNote:
+    """The request's note (a fresh one outside :func:`note_requests`, as in unit tests)."""
+    note = request.get(NOTE)
+    if note is None:
+        note = request[NOTE] = RequestNote(time.time(), request.method, request.path, clock())
+    return note
+
+
+def note_requests(
+    done: Callable[[RequestNote], None],
+    new_request_id: Callable[[], str],
+    clock: Callable[[], float] = time.monotonic,
+) -> Middleware:
+    """The middleware: a note per request, ``done(note)`` at its end.
+
+    A response that carries no ``X-Request-Id`` yet (anything but a completion
+    the proxy routed) gets a fresh one, so every line's id is one a client saw
+    (where the response was not already sent).
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        note = RequestNote(time.time(), request.method, request.path, clock())
+        request[NOTE] = note
+        try:
+            resp = await handler(request)
+        except asyncio.CancelledError:
+            if note.status is None:
+                note.status = 499
+            raise
+        except web.HTTPException as exc:
+            note.status = exc.status
+            raise
+        except BaseException:
+            note.status = 500
+            raise
+        else:
+            if note.status is None:
+                note.status = resp.status
+            if note.request_id is None:
+                note.request_id = resp.headers.get("X-Request-Id") or new_request_id()
+                if not resp.prepared:
+                    resp.headers["X-Request-Id"] = note.request_id
+            return resp
+        finally:
+            note.end_ts = time.time()
+            note.latency_s = clock() - note.start
+            if note.request_id is None:
+                note.request_id = new_request_id()
+            try:
+                done(note)
+            except Exception:  # bookkeeping must not cost the client its answer
+                log.exception("request bookkeeping failed")
+
+    return middleware
