@@ -35,6 +35,7 @@ from prefixrouter import __version__
 from prefixrouter.core.types import PrefixClass
 from prefixrouter.gateway.config import GatewayConfig, WorkerConfig
 from prefixrouter.gateway.controls import PRIORITY_HEADER, PRIORITY_MAX, PRIORITY_MIN
+from prefixrouter.gateway.dashboard.routes import DASHBOARD_PATH
 from prefixrouter.gateway.errors import JSON
 from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER
 from prefixrouter.prompt.render import OPENAI_ROLES, TEXT_PART_TYPES
@@ -247,6 +248,29 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {"200": _ok("Figures", {"type": "object", "required": ["pid"]})},
         admin=True,
     ),
+    ("GET", DASHBOARD_PATH): Operation(
+        "The live dashboard (an HTML page; its data needs the admin key where one is set)",
+        {"200": _ok("The page", {"type": "string"}, "text/html")},
+        tags=("dashboard",),
+    ),
+    ("GET", DASHBOARD_PATH + "/static/{name}"): Operation(
+        "One of the dashboard's own assets (script, style sheet)",
+        {"200": _ok("The asset", {"type": "string"}, "text/plain")},
+        parameters=("asset_name",),
+        tags=("dashboard",),
+    ),
+    ("GET", DASHBOARD_PATH + "/events"): Operation(
+        "The dashboard's live feed: one server-sent event a second (it does not end)",
+        {"200": _ok("The event stream", {"type": "string"}, "text/event-stream")},
+        admin=True,
+        tags=("dashboard",),
+    ),
+    ("GET", DASHBOARD_PATH + "/snapshot"): Operation(
+        "The dashboard's figures now, as one JSON document",
+        {"200": _ok("The snapshot", {"type": "object"})},
+        admin=True,
+        tags=("dashboard",),
+    ),
 }
 """Every endpoint's documentation, keyed by (method, aiohttp path)."""
 
@@ -268,6 +292,12 @@ def _parameters(config: GatewayConfig) -> dict[str, Any]:
             "schema": {"enum": [c.value for c in PrefixClass]},
         },
         "worker_id": {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}},
+        "asset_name": {
+            "name": "name",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]+$"},
+        },
         "drain_timeout": {
             "name": "timeout",
             "in": "query",
