@@ -6,10 +6,11 @@ and one gateway, then two engines and two gateway replicas on a real
 ``nats-server``, under the same open-loop streamed load. Writes the figures
 as JSON and as a Markdown table, and with ``--results`` replaces the table
 between the ``<!-- faults:begin -->`` and ``<!-- faults:end -->`` markers of
+``benchmarks/reliability_results.md``, which ``sim_results.py`` appends to
 ``benchmarks/RESULTS.md`` (never hand-typed)::
 
     PYTHONPATH=src python benchmarks/faults_table.py --json benchmarks/results/faults.json \\
-        [--results benchmarks/RESULTS.md] [--only engine_sigkill,...]
+        [--results benchmarks/reliability_results.md] [--only engine_sigkill,...]
 
 Columns: requests sent; complete (``data: [DONE]``); clean errors (an
 OpenAI-shaped error status or SSE error event); refused or cut (the gateway
@@ -108,7 +109,7 @@ async def main_async(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--results", type=Path, help="RESULTS.md whose fault table to replace")
+    ap.add_argument("--results", type=Path, help="reliability_results.md, whose fault table to replace")
     ap.add_argument("--only", help="comma-separated scenario keys")
     args = ap.parse_args(argv)
     if args.results and markers("faults")[0] not in args.results.read_text():

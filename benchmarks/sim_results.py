@@ -105,11 +105,15 @@ LIVE = Path(__file__).with_name("live_results.md")
 VLLM = Path(__file__).with_name("vllm_results.md")
 """The comparison on real vLLM engines (``benchmarks/vllm_live.py``), appended."""
 REPLICAS = Path(__file__).with_name("replicas_results.md")
-REPLICAS_LIVE = Path(__file__).with_name("replicas_live_results.md")
-TENANT_FLOOD = Path(__file__).with_name("tenant_flood_results.md")
 """Router replicas, simulated (``benchmarks/replica_sweep.py``), appended."""
+REPLICAS_LIVE = Path(__file__).with_name("replicas_live_results.md")
+"""Router replicas, live (``prefixrouter bench --replicas``), appended."""
+RELIABILITY = Path(__file__).with_name("reliability_results.md")
+"""Faults and soak (``benchmarks/faults_table.py``, ``benchmarks/soak.py``), appended."""
 EPP = Path(__file__).with_name("epp_results.md")
 """The endpoint picker behind Envoy (``benchmarks/epp_overhead.py``), appended."""
+TENANT_FLOOD = Path(__file__).with_name("tenant_flood_results.md")
+"""Tenant limits under a one-tenant flood, and the fuzzing totals, appended."""
 
 
 PERCENTILES = (
@@ -249,7 +253,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
                 f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
                 f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
             )
-    for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS, EPP, TENANT_FLOOD):
+    for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS, RELIABILITY, EPP, TENANT_FLOOD):
         if appended.exists():
             lines += ["", appended.read_text(encoding="utf-8").strip()]
     return "\n".join(lines) + "\n"
