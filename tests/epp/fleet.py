@@ -8,8 +8,9 @@ on one port, ``/metrics``, ``/admin/*``, ``/health`` on another), and Envoy
 the run (:func:`prefixrouter.epp.envoy.render`).
 
 The client speaks the OpenAI API as the official SDK does (a JSON POST; for
-a stream, ``data:`` events until ``[DONE]``), with aiohttp: the ``openai``
-package is not installed in this environment.
+a stream, ``data:`` events until ``[DONE]``), with aiohttp, so a test can
+read the response headers and bytes the SDK hides; ``test_envoy`` also
+drives the official ``openai`` SDK itself through Envoy.
 """
 
 from __future__ import annotations

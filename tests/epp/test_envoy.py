@@ -86,6 +86,47 @@ def _doc(tag: str) -> str:
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_the_official_openai_sdk_through_envoy(stack: Stack, mode: str) -> None:
+    # The client a user has: the official SDK, pointed at Envoy, never at the picker.
+    import openai
+
+    sdk = openai.AsyncOpenAI(
+        base_url=stack.envoys[mode].url + "/v1", api_key=KEYS["team-a"], max_retries=0, timeout=60
+    )
+    async with sdk:
+        chat = await sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"sdk {mode}"}], max_tokens=4
+        )
+        assert chat.choices[0].message.content and chat.usage is not None
+        chunks = [
+            c
+            async for c in await sdk.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": f"sdk stream {mode}"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        ]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text and chunks[-1].usage is not None
+        comp = await sdk.completions.create(model="tiny", prompt=f"sdk {mode}:", max_tokens=4)
+        assert comp.choices[0].text and comp.usage is not None
+        streamed = [
+            c
+            async for c in await sdk.completions.create(
+                model="tiny", prompt=f"sdk stream {mode}:", max_tokens=4, stream=True
+            )
+        ]
+        assert "".join(c.choices[0].text for c in streamed if c.choices)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await sdk.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert unknown.value.status_code == 404
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_unary_and_streamed_chat_and_completions(stack: Stack, mode: str) -> None:
     url = stack.envoys[mode].url
     async with client() as s:
