@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from prefixrouter.core import Dispatcher, Router
-from prefixrouter.core.unseen import UnseenPeers
+from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
 from tests.core.conftest import request, tokens, workers
 
 LAG = 0.01
@@ -110,3 +110,27 @@ def test_replicas_that_learnt_the_bursts_spread_the_next_one_instead_of_herding(
     second = _burst(aware, 1.0, 100)
     assert len(set(second)) >= 3
     assert all(d.router.replica_salt for d in aware)
+
+
+def test_many_stand_ins_cost_a_bounded_number_of_routings() -> None:
+    d = Dispatcher(Router("prefix_aware", replica_salt=7), record_facts=True)
+    peers = [Dispatcher(Router("prefix_aware"), record_facts=True) for _ in range(30)]
+    d.admit(request("own0", tokens(500, 16 * 8)), workers(8), 0.0)
+    for i, p in enumerate(peers):  # a burst of 31 at one instant: E about 15
+        p.admit(request(f"p{i}", tokens(600 + i, 16 * 8)), workers(8), 0.0)
+        for fact in p.drain_facts():
+            d.apply_peer(f"p{i}@1", fact, LAG, 0.0)
+    real, calls = d.router.route, []
+
+    def counting(*args: object, **kw: object) -> object:
+        calls.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    d.router.route = counting  # type: ignore[method-assign]
+    aheads = []
+    for i in range(40):
+        calls.clear()
+        adm = d.admit(request(f"own{i + 1}", tokens(700 + i, 16 * 8)), workers(8), 1.0)
+        aheads.append(adm.decision.reason)
+        assert len(calls) <= 1 + MAX_REROUTES
+    assert any(f"behind {n} unseen" in r for r in aheads for n in range(MAX_REROUTES + 1, 17))

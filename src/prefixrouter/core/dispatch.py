@@ -89,7 +89,7 @@ from prefixrouter.core.types import (
     WorkerId,
     WorkerView,
 )
-from prefixrouter.core.unseen import UnseenPeers
+from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
 
 RoutingMode = Literal["text", "token"]
 """How prompts are hashed: ``token`` (engine blocks of token ids) or ``text``
@@ -388,20 +388,23 @@ class Dispatcher:
     ) -> Decision:
         """Route ``request`` behind ``ahead`` stand-ins of itself (see :mod:`.unseen`).
 
-        Each stand-in goes where ``decision`` went and is placed in copies of
-        the views (the caller's are left alone) as the ledger would place it;
-        the request is then routed again on them.
+        The stand-ins go in at most :data:`~prefixrouter.core.unseen.MAX_REROUTES`
+        groups, each placed where the last routing went, in copies of the
+        views (the caller's are left alone) as the ledger would place them;
+        the request is routed again after each group.
         """
         copies = [replace(v) for v in views]
         by_id = {v.worker_id: v for v in copies}
         blocks = decision.context.blocks
         router = self._router
-        for _ in range(ahead):
+        groups = min(ahead, MAX_REROUTES)
+        for g in range(groups):
+            n = ahead // groups + (1 if g < ahead % groups else 0)
             view = by_id[decision.worker_id]
             prompt = decision.prompt_tokens
-            view.in_flight += 1
-            view.pending_prefill_tokens += max(0, prompt - decision.predicted_cached_tokens)
-            view.queued_prompt_tokens += prompt
+            view.in_flight += n
+            view.pending_prefill_tokens += n * max(0, prompt - decision.predicted_cached_tokens)
+            view.queued_prompt_tokens += n * prompt
             decision = router.route(request, copies, now, blocks)
         decision.reason += f" (behind {ahead} unseen peer routings)"
         return decision

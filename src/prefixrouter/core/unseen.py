@@ -35,7 +35,9 @@ replica's salt, so replicas draw differently and a run is reproducible:
 with ``s`` routings ahead of it, the dispatcher routes ``s`` stand-ins
 first, each placed in copies of the views as the ledger would place it (one
 more in flight, its uncached prefill and its prompt queued on the worker
-chosen for it), and routes the request itself on those views. Replicas that
+chosen for it; past :data:`MAX_REROUTES` of them, in that many groups, so a
+request costs a bounded number of routings), and routes the request itself
+on those views. Replicas that
 share a stale view then spread as one router would have spread the burst,
 in expectation, instead of all taking its first place. The stand-ins are
 copies of this request, since the peers' requests are not known: a warm
@@ -65,7 +67,13 @@ LAG_WEIGHT = 1.0 / 16
 """Weight of the newest peer lag in the estimate of this replica's own lag."""
 
 MAX_AHEAD = 16
-"""Stand-ins routed ahead of one request at most (each costs one more routing)."""
+"""Stand-ins placed ahead of one request at most."""
+
+MAX_REROUTES = 8
+"""Routings of stand-in groups per request at most: past this many stand-ins,
+each routing places a group of them on the worker it chose (one more
+routing per group, not per stand-in, bounds the CPU at high rates, where
+``E`` is the rate times the lag)."""
 
 _OWN = ""
 
