@@ -34,8 +34,16 @@ class Clock:
         return self.now
 
 
-def node(replica: str = "b", fields: dict[str, str] = FIELDS, ttl: float = 5.0) -> ClusterNode:
-    opts = NodeOptions(LinkOptions("nats://127.0.0.1:1"), replica, heartbeat_s=1.0, peer_ttl_s=ttl)
+def node(
+    replica: str = "b", fields: dict[str, str] = FIELDS, ttl: float = 5.0, hold: float = 0.0
+) -> ClusterNode:
+    opts = NodeOptions(
+        LinkOptions("nats://127.0.0.1:1"),
+        replica,
+        heartbeat_s=1.0,
+        peer_ttl_s=ttl,
+        apply_within_s=hold,
+    )
     known = {WorkerId("w0"), WorkerId("w1")}
     lags: list[float] = []
     n = ClusterNode(
@@ -244,3 +252,32 @@ def test_windows_double_while_facts_keep_coming_and_reset_after_a_quiet_spell() 
     assert b.window_s == 0.004  # capped
     b.window_s = b.next_window(0.005)  # a gap longer than the window: quiet again
     assert b.window_s == 0.002
+
+
+def test_held_peer_facts_are_applied_before_the_next_routing_or_within_the_bound() -> None:
+    async def body() -> None:
+        b = node(hold=0.05)
+        a, facts, worker = peer_facts()
+        b.on_facts(message(facts, seq=1), live=True)
+        assert b.stats.applied_facts == 0 and len(b.stats.lags) == 0  # held
+        # Routing reads the state: what was heard before is applied first.
+        again = b.dispatcher.admit(request("r2", DOC), workers(2), 1.0)
+        assert b.stats.applied_facts == 1 and len(b.stats.lags) == 1
+        assert again.worker == worker and again.decision.predicted_cached_tokens > 0
+        # Heard while nothing reads the state: applied once the bound has passed.
+        a.admit(request("r3", tokens(9, 16 * 20)), workers(2), 2.0)
+        b.on_facts(message(a.drain_facts(), seq=2), live=True)
+        assert b.stats.applied_facts == 1
+        for _ in range(200):  # bounded: 2 s at most for a 50 ms bound
+            if b.stats.applied_facts == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert b.stats.applied_facts == 2 and b.dispatcher.peer_inflight("a@7") == 2
+        # A catch-up's message (not live) is applied at once, after anything held.
+        a.admit(request("r4", tokens(11, 16 * 20)), workers(2), 3.0)
+        b.on_facts(message(a.drain_facts(), seq=3), live=True)
+        a.admit(request("r5", tokens(12, 16 * 20)), workers(2), 3.0)
+        b.on_facts(message(a.drain_facts(), seq=4), live=False)
+        assert b.stats.applied_facts == 4 and b.stats.duplicate_messages == 0
+
+    asyncio.run(body())

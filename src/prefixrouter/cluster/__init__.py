@@ -45,13 +45,22 @@ origin's messages are numbered, so where the two overlap nothing is applied
 twice (:mod:`~prefixrouter.cluster.transport`). What can go wrong within the
 lag:
 
+A live message is held on arrival and applied just before the replica next
+routes or reads its routing state (at most ``apply_within_s`` later), so no
+decision misses a fact heard before it and one pass applies several messages
+(:meth:`~prefixrouter.core.dispatch.Dispatcher.hold_peer_facts`).
+
 * two replicas that see a *new* prefix within one lag of each other both
   find it cold and may send it to two different workers: the prefix is
   prefilled twice and then lives on both (later requests go to either: the
   index knows both copies once the facts arrive). One lag is milliseconds;
   a prefix's second request usually comes later than that;
 * in-flight counts (queue depth per worker) lag by the same amount, so two
-  replicas can each pick the least-loaded worker for a burst;
+  replicas can each pick the least-loaded worker for a burst; each replica
+  therefore learns how many peers' routings its own do not see (from the
+  time each routing was made) and routes behind its share of them
+  (:mod:`~prefixrouter.core.unseen`), which spreads a burst as one router
+  would, in expectation;
 * a worker one replica saw go down is still routed to by the others for one
   lag (their own health checks or the fact catch up).
 

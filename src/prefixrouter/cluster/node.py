@@ -29,7 +29,18 @@ A :class:`ClusterNode` sits between the replica's
   as ``replica@epoch`` at the local clock's now. A routing or worker fact
   naming a worker this replica does not have is dropped (``unknown_worker``);
   a settlement of a routing never heard here (it joined after it, or the
-  routing's fact was dropped) is counted ``unmatched``.
+  routing's fact was dropped) is counted ``unmatched``. With
+  ``apply_within_s`` > 0 (the gateway's default) a live message is only
+  held when it arrives, with its arrival time: the held messages are applied
+  in one pass just before the dispatcher next routes or reads its state
+  (:meth:`Dispatcher.hold_peer_facts
+  <prefixrouter.core.dispatch.Dispatcher.hold_peer_facts>`), before a
+  heartbeat, a sweep or a catch-up message, or ``apply_within_s`` after the
+  first was held, whichever comes first. No routing misses a fact heard
+  before it; what is saved is a cold pass per message. Each live routing is
+  applied with the time it was made (its arrival minus its propagation lag
+  and a batch window), from which the dispatcher expects how many peers'
+  routings each of its own does not see (:mod:`prefixrouter.core.unseen`).
 * **Watch**: a heartbeat every ``heartbeat_s``; a peer silent for
   ``peer_ttl_s``, or heard under a newer epoch, is gone:
   :meth:`Dispatcher.peer_gone` settles its open routings so its in-flight
@@ -73,6 +84,9 @@ from prefixrouter.core.types import WorkerId
 
 log = logging.getLogger("prefixrouter.cluster")
 
+MAX_HELD = 256
+"""Live messages held at most before they are applied anyway (a bound on memory)."""
+
 LAG_SAMPLES = 8192
 """Recent propagation lags kept for percentiles (``/admin/process``, the benchmark)."""
 
@@ -89,6 +103,7 @@ class NodeOptions:
     max_batch_window_s: float = 0.004
     max_message_bytes: int = DEFAULT_MAX_BYTES
     max_open_s: float = 900.0
+    apply_within_s: float = 0.0
 
 
 @dataclass
@@ -159,6 +174,9 @@ class ClusterNode:
         # origin -> the last message seq taken from it. Kept after a life ends
         # (one int per peer life ever heard): a catch-up may re-read its messages.
         self._heard: dict[str, int] = {}
+        # Live messages heard and not applied yet, with when: see apply_held.
+        self._held: list[tuple[bytes, float, float]] = []
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     @property
     def origin(self) -> str:
@@ -188,6 +206,7 @@ class ClusterNode:
     async def stop(self) -> None:
         """Publish what is left, then stop the tasks and the link."""
         self.dispatcher.on_first_fact(None)
+        self.apply_held()
         with contextlib.suppress(Exception):
             await self.flush()
         tasks = [*self._tasks, *([self._check_task] if self._check_task else [])]
@@ -290,6 +309,38 @@ class ClusterNode:
         if env_mod.is_from(data, self._own):
             return  # this life's own message (the catch-up reads them): skipped before any work
         t0 = time.thread_time()
+        if live and self.options.apply_within_s > 0:
+            held = self._held
+            held.append((data, self.clock(), time.time()))
+            if len(held) == 1:
+                self.dispatcher.hold_peer_facts(self.apply_held)
+                self._hold_timer = asyncio.get_running_loop().call_later(
+                    self.options.apply_within_s, self.apply_held
+                )
+            elif len(held) >= MAX_HELD:
+                self.apply_held()
+            self.stats.sync_cpu_s += time.thread_time() - t0
+            return
+        if self._held:
+            self.apply_held()
+        self._apply(data, live, self.clock(), time.time(), t0)
+
+    def apply_held(self) -> None:
+        """Apply the live messages held so far, in the order heard (module doc: Apply)."""
+        held, self._held = self._held, []
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if not held:
+            return
+        self.dispatcher.hold_peer_facts(None)
+        t0 = time.thread_time()
+        for data, now, wall in held:
+            self._apply(data, True, now, wall, t0)
+            t0 = time.thread_time()
+
+    def _apply(self, data: bytes, live: bool, now: float, wall: float, t0: float) -> None:
+        """Apply one message heard at ``now`` (``wall``); its CPU since ``t0`` counts."""
         st = self.stats
         try:
             head, body = env_mod.unpack(data)
@@ -309,7 +360,6 @@ class ClusterNode:
             if last and seq > last + 1:
                 st.missed_messages += seq - last - 1
             self._heard[origin] = seq
-        now, wall = self.clock(), time.time()
         verdict = self.registry.admit(head, now, wall)
         for origin in verdict.gone:
             self._peer_gone(origin, "restarted under a new epoch")
@@ -323,17 +373,21 @@ class ClusterNode:
         if verdict.drop is not None:
             st.drop(verdict.drop, len(facts))
             return
+        routed_at = None  # a replayed message's routings: not concurrent with ours
         if live:
             lag = max(0.0, wall - head.sent_wall)
             st.lags.append(lag)
             if self.observe_lag is not None:
                 self.observe_lag(lag)
+            # When its routings were made, on this clock: sent one batch window after
+            # the first of them (about; the later ones waited less).
+            routed_at = now - lag - self.window_s
         origin, apply, has = head.origin, self.dispatcher.apply_peer, self.has_worker
         applied = 0
         for fact in facts:
             if isinstance(fact, RoutedFact | WorkerFact) and not has(fact.worker):
                 st.drop("unknown_worker")
-            elif apply(origin, fact, now):
+            elif apply(origin, fact, now, routed_at):
                 applied += 1
             else:
                 st.drop("unmatched")
@@ -367,6 +421,8 @@ class ClusterNode:
     def sweep(self) -> list[str]:
         """End the lives of peers silent for ``peer_ttl_s`` (return their origins), and
         settle peer routings open longer than ``max_open_s`` (their settlement was lost)."""
+        if self._held:
+            self.apply_held()  # heard before the sweep: applied before any peer is judged gone
         now = self.clock()
         gone = self.registry.expire(now)
         for origin in gone:
@@ -388,6 +444,8 @@ class ClusterNode:
             return
         if head.replica == self.options.replica_id and head.epoch == self.epoch:
             return
+        if self._held:
+            self.apply_held()  # a new epoch ends the old life after the facts heard before
         if hello:
             self._heartbeat_now.set()  # answer a starting replica at once
         if head.fingerprint != self.fingerprint.value:

@@ -89,6 +89,7 @@ from prefixrouter.core.types import (
     WorkerId,
     WorkerView,
 )
+from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
 
 RoutingMode = Literal["text", "token"]
 """How prompts are hashed: ``token`` (engine blocks of token ids) or ``text``
@@ -228,12 +229,16 @@ class Dispatcher:
         # origin -> its routings applied here and not settled yet, by its request id.
         self._peer_open: dict[str, dict[RequestId, Admission]] = {}
         self._namespaces: dict[NamespaceFields, CacheNamespace] = {}
+        self._held: Callable[[], None] | None = None  # see hold_peer_facts
+        self._unseen = UnseenPeers()  # peers' routings ours do not see (core.unseen)
 
     # ------------------------------------------------------------- read-only views
 
     @property
     def router(self) -> Router:
         """The router (for core and tests; outside core use the views below)."""
+        if self._held is not None:
+            self._apply_held()
         return self._router
 
     @property
@@ -254,14 +259,20 @@ class Dispatcher:
     @property
     def evicted_entries(self) -> int:
         """Index entries evicted for room so far (a counter)."""
+        if self._held is not None:
+            self._apply_held()
         return self._router.index.evicted_entries
 
     def index_blocks(self, worker: WorkerId) -> int:
         """Blocks the index holds for ``worker``."""
+        if self._held is not None:
+            self._apply_held()
         return self._router.index.blocks_of(worker)
 
     def index_capacity(self, worker: WorkerId) -> int:
         """The index's capacity for ``worker``, in index blocks (the mirrored KV room)."""
+        if self._held is not None:
+            self._apply_held()
         return self._router.index.capacity(worker)
 
     def holds_prefix(self, worker: WorkerId, prefix_key: str) -> bool:
@@ -286,10 +297,14 @@ class Dispatcher:
 
     def load(self, worker: WorkerId) -> WorkerLoad:
         """The ledger's aggregates for ``worker`` (a live object; do not mutate)."""
+        if self._held is not None:
+            self._apply_held()
         return self._ledger.load(worker)
 
     def fill(self, view: WorkerView) -> WorkerView:
         """Copy the ledger's figures for ``view``'s worker into it (in place) and return it."""
+        if self._held is not None:
+            self._apply_held()
         return self._ledger.fill(view)
 
     # ------------------------------------------------------------- requests
@@ -333,6 +348,8 @@ class Dispatcher:
             NoWorkerAvailable: No worker passed the filters (nothing changed).
             ValueError: The request id is already in flight (nothing changed).
         """
+        if self._held is not None:
+            self._apply_held()
         return self._admit(request, views, now, blocks, (), steering)
 
     def retry(self, previous: Admission, views: Sequence[WorkerView], now: float) -> Admission:
@@ -348,6 +365,8 @@ class Dispatcher:
             NoWorkerAvailable: No untried worker passed the filters.
             ValueError: ``previous`` is not settled.
         """
+        if self._held is not None:
+            self._apply_held()
         if not previous.settled:
             raise ValueError(f"request {previous.request.request_id}: settle the attempt first")
         tried = (*previous.tried, previous.worker)
@@ -367,6 +386,11 @@ class Dispatcher:
     ) -> Admission:
         router = self._router
         decision = router.route(request, views, now, blocks, steering)
+        unseen = self._unseen
+        ahead = unseen.ahead(request.request_id, router.replica_salt)
+        if ahead:
+            decision = self._route_behind(request, views, now, decision, ahead, steering)
+        unseen.on_own(now)
         prompt = decision.prompt_tokens
         # The ledger first: it refuses a request id already in flight before
         # the index holds anything for it.
@@ -381,6 +405,38 @@ class Dispatcher:
         if self._outbox is not None:
             self._record(_routed_fact(decision))
         return Admission(decision, tried)
+
+    def _route_behind(
+        self,
+        request: RoutingRequest,
+        views: Sequence[WorkerView],
+        now: float,
+        decision: Decision,
+        ahead: int,
+        steering: Steering | None = None,
+    ) -> Decision:
+        """Route ``request`` behind ``ahead`` stand-ins of itself (see :mod:`.unseen`).
+
+        The stand-ins go in at most :data:`~prefixrouter.core.unseen.MAX_REROUTES`
+        groups, each placed where the last routing went, in copies of the
+        views (the caller's are left alone) as the ledger would place them;
+        the request is routed again after each group.
+        """
+        copies = [replace(v) for v in views]
+        by_id = {v.worker_id: v for v in copies}
+        blocks = decision.context.blocks
+        router = self._router
+        groups = min(ahead, MAX_REROUTES)
+        for g in range(groups):
+            n = ahead // groups + (1 if g < ahead % groups else 0)
+            view = by_id[decision.worker_id]
+            prompt = decision.prompt_tokens
+            view.in_flight += n
+            view.pending_prefill_tokens += n * max(0, prompt - decision.predicted_cached_tokens)
+            view.queued_prompt_tokens += n * prompt
+            decision = router.route(request, copies, now, blocks, steering)
+        decision.reason += f" (behind {ahead} unseen peer routings)"
+        return decision
 
     def first_token(self, admission: Admission, now: float) -> None:
         """The engine sent the request's first token: its prefill is done.
@@ -493,6 +549,8 @@ class Dispatcher:
         arrival in the simulator), with the ledger's figures filled in, and only
         for workers whose KV size is known.
         """
+        if self._held is not None:
+            self._apply_held()
         unit = self.index_block_tokens()
         set_capacity = self._router.set_worker_capacity
         for view in views:
@@ -505,12 +563,16 @@ class Dispatcher:
 
         Returns how many were demoted.
         """
+        if self._held is not None:
+            self._apply_held()
         if self._outbox is not None:
             self._record(WorkerFact(worker, WorkerChange.DOWN))
         return self._router.worker_down(worker, now)
 
     def worker_restarted(self, worker: WorkerId, now: float) -> None:
         """The worker's engine is a new process with an empty cache: forget its entries."""
+        if self._held is not None:
+            self._apply_held()
         if self._outbox is not None:
             self._record(WorkerFact(worker, WorkerChange.RESTARTED))
         self._router.worker_restarted(worker, now)
@@ -521,6 +583,8 @@ class Dispatcher:
         Returns the ids of its requests that were in flight; their admissions
         settle without feedback.
         """
+        if self._held is not None:
+            self._apply_held()
         self._router.remove_worker(worker)
         return self._ledger.drop_worker(worker)
 
@@ -551,7 +615,40 @@ class Dispatcher:
         self._outbox = []
         return out
 
-    def apply_peer(self, origin: str, fact: Fact, now: float) -> bool:
+    def hold_peer_facts(self, apply: Callable[[], None] | None) -> None:
+        """The driver holds peer facts it heard and has not applied: ``apply`` applies them.
+
+        ``apply`` (None: nothing is held any more) is called once, before the
+        next call of this dispatcher that routes or reads or changes routing
+        state other than settling one of this replica's own requests (routing,
+        the in-flight figures, the index views, a worker or KV-event change,
+        a peer going); the driver registers again for its next batch, and
+        calls ``apply`` itself after a bound (state read from outside the
+        dispatcher, such as a live :meth:`load` object, lags by that much at
+        most). So no decision is made without the facts heard before it:
+        holding them adds no staleness to routing, it only moves their
+        application to the moment a decision needs them, and one pass then
+        applies several messages. Sync's cost is mostly per wakeup on a busy
+        machine (each message's decode and apply runs on caches other work
+        has evicted): one pass per own request instead of one per message.
+
+        A settlement of our own (:meth:`first_token`, :meth:`reject`,
+        :meth:`complete`) does not apply them first: it touches its own
+        routing and entries, and a peer's held routing of the same prefix,
+        applied after it, adds its speculative entries as it would have
+        before. :meth:`hash` (off the event loop) and :meth:`apply_peer`
+        (what ``apply`` calls) do not either.
+        """
+        self._held = apply
+
+    def _apply_held(self) -> None:
+        apply, self._held = self._held, None
+        if apply is not None:
+            apply()
+
+    def apply_peer(
+        self, origin: str, fact: Fact, now: float, routed_at: float | None = None
+    ) -> bool:
         """Apply a fact another replica recorded, at this replica's ``now``.
 
         ``origin`` names the peer and its epoch (one process lifetime): a
@@ -561,13 +658,22 @@ class Dispatcher:
         demand and in flight on the worker (as ``PEER origin/request``), and
         waits for its settlement. Facts applied here are never recorded again.
 
+        ``routed_at`` (a routing, on this replica's clock: when the peer made
+        it, as near as the driver knows; None: unknown, as for a replayed
+        one) counts the routings of ours made without it, from which this
+        replica expects how many peers' routings each of its own does not see
+        and routes behind that many (:mod:`~prefixrouter.core.unseen`).
+
         Returns:
             False if the fact could not be applied: a settlement or first token
             of a routing this replica never heard (it joined after it, or the
             routing aged out of the stream), or a routing heard twice.
         """
         if isinstance(fact, RoutedFact):
-            return self._apply_peer_routed(origin, fact, now)
+            applied = self._apply_peer_routed(origin, fact, now)
+            if applied and routed_at is not None:
+                self._unseen.on_peer(origin, routed_at, now)
+            return applied
         if isinstance(fact, WorkerFact):
             if fact.change is WorkerChange.DOWN:
                 self._router.worker_down(fact.worker, now)
@@ -668,6 +774,8 @@ class Dispatcher:
         their in-flight counts go, since nobody will report their end.
         Returns how many routings were open.
         """
+        if self._held is not None:
+            self._apply_held()
         open_ = self._peer_open.pop(origin, None)
         if not open_:
             return 0
@@ -683,6 +791,8 @@ class Dispatcher:
         its clock minus the longest a request can be in flight at its origin.
         Returns how many were settled.
         """
+        if self._held is not None:
+            self._apply_held()
         n = 0
         for open_ in self._peer_open.values():
             old = [rid for rid, adm in open_.items() if adm.decision.now < before]
@@ -693,6 +803,8 @@ class Dispatcher:
 
     def peer_inflight(self, origin: str) -> int:
         """Routings of ``origin`` applied here and not settled yet."""
+        if self._held is not None:
+            self._apply_held()
         open_ = self._peer_open.get(origin)
         return len(open_) if open_ is not None else 0
 
@@ -700,6 +812,8 @@ class Dispatcher:
 
     def apply_event(self, event: KvEvent, now: float, *, trusted: bool = True) -> None:
         """An engine KV event (``trusted=False``: stored blocks enter as speculative)."""
+        if self._held is not None:
+            self._apply_held()
         self._router.apply(event, now, trusted=trusted)
 
     def events_gap(self, worker: WorkerId, now: float) -> int:
@@ -707,6 +821,8 @@ class Dispatcher:
 
         A ``BlockRemoved`` may have been lost. Returns how many were demoted.
         """
+        if self._held is not None:
+            self._apply_held()
         return self._router.index.demote_events(worker, now)
 
     def observe_prompt_tokens(

@@ -90,6 +90,7 @@ def build_node(
         peer_ttl_s=c.peer_ttl_s,
         batch_window_s=c.batch_window_s,
         max_batch_window_s=max(c.batch_window_s, c.max_batch_window_s),
+        apply_within_s=c.apply_within_s,
         # No request is in flight at its origin longer than its request timeout.
         max_open_s=config.proxy.request_timeout_s + c.peer_ttl_s,
     )

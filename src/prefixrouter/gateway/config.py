@@ -559,6 +559,10 @@ class ClusterConfig(_Model):
             fact after a quiet spell waits this long.
         max_batch_window_s: While facts keep coming, each window doubles up
             to this (fewer messages per request; a fact waits at most this).
+        apply_within_s: Peers' facts heard live are applied just before this
+            replica next routes or reads its routing state (no decision misses
+            one), or at most this long after the first was heard; 0 = each
+            message as it arrives (one cold wakeup per message).
     """
 
     url: str | None = None
@@ -571,6 +575,7 @@ class ClusterConfig(_Model):
     peer_ttl_s: PosFloat = 5.0
     batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
     max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.004
+    apply_within_s: Annotated[float, Field(ge=0, le=10.0)] = 0.5
 
     @field_validator("url")
     @classmethod

@@ -286,7 +286,7 @@ class Simulation:
         self._seq = 0
         self._now = 0.0
         # seq of a _FACTS entry -> the facts it delivers (shared by every peer, not copied)
-        self._batches: dict[int, list[Fact]] = {}
+        self._batches: dict[int, tuple[list[Fact], float]] = {}
 
     def _hasher(self) -> BlockHasher:
         block_size = self.config.profile.block_size
@@ -335,7 +335,7 @@ class Simulation:
                 now, kind, seq, i, epoch = heapq.heappop(heap)
                 self._now = now
                 if kind == _FACTS:
-                    self._deliver(i, self._batches.pop(seq), now)
+                    self._deliver(i, *self._batches.pop(seq), now)
                     continue
                 eng = self.engines[i]
                 if epoch == eng.epoch:
@@ -373,19 +373,20 @@ class Simulation:
         if not facts:
             return
         self._seq += 1
-        self._batches[self._seq] = facts
+        self._batches[self._seq] = (facts, t)
         at = max(t + self.config.sync_lag_s, self._now)
         heapq.heappush(self._heap, (at, _FACTS, self._seq, router, 0))
 
-    def _deliver(self, origin: int, facts: list[Fact], now: float) -> None:
-        """Every replica but ``origin`` applies ``origin``'s facts, in the order recorded."""
+    def _deliver(self, origin: int, facts: list[Fact], recorded: float, now: float) -> None:
+        """Every replica but ``origin`` applies ``origin``'s facts, in the order recorded
+        (at ``recorded``: a routing's time, from which peers count what they routed without it)."""
         name = self._origins[origin]
         for r, dispatch in enumerate(self.routers):
             if r == origin:
                 continue
             apply = dispatch.apply_peer
             for fact in facts:
-                apply(name, fact, now)
+                apply(name, fact, now, recorded)
 
     def _arrive(self, sreq: SimRequest, now: float, router: int = 0) -> None:
         """An arrival at ``router``: mirror the KV room, admit the request, hand it on."""
