@@ -188,6 +188,23 @@ def test_the_decision_stream_is_sampled_to_a_bound_and_rates_scaled_past_the_rin
     run(body)
 
 
+def test_evictions_are_counted_with_their_age_and_per_class() -> None:
+    async def body() -> None:
+        async with gateway_env(1) as env:
+            feed = DashboardFeed(env.state)
+            feed.tick()
+            m = env.state.metrics
+            m.eviction_observed(0.5, "document")
+            m.eviction_observed(700.0, "document")
+            m.eviction_observed(3.0, "conversation")
+            ev = feed.tick()["window"]["evictions"]
+            assert ev["observed"] == 3
+            assert sum(n for _, n in ev["age_buckets"]) == 3  # every class's histogram
+            assert ev["by_class"] == {"conversation": 1, "document": 2}
+
+    run(body)
+
+
 def test_the_drift_alarm_is_the_fleet_detector_s_state() -> None:
     async def body() -> None:
         async with gateway_env(1) as env:

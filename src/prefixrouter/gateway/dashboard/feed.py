@@ -145,7 +145,9 @@ class DashboardFeed:
         self._by_worker: deque[dict[str, list[int]]] = deque(maxlen=window_ticks)
         self._history: deque[dict[str, Any]] = deque(maxlen=history_ticks)
         self._recent: deque[dict[str, Any]] = deque(maxlen=4 * decisions_per_tick)
-        self._evicted: deque[tuple[float, list[float]]] = deque(maxlen=window_ticks + 1)
+        self._evicted: deque[tuple[float, list[float], dict[str, float]]] = deque(
+            maxlen=window_ticks + 1
+        )
         self._prefixes: OrderedDict[tuple[str, str], list[Any]] = OrderedDict()
         self._class_counts: dict[str, int] = {}
         self._subscribers: set[asyncio.Queue[bytes | None]] = set()
@@ -475,23 +477,35 @@ class DashboardFeed:
         return rows
 
     def _evictions(self) -> dict[str, Any]:
-        """Observed evictions over the window, with the age of what was evicted."""
+        """Observed evictions over the window, with the age of what was evicted, per class too.
+
+        The age histogram is labelled by prefix class: the buckets shown are
+        the sum over the classes, and ``by_class`` counts each class's
+        evictions in the window.
+        """
         m = self.st.metrics
-        hist = m.evicted_age.series.get(())
-        counts = list(hist[:-1]) if hist is not None else [0.0] * (len(AGE_BUCKETS) + 1)
-        self._evicted.append((float(m.observed_evictions), counts))
-        first_total, first = self._evicted[0]
+        width = len(AGE_BUCKETS) + 1
+        counts = [0.0] * width
+        per_class: dict[str, float] = {}
+        for key, hist in m.evicted_age.series.items():
+            for i in range(width):
+                counts[i] += hist[i]
+            per_class[key[0] if key else "unknown"] = sum(hist[:width])
+        self._evicted.append((float(m.observed_evictions), counts, per_class))
+        first_total, first, first_class = self._evicted[0]
         mirrored = self.st.dispatch.evicted_entries
-        out = {
+        by_class = {
+            cls: int(n - first_class.get(cls, 0.0))
+            for cls, n in sorted(per_class.items())
+            if n - first_class.get(cls, 0.0) > 0
+        }
+        return {
             "observed": int(m.observed_evictions - first_total),
             "observed_total": m.observed_evictions,
             "mirrored_total": mirrored,
-            "age_buckets": [
-                [AGE_LABELS[i], int(c - (first[i] if i < len(first) else 0))]
-                for i, c in enumerate(counts)
-            ],
+            "age_buckets": [[AGE_LABELS[i], int(c - first[i])] for i, c in enumerate(counts)],
+            "by_class": by_class,
         }
-        return out
 
     def _drift(self) -> dict[str, Any]:
         """The drift alarm's state per prefix class, from the gateway's own detector.

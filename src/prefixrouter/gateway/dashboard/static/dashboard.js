@@ -283,7 +283,8 @@
     barList($("b-wait"), wait.sort(), "ms");
     const tiers = win ? Object.entries(win.tiers) : [];
     barList($("b-tiers"), tiers.sort((a, b) => b[1] - a[1]), "");
-    barList($("b-evict"), evictions.age_buckets.filter((b) => b[1] > 0), "");
+    const byClass = Object.entries(evictions.by_class || {}).map(([c, n]) => [`class ${c}`, n]);
+    barList($("b-evict"), [...evictions.age_buckets.filter((b) => b[1] > 0), ...byClass], "");
   }
 
   function renderClasses(classes, order) {
