@@ -70,3 +70,27 @@ async def test_a_buffered_body_is_replaced_only_when_it_must_change() -> None:
     streamed = await _pick(Exchange(st, flow), orjson.dumps(chat_body("s", stream=True)))
     sent = orjson.loads(streamed.request_body.response.body_mutation.body)
     assert sent["stream_options"] == {"include_usage": True}
+
+
+async def test_a_tenant_over_its_limit_gets_429_and_its_ticket_back_when_the_stream_ends() -> None:
+    st = _state(api_keys={"sk-a": "a"}, tenants={"a": {"max_in_flight": 1}})
+    flow = RequestFlow(st)
+    first = Exchange(st, flow)
+    await _pick(first, orjson.dumps(chat_body("one")), authorization="Bearer sk-a")
+    assert first.picked is not None  # routed, in flight
+    (refused,) = await Exchange(st, flow).on(
+        pb.ProcessingRequest(
+            request_headers=ext_proc_headers(
+                {":path": "/v1/chat/completions", "authorization": "Bearer sk-a"}
+            )
+        )
+    )
+    answer = refused.immediate_response
+    assert answer.status.code == 429
+    assert any(h.header.key.lower() == "retry-after" for h in answer.headers.set_headers)
+    assert orjson.loads(answer.body)["error"]["code"] == "too_many_in_flight"
+    first.close()  # the stream ended: the tenant may send again
+    again = Exchange(st, flow)
+    await _pick(again, orjson.dumps(chat_body("two")), authorization="Bearer sk-a")
+    assert again.picked is not None
+    again.close()

@@ -48,6 +48,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prefixrouter.core.dispatch import Admission
 from prefixrouter.epp import protocol
 from prefixrouter.errors import NoWorkerAvailable
+from prefixrouter.gateway.controls import PRIORITY_HEADER, Ticket
 from prefixrouter.gateway.errors import GatewayError, PayloadTooLarge, as_gateway_error, error_body
 from prefixrouter.gateway.fleet import Steer
 from prefixrouter.gateway.flow import RequestFlow, Served
@@ -87,6 +88,7 @@ class Exchange:
         self.fallbacks = fallbacks
         self.t0 = state.clock()
         self.headers: protocol.Headers = {}
+        self.ticket: Ticket | None = None  # the tenant's limits, taken at the headers
         self.full_duplex_request = False
         self.full_duplex_response = False
         self.body = bytearray()
@@ -138,6 +140,10 @@ class Exchange:
                 self.flow.check_headers(
                     h.get("authorization"), int(length) if length and length.isdigit() else None
                 )
+                # The tenant's limits, from the headers alone as the gateway's
+                # (429 with Retry-After); the ticket is given back in close().
+                tenant = self.st.tenancy.tenant_of(h.get("authorization"), h.get("x-tenant"))
+                self.ticket = self.st.controls.acquire(tenant, h.get(PRIORITY_HEADER.lower()))
             except GatewayError as exc:
                 return [self._refuse(exc)]
         if req.request_headers.end_of_stream or self.kind is None:
@@ -199,6 +205,12 @@ class Exchange:
             if not isinstance(exc, GatewayError):
                 log.exception("admission failed")
             return [self._refuse(as_gateway_error(exc))]
+        if self.ticket is not None:
+            try:  # under overload: the priority queue (503 overloaded when shed), as the gateway's
+                await st.controls.wait(self.ticket)
+            except GatewayError as exc:
+                self._release(built)
+                return [self._refuse(exc)]
         fleet = st.fleet
         header = fleet.session_header
         try:  # rollout group, pool and policy; the session's pin (as the gateway's)
@@ -371,7 +383,14 @@ class Exchange:
         self._release(built)
 
     def close(self) -> None:
-        """The stream ended: settle a request it left unsettled (the client left, Envoy gave up)."""
+        """The stream ended: settle a request it left unsettled (the client left, Envoy gave up).
+
+        The tenant's ticket (its in-flight count and overload slot) is given back here,
+        however the request ended.
+        """
+        if self.ticket is not None:
+            self.st.controls.release(self.ticket)
+            self.ticket = None
         picked = self.picked
         if picked is None or self.settled:
             return
