@@ -109,7 +109,7 @@ async def main_async(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--results", type=Path, help="reliability_results.md, whose fault table to replace")
+    ap.add_argument("--results", type=Path, help="results file whose fault table to replace")
     ap.add_argument("--only", help="comma-separated scenario keys")
     args = ap.parse_args(argv)
     if args.results and markers("faults")[0] not in args.results.read_text():

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=15.0, help="requests per second")
     ap.add_argument("--gap-s", type=float, default=20.0, help="seconds between faults")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results", type=Path, help="reliability_results.md, whose soak block to replace")
+    ap.add_argument("--results", type=Path, help="results file whose soak block to replace")
     ap.add_argument(
         "--render-only",
         action="store_true",
