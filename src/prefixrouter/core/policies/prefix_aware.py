@@ -265,11 +265,17 @@ class PrefixAwarePolicy(Policy):
         settled = held is not None and (
             held.source is not _SPECULATIVE or self._prefilled(ctx, picked_id, held.blocks)
         )
-        choice = hot_prefix_rule(
-            scored,
+        # The room filter only where the rule can fire (an unsettled copy never warms another).
+        roomy = (
             copy_room_filter(
                 candidates, scored, eligible, holders, ctx.blocks.prompt_tokens, p.copy_max_kv_share
-            ),
+            )
+            if settled
+            else eligible
+        )
+        choice = hot_prefix_rule(
+            scored,
+            roomy,
             holders,
             settled,
             cls,
