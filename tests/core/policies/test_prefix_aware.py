@@ -316,6 +316,18 @@ def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() ->
     assert {tie_band_picker(far, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)} == {0}
 
 
+def test_tie_band_picker_with_a_salt_spreads_exact_ties_when_scales_agree() -> None:
+    # An idle fleet whose calibrations agree: no band, every worker scores the same.
+    cs = [scored(f"w{i}", 1.0) for i in range(8)]
+    ws = workers(8)
+    assert tie_band_picker(cs, ws, range(8), 0.1, 0) == 0  # one router: the earliest
+    picks = [tie_band_picker(cs, ws, range(8), 0.1, 0, salt) for salt in range(1, 65)]
+    assert len(set(picks)) >= 6  # replicas draw over the tied workers
+    # A worker that is better, however little, is not a tie: every replica takes it.
+    cs[5] = scored("w5", 0.999)
+    assert {tie_band_picker(cs, ws, range(8), 0.1, 5, salt) for salt in range(1, 65)} == {5}
+
+
 def test_replicas_with_one_stale_view_spread_requests_one_router_does_not() -> None:
     # Four near-equal workers (calibrations 2% apart: the tie band), the same
     # view on every replica: nothing routed reaches the others within the lag.

@@ -608,11 +608,16 @@ def tie_band_picker(
     choices", which that paper shows keeps balancing on stale loads), so
     replicas, and one replica's successive requests, spread over the
     workers that count as equal. With two near-equal or fewer the salt
-    changes nothing.
+    changes nothing. Scales that agree (no band) still leave exact ties
+    (idle workers that no cache warms, as when a fleet starts): one router
+    takes the earliest, a replica draws among them as above, since each
+    replica taking the earliest would send a burst that reaches several
+    replicas at once to one worker.
     """
     # The band is the calibration disagreement among these candidates, capped:
     # when every worker's scale agrees (a fleet whose profile is right, or the
-    # simulator) predictions are trusted as they are.
+    # simulator) predictions are trusted as they are, and only exact ties are
+    # near-equal (for a replica's draw).
     # (The lowest and highest scale in one pass: this runs on every request.)
     lowest, highest, scales = math.inf, -math.inf, 0
     for i in indices:
@@ -625,9 +630,10 @@ def tie_band_picker(
             if s > highest:
                 highest = s
     if scales < 2 or lowest <= 0:
-        return best
-    band = min(band, highest / lowest - 1.0)
-    if band <= 0:
+        band = 0.0
+    else:
+        band = max(0.0, min(band, highest / lowest - 1.0))
+    if band <= 0 and not salt:
         return best
     limit = scored[best].score * (1.0 + band)
     near = [i for i in indices if scored[i].score <= limit]
