@@ -4,18 +4,24 @@ A :class:`ClusterNode` sits between the replica's
 :class:`~prefixrouter.core.dispatch.Dispatcher` (created with
 ``record_facts=True``) and the :class:`~prefixrouter.cluster.transport.NatsLink`:
 
-* **Publish**: one window after a fact lands in the dispatcher's empty
-  outbox (the dispatcher tells it: no polling) it drains the outbox and
+* **Publish**: when a fact lands in the dispatcher's empty outbox (the
+  dispatcher tells it: no polling) the publisher drains the outbox and
   publishes it as few messages as fit (:mod:`~prefixrouter.cluster.codec`),
   each in an :mod:`~prefixrouter.cluster.envelope` numbered in this life.
-  Windows are sized by traffic: after a quiet spell a fact waits
-  ``batch_window_s``; while facts keep coming (the next one lands before a
-  window's length has passed since the last publish) each window doubles, up
-  to ``max_batch_window_s``, so a busy replica sends one message per long
-  window and a quiet one publishes within the short one. Most of sync's cost
-  is per message (wakeups, the socket write, the receive path, a peer's
-  apply call with cold caches), so at a few hundred requests per second this
-  cuts the messages per request. Drained facts that no
+  After a quiet spell that is at once: the publisher runs as soon as the
+  callback that recorded the fact returns (the end of the event loop's
+  tick), so every fact of that callback goes in one message, on caches still
+  warm from recording it, and the fact waits no window. While facts keep
+  coming (the next one lands within a window of the last publish) messages
+  are spaced by a window that doubles, from ``batch_window_s`` up to
+  ``max_batch_window_s``, so a busy replica sends one message per window and
+  no fact waits longer than the longest window. Most of sync's cost is per
+  message (wakeups, the socket write, the receive path, a peer's apply call
+  with cold caches), so at a few hundred requests per second this cuts the
+  messages per request. A message's send time is when its first fact was
+  recorded, so the propagation lag its peers measure includes the wait.
+  A message larger than the server takes (NATS's ``max_payload``) is dropped
+  and counted (``too_large``): no peer would receive it. Drained facts that no
   connection takes (nats-py buffers 2 MiB while it reconnects) are dropped
   and counted (``disconnected``): a peer that misses them learns the
   placement from its own traffic, like a replica without sync. A replica
@@ -73,7 +79,13 @@ from dataclasses import dataclass, field
 import orjson
 
 from prefixrouter.cluster import envelope as env_mod
-from prefixrouter.cluster.codec import DEFAULT_MAX_BYTES, DecodeError, decode_facts, encode_facts
+from prefixrouter.cluster.codec import (
+    DEFAULT_MAX_BYTES,
+    DecodeError,
+    count_facts,
+    decode_facts,
+    encode_facts,
+)
 from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope, EnvelopeError
 from prefixrouter.cluster.fingerprint import Fingerprint
 from prefixrouter.cluster.registry import SELF, PeerRegistry
@@ -99,8 +111,8 @@ class NodeOptions:
     replica_id: str
     heartbeat_s: float = 1.0
     peer_ttl_s: float = 5.0
-    batch_window_s: float = 0.002
-    max_batch_window_s: float = 0.004
+    batch_window_s: float = 0.001
+    max_batch_window_s: float = 0.002
     max_message_bytes: int = DEFAULT_MAX_BYTES
     max_open_s: float = 900.0
     apply_within_s: float = 0.0
@@ -118,11 +130,36 @@ class ClusterStats:
     duplicate_messages: int = 0
     missed_messages: int = 0
     expired_routings: int = 0
-    sync_cpu_s: float = 0.0
+    publish_cpu_s: float = 0.0
+    receive_cpu_s: float = 0.0
+    apply_cpu_s: float = 0.0
+    apply_passes: int = 0
+    lag_count: int = 0
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
+
+    @property
+    def sync_cpu_s(self) -> float:
+        """CPU spent on sync: draining, encoding and publishing (``publish``), taking a
+        message heard (``receive``: its check and its hold), and unpacking, decoding and
+        applying it (``apply``); nats-py's own protocol work is not counted."""
+        return self.publish_cpu_s + self.receive_cpu_s + self.apply_cpu_s
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def figures(self) -> dict[str, float | int]:
+        """The counters as flat figures (``/admin/process``: the sync benchmark reads them)."""
+        return {
+            "cluster_sync_cpu_s": self.sync_cpu_s,
+            "cluster_publish_cpu_s": self.publish_cpu_s,
+            "cluster_receive_cpu_s": self.receive_cpu_s,
+            "cluster_apply_cpu_s": self.apply_cpu_s,
+            "cluster_apply_passes": self.apply_passes,
+            "cluster_facts_published": self.published_facts,
+            "cluster_messages_published": self.published_messages,
+            "cluster_facts_applied": self.applied_facts,
+            "cluster_lag_count": self.lag_count,
+        }
 
 
 class ClusterNode:
@@ -167,6 +204,7 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_now = asyncio.Event()
         self._pending = asyncio.Event()
+        self._first_wall = 0.0  # when the outbox's first fact was recorded (0: empty)
         self.window_s = options.batch_window_s  # the current batch window
         self._warned: set[str] = set()
         self._own = env_mod.sender_key(self._envelope(FACTS))
@@ -223,24 +261,34 @@ class ClusterNode:
 
     # ------------------------------------------------------------- publish
 
+    def _fact_recorded(self) -> None:
+        # The dispatcher's listener, inside the recording call: only schedule.
+        self._first_wall = time.time()
+        self._pending.set()
+
     async def _publisher(self) -> None:
-        # Woken by the dispatcher when a fact lands in its empty outbox, then
-        # one window later drains it: no wakeup while nothing happens, one
-        # message per window under load (module doc: windows sized by traffic).
+        # Woken by the dispatcher when a fact lands in its empty outbox: at
+        # once after a quiet spell (this task runs when the recording callback
+        # returns), else a window after the last publish (module doc: Publish).
         loop = asyncio.get_running_loop()
         pending = self._pending
-        self.dispatcher.on_first_fact(pending.set)
+        self.dispatcher.on_first_fact(self._fact_recorded)
         last = -1e9
         while True:
             await pending.wait()
-            self.window_s = self.next_window(loop.time() - last)
-            await asyncio.sleep(self.window_s)
+            since = loop.time() - last
+            self.window_s = self.next_window(since)
+            if since < self.window_s:
+                await asyncio.sleep(self.window_s - since)
             pending.clear()
             await self.flush()
             last = loop.time()
 
     def next_window(self, since_last_publish_s: float) -> float:
-        """The next window: doubled (up to the maximum) while facts keep coming, else the base.
+        """The next spacing: doubled (up to the maximum) while facts keep coming, else the base.
+
+        A fact that opens a window more than its length after the last
+        publish goes at once; else it waits until the window has passed.
 
         Args:
             since_last_publish_s: From the last publish to the fact that opens this window.
@@ -252,29 +300,44 @@ class ClusterNode:
 
     async def flush(self) -> None:
         """Drain the dispatcher's outbox and publish it (dropped and counted if no link)."""
+        t0 = time.thread_time()
         facts = self.dispatcher.drain_facts()
+        # The first fact's time, read before any await (a fact recorded meanwhile opens
+        # the next batch). A direct flush of facts the listener never saw: now.
+        wall, self._first_wall = self._first_wall or time.time(), 0.0
         if not facts:
             return
-        t0 = time.thread_time()
-        messages = encode_facts(facts, self.options.max_message_bytes)
-        opts = self.options
-        replica, fp, wall = opts.replica_id, self.fingerprint.value, time.time()
-        sent = 0
+        opts, limit = self.options, self.link.max_payload
+        # Half the server's limit at most: room for the envelope and the last fact's strings.
+        messages = encode_facts(facts, min(opts.max_message_bytes, limit // 2))
+        replica, fp = opts.replica_id, self.fingerprint.value
+        st = self.stats
+        sent = failed = 0
         for body in messages:
             head = Envelope(FACTS, replica, self.epoch, fp, wall, self._seq + 1)
-            if await self.link.publish_facts(env_mod.pack(head, body)):
+            data = env_mod.pack(head, body)
+            if len(data) > limit:
+                # No server would take it (a routing of some 100k blocks): its facts
+                # never reach a peer, which learns them from its own traffic. Nothing
+                # of it is open anywhere, so no new life is needed.
+                st.drop("too_large", count_facts(body))
+                log.warning("cluster: a facts message of %d bytes is over the server's %d; "
+                            "dropped", len(data), limit)  # fmt: skip
+                continue
+            if await self.link.publish_facts(data):
                 self._seq += 1
                 sent += 1
-        st = self.stats
-        if sent == len(messages):
-            st.published_facts += len(facts)
-            self._published_in_life = True
-        else:
-            st.drop("disconnected" if not self.link.connected else "publish_failed", len(facts))
-            if self._published_in_life:
+                st.published_facts += count_facts(body)
+            else:
+                failed += count_facts(body)
+        if failed:
+            st.drop("disconnected" if not self.link.connected else "publish_failed", failed)
+            if self._published_in_life or sent:
                 self._new_life()
+        elif sent:
+            self._published_in_life = True
         st.published_messages += sent
-        st.sync_cpu_s += time.thread_time() - t0
+        st.publish_cpu_s += time.thread_time() - t0
 
     def _new_life(self) -> None:
         """Publish under a new epoch from now on, after facts of this life were lost.
@@ -319,10 +382,11 @@ class ClusterNode:
                 )
             elif len(held) >= MAX_HELD:
                 self.apply_held()
-            self.stats.sync_cpu_s += time.thread_time() - t0
+            self.stats.receive_cpu_s += time.thread_time() - t0
             return
         if self._held:
             self.apply_held()
+        self.stats.apply_passes += 1
         self._apply(data, live, self.clock(), time.time(), t0)
 
     def apply_held(self) -> None:
@@ -334,6 +398,7 @@ class ClusterNode:
         if not held:
             return
         self.dispatcher.hold_peer_facts(None)
+        self.stats.apply_passes += 1
         t0 = time.thread_time()
         for data, now, wall in held:
             self._apply(data, True, now, wall, t0)
@@ -355,7 +420,7 @@ class ClusterNode:
             last = self._heard.get(origin, 0)
             if seq <= last:
                 st.duplicate_messages += 1
-                st.sync_cpu_s += time.thread_time() - t0
+                st.apply_cpu_s += time.thread_time() - t0
                 return
             if last and seq > last + 1:
                 st.missed_messages += seq - last - 1
@@ -375,13 +440,14 @@ class ClusterNode:
             return
         routed_at = None  # a replayed message's routings: not concurrent with ours
         if live:
+            # From the recording of the message's first fact (its batch wait included).
             lag = max(0.0, wall - head.sent_wall)
             st.lags.append(lag)
+            st.lag_count += 1
             if self.observe_lag is not None:
                 self.observe_lag(lag)
-            # When its routings were made, on this clock: sent one batch window after
-            # the first of them (about; the later ones waited less).
-            routed_at = now - lag - self.window_s
+            # When its routings were made, on this clock (about: the first of them).
+            routed_at = now - lag
         origin, apply, has = head.origin, self.dispatcher.apply_peer, self.has_worker
         applied = 0
         for fact in facts:
@@ -392,7 +458,7 @@ class ClusterNode:
             else:
                 st.drop("unmatched")
         st.applied_facts += applied
-        st.sync_cpu_s += time.thread_time() - t0
+        st.apply_cpu_s += time.thread_time() - t0
 
     def _peer_gone(self, origin: str, why: str) -> None:
         n = self.dispatcher.peer_gone(origin)

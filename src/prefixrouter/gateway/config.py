@@ -555,9 +555,10 @@ class ClusterConfig(_Model):
         max_bytes: The stream's size bound (oldest facts dropped first).
         heartbeat_s: Heartbeat interval.
         peer_ttl_s: A peer silent this long is gone: its in-flight counts expire.
-        batch_window_s: Facts are published in one message per window; a
-            fact after a quiet spell waits this long.
-        max_batch_window_s: While facts keep coming, each window doubles up
+        batch_window_s: After a quiet spell a fact is published at once (with
+            the others of its event-loop tick); while facts keep coming,
+            messages are spaced by a window starting at this.
+        max_batch_window_s: While facts keep coming, the window doubles up
             to this (fewer messages per request; a fact waits at most this).
         apply_within_s: Peers' facts heard live are applied just before this
             replica next routes or reads its routing state (no decision misses
@@ -573,8 +574,8 @@ class ClusterConfig(_Model):
     max_bytes: PosInt = 256 * 1024 * 1024
     heartbeat_s: PosFloat = 1.0
     peer_ttl_s: PosFloat = 5.0
-    batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
-    max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.004
+    batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.001
+    max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
     apply_within_s: Annotated[float, Field(ge=0, le=10.0)] = 0.5
 
     @field_validator("url")
