@@ -286,16 +286,16 @@ def test_a_lone_fact_is_published_when_its_tick_ends_and_a_busy_spell_is_spaced_
         assert time.time() - head.sent_wall < 1.0  # dated by its first fact
         # Facts that keep coming: one message per window, none waits longer than the longest.
         start = time.monotonic()
-        for i in range(20):
+        for i in range(20):  # a fact per loop turn: microseconds apart
             b.dispatcher.admit(request(f"s{i}", tokens(100 + i, 64)), workers(2), 1.0)
-            await asyncio.sleep(0.0002)
+            await asyncio.sleep(0)
         for _ in range(100):  # bounded: 1 s at most
             if b.stats.published_facts == 22:
                 break
             await asyncio.sleep(0.01)
         assert b.stats.published_facts == 22
         busy = [t for t, _ in sent[1:]]
-        assert len(busy) < 20  # batched
+        assert len(busy) < 10  # batched (a loaded machine may stall a turn past a window)
         assert all(t2 - t1 >= 0.0009 for t1, t2 in itertools.pairwise(busy))
         assert busy[0] - start < 0.5  # a bound for a loaded machine, far above the window
         task.cancel()
@@ -349,5 +349,22 @@ def test_held_peer_facts_are_applied_before_the_next_routing_or_within_the_bound
         a.admit(request("r5", tokens(12, 16 * 20)), workers(2), 3.0)
         b.on_facts(message(a.drain_facts(), seq=4), live=False)
         assert b.stats.applied_facts == 4 and b.stats.duplicate_messages == 0
+
+    asyncio.run(body())
+
+
+def test_held_facts_wait_through_heartbeats_and_sweeps_that_change_nothing() -> None:
+    async def body() -> None:
+        b = node(hold=5.0)
+        b.on_heartbeat(peer_heartbeat())  # a@7 is a live peer
+        _, facts, _ = peer_facts()
+        b.on_facts(message(facts, seq=1), live=True)
+        b.on_heartbeat(peer_heartbeat())  # the same life: nothing to order against
+        b.sweep()  # nobody silent
+        assert b.stats.applied_facts == 0 and b.stats.apply_passes == 0
+        # A heartbeat of a new life ends the old one: what it said before goes first.
+        b.on_heartbeat(peer_heartbeat(epoch=8))
+        assert b.stats.applied_facts == 1 and b.stats.peers_gone == 1
+        assert b.dispatcher.peer_inflight("a@7") == 0  # applied, then settled by the end
 
     asyncio.run(body())

@@ -205,6 +205,7 @@ class ClusterNode:
         self._heartbeat_now = asyncio.Event()
         self._pending = asyncio.Event()
         self._first_wall = 0.0  # when the outbox's first fact was recorded (0: empty)
+        self._next_open_check = clock() + options.max_open_s / 10  # see sweep
         self.window_s = options.batch_window_s  # the current batch window
         self._warned: set[str] = set()
         self._own = env_mod.sender_key(self._envelope(FACTS))
@@ -487,13 +488,21 @@ class ClusterNode:
     def sweep(self) -> list[str]:
         """End the lives of peers silent for ``peer_ttl_s`` (return their origins), and
         settle peer routings open longer than ``max_open_s`` (their settlement was lost)."""
-        if self._held:
-            self.apply_held()  # heard before the sweep: applied before any peer is judged gone
         now = self.clock()
-        gone = self.registry.expire(now)
+        registry = self.registry
+        if self._held and registry.silent(now):
+            # Heard before the sweep: applied before any peer is judged gone. Not
+            # otherwise: held messages wait for the next routing (one pass for more).
+            self.apply_held()
+        gone = registry.expire(now)
         for origin in gone:
             self._peer_gone(origin, f"silent for {self.options.peer_ttl_s:g} s")
-        self.stats.expired_routings += self.dispatcher.peer_expire(now - self.options.max_open_s)
+        max_open = self.options.max_open_s
+        if now >= self._next_open_check:
+            # A bound of many minutes, checked every tenth of it (reading the open
+            # routings applies what is held: not at every heartbeat).
+            self._next_open_check = now + max_open / 10
+            self.stats.expired_routings += self.dispatcher.peer_expire(now - max_open)
         return gone
 
     def on_heartbeat(self, data: bytes) -> None:
@@ -510,7 +519,7 @@ class ClusterNode:
             return
         if head.replica == self.options.replica_id and head.epoch == self.epoch:
             return
-        if self._held:
+        if self._held and self.registry.ends_life(head):
             self.apply_held()  # a new epoch ends the old life after the facts heard before
         if hello:
             self._heartbeat_now.set()  # answer a starting replica at once
