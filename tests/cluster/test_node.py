@@ -246,14 +246,14 @@ def test_a_message_heard_twice_or_late_is_applied_once_and_a_jump_counts_the_mis
 
 
 def test_windows_double_while_facts_keep_coming_and_reset_after_a_quiet_spell() -> None:
-    b = node()  # 1 ms base, 2 ms at most
-    assert b.next_window(10.0) == 0.001  # quiet: a lone fact goes at once (10 s > 1 ms)
-    b.window_s = b.next_window(0.0005)  # the next fact came 0.5 ms after the publish
-    assert b.window_s == 0.002
+    b = node()  # 2 ms base, 4 ms at most
+    assert b.next_window(10.0) == 0.002  # quiet: a lone fact goes at once (10 s > 2 ms)
+    b.window_s = b.next_window(0.001)  # the next fact came 1 ms after the publish
+    assert b.window_s == 0.004
     b.window_s = b.next_window(0.0)
-    assert b.window_s == 0.002  # capped
+    assert b.window_s == 0.004  # capped
     b.window_s = b.next_window(0.005)  # a gap longer than the window: quiet again
-    assert b.window_s == 0.001
+    assert b.window_s == 0.002
 
 
 def _publishing(b: ClusterNode) -> list[tuple[float, bytes]]:
@@ -296,7 +296,7 @@ def test_a_lone_fact_is_published_when_its_tick_ends_and_a_busy_spell_is_spaced_
         assert b.stats.published_facts == 22
         busy = [t for t, _ in sent[1:]]
         assert len(busy) < 10  # batched (a loaded machine may stall a turn past a window)
-        assert all(t2 - t1 >= 0.0009 for t1, t2 in itertools.pairwise(busy))
+        assert all(t2 - t1 >= 0.0019 for t1, t2 in itertools.pairwise(busy))
         assert busy[0] - start < 0.5  # a bound for a loaded machine, far above the window
         task.cancel()
 

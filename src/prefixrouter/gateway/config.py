@@ -574,8 +574,8 @@ class ClusterConfig(_Model):
     max_bytes: PosInt = 256 * 1024 * 1024
     heartbeat_s: PosFloat = 1.0
     peer_ttl_s: PosFloat = 5.0
-    batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.001
-    max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
+    batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
+    max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.004
     apply_within_s: Annotated[float, Field(ge=0, le=10.0)] = 0.5
 
     @field_validator("url")
