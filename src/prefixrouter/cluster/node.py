@@ -8,12 +8,13 @@ A :class:`ClusterNode` sits between the replica's
   dispatcher tells it: no polling) the publisher drains the outbox and
   publishes it as few messages as fit (:mod:`~prefixrouter.cluster.codec`),
   each in an :mod:`~prefixrouter.cluster.envelope` numbered in this life.
-  After a quiet spell that is at once: the publisher runs as soon as the
-  callback that recorded the fact returns (the end of the event loop's
-  tick), so every fact of that callback goes in one message, on caches still
-  warm from recording it, and the fact waits no window. While facts keep
-  coming (the next one lands within a window of the last publish) messages
-  are spaced by a window that doubles, from ``batch_window_s`` up to
+  After a quiet spell (no publish for :data:`QUIET_S`, 50 ms) that is at
+  once: the publisher runs as soon as the callback that recorded the fact
+  returns (the end of the event loop's tick), so every fact of that callback
+  goes in one message, on caches still warm from recording it, and the fact
+  waits no window. In a busy spell the fact waits a window for the facts
+  that follow it; while they keep coming (the next one lands within a window
+  of the last publish) the window doubles, from ``batch_window_s`` up to
   ``max_batch_window_s``, so a busy replica sends one message per window and
   no fact waits longer than the longest window. Most of sync's cost is per
   message (wakeups, the socket write, the receive path, a peer's apply call
@@ -95,6 +96,10 @@ from prefixrouter.core.facts import RoutedFact, WorkerFact
 from prefixrouter.core.types import WorkerId
 
 log = logging.getLogger("prefixrouter.cluster")
+
+QUIET_S = 0.05
+"""A fact this long after the last publish goes at once (module doc: Publish);
+sooner, it waits a window for the facts that follow it."""
 
 MAX_HELD = 256
 """Live messages held at most before they are applied anyway (a bound on memory)."""
@@ -279,8 +284,8 @@ class ClusterNode:
             await pending.wait()
             since = loop.time() - last
             self.window_s = self.next_window(since)
-            if since < self.window_s:
-                await asyncio.sleep(self.window_s - since)
+            if since < QUIET_S:  # a busy spell: company for this fact is likely
+                await asyncio.sleep(self.window_s)
             pending.clear()
             await self.flush()
             last = loop.time()
@@ -288,8 +293,8 @@ class ClusterNode:
     def next_window(self, since_last_publish_s: float) -> float:
         """The next spacing: doubled (up to the maximum) while facts keep coming, else the base.
 
-        A fact that opens a window more than its length after the last
-        publish goes at once; else it waits until the window has passed.
+        Used in a busy spell only (a publish within :data:`QUIET_S`); after a
+        quiet spell a fact goes at once.
 
         Args:
             since_last_publish_s: From the last publish to the fact that opens this window.
