@@ -823,47 +823,28 @@ class PrefixIndex:
         placed: Placement | None,
     ) -> None:
         """The general case of :meth:`_touch_chain`: block by block, tail first."""
-        holders, move_to_end, expiry, ticket_of = (
-            self._holders, lru.move_to_end, self._expiry, self._ticket
-        )  # fmt: skip
+        move_to_end, add_new = lru.move_to_end, self._add_new
         speculative = source == _SPECULATIVE
         stored = _STORED.get(source, _CONFIRMED_ENTRY)
         expires_at = now + self.params.speculative_ttl_s if speculative else _INF
-        added = 0
         speculative_delta = 0
-        for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
-            if entry is not None:
-                move_to_end(block)
-                held_source = entry[_SOURCE]
-                if speculative:
-                    if held_source == _SPECULATIVE:
-                        ticket = entry[_TICKET]
-                        lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS] + 1, ticket)
-                        if placed is not None:
-                            placed.append((block, ticket))
-                elif held_source < source:
-                    lru[block] = stored
-                    if held_source == _SPECULATIVE:
-                        speculative_delta -= 1
+        for i in range(len(hashes) - 1, -1, -1):
+            block, entry = hashes[i], existing[i]
+            if entry is None:
+                add_new(worker, lru, hashes[i : i + 1], now, source, placed)
                 continue
+            move_to_end(block)
+            held_source = entry[_SOURCE]
             if speculative:
-                ticket = next(ticket_of)
-                lru[block] = (_SPECULATIVE, expires_at, 1, ticket)
-                heapq.heappush(expiry, (expires_at, ticket, worker, block))
-                if placed is not None:
-                    placed.append((block, ticket))
-            else:
+                if held_source == _SPECULATIVE:
+                    ticket = entry[_TICKET]
+                    lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS] + 1, ticket)
+                    if placed is not None:
+                        placed.append((block, ticket))
+            elif held_source < source:
                 lru[block] = stored
-            slot = holders.get(block)
-            if slot is None:
-                holders[block] = {worker: None}
-            else:
-                slot[worker] = None
-            added += 1
-        self._entries += added
-        if speculative:
-            self._speculative += added
-            self._pushed += added
+                if held_source == _SPECULATIVE:
+                    speculative_delta -= 1
         self._speculative += speculative_delta
 
     def _compact_expiry(self) -> None:
