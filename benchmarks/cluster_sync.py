@@ -1,44 +1,59 @@
-"""What replica sync costs: propagation lag and CPU per request per replica.
+"""What replica sync costs: CPU per request per replica and propagation lag, at several rates.
 
 Setup, all on loopback, every process started by the harness and stopped by PID:
 
-* a real ``nats-server -js`` (:class:`prefixrouter.harness.nats.NatsServer`);
-* **engines**: :mod:`prefixrouter.bench.instant` on three ports (answers at
-  once, so the gateways' own work dominates);
-* **replicas**: two ``python -m prefixrouter.gateway --cluster ... --replica-id``
-  processes (:mod:`prefixrouter.harness.replicas`) and, for the comparison,
-  two lone gateways with the same configuration and no ``--cluster``;
+* **engines**: :mod:`prefixrouter.bench.instant` on four ports, answering
+  after ``--ttft-ms`` (first bytes) and ``--decode-ms`` more (the rest), so a
+  request's routing, first token and answer happen apart as they do live
+  (each is a fact its peers must hear);
+* **clusters**: ``--replicas`` gateway replicas (``python -m
+  prefixrouter.gateway --cluster ... --replica-id``,
+  :mod:`prefixrouter.harness.replicas`) on their own real ``nats-server -js``
+  (:class:`prefixrouter.harness.nats.NatsServer`): one of this checkout and,
+  with ``--baseline-src DIR`` (another checkout's ``src``, e.g. ``git archive
+  main src | tar -x -C /tmp/base``), one of that code, side by side on the
+  same engines;
 * **load**: this process, open loop (:mod:`prefixrouter.bench.loadgen`) at
-  ``--rate`` requests/s *per gateway*, both gateways of a pair at once, 8 KB
-  chat bodies (64 variants of a shared 6 KB system prompt), text mode.
+  each of ``--rates`` requests/s *across the cluster*, spread over the
+  replicas round robin (replica ``k`` of ``N`` takes requests ``k, k + N,
+  ...``, as a Service would), 8 KB chat bodies (64 variants of a shared 6 KB
+  system prompt) or, with ``--doc-kb K``, one of three K KB documents with a
+  new question each (doc-qa's shape: a long known prefix, a new tail).
 
-Rounds alternate between the clustered pair and the lone pair, so a burst of
-other work on a shared machine lands on both. Figures:
+For each rate the two clusters take turns, ``--rounds`` rounds each, so a
+burst of other work on a shared machine lands on both. Figures per rate and
+cluster:
 
-* ``lag_p50_ms`` / ``lag_p99_ms``: a peer's fact message, from its publish
-  (after the batch window) to its receipt, over the last 8,192 live messages
-  of each replica (``/admin/process``: the replica's samples);
-* ``sync_cpu_ms_per_request``: the CPU the replica's node counted for
-  publishing and applying facts (encode, envelope, publish call; decode,
-  registry, ``apply_peer``), per request the replica served: it applied its
-  peer's facts too, so this is the cost per request per replica at two
-  replicas. It leaves out nats-py's own protocol work (socket reads, parsing,
-  flushing);
-* ``process_cpu_ms_per_request``: the whole gateway process's CPU per request,
-  clustered and lone, and their difference (``sync_process_cpu_ms_per_request``),
-  which includes nats-py; noisier on a shared machine.
-
-``--hot-loop N`` measures no network and no processes: N requests' facts
-(text mode, the same bodies) recorded by one dispatcher, encoded into
-messages of ``--per-message`` requests' facts each, then unpacked, decoded
-and applied by a second dispatcher in this process, best of five repeats:
-the microseconds per request of the publishing side and of the applying
-side, free of the noise of a shared machine but hot (caches hold everything).
+* ``sync_ms_per_request``: CPU the replica's node counted for sync (publish:
+  drain, encode, publish call; receive: the check and hold of each message
+  heard; apply: unpack, decode, ``apply_peer``) **divided by the requests of
+  the whole cluster** (every request's facts reach every replica, so its sync
+  work scales with the cluster's requests; the definition of ``prefixrouter
+  bench --replicas`` and of ``replicas_live_results.md``), mean and range over
+  the replicas. nats-py's own protocol work is not in it;
+* ``process_ms_per_request``: each replica's whole process CPU per request it
+  served (everything: HTTP, routing, sync, nats-py), mean over replicas;
+* ``lag_p50_ms`` / ``lag_p99_ms`` / ``over_10ms``: the fact propagation lag
+  from every replica's ``prefixrouter_cluster_propagation_lag_seconds``
+  histogram (deltas over the rounds; percentiles interpolated within buckets
+  as Prometheus does, and the exact share of messages over 10 ms: p99 is
+  under 10 ms when that share is under 1 %). This checkout dates a message by
+  its first fact, so its lag includes the batch wait; code before this stop
+  dated it at publish, after the 2-4 ms window;
+* ``messages_per_request``: facts messages published per request.
 
 Usage::
 
-    python benchmarks/cluster_sync.py [--rate 200] [--seconds 8] [--rounds 4] [--json]
-    python benchmarks/cluster_sync.py --hot-loop 3000 [--per-message 1]
+    python benchmarks/cluster_sync.py [--replicas 4] [--rates 8,50,200] [--seconds 12]
+        [--rounds 2] [--baseline-src DIR] [--doc-kb 0] [--json FILE]
+    python benchmarks/cluster_sync.py --hot-loop 3000 [--per-message 1] [--doc-kb 0]
+
+``--hot-loop N`` measures no network and no processes: N requests' facts
+recorded by one dispatcher, encoded into messages of ``--per-message``
+requests' facts each, then unpacked, decoded and applied by a second
+dispatcher in this process, best of five repeats: the microseconds per
+request of the publishing side and of the applying side, free of the noise
+of a shared machine but hot (caches hold everything).
 
 Target (issue 14): sync at most 0.05 ms of CPU per request per replica;
 propagation lag p99 under 10 ms on loopback.
@@ -48,14 +63,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import random
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 from rich.console import Console
+from rich.table import Table
 
 from prefixrouter.bench.loadgen import build_requests, open_loop
 from prefixrouter.bench.overhead import overhead_bodies, process_cpu_s
@@ -64,110 +83,235 @@ from prefixrouter.harness.nats import NatsServer
 from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import Fleet, Server
 from prefixrouter.harness.replicas import start_replicas, wait_ready_async
+from prefixrouter.prometheus import histogram, histogram_quantile
 
 ADMIN_KEY = "bench-admin-key"
 PATH = "/v1/chat/completions"
+LAG = "prefixrouter_cluster_propagation_lag_seconds"
+SETTLE_S = 0.8
+"""After a round: the last answers' facts arrive and held ones are applied (0.5 s bound)."""
 console = Console(stderr=True)
 
 
-async def _process(server: Server) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    async with (
-        aiohttp.ClientSession(headers=headers) as s,
-        s.get(server.url + "/admin/process") as r,
-    ):
+def doc_bodies(doc_kb: int, n: int = 512, seed: int = 0) -> list[bytes]:
+    """``n`` chat bodies: one of three ``doc_kb`` KB documents, then a question of its own."""
+    rng = random.Random(seed)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(2000)
+    ]
+    docs = []
+    for _ in range(3):
+        text: list[str] = []
+        size = 0
+        while size < doc_kb * 1024:
+            w = rng.choice(words)
+            text.append(w)
+            size += len(w) + 1
+        docs.append(" ".join(text))
+    out = []
+    for i in range(n):
+        question = f"Question {i}: what does section {rng.randint(1, 999)} say? " * 8
+        body = {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": docs[i % 3]},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 16,
+            "stream": True,
+        }
+        out.append(orjson.dumps(body))
+    return out
+
+
+def streamed(bodies: list[bytes]) -> list[bytes]:
+    """``bodies`` asking for a stream (the gateway notes the first token as it comes)."""
+    return [orjson.dumps({**orjson.loads(b), "stream": True}) for b in bodies]
+
+
+async def _state(session: aiohttp.ClientSession, server: Server) -> dict[str, Any]:
+    async with session.get(server.url + "/admin/process") as r:
         data: dict[str, Any] = await r.json()
-        return data
+    async with session.get(server.url + "/metrics") as r:
+        data["lag"] = histogram(await r.text(), LAG)
+    data["cpu_s"] = process_cpu_s(server.pid)
+    return data
 
 
-async def _round(pair: list[Server], bodies: list[bytes], rate: float, seconds: float) -> int:
-    reqs = [build_requests(s.port, PATH, bodies) for s in pair]
-    results = await asyncio.gather(
-        *(open_loop(s.port, r, rate, seconds, 20) for s, r in zip(pair, reqs, strict=True))
-    )
-    errors = sum(res.errors for res in results)
-    if errors:
-        console.print(f"[yellow]{errors} errors in a round")
-    return sum(len(res.values) + 20 for res in results)
+async def _round(cluster: Sequence[Server], bodies: list[bytes], rate: float, s: float) -> int:
+    """Round robin over the replicas at ``rate`` across them; returns the errors."""
+    n = len(cluster)
+
+    async def one(k: int, server: Server) -> int:
+        await asyncio.sleep(k / rate)  # replica k takes requests k, k + n, ...
+        mine = bodies[k::n] or bodies
+        res = await open_loop(server.port, build_requests(server.port, PATH, mine), rate / n, s, 0)
+        return res.errors
+
+    errors = await asyncio.gather(*(one(k, srv) for k, srv in enumerate(cluster)))
+    return sum(errors)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    bodies = overhead_bodies("tiny")
-    with tempfile.TemporaryDirectory() as tmp, Fleet() as fleet, NatsServer() as nats:
-        ports = [free_port() for _ in range(3)]
-        cmd = [sys.executable, "-m", "prefixrouter.bench.instant", "--ports"]
-        engines = fleet.start_command(
-            "instant engines", [*cmd, ",".join(map(str, ports))], ports[-1]
-        )
-        await fleet.wait_healthy([engines], 30)
-        cfg = Path(tmp) / "gw.yaml"
-        cluster: dict[str, float] = {"batch_window_s": args.batch_window}
-        if args.max_batch_window is not None:  # else the gateway's default (absent before it)
-            cluster["max_batch_window_s"] = args.max_batch_window
-        cfg.write_bytes(
-            orjson.dumps(
-                {
-                    "workers": [
-                        {"url": f"http://127.0.0.1:{p}", "id": f"e{i}"} for i, p in enumerate(ports)
-                    ],
-                    "server": {"admin_api_key": ADMIN_KEY},
-                    "cluster": cluster,
-                }
-            )
-        )
-        replicas = start_replicas(fleet, cfg, nats.url, 2)
-        lone = [
-            fleet.start(f"lone{i}", "prefixrouter.gateway", ["--config", str(cfg)])
-            for i in range(2)
-        ]
-        await wait_ready_async(replicas, 60)
-        await fleet.wait_healthy(lone, 60)
-        for s in [*replicas, *lone]:
-            await wait_routable(s.url)
-        pairs = {"clustered": replicas, "lone": lone}
-        cpu = {k: 0.0 for k in pairs}
-        sent = {k: 0 for k in pairs}
-        before = [await _process(s) for s in replicas]
-        for i in range(args.rounds):
-            for name, pair in pairs.items():
-                console.print(
-                    f"round {i + 1}/{args.rounds}: {name} pair, "
-                    f"{args.rate:g} req/s each for {args.seconds / args.rounds:g} s"
-                )
-                c0 = sum(process_cpu_s(s.pid) for s in pair)
-                sent[name] += await _round(pair, bodies, args.rate, args.seconds / args.rounds)
-                cpu[name] += sum(process_cpu_s(s.pid) for s in pair) - c0
-        after = [await _process(s) for s in replicas]
-    per_replica = []
-    for s, b, a in zip(replicas, before, after, strict=True):
-        served = a["requests"] - b["requests"]
-        sync = a["cluster_sync_cpu_s"] - b["cluster_sync_cpu_s"]
-        per_replica.append(
-            {
-                "replica": s.name,
-                "requests": served,
-                "facts_published": a["cluster_facts_published"] - b["cluster_facts_published"],
-                "facts_applied": a["cluster_facts_applied"] - b["cluster_facts_applied"],
-                "messages_published": a["cluster_messages_published"]
-                - b["cluster_messages_published"],
-                "sync_cpu_ms_per_request": round(1e3 * sync / max(1, served), 4),
-                "lag_p50_ms": round(a.get("cluster_lag_p50_ms", 0.0), 3),
-                "lag_p99_ms": round(a.get("cluster_lag_p99_ms", 0.0), 3),
-            }
-        )
-    proc = {k: 1e3 * cpu[k] / max(1, sent[k]) for k in pairs}
+def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
+    return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
+
+
+def _summary(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """One cluster's figures at one rate from its replicas' (before, after) pairs."""
+    requests = sum(_delta(b, a, "requests") for b, a in rows)
+    total = max(1.0, requests)
+    sync = [1e3 * _delta(b, a, "cluster_sync_cpu_s") / total for b, a in rows]
+    phases = {
+        p: sum(1e3 * _delta(b, a, f"cluster_{p}_cpu_s") for b, a in rows) / total / len(rows)
+        for p in ("publish", "receive", "apply")
+    }
+    proc = [1e3 * (a["cpu_s"] - b["cpu_s"]) / max(1.0, _delta(b, a, "requests")) for b, a in rows]
+    lag: dict[float, float] = {}
+    for b, a in rows:
+        for le, count in a["lag"].items():
+            lag[le] = lag.get(le, 0.0) + count - b["lag"].get(le, 0.0)
+    heard = lag.get(float("inf"), 0.0)
+    messages = sum(_delta(b, a, "cluster_messages_published") for b, a in rows)
+    passes = sum(_delta(b, a, "cluster_apply_passes") for b, a in rows)
     return {
-        "rate_per_replica": args.rate,
-        "seconds": args.seconds,
-        "batch_window_s": args.batch_window,
-        "max_batch_window_s": args.max_batch_window,
-        "replicas": per_replica,
-        "process_cpu_ms_per_request": {k: round(v, 4) for k, v in proc.items()},
-        "sync_process_cpu_ms_per_request": round(proc["clustered"] - proc["lone"], 4),
+        "requests": int(requests),
+        "sync_ms_per_request": round(sum(sync) / len(sync), 4),
+        "sync_ms_per_request_range": [round(min(sync), 4), round(max(sync), 4)],
+        "phase_ms_per_request": {k: round(v, 4) for k, v in phases.items()},
+        "process_ms_per_request": round(sum(proc) / len(proc), 3),
+        "messages_per_request": round(messages / total, 3),
+        "messages_per_apply_pass": round((heard / passes) if passes else 0.0, 2),
+        "lag_p50_ms": round(1e3 * histogram_quantile(lag, 0.5), 3),
+        "lag_p99_ms": round(1e3 * histogram_quantile(lag, 0.99), 3),
+        "over_10ms": round(1 - lag.get(0.01, 0.0) / heard, 4) if heard else 0.0,
+        "lag_messages": int(heard),
     }
 
 
-def hot_loop(n: int, per_message: int) -> dict[str, Any]:
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    bodies = doc_bodies(args.doc_kb) if args.doc_kb else streamed(overhead_bodies("tiny"))
+    sides: list[tuple[str, str | None]] = [("this", None)]
+    if args.baseline_src:
+        sides.insert(0, ("baseline", str(Path(args.baseline_src).resolve())))
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Fleet() as fleet,
+        contextlib.ExitStack() as stack,
+    ):
+        ports = [free_port() for _ in range(4)]
+        cmd = [sys.executable, "-m", "prefixrouter.bench.instant", "--ports"]
+        delays = ["--ttft-ms", str(args.ttft_ms), "--decode-ms", str(args.decode_ms)]
+        engines = fleet.start_command(
+            "instant engines", [*cmd, ",".join(map(str, ports)), *delays], ports[-1]
+        )
+        await fleet.wait_healthy([engines], 30)
+        cfg = Path(tmp) / "gw.yaml"
+        workers = [{"url": f"http://127.0.0.1:{p}", "id": f"e{i}"} for i, p in enumerate(ports)]
+        cfg.write_bytes(orjson.dumps({"workers": workers, "server": {"admin_api_key": ADMIN_KEY}}))
+        clusters: dict[str, list[Server]] = {}
+        for side, src in sides:
+            nats = stack.enter_context(NatsServer())
+            env = {"PYTHONPATH": src} if src else None
+            clusters[side] = start_replicas(
+                fleet, cfg, nats.url, args.replicas, prefix=f"{side}-r", env=env
+            )
+        every = [s for c in clusters.values() for s in c]
+        await wait_ready_async(every, 90)
+        for s in every:
+            await wait_routable(s.url)
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        timeout = aiohttp.ClientTimeout(total=30)
+        out: dict[str, Any] = {
+            "replicas": args.replicas,
+            "seconds_per_rate": args.seconds,
+            "rounds": args.rounds,
+            "ttft_ms": args.ttft_ms,
+            "decode_ms": args.decode_ms,
+            "doc_kb": args.doc_kb,
+            "rates": [],
+        }
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+            console.print("warm-up: 2 s at 8 req/s on each cluster")
+            for cluster in clusters.values():
+                await _round(cluster, bodies, 8.0, 2.0)
+            for rate in args.rates:
+                pairs: dict[str, list[list[tuple[dict[str, Any], dict[str, Any]]]]] = {
+                    side: [[] for _ in clusters[side]] for side in clusters
+                }
+                errors = dict.fromkeys(clusters, 0)
+                for i in range(args.rounds):
+                    order = list(clusters) if i % 2 == 0 else list(reversed(clusters))
+                    for side in order:
+                        cluster = clusters[side]
+                        console.print(
+                            f"{rate:g} req/s, round {i + 1}/{args.rounds}: {side} "
+                            f"({args.seconds / args.rounds:g} s)"
+                        )
+                        before = [await _state(session, s) for s in cluster]
+                        errors[side] += await _round(
+                            cluster, bodies, rate, args.seconds / args.rounds
+                        )
+                        await asyncio.sleep(SETTLE_S)
+                        after = [await _state(session, s) for s in cluster]
+                        for k, pair in enumerate(zip(before, after, strict=True)):
+                            pairs[side][k].append(pair)
+                row: dict[str, Any] = {"rate": rate}
+                for side, per_replica in pairs.items():
+                    # Sum each replica's rounds into one (before, after) pair.
+                    merged = []
+                    for rounds in per_replica:
+                        b = {"requests": 0.0, "cpu_s": 0.0, "lag": {}}
+                        a: dict[str, Any] = {"requests": 0.0, "cpu_s": 0.0, "lag": {}}
+                        for rb, ra in rounds:
+                            for key, value in ra.items():
+                                if isinstance(value, int | float) and key != "pid":
+                                    a[key] = a.get(key, 0.0) + value - rb.get(key, 0.0)
+                            for le, c in ra["lag"].items():
+                                a["lag"][le] = a["lag"].get(le, 0.0) + c - rb["lag"].get(le, 0.0)
+                        merged.append((b, a))
+                    row[side] = {**_summary(merged), "errors": errors[side]}
+                out["rates"].append(row)
+    return out
+
+
+def _table(out: dict[str, Any]) -> Table:
+    t = Table(title=f"sync per request per replica, {out['replicas']} replicas")
+    for col in (
+        "req/s",
+        "code",
+        "sync ms/req/replica",
+        "publish · receive · apply",
+        "msgs/req",
+        "lag p50",
+        "lag p99",
+        ">10 ms",
+        "process ms/req",
+    ):
+        t.add_column(col, justify="right")
+    for row in out["rates"]:
+        for side in ("baseline", "this"):
+            r = row.get(side)
+            if r is None:
+                continue
+            ph = r["phase_ms_per_request"]
+            phases = " · ".join(f"{ph[p]:.3f}" for p in ("publish", "receive", "apply"))
+            lo, hi = r["sync_ms_per_request_range"]
+            t.add_row(
+                f"{row['rate']:g}",
+                side,
+                f"{r['sync_ms_per_request']:.3f} ({lo:.3f}-{hi:.3f})",
+                phases if any(ph.values()) else "-",
+                f"{r['messages_per_request']:.2f}",
+                f"{r['lag_p50_ms']:.2f} ms",
+                f"{r['lag_p99_ms']:.2f} ms",
+                f"{100 * r['over_10ms']:.1f} %",
+                f"{r['process_ms_per_request']:.2f}",
+            )
+    return t
+
+
+def hot_loop(n: int, per_message: int, doc_kb: int) -> dict[str, Any]:
     """Publish-side and apply-side microseconds per request, in process (module doc)."""
     import time
 
@@ -177,7 +321,8 @@ def hot_loop(n: int, per_message: int) -> dict[str, Any]:
     from prefixrouter.core.hashing import BlockHasher
     from prefixrouter.core.types import CacheNamespace, RequestId, RoutingRequest, WorkerView
 
-    chats = [orjson.loads(b) for b in overhead_bodies("tiny")]
+    raw = doc_bodies(doc_kb, n) if doc_kb else overhead_bodies("tiny")
+    chats = [orjson.loads(b) for b in raw]
     texts = ["".join(m["content"] for m in c["messages"]) for c in chats]
     views = [WorkerView(WorkerId(f"w{i}"), kv_capacity_blocks=1 << 16) for i in range(3)]
     ns = CacheNamespace("tiny")
@@ -187,16 +332,17 @@ def hot_loop(n: int, per_message: int) -> dict[str, Any]:
         b = Dispatcher(Router("prefix_aware", BlockHasher()), "text")
         batches = []
         for i in range(n):
+            text = texts[i % len(texts)]
             req = RoutingRequest(
                 RequestId(f"r{i}"),
                 ns,
-                text=texts[i % len(texts)],
-                prompt_tokens=2048,
+                text=text,
+                prompt_tokens=len(text) // 4,
                 max_tokens=16,
                 model="tiny",
             )
             adm = a.admit(req, views, i * 1e-3)
-            a.complete(adm, Outcome(1536, 0.01), i * 1e-3)
+            a.complete(adm, Outcome(len(text) // 5, 0.01), i * 1e-3)
             if (i + 1) % per_message == 0:
                 batches.append(a.drain_facts())
         head = envelope.Envelope(envelope.FACTS, "a", 1, 2, 0.0)
@@ -213,6 +359,7 @@ def hot_loop(n: int, per_message: int) -> dict[str, Any]:
     return {
         "requests": n,
         "requests_per_message": per_message,
+        "doc_kb": doc_kb,
         "publish_side_us": round(best_pub * 1e6, 2),
         "apply_side_us": round(best_apply * 1e6, 2),
         "sync_us_per_request_per_replica_at_2": round((best_pub + best_apply) * 1e6, 2),
@@ -221,34 +368,30 @@ def hot_loop(n: int, per_message: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rate", type=float, default=200.0, help="requests/s per replica")
-    ap.add_argument("--seconds", type=float, default=8.0, help="load per pair, all rounds")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--batch-window", type=float, default=0.002, help="cluster.batch_window_s")
+    ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument(
-        "--max-batch-window", type=float, default=None, help="cluster.max_batch_window_s"
+        "--rates",
+        type=lambda v: [float(x) for x in v.split(",") if x],
+        default=[8.0, 50.0, 200.0],
+        help="requests/s across the cluster, comma-separated",
     )
-    ap.add_argument("--json", action="store_true", help="print JSON only")
+    ap.add_argument("--seconds", type=float, default=12.0, help="load per rate and cluster")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ttft-ms", type=float, default=100.0, help="engines' first bytes")
+    ap.add_argument("--decode-ms", type=float, default=300.0, help="engines' rest, after")
+    ap.add_argument("--doc-kb", type=int, default=0, help="K KB documents (0: 8 KB bodies)")
+    ap.add_argument("--baseline-src", default="", help="another checkout's src, side by side")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--hot-loop", type=int, default=0, metavar="N", help="in process, no network")
     ap.add_argument("--per-message", type=int, default=1, help="requests per message (hot loop)")
     args = ap.parse_args()
     if args.hot_loop:
-        print(orjson.dumps(hot_loop(args.hot_loop, args.per_message)).decode())
+        print(orjson.dumps(hot_loop(args.hot_loop, args.per_message, args.doc_kb)).decode())
         return
     out = asyncio.run(run(args))
-    if args.json:
-        print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
-        return
-    for r in out["replicas"]:
-        console.print(
-            f"{r['replica']}: {r['requests']} requests, lag p50 {r['lag_p50_ms']} ms "
-            f"p99 {r['lag_p99_ms']} ms, sync CPU {r['sync_cpu_ms_per_request']} ms/request"
-        )
-    p = out["process_cpu_ms_per_request"]
-    console.print(
-        f"process CPU per request: clustered {p['clustered']} ms, lone {p['lone']} ms, "
-        f"difference {out['sync_process_cpu_ms_per_request']} ms"
-    )
+    console.print(_table(out))
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(out).decode())
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixrouter.cluster import envelope
-from prefixrouter.cluster.codec import DecodeError, decode_facts, encode_facts
+from prefixrouter.cluster.codec import DecodeError, count_facts, decode_facts, encode_facts
 from prefixrouter.cluster.envelope import FACTS, Envelope, EnvelopeError
 from prefixrouter.core.facts import (
     Fact,
@@ -75,6 +75,8 @@ def test_any_batch_round_trips_in_order_whatever_the_split(batch: list[Fact], bu
     messages = encode_facts(batch, budget)
     decoded = [f for m in messages for f in decode_facts(m)]
     assert decoded == batch
+    # The header's count (what a dropped message's facts are counted by) is each message's.
+    assert [count_facts(m) for m in messages] == [len(decode_facts(m)) for m in messages]
     if batch:
         assert messages
 

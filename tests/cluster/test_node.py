@@ -8,16 +8,18 @@ dispatcher's real facts.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import orjson
+import pytest
 
 from prefixrouter.cluster import envelope
 from prefixrouter.cluster.codec import encode_facts
 from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope
 from prefixrouter.cluster.fingerprint import Fingerprint
 from prefixrouter.cluster.node import ClusterNode, NodeOptions
-from prefixrouter.cluster.transport import LinkOptions
+from prefixrouter.cluster.transport import LinkOptions, NatsLink
 from prefixrouter.core import Dispatcher, Outcome, Router, WorkerId
 from prefixrouter.core.facts import Fact, WorkerChange, WorkerFact
 from tests.core.conftest import request, tokens, workers
@@ -245,13 +247,81 @@ def test_a_message_heard_twice_or_late_is_applied_once_and_a_jump_counts_the_mis
 
 def test_windows_double_while_facts_keep_coming_and_reset_after_a_quiet_spell() -> None:
     b = node()  # 2 ms base, 4 ms at most
-    assert b.next_window(10.0) == 0.002  # quiet: a lone fact waits the short window
+    assert b.next_window(10.0) == 0.002  # quiet: a lone fact goes at once (10 s > 2 ms)
     b.window_s = b.next_window(0.001)  # the next fact came 1 ms after the publish
     assert b.window_s == 0.004
     b.window_s = b.next_window(0.0)
     assert b.window_s == 0.004  # capped
     b.window_s = b.next_window(0.005)  # a gap longer than the window: quiet again
     assert b.window_s == 0.002
+
+
+def _publishing(b: ClusterNode) -> list[tuple[float, bytes]]:
+    sent: list[tuple[float, bytes]] = []
+
+    async def takes(data: bytes) -> bool:
+        sent.append((time.monotonic(), data))
+        return True
+
+    b.link.publish_facts = takes  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_lone_fact_is_published_when_its_tick_ends_and_a_busy_spell_is_spaced_by_windows() -> (
+    None
+):
+    async def body() -> None:
+        b = node()
+        sent = _publishing(b)
+        task = asyncio.get_running_loop().create_task(b._publisher())
+        await asyncio.sleep(0)  # the publisher listens
+        # Routed and answered in one callback: one message, once the callback returns.
+        adm = b.dispatcher.admit(request("r1", DOC), workers(2), 0.0)
+        b.dispatcher.complete(adm, Outcome(0, 0.1), 0.0)
+        assert sent == []  # not inside the recording call
+        for _ in range(3):  # a few loop turns, no timer: no window was waited
+            await asyncio.sleep(0)
+        assert len(sent) == 1 and b.stats.published_facts == 2
+        head, _ = envelope.unpack(sent[0][1])
+        assert time.time() - head.sent_wall < 1.0  # dated by its first fact
+        # Facts that keep coming: one message per window, none waits longer than the longest.
+        start = time.monotonic()
+        for i in range(20):  # a fact per loop turn: microseconds apart
+            b.dispatcher.admit(request(f"s{i}", tokens(100 + i, 64)), workers(2), 1.0)
+            await asyncio.sleep(0)
+        for _ in range(100):  # bounded: 1 s at most
+            if b.stats.published_facts == 22:
+                break
+            await asyncio.sleep(0.01)
+        assert b.stats.published_facts == 22
+        busy = [t for t, _ in sent[1:]]
+        assert len(busy) < 10  # batched (a loaded machine may stall a turn past a window)
+        assert all(t2 - t1 >= 0.0019 for t1, t2 in itertools.pairwise(busy))
+        assert busy[0] - start < 0.5  # a bound for a loaded machine, far above the window
+        task.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_message_over_the_servers_limit_is_dropped_and_counted_without_a_new_life(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(NatsLink, "max_payload", property(lambda self: 64 * 1024))
+
+    async def body() -> None:
+        b = node()
+        sent = _publishing(b)
+        origin = b.origin
+        huge = tokens(3, 16 * 20_000)  # 20,000 blocks: 160 KB of hashes, over 64 KB
+        b.dispatcher.admit(request("big", huge), workers(2), 0.0)
+        b.dispatcher.admit(request("small", DOC), workers(2), 0.0)
+        await b.flush()
+        # The big routing alone is lost; the small one goes in a message of its own.
+        assert b.stats.dropped == {"too_large": 1}
+        assert b.stats.published_facts == 1 and len(sent) == 1
+        assert b.origin == origin  # nothing of the lost fact is open anywhere
+
+    asyncio.run(body())
 
 
 def test_held_peer_facts_are_applied_before_the_next_routing_or_within_the_bound() -> None:
@@ -279,5 +349,22 @@ def test_held_peer_facts_are_applied_before_the_next_routing_or_within_the_bound
         a.admit(request("r5", tokens(12, 16 * 20)), workers(2), 3.0)
         b.on_facts(message(a.drain_facts(), seq=4), live=False)
         assert b.stats.applied_facts == 4 and b.stats.duplicate_messages == 0
+
+    asyncio.run(body())
+
+
+def test_held_facts_wait_through_heartbeats_and_sweeps_that_change_nothing() -> None:
+    async def body() -> None:
+        b = node(hold=5.0)
+        b.on_heartbeat(peer_heartbeat())  # a@7 is a live peer
+        _, facts, _ = peer_facts()
+        b.on_facts(message(facts, seq=1), live=True)
+        b.on_heartbeat(peer_heartbeat())  # the same life: nothing to order against
+        b.sweep()  # nobody silent
+        assert b.stats.applied_facts == 0 and b.stats.apply_passes == 0
+        # A heartbeat of a new life ends the old one: what it said before goes first.
+        b.on_heartbeat(peer_heartbeat(epoch=8))
+        assert b.stats.applied_facts == 1 and b.stats.peers_gone == 1
+        assert b.dispatcher.peer_inflight("a@7") == 0  # applied, then settled by the end
 
     asyncio.run(body())

@@ -3,7 +3,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefixrouter.core import (
@@ -504,3 +504,79 @@ def test_entries_are_invisible_to_the_cyclic_garbage_collector() -> None:
     gc.collect()
     assert len(idx) == 20_000 and idx.speculative_entries >= 5_000
     assert len(gc.get_objects()) - before < 200
+
+
+class _Walk(PrefixIndex):
+    _shaped = False  # every chain block by block: the reference for the shaped paths
+
+
+# Few workers and documents, so one chain sees many kinds of touches in turn.
+few_ops = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["route", "complete", "store", "tail", "remove", "clear", "withdraw", "demote"]
+        ),
+        st.sampled_from([A, B]),
+        st.integers(0, 1),
+        st.integers(0, 8),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(few_ops, st.integers(2, 12))
+# Speculative entries ahead of confirmed ones (an event head demoted): neither
+# a routing nor an answer may skip them.
+@example([("store", A, 0, 3), ("complete", A, 0, 0), ("demote", A, 0, 0), ("route", A, 0, 8),
+          ("complete", A, 0, 0)], 12)  # fmt: skip
+# Events for a chain's tail only (stronger entries after weaker ones), then the whole chain.
+@example([("complete", A, 0, 0), ("tail", A, 0, 3), ("store", A, 0, 8)], 12)
+# A held head and a new tail, then a hole.
+@example([("route", A, 0, 4), ("route", A, 0, 8), ("remove", A, 0, 4), ("route", A, 0, 8)], 12)
+def test_shaped_chain_paths_change_the_index_as_the_block_by_block_walk(
+    script: list[tuple[str, WorkerId, int, int]], capacity: int
+) -> None:
+    # Routings and answers of chains held whole, held up to a new tail, or with
+    # holes: the shaped paths leave every entry, its recency and what each
+    # routing holds exactly as the general walk does.
+    params = IndexParams(max_entries=20, speculative_ttl_s=5.0)
+    shaped, walk = PrefixIndex(params), _Walk(params)
+    docs = [chain(d, 8) for d in range(2)]
+    workers = (A, B)
+    for idx in (shaped, walk):
+        for w in workers:
+            idx.set_capacity(w, capacity)
+    t = 0.0
+    routings: list[tuple[WorkerId, Placement, Placement]] = []
+    for op, w, d, n in script:
+        t += 1.0
+        if op == "withdraw":
+            if routings:
+                ww, mine, theirs = routings.pop(d % len(routings))
+                assert shaped.withdraw(ww, mine) == walk.withdraw(ww, theirs)
+        elif op == "demote":  # event entries become speculative: firm and speculative mixed
+            for idx in (shaped, walk):
+                idx.demote_events(w, t)
+        elif op == "remove":  # a hole: the chain's middle removed, its ends kept
+            for idx in (shaped, walk):
+                idx.apply(BlockRemoved(w, docs[d][n // 2 : n // 2 + 1]), t)
+        elif op == "complete":
+            for idx in (shaped, walk):
+                idx.on_completed(w, docs[d], 16.0, 16 * n, 16 * (n // 2), t)
+        elif op in ("store", "tail"):
+            blocks = docs[d][:n] if op == "store" else docs[d][n:]
+            for idx in (shaped, walk):
+                idx.apply(BlockStored(w, blocks), t)
+        elif op == "clear":
+            for idx in (shaped, walk):
+                idx.expire(t + 3.0)
+        else:
+            mine, theirs = (idx.on_routed(w, docs[d][:n], t) for idx in (shaped, walk))
+            assert sorted(mine) == sorted(theirs)
+            routings.append((w, mine, theirs))
+        for ww in workers:
+            assert shaped.entries(ww) == walk.entries(ww)
+        assert len(shaped) == len(walk)
+        assert shaped.speculative_entries == walk.speculative_entries
+        assert shaped.evicted_entries == walk.evicted_entries

@@ -1,6 +1,7 @@
 """Engines that answer at once: one process, several ports, every endpoint routers call.
 
-``python -m prefixrouter.bench.instant --ports P1,P2,... [--model tiny] [--model-path DIR]``
+``python -m prefixrouter.bench.instant --ports P1,P2,... [--model tiny] [--model-path DIR]
+[--ttft-ms T --decode-ms D]``
 
 The overhead comparison measures what a router adds, so its engines must add
 (almost) nothing: each completion gets a fixed vLLM-shaped answer (JSON, or
@@ -12,6 +13,11 @@ tokenizer folder), and vllm-router's ``/v1/chat/completions/render``,
 ``/v1/completions/render`` and ``/tokenize``. Those return cheap stand-in token
 ids (every fourth byte of the text), so prompts that share text share ids and a
 cache-aware router has something to match, without the cost of a tokenizer.
+
+With ``--ttft-ms`` / ``--decode-ms`` a completion takes time like a real
+engine's (``benchmarks/cluster_sync.py``: a request's routing, first token and
+answer happen apart, as they do live): its first bytes come after T ms, the
+rest D ms later; nothing else changes.
 
 It prints ``instant engines listening`` on stderr once every port is bound.
 """
@@ -56,8 +62,14 @@ def stand_in_ids(body: dict[str, Any]) -> list[int]:
     return list(_prompt_text(body).encode()[::4])
 
 
-def create_app(model: str = "tiny", model_path: str = "") -> web.Application:
-    """The instant engine application (the same app serves every port)."""
+def create_app(
+    model: str = "tiny", model_path: str = "", ttft_s: float = 0.0, decode_s: float = 0.0
+) -> web.Application:
+    """The instant engine application (the same app serves every port).
+
+    ``ttft_s`` / ``decode_s``: a completion's first bytes after ``ttft_s``, the rest
+    ``decode_s`` later (both 0: at once).
+    """
     answer = orjson.dumps(
         {
             "id": "chatcmpl-instant",
@@ -112,9 +124,19 @@ def create_app(model: str = "tiny", model_path: str = "") -> web.Application:
 
     async def completion(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        if b'"stream":true' in raw or b'"stream": true' in raw:
-            return web.Response(body=stream, content_type="text/event-stream")
-        return web.Response(body=answer, content_type="application/json")
+        streamed = b'"stream":true' in raw or b'"stream": true' in raw
+        body, kind = (stream, "text/event-stream") if streamed else (answer, "application/json")
+        if not ttft_s and not decode_s:
+            return web.Response(body=body, content_type=kind)
+        await asyncio.sleep(ttft_s)
+        out = web.StreamResponse(headers={"Content-Type": kind})
+        out.content_length = len(body)
+        await out.prepare(request)
+        await out.write(body[:8])  # the first token's bytes
+        await asyncio.sleep(decode_s)
+        await out.write(body[8:])
+        await out.write_eof()
+        return out
 
     async def render(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
@@ -160,9 +182,11 @@ def _constant(body: bytes, content_type: str) -> Callable[[web.Request], Awaitab
     return handler
 
 
-async def serve(ports: list[int], model: str, model_path: str) -> None:
+async def serve(
+    ports: list[int], model: str, model_path: str, ttft_s: float = 0.0, decode_s: float = 0.0
+) -> None:
     """Serve the instant app on every port of 127.0.0.1 until killed."""
-    runner = web.AppRunner(create_app(model, model_path), access_log=None)
+    runner = web.AppRunner(create_app(model, model_path, ttft_s, decode_s), access_log=None)
     await runner.setup()
     for port in ports:
         await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
@@ -175,14 +199,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ports", required=True, help="comma-separated ports")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--model-path", default="")
+    ap.add_argument("--ttft-ms", type=float, default=0.0, help="first bytes after this")
+    ap.add_argument("--decode-ms", type=float, default=0.0, help="the rest this much later")
     args = ap.parse_args(argv)
     ports = [int(p) for p in args.ports.split(",") if p]
+    run = serve(ports, args.model, args.model_path, args.ttft_ms / 1e3, args.decode_ms / 1e3)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        asyncio.run(serve(ports, args.model, args.model_path))
+        asyncio.run(run)
         return
-    uvloop.run(serve(ports, args.model, args.model_path))
+    uvloop.run(run)
 
 
 if __name__ == "__main__":

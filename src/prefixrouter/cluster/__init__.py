@@ -21,24 +21,25 @@ Modules, one job each:
 * :mod:`~prefixrouter.cluster.node`: a replica's membership (publish, apply,
   heartbeats, readiness, refusal of an incompatible configuration).
 
-**Cost** (``benchmarks/cluster_sync.py``, two replicas at 200 requests/s
-each on a shared 2-core machine, four runs): sync as the node counts it
-0.20-0.29 ms of CPU per request per replica, the whole process 0.34-0.45 ms
-more than a lone gateway, propagation lag p50 0.7-2.4 ms and p99 2.7-33 ms
-(under 10 ms when the machine is quiet): above the 0.05 ms target. Most of
-the node's share is the index update for the peer's routing (core work);
-per message, live facts over core NATS with ``no_echo`` spare nats-py the
-replica's own messages and JetStream's per-message bookkeeping. The README's
-Replicas section has the before/after figures.
+**Cost** (``benchmarks/cluster_sync.py``, four replicas side by side with
+the previous code, on a shared 2-core machine): sync as the node counts it,
+per request of the whole cluster and per replica, 0.23 ms at 8 requests/s,
+0.28 ms at 50 and 0.23 ms at 200, against the 0.05 ms target; 70-75 % of it
+is applying peers' facts (the core's index, policy and ledger work for a
+peer's request, each call on caches other processes evicted), and nats-py's
+receive path costs about as much again outside the node's count.
+Propagation lag p50 1-3 ms, p99 6-20 ms with the machine's load.
+``benchmarks/replicas_live_results.md`` has the tables.
 
 Layer: with ``sim``, ``real_engines`` and the other engines' drivers, below
 ``gateway`` (which wires it in) and above ``core`` and ``harness``.
 
 **Consistency model.** Eventually consistent, no coordination on the request
 path: a replica routes on its own view at once and publishes what it did;
-its peers apply it one propagation lag later (the batch window, 2 ms after a
-quiet spell and up to 4 ms under steady traffic by default, plus NATS;
-``prefixrouter_cluster_propagation_lag_seconds`` measures the NATS part).
+its peers apply it one propagation lag later (no batch window after a quiet
+spell, 2-4 ms in a busy one, plus NATS;
+``prefixrouter_cluster_propagation_lag_seconds`` measures both, from the
+recording of a message's first fact).
 Each fact is applied once per origin, in the origin's order: live messages
 come over core NATS, the stream's over a catch-up consumer, and each
 origin's messages are numbered, so where the two overlap nothing is applied

@@ -190,6 +190,15 @@ def encode_facts(facts: Iterable[Fact], max_bytes: int = DEFAULT_MAX_BYTES) -> l
     return out
 
 
+def count_facts(data: bytes | memoryview) -> int:
+    """How many facts a message of :func:`encode_facts` holds (its header only, not checked)."""
+    (n_strings,) = _U16.unpack_from(data, 0)
+    pos = 2 + 2 * n_strings
+    (n_bytes,) = _U32.unpack_from(data, pos)
+    (n_facts,) = _U32.unpack_from(data, pos + 4 + n_bytes)
+    return int(n_facts)
+
+
 def decode_facts(data: bytes | memoryview) -> list[Fact]:
     """The facts of one message, in the order they were encoded.
 

@@ -4,18 +4,25 @@ A :class:`ClusterNode` sits between the replica's
 :class:`~prefixrouter.core.dispatch.Dispatcher` (created with
 ``record_facts=True``) and the :class:`~prefixrouter.cluster.transport.NatsLink`:
 
-* **Publish**: one window after a fact lands in the dispatcher's empty
-  outbox (the dispatcher tells it: no polling) it drains the outbox and
+* **Publish**: when a fact lands in the dispatcher's empty outbox (the
+  dispatcher tells it: no polling) the publisher drains the outbox and
   publishes it as few messages as fit (:mod:`~prefixrouter.cluster.codec`),
   each in an :mod:`~prefixrouter.cluster.envelope` numbered in this life.
-  Windows are sized by traffic: after a quiet spell a fact waits
-  ``batch_window_s``; while facts keep coming (the next one lands before a
-  window's length has passed since the last publish) each window doubles, up
-  to ``max_batch_window_s``, so a busy replica sends one message per long
-  window and a quiet one publishes within the short one. Most of sync's cost
-  is per message (wakeups, the socket write, the receive path, a peer's
-  apply call with cold caches), so at a few hundred requests per second this
-  cuts the messages per request. Drained facts that no
+  After a quiet spell (no publish for :data:`QUIET_S`, 50 ms) that is at
+  once: the publisher runs as soon as the callback that recorded the fact
+  returns (the end of the event loop's tick), so every fact of that callback
+  goes in one message, on caches still warm from recording it, and the fact
+  waits no window. In a busy spell the fact waits a window for the facts
+  that follow it; while they keep coming (the next one lands within a window
+  of the last publish) the window doubles, from ``batch_window_s`` up to
+  ``max_batch_window_s``, so a busy replica sends one message per window and
+  no fact waits longer than the longest window. Most of sync's cost is per
+  message (wakeups, the socket write, the receive path, a peer's apply call
+  with cold caches), so at a few hundred requests per second this cuts the
+  messages per request. A message's send time is when its first fact was
+  recorded, so the propagation lag its peers measure includes the wait.
+  A message larger than the server takes (NATS's ``max_payload``) is dropped
+  and counted (``too_large``): no peer would receive it. Drained facts that no
   connection takes (nats-py buffers 2 MiB while it reconnects) are dropped
   and counted (``disconnected``): a peer that misses them learns the
   placement from its own traffic, like a replica without sync. A replica
@@ -73,7 +80,13 @@ from dataclasses import dataclass, field
 import orjson
 
 from prefixrouter.cluster import envelope as env_mod
-from prefixrouter.cluster.codec import DEFAULT_MAX_BYTES, DecodeError, decode_facts, encode_facts
+from prefixrouter.cluster.codec import (
+    DEFAULT_MAX_BYTES,
+    DecodeError,
+    count_facts,
+    decode_facts,
+    encode_facts,
+)
 from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope, EnvelopeError
 from prefixrouter.cluster.fingerprint import Fingerprint
 from prefixrouter.cluster.registry import SELF, PeerRegistry
@@ -83,6 +96,10 @@ from prefixrouter.core.facts import RoutedFact, WorkerFact
 from prefixrouter.core.types import WorkerId
 
 log = logging.getLogger("prefixrouter.cluster")
+
+QUIET_S = 0.05
+"""A fact this long after the last publish goes at once (module doc: Publish);
+sooner, it waits a window for the facts that follow it."""
 
 MAX_HELD = 256
 """Live messages held at most before they are applied anyway (a bound on memory)."""
@@ -118,11 +135,36 @@ class ClusterStats:
     duplicate_messages: int = 0
     missed_messages: int = 0
     expired_routings: int = 0
-    sync_cpu_s: float = 0.0
+    publish_cpu_s: float = 0.0
+    receive_cpu_s: float = 0.0
+    apply_cpu_s: float = 0.0
+    apply_passes: int = 0
+    lag_count: int = 0
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
+
+    @property
+    def sync_cpu_s(self) -> float:
+        """CPU spent on sync: draining, encoding and publishing (``publish``), taking a
+        message heard (``receive``: its check and its hold), and unpacking, decoding and
+        applying it (``apply``); nats-py's own protocol work is not counted."""
+        return self.publish_cpu_s + self.receive_cpu_s + self.apply_cpu_s
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def figures(self) -> dict[str, float | int]:
+        """The counters as flat figures (``/admin/process``: the sync benchmark reads them)."""
+        return {
+            "cluster_sync_cpu_s": self.sync_cpu_s,
+            "cluster_publish_cpu_s": self.publish_cpu_s,
+            "cluster_receive_cpu_s": self.receive_cpu_s,
+            "cluster_apply_cpu_s": self.apply_cpu_s,
+            "cluster_apply_passes": self.apply_passes,
+            "cluster_facts_published": self.published_facts,
+            "cluster_messages_published": self.published_messages,
+            "cluster_facts_applied": self.applied_facts,
+            "cluster_lag_count": self.lag_count,
+        }
 
 
 class ClusterNode:
@@ -167,6 +209,8 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_now = asyncio.Event()
         self._pending = asyncio.Event()
+        self._first_wall = 0.0  # when the outbox's first fact was recorded (0: empty)
+        self._next_open_check = clock() + options.max_open_s / 10  # see sweep
         self.window_s = options.batch_window_s  # the current batch window
         self._warned: set[str] = set()
         self._own = env_mod.sender_key(self._envelope(FACTS))
@@ -223,24 +267,34 @@ class ClusterNode:
 
     # ------------------------------------------------------------- publish
 
+    def _fact_recorded(self) -> None:
+        # The dispatcher's listener, inside the recording call: only schedule.
+        self._first_wall = time.time()
+        self._pending.set()
+
     async def _publisher(self) -> None:
-        # Woken by the dispatcher when a fact lands in its empty outbox, then
-        # one window later drains it: no wakeup while nothing happens, one
-        # message per window under load (module doc: windows sized by traffic).
+        # Woken by the dispatcher when a fact lands in its empty outbox: at
+        # once after a quiet spell (this task runs when the recording callback
+        # returns), else a window after the last publish (module doc: Publish).
         loop = asyncio.get_running_loop()
         pending = self._pending
-        self.dispatcher.on_first_fact(pending.set)
+        self.dispatcher.on_first_fact(self._fact_recorded)
         last = -1e9
         while True:
             await pending.wait()
-            self.window_s = self.next_window(loop.time() - last)
-            await asyncio.sleep(self.window_s)
+            since = loop.time() - last
+            self.window_s = self.next_window(since)
+            if since < QUIET_S:  # a busy spell: company for this fact is likely
+                await asyncio.sleep(self.window_s)
             pending.clear()
             await self.flush()
             last = loop.time()
 
     def next_window(self, since_last_publish_s: float) -> float:
-        """The next window: doubled (up to the maximum) while facts keep coming, else the base.
+        """The next spacing: doubled (up to the maximum) while facts keep coming, else the base.
+
+        Used in a busy spell only (a publish within :data:`QUIET_S`); after a
+        quiet spell a fact goes at once.
 
         Args:
             since_last_publish_s: From the last publish to the fact that opens this window.
@@ -252,29 +306,44 @@ class ClusterNode:
 
     async def flush(self) -> None:
         """Drain the dispatcher's outbox and publish it (dropped and counted if no link)."""
+        t0 = time.thread_time()
         facts = self.dispatcher.drain_facts()
+        # The first fact's time, read before any await (a fact recorded meanwhile opens
+        # the next batch). A direct flush of facts the listener never saw: now.
+        wall, self._first_wall = self._first_wall or time.time(), 0.0
         if not facts:
             return
-        t0 = time.thread_time()
-        messages = encode_facts(facts, self.options.max_message_bytes)
-        opts = self.options
-        replica, fp, wall = opts.replica_id, self.fingerprint.value, time.time()
-        sent = 0
+        opts, limit = self.options, self.link.max_payload
+        # Half the server's limit at most: room for the envelope and the last fact's strings.
+        messages = encode_facts(facts, min(opts.max_message_bytes, limit // 2))
+        replica, fp = opts.replica_id, self.fingerprint.value
+        st = self.stats
+        sent = failed = 0
         for body in messages:
             head = Envelope(FACTS, replica, self.epoch, fp, wall, self._seq + 1)
-            if await self.link.publish_facts(env_mod.pack(head, body)):
+            data = env_mod.pack(head, body)
+            if len(data) > limit:
+                # No server would take it (a routing of some 100k blocks): its facts
+                # never reach a peer, which learns them from its own traffic. Nothing
+                # of it is open anywhere, so no new life is needed.
+                st.drop("too_large", count_facts(body))
+                log.warning("cluster: a facts message of %d bytes is over the server's %d; "
+                            "dropped", len(data), limit)  # fmt: skip
+                continue
+            if await self.link.publish_facts(data):
                 self._seq += 1
                 sent += 1
-        st = self.stats
-        if sent == len(messages):
-            st.published_facts += len(facts)
-            self._published_in_life = True
-        else:
-            st.drop("disconnected" if not self.link.connected else "publish_failed", len(facts))
-            if self._published_in_life:
+                st.published_facts += count_facts(body)
+            else:
+                failed += count_facts(body)
+        if failed:
+            st.drop("disconnected" if not self.link.connected else "publish_failed", failed)
+            if self._published_in_life or sent:
                 self._new_life()
+        elif sent:
+            self._published_in_life = True
         st.published_messages += sent
-        st.sync_cpu_s += time.thread_time() - t0
+        st.publish_cpu_s += time.thread_time() - t0
 
     def _new_life(self) -> None:
         """Publish under a new epoch from now on, after facts of this life were lost.
@@ -319,11 +388,14 @@ class ClusterNode:
                 )
             elif len(held) >= MAX_HELD:
                 self.apply_held()
-            self.stats.sync_cpu_s += time.thread_time() - t0
+            self.stats.receive_cpu_s += time.thread_time() - t0
             return
         if self._held:
             self.apply_held()
-        self._apply(data, live, self.clock(), time.time(), t0)
+            t0 = time.thread_time()
+        self.stats.apply_passes += 1
+        self._apply(data, live, self.clock(), time.time())
+        self.stats.apply_cpu_s += time.thread_time() - t0
 
     def apply_held(self) -> None:
         """Apply the live messages held so far, in the order heard (module doc: Apply)."""
@@ -334,13 +406,15 @@ class ClusterNode:
         if not held:
             return
         self.dispatcher.hold_peer_facts(None)
-        t0 = time.thread_time()
+        t0 = time.thread_time()  # the pass as a whole: two clock reads, not two a message
         for data, now, wall in held:
-            self._apply(data, True, now, wall, t0)
-            t0 = time.thread_time()
+            self._apply(data, True, now, wall)
+        st = self.stats
+        st.apply_passes += 1
+        st.apply_cpu_s += time.thread_time() - t0
 
-    def _apply(self, data: bytes, live: bool, now: float, wall: float, t0: float) -> None:
-        """Apply one message heard at ``now`` (``wall``); its CPU since ``t0`` counts."""
+    def _apply(self, data: bytes, live: bool, now: float, wall: float) -> None:
+        """Apply one message heard at ``now`` (``wall``); the caller counts its CPU."""
         st = self.stats
         try:
             head, body = env_mod.unpack(data)
@@ -350,19 +424,18 @@ class ClusterNode:
             st.drop("malformed")
             return
         seq = head.seq
+        origin = head.origin
         if seq:  # 0: a sender that does not number its messages
-            origin = head.origin
             last = self._heard.get(origin, 0)
             if seq <= last:
                 st.duplicate_messages += 1
-                st.sync_cpu_s += time.thread_time() - t0
                 return
             if last and seq > last + 1:
                 st.missed_messages += seq - last - 1
             self._heard[origin] = seq
         verdict = self.registry.admit(head, now, wall)
-        for origin in verdict.gone:
-            self._peer_gone(origin, "restarted under a new epoch")
+        for ended in verdict.gone:
+            self._peer_gone(ended, "restarted under a new epoch")
         if verdict.drop == SELF:
             return
         try:
@@ -375,14 +448,15 @@ class ClusterNode:
             return
         routed_at = None  # a replayed message's routings: not concurrent with ours
         if live:
+            # From the recording of the message's first fact (its batch wait included).
             lag = max(0.0, wall - head.sent_wall)
             st.lags.append(lag)
+            st.lag_count += 1
             if self.observe_lag is not None:
                 self.observe_lag(lag)
-            # When its routings were made, on this clock: sent one batch window after
-            # the first of them (about; the later ones waited less).
-            routed_at = now - lag - self.window_s
-        origin, apply, has = head.origin, self.dispatcher.apply_peer, self.has_worker
+            # When its routings were made, on this clock (about: the first of them).
+            routed_at = now - lag
+        apply, has = self.dispatcher.apply_peer, self.has_worker
         applied = 0
         for fact in facts:
             if isinstance(fact, RoutedFact | WorkerFact) and not has(fact.worker):
@@ -392,7 +466,6 @@ class ClusterNode:
             else:
                 st.drop("unmatched")
         st.applied_facts += applied
-        st.sync_cpu_s += time.thread_time() - t0
 
     def _peer_gone(self, origin: str, why: str) -> None:
         n = self.dispatcher.peer_gone(origin)
@@ -421,13 +494,21 @@ class ClusterNode:
     def sweep(self) -> list[str]:
         """End the lives of peers silent for ``peer_ttl_s`` (return their origins), and
         settle peer routings open longer than ``max_open_s`` (their settlement was lost)."""
-        if self._held:
-            self.apply_held()  # heard before the sweep: applied before any peer is judged gone
         now = self.clock()
-        gone = self.registry.expire(now)
+        registry = self.registry
+        if self._held and registry.silent(now):
+            # Heard before the sweep: applied before any peer is judged gone. Not
+            # otherwise: held messages wait for the next routing (one pass for more).
+            self.apply_held()
+        gone = registry.expire(now)
         for origin in gone:
             self._peer_gone(origin, f"silent for {self.options.peer_ttl_s:g} s")
-        self.stats.expired_routings += self.dispatcher.peer_expire(now - self.options.max_open_s)
+        max_open = self.options.max_open_s
+        if now >= self._next_open_check:
+            # A bound of many minutes, checked every tenth of it (reading the open
+            # routings applies what is held: not at every heartbeat).
+            self._next_open_check = now + max_open / 10
+            self.stats.expired_routings += self.dispatcher.peer_expire(now - max_open)
         return gone
 
     def on_heartbeat(self, data: bytes) -> None:
@@ -444,7 +525,7 @@ class ClusterNode:
             return
         if head.replica == self.options.replica_id and head.epoch == self.epoch:
             return
-        if self._held:
+        if self._held and self.registry.ends_life(head):
             self.apply_held()  # a new epoch ends the old life after the facts heard before
         if hello:
             self._heartbeat_now.set()  # answer a starting replica at once

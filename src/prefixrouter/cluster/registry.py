@@ -107,6 +107,16 @@ class PeerRegistry:
         self._newest[env.replica] = env.epoch
         return Admitted(None, gone)
 
+    def ends_life(self, env: Envelope) -> bool:
+        """Whether admitting ``env`` would end a live peer's life (it comes from a newer epoch)."""
+        peer = self._peers.get(env.replica)
+        return peer is not None and peer.epoch != env.epoch
+
+    def silent(self, now: float) -> bool:
+        """Whether :meth:`expire` at ``now`` would end any peer's life."""
+        cutoff = now - self.ttl_s
+        return any(p.last_seen < cutoff for p in self._peers.values())
+
     def expire(self, now: float) -> list[str]:
         """Forget peers silent for ``ttl_s``; return their origins."""
         cutoff = now - self.ttl_s

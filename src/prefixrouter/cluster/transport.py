@@ -85,6 +85,9 @@ offset between this host and the NATS server (what it re-reads is skipped by
 FETCH_BATCH = 512
 """Messages per catch-up fetch."""
 
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
+"""nats-server's default ``max_payload``: the bound before the server's INFO tells it."""
+
 
 def stream_name(cluster: str) -> str:
     """The JetStream stream of ``cluster``'s facts (letters, digits, ``_`` and ``-``)."""
@@ -146,6 +149,13 @@ class NatsLink:
         self.catch_ups = 0  # catch-ups completed (the first is the replay)
         self.caught_up_messages = 0  # messages the catch-ups read
         self.stream = options.stream or stream_name(options.cluster)
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (its ``max_payload``; NATS's default
+        before the first connection)."""
+        nc = self._nc
+        return nc.max_payload if nc is not None and nc.max_payload > 0 else DEFAULT_MAX_PAYLOAD
 
     @property
     def live(self) -> bool:

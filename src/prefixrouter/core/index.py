@@ -90,7 +90,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
-from typing import Final, cast
+from typing import ClassVar, Final, cast
 
 from prefixrouter.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
@@ -195,8 +195,35 @@ _STORED = {_CONFIRMED: _CONFIRMED_ENTRY, _EVENT: _EVENT_ENTRY}
 a speculative ticket never equals theirs."""
 
 
+def _held_head(existing: list[_Entry | None]) -> int:
+    """How many leading blocks are held, if every block after them is missing; else -1.
+
+    The usual shape of a chain that is not wholly held (a known prefix and a
+    new suffix): the boundary is found by bisection, as if the held blocks
+    formed a prefix, and the shape is then checked in C.
+    """
+    lo, hi = 0, len(existing)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if existing[mid] is None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if all(existing[:lo]) and not any(existing[lo:]) else -1
+
+
+def _firm_run(held: list[_Entry], firm: int) -> bool:
+    """Whether the first ``firm`` of ``held`` are all confirmed or event entries (in C)."""
+    head = held[:firm]
+    return head.count(_CONFIRMED_ENTRY) + head.count(_EVENT_ENTRY) == firm
+
+
 class PrefixIndex:
     """Block hash -> workers that hold it, with per-worker LRU capacity."""
+
+    _shaped: ClassVar[bool] = True
+    """Take the shaped paths of :meth:`_touch_chain` (False: the general walk
+    alone; the tests compare the two)."""
 
     def __init__(self, params: IndexParams | None = None) -> None:
         self.params = params or IndexParams()
@@ -660,71 +687,112 @@ class PrefixIndex:
         records them there for :meth:`withdraw`; without it (an untrusted
         event) the hold is never released. A stronger source replaces a
         weaker one; a weaker one never replaces a stronger.
+
+        Chains usually come in one of two shapes, each handled with a Python
+        step only for the blocks that change: all held (a hot prefix routed
+        again: recency moves in C), or a held head and a new tail (a known
+        document with a new question: the new blocks are added one by one,
+        the head moves in C). Any other shape (holes in the chain) takes the
+        general walk, block by block; the result is the same.
         """
         lru = self._lru.get(worker)
         if lru is None:
             lru = self._lru[worker] = OrderedDict()
-        speculative = source == _SPECULATIVE
         existing = list(map(lru.get, hashes))
-        n = len(existing)
-        # A stored entry is a non-empty tuple, always truthy: all() is
-        # `None not in existing` without a comparison per entry.
-        if all(existing):
-            held_entries = cast("list[_Entry]", existing)
-            # Fast path (a hot prefix routed again): only recency and metadata
-            # change. Tail first, so the chain's head ends up most recently used.
-            _exhaust(map(lru.move_to_end, reversed(hashes)))
-            if speculative:
-                confirmed = held_entries.count(_CONFIRMED_ENTRY)
-                if confirmed == n or confirmed + held_entries.count(_EVENT_ENTRY) == n:
-                    return  # all confirmed (a hot prefix): the usual case, decided in C
-                # Nothing is weaker than speculative: only the speculative
-                # entries change, a later expiry (re-queued lazily by expire())
-                # and one more hold.
-                expires_at = now + self.params.speculative_ttl_s
-                for block, held in zip(hashes, held_entries, strict=True):
-                    if held[_SOURCE] == _SPECULATIVE:
-                        ticket = held[_TICKET]
-                        lru[block] = (_SPECULATIVE, expires_at, held[_ROUTINGS] + 1, ticket)
-                        if placed is not None:
-                            placed.append((block, ticket))
-                return
-            stored = _STORED[source]
-            if held_entries.count(stored) == n:
-                return  # already as strong: the usual case, decided in C
-            upgraded = 0
-            for block, held in zip(hashes, held_entries, strict=True):
-                held_source = held[_SOURCE]
-                if held_source < source:
-                    lru[block] = stored
-                    if held_source == _SPECULATIVE:
-                        upgraded += 1
-            if upgraded:
-                self._speculative -= upgraded
+        # A stored entry is a non-empty tuple, always truthy: all() and any()
+        # test presence in C, without a comparison per entry.
+        shaped = self._shaped
+        if shaped and all(existing):
+            delta = self._refresh_held(lru, hashes, cast("list[_Entry]", existing), now, source,
+                                       placed)  # fmt: skip
+            if delta:
+                self._speculative += delta
                 self._compact_expiry()
             return
-        # Tail first, so the chain's head ends up most recently used.
-        holders, capacity = self._holders, self.capacity(worker)
-        move_to_end, expiry, ticket_of = lru.move_to_end, self._expiry, self._ticket
+        head = _held_head(existing) if shaped else -1
+        if head >= 0:
+            # Tail first, so the chain's head ends up most recently used.
+            self._add_new(worker, lru, hashes[head:], now, source, placed)
+            if head:
+                self._speculative += self._refresh_held(
+                    lru, hashes[:head], cast("list[_Entry]", existing[:head]), now, source, placed
+                )
+        else:
+            self._touch_walk(worker, lru, hashes, existing, now, source, placed)
+        # Evict after the chain is in: the chain is the most recent part of the
+        # LRU, so other chains go first (and a chain longer than the capacity
+        # loses its tail first).
+        capacity = self.capacity(worker)
+        while len(lru) > capacity:
+            self._evict_one(worker, lru)
+        max_entries = self.params.max_entries
+        while self._entries > max_entries:
+            self._evict_global()
+        self._compact_expiry()
+
+    def _refresh_held(
+        self,
+        lru: OrderedDict[BlockHash, _Entry],
+        hashes: Sequence[BlockHash],
+        held: list[_Entry],
+        now: float,
+        source: int,
+        placed: Placement | None,
+    ) -> int:
+        """Refresh a chain whose every block ``lru`` holds (``held``: their entries).
+
+        Only recency and metadata change. Tail first, so the chain's head ends
+        up most recently used. Returns the change in speculative entries (a
+        confirmation upgrades some; the caller adds it to the count).
+        """
+        _exhaust(map(lru.move_to_end, reversed(hashes)))
+        n = len(held)
+        if source == _SPECULATIVE:
+            firm = held.count(_CONFIRMED_ENTRY) + held.count(_EVENT_ENTRY)
+            if firm == n:
+                return 0  # all confirmed (a hot prefix): the usual case, decided in C
+            # Nothing is weaker than speculative: only the speculative entries
+            # change, a later expiry (re-queued lazily by expire()) and one more
+            # hold. A leading run of firm entries (checked in C) is skipped.
+            skip = firm if _firm_run(held, firm) else 0
+            expires_at = now + self.params.speculative_ttl_s
+            for block, entry in zip(hashes[skip:], held[skip:], strict=True):
+                if entry[_SOURCE] == _SPECULATIVE:
+                    ticket = entry[_TICKET]
+                    lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS] + 1, ticket)
+                    if placed is not None:
+                        placed.append((block, ticket))
+            return 0
+        stored = _STORED[source]
+        same = held.count(stored)
+        if same == n:
+            return 0  # already as strong: the usual case, decided in C
+        # A leading run of entries as strong already (checked in C) is skipped.
+        skip = same if held[:same].count(stored) == same else 0
+        upgraded = 0
+        for block, entry in zip(hashes[skip:], held[skip:], strict=True):
+            held_source = entry[_SOURCE]
+            if held_source < source:
+                lru[block] = stored
+                if held_source == _SPECULATIVE:
+                    upgraded += 1
+        return -upgraded
+
+    def _add_new(
+        self,
+        worker: WorkerId,
+        lru: OrderedDict[BlockHash, _Entry],
+        hashes: Sequence[BlockHash],
+        now: float,
+        source: int,
+        placed: Placement | None,
+    ) -> None:
+        """Add blocks ``lru`` does not hold, tail first (no eviction: the caller's)."""
+        holders, ticket_of, expiry = self._holders, self._ticket, self._expiry
+        speculative = source == _SPECULATIVE
         stored = _STORED.get(source, _CONFIRMED_ENTRY)
         expires_at = now + self.params.speculative_ttl_s if speculative else _INF
-        added = 0
-        speculative_delta = 0
-        for block, entry in zip(reversed(hashes), reversed(existing), strict=True):
-            if entry is not None:
-                move_to_end(block)
-                held_source = entry[_SOURCE]
-                if speculative:
-                    if held_source == _SPECULATIVE:
-                        ticket = entry[_TICKET]
-                        lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS] + 1, ticket)
-                        if placed is not None:
-                            placed.append((block, ticket))
-                elif held_source < source:
-                    lru[block] = stored
-                    if held_source == _SPECULATIVE:
-                        speculative_delta -= 1
-                continue
+        for block in reversed(hashes):
             if speculative:
                 ticket = next(ticket_of)
                 lru[block] = (_SPECULATIVE, expires_at, 1, ticket)
@@ -738,21 +806,46 @@ class PrefixIndex:
                 holders[block] = {worker: None}
             else:
                 slot[worker] = None
-            added += 1
+        added = len(hashes)
         self._entries += added
         if speculative:
             self._speculative += added
             self._pushed += added
+
+    def _touch_walk(
+        self,
+        worker: WorkerId,
+        lru: OrderedDict[BlockHash, _Entry],
+        hashes: Sequence[BlockHash],
+        existing: list[_Entry | None],
+        now: float,
+        source: int,
+        placed: Placement | None,
+    ) -> None:
+        """The general case of :meth:`_touch_chain`: block by block, tail first."""
+        move_to_end, add_new = lru.move_to_end, self._add_new
+        speculative = source == _SPECULATIVE
+        stored = _STORED.get(source, _CONFIRMED_ENTRY)
+        expires_at = now + self.params.speculative_ttl_s if speculative else _INF
+        speculative_delta = 0
+        for i in range(len(hashes) - 1, -1, -1):
+            block, entry = hashes[i], existing[i]
+            if entry is None:
+                add_new(worker, lru, hashes[i : i + 1], now, source, placed)
+                continue
+            move_to_end(block)
+            held_source = entry[_SOURCE]
+            if speculative:
+                if held_source == _SPECULATIVE:
+                    ticket = entry[_TICKET]
+                    lru[block] = (_SPECULATIVE, expires_at, entry[_ROUTINGS] + 1, ticket)
+                    if placed is not None:
+                        placed.append((block, ticket))
+            elif held_source < source:
+                lru[block] = stored
+                if held_source == _SPECULATIVE:
+                    speculative_delta -= 1
         self._speculative += speculative_delta
-        # Evict after the chain is in: the chain is the most recent part of the
-        # LRU, so other chains go first (and a chain longer than the capacity
-        # loses its tail first).
-        while len(lru) > capacity:
-            self._evict_one(worker, lru)
-        max_entries = self.params.max_entries
-        while self._entries > max_entries:
-            self._evict_global()
-        self._compact_expiry()
 
     def _compact_expiry(self) -> None:
         """Rebuild the expiry heap from its live items once dead ones dominate, a step at a time.

@@ -555,9 +555,10 @@ class ClusterConfig(_Model):
         max_bytes: The stream's size bound (oldest facts dropped first).
         heartbeat_s: Heartbeat interval.
         peer_ttl_s: A peer silent this long is gone: its in-flight counts expire.
-        batch_window_s: Facts are published in one message per window; a
-            fact after a quiet spell waits this long.
-        max_batch_window_s: While facts keep coming, each window doubles up
+        batch_window_s: After a quiet spell (50 ms without a publish) a fact
+            is published at once, with the others of its event-loop tick; in
+            a busy spell it waits this long for the facts that follow it.
+        max_batch_window_s: While facts keep coming, the window doubles up
             to this (fewer messages per request; a fact waits at most this).
         apply_within_s: Peers' facts heard live are applied just before this
             replica next routes or reads its routing state (no decision misses

@@ -257,7 +257,8 @@ class ClusterCollector(Collector):
         )
         dropped = CounterMetricFamily(
             "prefixrouter_cluster_facts_dropped",
-            "Facts not published (disconnected) or not applied (fingerprint, stale_epoch, "
+            "Facts not published (disconnected, publish_failed, too_large) or not applied "
+            "(fingerprint, stale_epoch, "
             "unknown_epoch, unknown_worker, unmatched, malformed).",
             labels=["reason"],
         )

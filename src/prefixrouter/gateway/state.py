@@ -109,10 +109,7 @@ class GatewayState:
         if node is not None:
             st = node.stats
             lags = sorted(st.lags)
-            out["cluster_sync_cpu_s"] = st.sync_cpu_s
-            out["cluster_facts_published"] = st.published_facts
-            out["cluster_messages_published"] = st.published_messages
-            out["cluster_facts_applied"] = st.applied_facts
+            out.update(st.figures())
             out["cluster_lag_samples"] = len(lags)
             if lags:
                 out["cluster_lag_p50_ms"] = nearest_rank(lags, 0.5) * 1000
