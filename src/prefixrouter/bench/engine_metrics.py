@@ -9,6 +9,9 @@ the differences (pages read with :mod:`prefixrouter.prometheus`):
   ``sum(delta vllm:prefix_cache_queries_total)``;
 * requests per engine = ``delta vllm:request_success_total`` (all finish
   reasons), i.e. where the router actually sent the work.
+
+:func:`kv_config` reads an engine's KV size as it reports it (what the
+``cache-pressure`` scenario is sized from on real vLLM).
 """
 
 from __future__ import annotations
