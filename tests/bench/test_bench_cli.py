@@ -144,6 +144,8 @@ def test_replicas_synced_and_not_side_by_side(tmp_path: Path, tokenizer_cache: s
         (["--scale", "2"], "scale"),
         (["--rate", "0"], "rate"),
         (["--no-live", "--no-overhead"], "nothing to run"),
+        (["--scenario", "cache-pressure", "--workers", "1", "--no-overhead"], "at least 2 engines"),
+        (["--kv-blocks", "0"], "kv-blocks"),
     ],
 )
 def test_bad_input_is_one_line_not_a_traceback(args: list[str], message: str) -> None:

@@ -4,8 +4,13 @@ Modules, one job each:
 
 * :mod:`~prefixrouter.bench.workload`: simulator scenarios turned into text chat
   requests (shared segments become shared text) and the engines' time scale;
+* :mod:`~prefixrouter.bench.pressure`: the ``cache-pressure`` scenario, sized from the
+  engines' KV (more documents than one engine holds, fewer than the fleet does);
 * :mod:`~prefixrouter.bench.routers`: the routers compared (our gateway, sglang-router,
-  vllm-router), where their virtual environments are and how each is started;
+  vllm-router, the oracle), where their virtual environments are and how each is started;
+* :mod:`~prefixrouter.bench.oracle`: the oracle router (each document pinned to one
+  engine in advance, from the workload) and its proxy;
+* :mod:`~prefixrouter.bench.ratios`: our mean TTFT over the oracle's and the best peer's;
 * :mod:`~prefixrouter.bench.engine_metrics`: the engines' Prometheus counters
   (prefix-cache hits and queries, finished requests per engine);
 * :mod:`~prefixrouter.bench.live`: one scenario through every router on one fleet;

@@ -78,6 +78,7 @@ def bench(
         str,
         typer.Option(
             help="'all' or a comma-separated list of round_robin, prefix_aware, "
+            "prefix_aware-token, oracle (documents pinned from the workload), "
             "sglang-cache_aware, sglang-round_robin, vllm-cache_aware; ours also as "
             "NAME@N (N replicas sharing facts over NATS) or NAME@N-nosync."
         ),
@@ -118,6 +119,14 @@ def bench(
         int, typer.Option(min=0, help="Unique warm-up requests through each router first.")
     ] = 100,
     seed: Annotated[int, typer.Option(min=0, help="Workload seed.")] = 0,
+    kv_blocks: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="KV blocks per engine (default: the scenario's, times --scale); "
+            "cache-pressure is sized from it.",
+        ),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
     markdown: Annotated[
@@ -181,8 +190,8 @@ def bench(
     opts = BenchOptions(
         scenarios=names, routers=specs, profile=prof, peers_dir=peers, workers=workers,
         rate=rate, requests=requests, load=load, time_scale=time_scale, scale=scale,
-        warmup=warmup, seed=seed, log_dir=log_dir, json_out=json_out, plot_out=plot,
-        markdown_out=markdown,
+        warmup=warmup, seed=seed, kv_blocks=kv_blocks, log_dir=log_dir, json_out=json_out,
+        plot_out=plot, markdown_out=markdown,
         overhead=OverheadConfig(
             workers=workers, rate=overhead_rate, seconds=overhead_seconds,
             saturation_s=min(3.0, overhead_seconds),

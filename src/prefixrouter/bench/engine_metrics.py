@@ -9,6 +9,9 @@ the differences (pages read with :mod:`prefixrouter.prometheus`):
   ``sum(delta vllm:prefix_cache_queries_total)``;
 * requests per engine = ``delta vllm:request_success_total`` (all finish
   reasons), i.e. where the router actually sent the work.
+
+:func:`kv_config` reads an engine's KV size as it reports it (what the
+``cache-pressure`` scenario is sized from on real vLLM).
 """
 
 from __future__ import annotations
@@ -66,3 +69,26 @@ def cached_share(deltas: Sequence[EngineCounters]) -> float:
     """Prompt tokens found in the engines' prefix caches over tokens looked up."""
     queries = sum(d.queries for d in deltas)
     return sum(d.hits for d in deltas) / queries if queries else 0.0
+
+
+async def kv_config(url: str, timeout_s: float = 10.0) -> tuple[int, int]:
+    """An engine's KV size as it reports it: ``(num_gpu_blocks, block_size)``.
+
+    From ``vllm:cache_config_info``'s labels (the gateway's own reader,
+    :func:`prefixrouter.gateway.workers.parse_engine_metrics`).
+
+    Raises:
+        RuntimeError: The engine did not answer 200 or reports no cache configuration.
+    """
+    from prefixrouter.gateway.workers import parse_engine_metrics
+
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+        session.get(url.rstrip("/") + "/metrics") as resp,
+    ):
+        if resp.status != 200:
+            raise RuntimeError(f"{url}/metrics answered {resp.status}")
+        stats = parse_engine_metrics(await resp.text(), "vllm")
+    if stats.num_blocks is None or stats.block_size is None:
+        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info with its KV size")
+    return stats.num_blocks, stats.block_size

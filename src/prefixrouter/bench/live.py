@@ -13,7 +13,11 @@ Steps for a scenario (:func:`run_scenario`):
    read their counters, replay the scenario at its offsets with the harness's
    streaming client (:func:`prefixrouter.harness.replay.replay`), read the
    counters again, stop the router;
-3. a peer that is not installed is recorded as skipped (with the command that
+3. the oracle (:mod:`prefixrouter.bench.oracle`) gets its pin file, computed
+   from the workload (documents measured with the project's tokenizer, the
+   engines' KV as the capacity), and our gateway in token mode a configuration
+   file that says so, both in a temporary folder removed after the run;
+4. a peer that is not installed is recorded as skipped (with the command that
    installs it); a router that fails to start is recorded with its error, and
    the others still run.
 
@@ -32,6 +36,8 @@ counters, see :mod:`prefixrouter.bench.engine_metrics`).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +47,10 @@ from typing import Any
 import aiohttp
 
 from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scrape
+from prefixrouter.bench.oracle import PIN_FILL, oracle_pins, write_pins
 from prefixrouter.bench.overhead import process_cpu_s
-from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason
+from prefixrouter.bench.ratios import ttft_ratios
+from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason, token_config
 from prefixrouter.bench.workload import BenchWorkload
 from prefixrouter.harness.engines import reset_prefix_caches
 from prefixrouter.harness.health import wait_routable
@@ -185,6 +193,7 @@ class ScenarioRun:
     def report(self) -> dict[str, Any]:
         """``{"scenario", ..., "results": [...]}`` for the JSON file."""
         w = self.workload
+        results = [r.summary() for r in self.runs]
         return {
             "scenario": w.scenario,
             "description": w.description,
@@ -196,7 +205,8 @@ class ScenarioRun:
             "load": round(w.load, 4),
             "time_scale": round(w.time_scale, 6),
             "kv_blocks": w.kv_blocks,
-            "results": [r.summary() for r in self.runs],
+            "results": results,
+            "ratios": ttft_ratios(results),
         }
 
 
@@ -233,8 +243,11 @@ async def run_router(
     stem = f"{workload.scenario}-{spec.name}"
     nats = NatsServer().start() if spec.clustered else None
     routers: list[Server] = []
+    work = Path(tempfile.mkdtemp(prefix="prefixrouter-bench-"))
     try:
-        routers = _start_routers(spec, cfg, fleet, urls, stem, nats)
+        routers = _start_routers(
+            spec, cfg, fleet, urls, stem, nats, _files(spec, workload, work, len(urls))
+        )
         await fleet.wait_healthy(routers)
         if nats is not None:
             await wait_ready_async(routers)
@@ -275,7 +288,27 @@ async def run_router(
             fleet.stop(router)
         if nats is not None:
             nats.close()
+        shutil.rmtree(work, ignore_errors=True)
     return run
+
+
+def _files(
+    spec: RouterSpec, workload: BenchWorkload, folder: Path, engines: int
+) -> dict[str, Path]:
+    """The files ``spec`` is started with: the oracle's pins, token mode's configuration."""
+    if spec.kind == "oracle":
+        from prefixrouter.tokenization import load_tokenizer
+
+        tok = load_tokenizer()
+        capacity = None
+        if workload.kv_blocks is not None:
+            capacity = int(PIN_FILL * workload.kv_blocks * workload.block_size)
+        keys, pins = oracle_pins(workload.requests, engines, lambda t: len(tok.encode(t)), capacity)
+        write_pins(folder / "pins.json", keys, pins)
+        return {"pins": folder / "pins.json"}
+    if spec.ours and spec.mode == "token" and spec.config is None:
+        return {"config": token_config(folder)}
+    return {}
 
 
 def _start_routers(
@@ -285,6 +318,7 @@ def _start_routers(
     urls: Sequence[str],
     stem: str,
     nats: NatsServer | None,
+    files: dict[str, Path],
 ) -> list[Server]:
     """Start ``spec``'s process (or its replicas) in front of ``urls`` (not yet healthy)."""
     routers = []
@@ -301,6 +335,7 @@ def _start_routers(
             spec, port=port, workers=urls, peers_dir=cfg.peers_dir, prometheus_port=free_port(),
             tokenizer_dir=cfg.tokenizer_dir, decision_log=decisions,
             cluster=(nats.url, replica) if nats is not None else None,
+            config=files.get("config"), pins=files.get("pins"),
         )  # fmt: skip
         label = f"{spec.label} {replica}" if spec.replicas > 1 else spec.label
         routers.append(fleet.start_command(label, cmd, port))

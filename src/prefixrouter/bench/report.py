@@ -23,10 +23,13 @@ import orjson
 from rich.table import Table
 
 from prefixrouter.bench.live import ScenarioRun
+from prefixrouter.bench.ratios import describe
 
 COLORS = {
     "round_robin": "tab:blue",
     "prefix_aware": "black",
+    "prefix_aware-token": "dimgray",
+    "oracle": "tab:purple",
     "sglang-cache_aware": "tab:orange",
     "sglang-round_robin": "tab:green",
     "vllm-cache_aware": "tab:red",
@@ -44,7 +47,9 @@ def scenario_table(report: dict[str, Any]) -> Table:
         f"{report['rate_rps']:g} req/s · load {report['load']:.2f} · engine time scale "
         f"{report['time_scale']:.3g}"
     )
-    table = Table(title=title, title_justify="left")
+    ratios = report.get("ratios") or []
+    caption = "\n".join(describe(r) for r in ratios) if "oracle" in _names(report) else None
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     cols = ["router", "ok", "TTFT mean", "p50", "p90", "p99", "e2e p50", "e2e p99", "req/s",
             "cached", "requests per engine"]  # fmt: skip
     # Gateway replicas: the fact propagation lag and each replica's CPU.
@@ -74,8 +79,12 @@ def scenario_table(report: dict[str, Any]) -> Table:
         ]  # fmt: skip
         if replicated:
             cells += _replica_cells(r)
-        table.add_row(*cells, style="bold" if r["router"] == "prefix_aware" else None)
+        table.add_row(*cells, style="bold" if r["router"].startswith("prefix_aware") else None)
     return table
+
+
+def _names(report: dict[str, Any]) -> set[str]:
+    return {r["router"] for r in report["results"] if "ttft_ms" in r}
 
 
 def _replica_cells(r: dict[str, Any]) -> list[str]:
@@ -152,7 +161,7 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
             ttft = sorted(x.ttft_s * 1e3 for x in r.results if x.ok and x.ttft_s >= 0)
             if ttft:
                 ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-                width = 2.5 if r.spec.name == "prefix_aware" else 1.5
+                width = 2.5 if r.spec.name.startswith("prefix_aware") else 1.5
                 ax_cdf.step(ttft, ys, where="post", label=r.spec.name, color=color, lw=width)
         ax_cdf.set_xscale("log")
         ax_cdf.set_xlabel("TTFT (ms, log)")
@@ -249,7 +258,8 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
                 lines.append(f"| {r['router']} | {why} | | | | | | | | | |")
                 continue
             t, e = r["ttft_ms"], r["e2e_ms"]
-            name = f"**{r['router']}**" if r["router"] == "prefix_aware" else r["router"]
+            ours = r["router"].startswith("prefix_aware")
+            name = f"**{r['router']}**" if ours else r["router"]
             lines.append(
                 f"| {name} | {r['ok']}/{r['requests']} | {_md_ms(t['mean'])} | "
                 f"{_md_ms(t['p50'])} | {_md_ms(t['p90'])} | {_md_ms(t['p99'])} | "
@@ -258,4 +268,6 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
                 + ("".join(f" {c} |" for c in _replica_cells(r)) if replicated else "")
             )
         lines.append("")
+        if "oracle" in _names(rep):
+            lines += [f"- {describe(r)}" for r in rep.get("ratios") or []] + [""]
     return "\n".join(lines)

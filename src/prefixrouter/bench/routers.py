@@ -1,10 +1,14 @@
 """The routers the benchmark compares, where the peers are installed, and how to start each.
 
-Five routers, each started as its own process on loopback in front of the same
+Seven routers, each started as its own process on loopback in front of the same
 workers:
 
 * ``round_robin`` and ``prefix_aware``: our gateway (``python -m
   prefixrouter.gateway``) with that policy, default configuration (text mode);
+* ``prefix_aware-token``: our gateway in token mode (``routing.mode: token``,
+  the project's tokenizer, which the simulated engines and the tiny vLLM model use);
+* ``oracle``: each document pinned to one engine in advance, from the
+  workload itself (:mod:`prefixrouter.bench.oracle`; the bench writes its pin file);
 * ``sglang-cache_aware`` and ``sglang-round_robin``: sglang-router (PyPI
   ``sglang-router==0.3.2``), ``python -m sglang_router.launch_router``, its own
   defaults, ``--model-path`` set to the project's local tokenizer folder so it
@@ -44,7 +48,8 @@ HOST = "127.0.0.1"
 PEERS_ENV = "PREFIXROUTER_PEERS_DIR"
 INSTALL_SCRIPT = "scripts/install_peers.sh"
 
-Kind = Literal["gateway", "sglang", "vllm"]
+Kind = Literal["gateway", "sglang", "vllm", "oracle"]
+Mode = Literal["text", "token"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,8 @@ class RouterSpec:
             requests round robin, as a Kubernetes Service spreads them.
         sync: Replicas share routing facts over NATS JetStream (a
             nats-server the bench starts); False: each learns alone.
+        mode: Our gateway's routing mode when ``config`` is None (``token``:
+            a configuration file that says so is written at start).
     """
 
     name: str
@@ -92,6 +99,7 @@ class RouterSpec:
     config: Path | None = None
     replicas: int = 1
     sync: bool = True
+    mode: Mode = "text"
 
     @property
     def ours(self) -> bool:
@@ -109,7 +117,9 @@ class RouterSpec:
             if self.replicas > 1:
                 how = "synced" if self.sync else "not synced"
                 return f"gateway {self.policy} x{self.replicas} {how}"
-            return f"gateway {self.policy}"
+            return f"gateway {self.policy}" + (" (token)" if self.mode == "token" else "")
+        if self.kind == "oracle":
+            return "oracle (documents pinned)"
         return f"{PEERS[self.kind].package} {self.policy}"
 
     def replicated(self, replicas: int, sync: bool = True) -> RouterSpec:
@@ -128,6 +138,8 @@ ROUTERS: dict[str, RouterSpec] = {
     for r in (
         RouterSpec("round_robin", "gateway", "round_robin"),
         RouterSpec("prefix_aware", "gateway", "prefix_aware"),
+        RouterSpec("prefix_aware-token", "gateway", "prefix_aware", mode="token"),
+        RouterSpec("oracle", "oracle", "pinned"),
         RouterSpec("sglang-cache_aware", "sglang", "cache_aware"),
         RouterSpec("sglang-round_robin", "sglang", "round_robin"),
         RouterSpec("vllm-cache_aware", "vllm", "cache_aware"),
@@ -183,7 +195,7 @@ def default_peers_dir() -> Path:
 
 def skip_reason(spec: RouterSpec, peers_dir: Path) -> str | None:
     """Why ``spec`` cannot run here (with the install command), or None if it can."""
-    if spec.kind == "gateway":
+    if spec.kind in ("gateway", "oracle"):
         return None
     peer = PEERS[spec.kind]
     # The package's own console script marks a complete install (not just a venv).
@@ -209,14 +221,27 @@ def router_command(
     tokenizer_dir: Path | None,
     decision_log: Path | None = None,
     cluster: tuple[str, str] | None = None,
+    config: Path | None = None,
+    pins: Path | None = None,
 ) -> list[str]:
     """The command line that starts ``spec`` on ``port`` in front of ``workers``.
 
-    ``cluster``: (NATS URL, replica id) for one replica of a synced gateway.
+    ``cluster``: (NATS URL, replica id) for one replica of a synced gateway;
+    ``config``: our gateway's configuration file when ``spec.config`` is None
+    (see :func:`token_config`); ``pins``: the oracle's pin file.
 
     Raises:
-        ConfigError: sglang-router without ``tokenizer_dir`` (its ``--model-path``).
+        ConfigError: sglang-router without ``tokenizer_dir`` (its ``--model-path``),
+            the oracle without ``pins``.
     """
+    if spec.kind == "oracle":
+        if pins is None:
+            raise ConfigError(f"{spec.name}: the oracle needs its pin file")
+        cmd = [sys.executable, "-m", "prefixrouter.bench.oracle", "--port", str(port)]
+        cmd += ["--pins", str(pins)]
+        for url in workers:
+            cmd += ["--worker", url]
+        return cmd
     if spec.kind == "gateway":
         cmd = [sys.executable, "-m", "prefixrouter.gateway", "--port", str(port)]
         if cluster is not None:
@@ -226,8 +251,8 @@ def router_command(
             cmd += ["--worker", url]
         if decision_log is not None:
             cmd += ["--decision-log", str(decision_log)]
-        if spec.config is not None:
-            cmd += ["--config", str(spec.config)]
+        if (spec.config or config) is not None:
+            cmd += ["--config", str(spec.config or config)]
         return cmd
     exe = str(_peer_executable(peers_dir, spec.kind))
     common = [
@@ -243,3 +268,14 @@ def router_command(
             "--model-path", str(tokenizer_dir), "--log-level", "warn",
         ]  # fmt: skip
     return [exe, *common, "--log-level", "warning"]
+
+
+TOKEN_CONFIG = "routing:\n  mode: token\n"
+
+
+def token_config(folder: Path) -> Path:
+    """A gateway configuration file for token mode (the project's tokenizer), in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "token-mode.yaml"
+    path.write_text(TOKEN_CONFIG)
+    return path

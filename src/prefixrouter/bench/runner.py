@@ -55,6 +55,7 @@ class BenchOptions:
     scale: float = 0.5
     warmup: int = 100
     seed: int = 0
+    kv_blocks: int | None = None
     log_dir: Path | None = None
     json_out: Path | None = None
     plot_out: Path | None = None
@@ -129,6 +130,7 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
             load=opts.load,
             time_scale=opts.time_scale,
             seed=opts.seed,
+            kv_blocks=opts.kv_blocks,
         )
         for name in opts.scenarios
     ]
@@ -153,8 +155,12 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
         out.save(opts)
         if ui is not None:
             ui.scenario_done(run.report())
-    # Overhead is one process's: replicated routers are measured once, as one.
-    single = [s for s in opts.routers if s.replicas == 1]
+    # Overhead is one process's: replicated routers are measured once, as one;
+    # the oracle (pins for a workload) and token mode (a written config) are not measured.
+    single = [
+        s for s in opts.routers
+        if s.replicas == 1 and s.kind != "oracle" and (s.mode == "text" or s.config is not None)
+    ]  # fmt: skip
     if opts.overhead is not None and single:
         total = len(single)
         names = [s.name for s in single]

@@ -24,6 +24,10 @@ The engines' time scale is then chosen so that this wall rate is ``load`` of
 the fleet's capacity (:func:`~prefixrouter.sim.runner.capacity_rps`: every
 reusable prefix computed once), i.e. ``time_scale = rate / (load x capacity)``;
 or the time scale is given and the load follows.
+
+``cache-pressure`` is the bench's own scenario (:mod:`prefixrouter.bench.pressure`):
+it is sized from the engines' KV (``kv_blocks``, else its own default times
+``scale``) instead of being cut by ``scale``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prefixrouter.bench import pressure
 from prefixrouter.core.types import PrefixClass
 from prefixrouter.errors import ConfigError
 from prefixrouter.harness.replay import ReplayRequest
@@ -51,7 +56,7 @@ CALIBRATION_WORDS = 4000
 
 def live_scenarios() -> list[str]:
     """Scenario names that can run live (trace replays with real times cannot)."""
-    return [name for name in SCENARIOS if name != "mooncake-conversation"]
+    return [*(name for name in SCENARIOS if name != "mooncake-conversation"), pressure.NAME]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,7 @@ class BenchWorkload:
         load: Offered load as a fraction of the fleet's capacity.
         time_scale: Engine time compression that gives that load.
         kv_blocks: KV blocks per engine (None: the profile's).
+        block_size: Tokens per KV block of the engines.
     """
 
     scenario: str
@@ -77,6 +83,7 @@ class BenchWorkload:
     load: float
     time_scale: float
     kv_blocks: int | None
+    block_size: int = 16
 
 
 def scale_lengths(workload: Workload, scale: float) -> Workload:
@@ -169,6 +176,22 @@ def request_body(messages: Sequence[dict[str, str]], max_tokens: int, model: str
     }
 
 
+def text_requests(
+    timed: Workload, tokenizer: Tokenizer, seed: int = 0, model: str = "tiny"
+) -> list[ReplayRequest]:
+    """A timed simulator workload as streaming chat requests (module doc: text, messages)."""
+    text = SegmentText(tokenizer, seed)
+    return [
+        ReplayRequest(
+            r.arrival,
+            timed.name,
+            r.group,
+            request_body(chat_messages(r, text), r.output_tokens, model),
+        )
+        for r in timed.requests
+    ]
+
+
 def build_bench_workload(
     scenario: str,
     *,
@@ -182,8 +205,12 @@ def build_bench_workload(
     time_scale: float | None = None,
     seed: int = 0,
     model: str = "tiny",
+    kv_blocks: int | None = None,
 ) -> BenchWorkload:
     """``scenario`` as text requests at ``rate``, and the engine speed for ``load``.
+
+    ``kv_blocks`` overrides the scenario's KV per engine (``cache-pressure``
+    is then sized from it).
 
     Raises:
         ConfigError: Unknown or non-live scenario, or a bad number.
@@ -195,34 +222,36 @@ def build_bench_workload(
     for name, value in (("rate", rate), ("load", load), ("requests", requests)):
         if not value > 0:
             raise ConfigError(f"{name}: must be positive, got {value}")
-    spec = get_scenario(scenario)
-    base = spec.build(seed, requests)
-    scaled = scale_lengths(base, scale)
+    if kv_blocks is not None and kv_blocks < 1:
+        raise ConfigError(f"kv_blocks: must be positive, got {kv_blocks}")
+    if scenario == pressure.NAME:
+        blocks = kv_blocks or math.ceil(pressure.KV_BLOCKS * scale)
+        sizing = pressure.size_pressure(workers, blocks, profile.block_size, requests, seed)
+        base = scaled = pressure.pressure_workload(sizing, seed, scale)
+        shared = True
+    else:
+        spec = get_scenario(scenario)
+        base = spec.build(seed, requests)
+        scaled = scale_lengths(base, scale)
+        if kv_blocks is not None:
+            scaled = replace(scaled, default_kv_blocks=kv_blocks)
+        shared = spec.shared_prefix
     capacity = capacity_rps(scaled, profile, workers)
     if time_scale is None:
         time_scale = rate / (load * capacity)
     else:
         load = rate / (time_scale * capacity)
-    timed = scaled.scaled(rate)
-    text = SegmentText(tokenizer, seed)
-    reqs = [
-        ReplayRequest(
-            r.arrival,
-            scenario,
-            r.group,
-            request_body(chat_messages(r, text), r.output_tokens, model),
-        )
-        for r in timed.requests
-    ]
+    reqs = text_requests(scaled.scaled(rate), tokenizer, seed, model)
     return BenchWorkload(
         scenario=scenario,
         description=base.description,
-        shared_prefix=spec.shared_prefix,
+        shared_prefix=shared,
         requests=reqs,
         rate=rate,
         load=load,
         time_scale=time_scale,
         kv_blocks=scaled.default_kv_blocks,
+        block_size=profile.block_size,
     )
 
 
