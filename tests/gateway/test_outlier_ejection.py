@@ -10,6 +10,7 @@ import asyncio
 import time
 
 from prefixrouter.core.types import WorkerId
+from prefixrouter.harness.faults import until
 from prefixrouter.prometheus import samples
 from tests.gateway.helpers import Env, gateway_env, run
 
@@ -25,13 +26,6 @@ async def _worker(env: Env, wid: str) -> dict[str, object]:
 async def _metric(env: Env, name: str, wid: str) -> float:
     text = await (await env.client.get("/metrics")).text()
     return next(s.value for s in samples(text) if s.name == name and s.labels["worker"] == wid)
-
-
-async def _until(probe, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not await probe():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def test_a_worker_answering_500_is_ejected_then_returns_on_probation() -> None:
@@ -59,7 +53,7 @@ def test_a_worker_answering_500_is_ejected_then_returns_on_probation() -> None:
                 await env.chat(f"probe {time.monotonic()}")
                 return len(bad.requests) > sent
 
-            await _until(tried_again)
+            await until(tried_again, "the ejected worker to be tried again", 10.0, 0.02)
             state = await _worker(env, "w0")
             assert state["ejected"] is True and state["ejections"] == 2
             assert len(bad.requests) == sent + 1
@@ -72,7 +66,7 @@ def test_a_worker_answering_500_is_ejected_then_returns_on_probation() -> None:
                 await env.chat(f"healed {time.monotonic()}")
                 return len(bad.requests) > healed
 
-            await _until(serving)
+            await until(serving, "the healed worker to serve again", 10.0, 0.02)
             assert (await _worker(env, "w0"))["ejected"] is False
             for i in range(10):
                 assert (await env.chat(f"after {i}")).status == 200
@@ -119,7 +113,7 @@ def test_a_unary_request_leaves_the_pending_prefill_at_its_predicted_ttft() -> N
             async def prefilled() -> bool:
                 return load.in_flight == 1 and load.pending_prefill_tokens == 0
 
-            await _until(prefilled, timeout_s=2.5)  # well before its answer
+            await until(prefilled, "the prefill to leave the ledger", 2.5, 0.02)  # before its end
             assert load.decoding == 1 and not task.done()
             assert (await task).status == 200
             assert load.in_flight == 0 and load.decoding == 0
