@@ -167,7 +167,9 @@ def _gateway_config(engines: list[Server], limit: int | None, retry_after_s: int
     # never shares an engine with the victim.
     shared, own = engines[:-1], engines[-1]
     return {
-        "workers": [{"url": e.url, "id": e.name, "tenants": ["victim", "flood", ""]} for e in shared]
+        "workers": [
+            {"url": e.url, "id": e.name, "tenants": ["victim", "flood", ""]} for e in shared
+        ]
         + [{"url": own.url, "id": own.name, "tenants": ["refused"]}],
         "api_keys": {FLOOD_KEY: "flood", VICTIM_KEY: "victim", REFUSED_KEY: "refused"},
         "tenants": tenants,

@@ -6,10 +6,8 @@ a simulated engine with fault injection under load, is in tests/faults/.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from prefixrouter.core.types import WorkerId
 from prefixrouter.harness.faults import until
 from prefixrouter.prometheus import samples
 from tests.gateway.helpers import Env, gateway_env, run
@@ -99,23 +97,5 @@ def test_client_errors_do_not_count_as_failures() -> None:
             for i in range(12):
                 assert (await env.chat(f"bad request {i}")).status == 400
             assert [(await _worker(env, w))["ejected"] for w in ("w0", "w1")] == [False, False]
-
-    run(body)
-
-
-def test_a_unary_request_leaves_the_pending_prefill_at_its_predicted_ttft() -> None:
-    async def body() -> None:
-        async with gateway_env(1) as env:
-            env.engines[0].delay_s = 2.0  # the whole answer comes at the end
-            load = env.state.dispatch.load(WorkerId("w0"))
-            task = asyncio.create_task(env.chat("a unary question " * 50))
-
-            async def prefilled() -> bool:
-                return load.in_flight == 1 and load.pending_prefill_tokens == 0
-
-            await until(prefilled, "the prefill to leave the ledger", 1.8, 0.02)  # before its end
-            assert load.decoding == 1 and not task.done()
-            assert (await task).status == 200
-            assert load.in_flight == 0 and load.decoding == 0
 
     run(body)

@@ -296,12 +296,7 @@ class Proxy:
                         request, built, adm, worker, path, progress, first_byte_s
                     )
                 else:
-                    prefilled = self._prefill_done_at_predicted_ttft(adm)
-                    try:
-                        att = await self._unary(built, worker, path, first_byte_s)
-                    finally:
-                        if prefilled is not None:
-                            prefilled.cancel()
+                    att = await self._unary(built, worker, path, first_byte_s)
             except asyncio.CancelledError:
                 # A stream's client that left before the first upstream byte:
                 # the engine, aborted now, has not prefilled it.
@@ -325,27 +320,6 @@ class Proxy:
             if not att.unreachable:
                 retry.last_refusal = att
         return self._no_worker(built, retry, "every attempt failed", adm, t0)
-
-    def _prefill_done_at_predicted_ttft(self, adm: Admission) -> asyncio.TimerHandle | None:
-        """A non-streamed answer comes whole at the end: mark its prefill done when predicted.
-
-        A stream's first byte moves it from prefilling to decoding in the
-        in-flight ledger. A unary answer shows no first token, so without this
-        its prompt would count as a pending prefill on its worker until its
-        last byte (a whole decode later), and the cost model would see every
-        worker running unary requests as busy prefilling, alike: new requests
-        could not tell the engine prefilling now from the one decoding. The
-        predicted TTFT (queue wait and prefill) is the gateway's best guess of
-        that moment; the answer's end settles it in any case.
-        """
-        chosen = adm.decision.chosen
-        terms = chosen.terms if chosen is not None else None
-        if terms is None:
-            return None
-        st = self.st
-        return asyncio.get_running_loop().call_later(
-            max(0.0, terms.ttft_s), lambda: st.dispatch.first_token(adm, st.clock())
-        )
 
     def _first_byte_timeout(self, decision: Decision, built: BuiltRequest) -> float | None:
         """How long this attempt may wait for its first body byte (None: no limit).

@@ -566,7 +566,7 @@ class WorkerRegistry:
         t = det.failure(w.id, now, len(fleet), others)
         if t is None:
             return
-        w.ejected, w.ejections = True, w.ejections + 1
+        w.ejected, w.ejections = True, det.ejections(w.id)
         log.warning(
             "worker %s ejected for %.1f s (ejection %d, %d failures in a row, last: %s)",
             w.id, t.until - now, t.ejections, t.failures,
