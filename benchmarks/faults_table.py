@@ -7,7 +7,8 @@ and one gateway, then two engines and two gateway replicas on a real
 as JSON and as a Markdown table, and with ``--results`` replaces the table
 between the ``<!-- faults:begin -->`` and ``<!-- faults:end -->`` markers of
 ``benchmarks/reliability_results.md``, which ``sim_results.py`` appends to
-``benchmarks/RESULTS.md`` (never hand-typed)::
+``benchmarks/RESULTS.md`` (never hand-typed; with ``--only``, the rows of the
+scenarios not run are kept as they were)::
 
     PYTHONPATH=src python benchmarks/faults_table.py --json benchmarks/results/faults.json \\
         [--results benchmarks/reliability_results.md] [--only engine_sigkill,...]
@@ -63,12 +64,35 @@ def row(title: str, r: dict[str, Any]) -> str:
     return "| " + " | ".join(_fmt(c) for c in cells) + " |"
 
 
+HEAD = (
+    "| fault | requests | complete | clean errors | refused/cut | lost | duplicated "
+    "| leave (s) | return (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
 def markdown(rows: list[tuple[str, dict[str, Any]]]) -> str:
-    head = (
-        "| fault | requests | complete | clean errors | refused/cut | lost | duplicated "
-        "| leave (s) | return (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-    )
-    return "\n".join([head, *(row(t, r) for t, r in rows)])
+    return "\n".join([HEAD, *(row(t, r) for t, r in rows)])
+
+
+def merged(old_block: str, rows: list[tuple[str, dict[str, Any]]]) -> str:
+    """The table ``old_block`` held, its rows of ``rows``' scenarios replaced (others kept,
+    in their order; scenarios it lacked appended)."""
+    new = {t: row(t, r) for t, r in rows}
+    lines = [ln for ln in old_block.splitlines() if ln.startswith("| ") and "---" not in ln]
+    out: list[str] = []
+    for ln in lines[1:]:  # after the header
+        title = ln[2:].split(" | ", 1)[0]
+        out.append(new.pop(title, ln))
+    return "\n".join([HEAD, *out, *new.values()])
+
+
+def current_block(path: Path) -> str:
+    """The text between the ``faults`` markers of ``path`` ("" without them)."""
+    begin, end = markers("faults")
+    text = path.read_text()
+    if begin not in text or end not in text:
+        return ""
+    return text.split(begin, 1)[1].split(end, 1)[0]
 
 
 async def run_group(
@@ -117,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(main_async(args))
     table = markdown(rows)
     print(table)
+    if args.results and args.only:
+        table = merged(current_block(args.results), rows)
     if args.json:
         args.json.write_bytes(
             orjson.dumps([{"title": t, **r} for t, r in rows], option=orjson.OPT_INDENT_2)

@@ -24,6 +24,8 @@ Shape of the YAML file (all keys optional)::
     api_keys:      {KEY: TENANT}
     require_api_key, trust_tenant_header, salt_secret
     health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
+    outlier:       {enabled, consecutive_failures, base_ejection_s, max_ejection_s,
+                    max_ejected_share}
     metrics_poll:  {interval_s, timeout_s}
     proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
                     idle_connection_s, drain_timeout_s, retry_after_s,
@@ -380,6 +382,37 @@ class HealthConfig(_Model):
     backoff_max_s: PosFloat = 2.0
     backoff_factor: Annotated[float, Field(ge=1.0)] = 2.0
     unhealthy_after: PosInt = 1
+
+
+class OutlierConfig(_Model):
+    """Passive outlier ejection (:mod:`prefixrouter.core.outlier`, Envoy's ``consecutive_5xx``).
+
+    A worker whose answers fail ``consecutive_failures`` times in a row (a
+    5xx other than a timeout's 504, a refused or broken connection, a
+    malformed or cut answer) leaves routing for ``base_ejection_s`` times its
+    ejection count, at most ``max_ejection_s``, even though its health checks
+    pass; it returns on probation (one more failure ejects it again).
+
+    Attributes:
+        enabled: Eject failing workers.
+        consecutive_failures: Failures in a row that eject a worker.
+        base_ejection_s: The first ejection's length (the n-th: n times it).
+        max_ejection_s: The longest ejection.
+        max_ejected_share: Most of the fleet ejected at once (at least one
+            worker, never the last routable one).
+    """
+
+    enabled: bool = True
+    consecutive_failures: PosInt = 5
+    base_ejection_s: PosFloat = 5.0
+    max_ejection_s: PosFloat = 120.0
+    max_ejected_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
+
+    @model_validator(mode="after")
+    def _ordered(self) -> OutlierConfig:
+        if self.base_ejection_s > self.max_ejection_s:
+            raise ValueError("base_ejection_s must not exceed max_ejection_s")
+        return self
 
 
 class MetricsPollConfig(_Model):
@@ -886,6 +919,7 @@ class GatewayConfig(_Model):
     tenant_header: bool | None = None
     salt_secret: str = ""
     health: HealthConfig = Field(default_factory=HealthConfig)
+    outlier: OutlierConfig = Field(default_factory=OutlierConfig)
     metrics_poll: MetricsPollConfig = Field(default_factory=MetricsPollConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     decision_log: DecisionLogConfig = Field(default_factory=DecisionLogConfig)

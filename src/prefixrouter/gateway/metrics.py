@@ -28,8 +28,9 @@ Per request (updated once, when the request ends):
   ``mirrored`` = blocks the router's index dropped to mirror the engines' KV size.
 
 Read at scrape time from the live state: per-worker gauges
-``prefixrouter_worker_healthy``, ``_in_flight``, ``_kv_usage`` and
-``_engine_waiting``; and, from the proxy's upstream client,
+``prefixrouter_worker_healthy``, ``_in_flight``, ``_kv_usage``,
+``_engine_waiting`` and ``_ejected``, and the counter
+``prefixrouter_worker_ejections_total`` (outlier ejection); and, from the proxy's upstream client,
 ``prefixrouter_upstream_connections_opened_total{worker}`` (steady under
 steady traffic when keep-alive works) and
 ``prefixrouter_upstream_connections{worker,state="idle"|"busy"}``.
@@ -91,6 +92,8 @@ class WorkerGauges:
     in_flight: int
     kv_usage: float
     engine_waiting: float
+    ejected: bool = False
+    ejections: int = 0
 
 
 class _Counter:
@@ -190,7 +193,19 @@ class _Collector(Collector):
         waiting = GaugeMetricFamily(
             "prefixrouter_worker_engine_waiting", "Engine queue, last poll.", labels=["worker"]
         )
+        ejected = GaugeMetricFamily(
+            "prefixrouter_worker_ejected",
+            "1 while the worker is ejected for failing answers (outlier ejection).",
+            labels=["worker"],
+        )
+        ejections = CounterMetricFamily(
+            "prefixrouter_worker_ejections",
+            "Outlier ejections of the worker since it joined.",
+            labels=["worker"],
+        )
         for w in self._workers():
+            ejected.add_metric([w.worker], 1.0 if w.ejected else 0.0)
+            ejections.add_metric([w.worker], float(w.ejections))
             healthy.add_metric([w.worker], 1.0 if w.healthy else 0.0)
             flight.add_metric([w.worker], float(w.in_flight))
             kv.add_metric([w.worker], w.kv_usage)
@@ -199,6 +214,8 @@ class _Collector(Collector):
         yield flight
         yield kv
         yield waiting
+        yield ejected
+        yield ejections
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,11 +103,10 @@ from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
 from prefixrouter.gateway.sse import SseRelay, answer_usage
 from prefixrouter.gateway.state import GatewayState
 from prefixrouter.gateway.upstream import FirstByteTimeout, StallTimeout, UpstreamResponse
-from prefixrouter.gateway.workers import Worker
+from prefixrouter.gateway.workers import CLIENT_GONE, Worker
 
 log = logging.getLogger("prefixrouter.gateway")
 
-CLIENT_GONE = 499
 # Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
 _UPSTREAM_ERRORS = (TimeoutError, OSError)
 
@@ -497,6 +496,7 @@ class Proxy:
         # nothing was prefilled there, so the routing is taken back and the
         # retry elsewhere leaves no phantom prefix on this worker.
         st.dispatch.reject(adm, st.clock())
+        st.registry.observe(worker, att.status, unreachable=att.unreachable, suspect=att.suspect)
         if att.unreachable:
             st.registry.mark_failed(worker, att.error or "unreachable")
         elif att.suspect:
@@ -516,6 +516,7 @@ class Proxy:
         served = Served(
             att.status, att.ok, att.usage, att.ttft_s, att.error, att.suspect, att.no_prefill
         )
+        self.st.registry.observe(worker, att.status, suspect=att.suspect)
         tried = retry.tried if retry is not None else ()
         self.flow.finish(built, adm, worker, served, t0, tried, steer)
 

@@ -51,6 +51,18 @@ its in-flight requests finish (up to a timeout); then the router forgets it
 on a removed worker complete normally but feed nothing back, so the index never
 holds entries of a worker that is gone.
 
+**Outlier ejection** (:meth:`WorkerRegistry.observe`, the state machine in
+:mod:`prefixrouter.core.outlier`): every answer a worker gives is a success or
+a failure (a 5xx other than 504, a refused or broken connection, a malformed
+or cut answer; a timeout is the suspect mark's business, a client that left
+says nothing). ``outlier.consecutive_failures`` failures in a row take a
+worker whose health checks pass out of routing for a while (longer each time,
+capped; never more than ``outlier.max_ejected_share`` of the fleet, never the
+last routable worker); it comes back on probation, checked before each
+routing decision (:meth:`WorkerRegistry.views`: one comparison when nothing
+is due). An ejected worker keeps its index entries and its poller, as a
+suspect one does: its cache is intact.
+
 Readiness (:meth:`WorkerRegistry.set_ready`, from endpoint discovery: a pod
 whose readiness probe fails, or that is terminating): a worker that is not
 ready gets no new requests, as one marked down, but keeps its index entries
@@ -72,6 +84,7 @@ import orjson
 import zmq
 
 from prefixrouter.core.dispatch import Dispatcher
+from prefixrouter.core.outlier import OutlierDetector, OutlierPolicy, Transition
 from prefixrouter.core.types import WorkerId, WorkerView
 from prefixrouter.gateway.config import GatewayConfig, WorkerConfig
 from prefixrouter.gateway.metrics import WorkerGauges
@@ -81,6 +94,9 @@ from prefixrouter.real_engines.kv_events import NamespaceSeed
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber, WorkerFeed
 
 log = logging.getLogger("prefixrouter.gateway")
+
+CLIENT_GONE = 499
+"""The status of an attempt whose client left (nginx's): no verdict on the worker."""
 
 # Engine kind -> (running, waiting, KV usage 0-1) metric sample names.
 ENGINE_METRICS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
@@ -176,6 +192,9 @@ class Worker:
     removed: bool = False
     ready: bool = True
     """Kubernetes readiness (discovered workers): not ready = no new requests."""
+    ejected: bool = False
+    """Out of routing for failing answers (outlier ejection, module docstring)."""
+    ejections: int = 0
     restarts: int = 0
     feed_restarts: int = 0
     """The KV-event feed's restart count at the last metrics scrape."""
@@ -218,6 +237,8 @@ class Worker:
             "healthy": self.healthy,
             "suspect": self.suspect,
             "ready": self.ready,
+            "ejected": self.ejected,
+            "ejections": self.ejections,
             "restarts": self.restarts,
             "draining": self.draining,
             "models": sorted(self.models),
@@ -285,6 +306,11 @@ class WorkerRegistry:
         self._poll_timeout = aiohttp.ClientTimeout(total=config.metrics_poll.timeout_s)
         self.events: KvEventSubscriber | None = None
         self._seed_for: Callable[[Worker], NamespaceSeed] | None = None
+        o = config.outlier
+        policy = OutlierPolicy(
+            o.consecutive_failures, o.base_ejection_s, o.max_ejection_s, o.max_ejected_share
+        )
+        self.outliers = OutlierDetector(policy) if o.enabled else None
         self.on_check: Callable[[Worker, bool], None] | None = None
         """Told of each health check's result: the proxy's upstream timeouts
         cut only requests of a worker silent on every channel (see
@@ -454,6 +480,8 @@ class WorkerRegistry:
             with contextlib.suppress(asyncio.CancelledError):
                 await w.task
         self.dispatch.remove_worker(w.id)
+        if self.outliers is not None:
+            self.outliers.forget(w.id)
         if self.events is not None:
             self.events.remove_worker(w.id)
 
@@ -463,7 +491,7 @@ class WorkerRegistry:
         self._routable = [w for w in self.workers.values() if not w.draining]
         self._views = [w.view for w in self._routable]
         for w in self._routable:
-            w.view.healthy = w.healthy and not w.suspect and w.ready
+            w.view.healthy = w.healthy and not w.suspect and w.ready and not w.ejected
         live = [w for w in self.workers.values() if not w.draining]
         self._models = frozenset().union(*(w.models for w in live)) if live else frozenset()
         self._adapters = frozenset().union(*(w.adapters for w in live)) if live else frozenset()
@@ -473,6 +501,9 @@ class WorkerRegistry:
 
     def views(self) -> list[WorkerView]:
         """The routable workers' views with fresh in-flight figures (not draining)."""
+        det = self.outliers
+        if det is not None and det.next_release <= self.clock():
+            self._returned(det.release(self.clock()))
         fill = self.dispatch.fill
         for w in self._routable:
             fill(w.view)
@@ -497,13 +528,61 @@ class WorkerRegistry:
         return [
             WorkerGauges(
                 w.id,
-                w.healthy and not w.suspect and not w.draining and w.ready,
+                w.healthy and not w.suspect and not w.draining and w.ready and not w.ejected,
                 self.dispatch.load(w.id).in_flight,
                 w.engine.kv_usage,
                 w.engine.waiting,
+                w.ejected,
+                w.ejections,
             )
             for w in self.workers.values()
         ]
+
+    def observe(
+        self, w: Worker, status: int, *, unreachable: bool = False, suspect: bool = False
+    ) -> None:
+        """One answer of ``w`` for outlier ejection (module docstring).
+
+        Args:
+            w: The worker.
+            status: The attempt's status (the gateway's: 502 for a malformed
+                or cut answer, 499 for a client that left).
+            unreachable: The worker could not be reached (connect error,
+                closed before any byte).
+            suspect: A first-byte or stall timeout: the suspect mark decides.
+        """
+        det = self.outliers
+        if det is None or w.removed or suspect or status == CLIENT_GONE:
+            return
+        now = self.clock()
+        if not unreachable and not 500 <= status < 600:
+            if status != 429:  # an overload refusal says nothing about the engine's health
+                det.success(w.id, now)
+            return
+        if status == 504 and not unreachable:
+            return  # a timeout: the suspect mark's business
+        fleet = [x for x in self.workers.values() if not x.draining]
+        others = sum(1 for x in fleet if x is not w and x.view.healthy)
+        t = det.failure(w.id, now, len(fleet), others)
+        if t is None:
+            return
+        w.ejected, w.ejections = True, det.ejections(w.id)
+        log.warning(
+            "worker %s ejected for %.1f s (ejection %d, %d failures in a row, last: %s)",
+            w.id, t.until - now, t.ejections, t.failures,
+            "unreachable" if unreachable else status,
+        )  # fmt: skip
+        self._rebuild()
+
+    def _returned(self, back: list[Transition]) -> None:
+        for t in back:
+            w = self.workers.get(t.worker_id)
+            if w is None:
+                continue
+            w.ejected = False
+            log.info("worker %s back from ejection %d, on probation", w.id, t.ejections)
+        if back:
+            self._rebuild()
 
     def mark_failed(self, w: Worker, error: str) -> None:
         """A request could not reach ``w``: take it out of routing until a check passes."""

@@ -406,9 +406,14 @@ def freeze(seconds: float = 10.0) -> Scenario:
     return run
 
 
-def injected(faults: dict[str, Any], after: int = 25) -> Scenario:
+def injected(faults: dict[str, Any], after: int = 25, ejected: bool = False) -> Scenario:
     """Switch ``faults`` on the busiest engine (``POST /admin/faults``) for ``after``
-    requests' worth of traffic, then heal it."""
+    requests' worth of traffic, then heal it.
+
+    ``ejected``: the fault makes the gateway eject the engine (failing answers,
+    :mod:`prefixrouter.core.outlier`), so traffic leaves it during the fault and
+    returns after the heal: the report times both, as for a restart.
+    """
 
     async def run(ff: FaultFleet, load: OpenLoad) -> FaultTimes:
         target = busiest(load, list(ff.engines))
@@ -421,7 +426,8 @@ def injected(faults: dict[str, Any], after: int = 25) -> Scenario:
         t_ready = time.monotonic()
         during = [o for o in load.outcomes if t_fault <= o.t_send < t_ready]
         share = sum(o.worker == target for o in during) / max(1, len(during))
-        return FaultTimes(target, t_fault, t_ready, extra={"target_share": round(share, 3)})
+        extra = {"target_share": round(share, 3)}
+        return FaultTimes(target, t_fault, t_ready, restarted=ejected, extra=extra)
 
     return run
 
@@ -489,9 +495,17 @@ SINGLE: dict[str, tuple[str, Scenario]] = {
     "engine_sigkill": ("engine SIGKILLed mid-stream, restarted", engine_sigkill),
     "engine_sigstop": ("engine SIGSTOPped 10 s, SIGCONT", freeze(10.0)),
     "engine_slow": ("engine 10x slow", injected({"slow": 10.0})),
-    "engine_500": ("engine answers 500", injected({"status": 500})),
-    "engine_malformed": ("engine sends malformed JSON", injected({"malformed": True})),
-    "engine_truncated": ("engine truncates its SSE stream", injected({"truncate": True})),
+    # Failing answers eject the engine: 60 requests' worth of fault (4 s at
+    # 15 a second) show traffic leaving it, and the heal its return.
+    "engine_500": ("engine answers 500", injected({"status": 500}, 60, ejected=True)),
+    "engine_malformed": (
+        "engine sends malformed JSON",
+        injected({"malformed": True}, 60, ejected=True),
+    ),
+    "engine_truncated": (
+        "engine truncates its SSE stream",
+        injected({"truncate": True}, 60, ejected=True),
+    ),
     "engine_bad_usage": ("engine sends wrong usage fields", injected({"bad_usage": True})),
     "kv_events_dropped": ("KV-event batches dropped (gap, replay)", kv_drop),
     "gateway_sigkill": ("gateway SIGKILLed, restarted", gateway_sigkill("gw")),
