@@ -629,10 +629,8 @@ def tie_band_picker(
                 lowest = s
             if s > highest:
                 highest = s
-    if scales < 2 or lowest <= 0:
-        band = 0.0
-    else:
-        band = max(0.0, min(band, highest / lowest - 1.0))
+    agree = scales < 2 or lowest <= 0
+    band = 0.0 if agree else max(0.0, min(band, highest / lowest - 1.0))
     if band <= 0 and not salt:
         return best
     limit = scored[best].score * (1.0 + band)
