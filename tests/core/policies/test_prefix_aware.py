@@ -39,6 +39,7 @@ from prefixrouter.core.policies.prefix_aware import (
     hot_prefix_rule,
     margin_limit,
     max_wait_rule,
+    no_room_rule,
     rendezvous_home,
     score_candidates,
     switch_score,
@@ -513,6 +514,77 @@ def test_max_wait_rule_leaves_a_warm_queue_past_the_limit(
         return
     assert choice is not None and choice.index == 1 and choice.abandoned
     assert choice.reason == "left warm w0: queue wait 5000 ms > max 4000 ms"
+
+
+def test_max_wait_rule_counts_a_wait_for_kv_memory_as_a_wait() -> None:
+    # No queue on the warm worker, but its memory is pinned: 5 s until running
+    # requests release enough of it.
+    pinned = CostTerms(0.0, 0.5, 0.0, 5.0, 0.0)
+    cs = [
+        CandidateScore(W0, 8_000, 1.0, pinned, pinned.ttft_s),
+        scored("w1", 1.0),
+    ]
+    choice = max_wait_rule(cs, 0, 1, SHORT)
+    assert choice is not None and choice.index == 1 and choice.abandoned
+    assert choice.reason == "left warm w0: queue wait 5000 ms > max 4000 ms"
+
+
+# -------------------------------------------------------- rule 3: no room for a copy
+
+
+@pytest.mark.parametrize(
+    ("roomy", "needed", "kept"),
+    [
+        ([0, 2], 1, False),  # w2 has room for the copy: the margin rule decides
+        ([0], 1, True),  # room nowhere else, one replica serves the demand: stay
+        ([0], 2, False),  # room nowhere else, but the prefix needs a second replica
+    ],
+)
+def test_no_room_rule_keeps_the_warm_worker_when_no_other_has_room(
+    roomy: list[int], needed: int, kept: bool
+) -> None:
+    # w1, the best score, would wait 0.5 s for KV memory.
+    waits = CostTerms(0.0, 0.5, 0.0, 0.5, 0.0)
+    cs = [scored("w0", 2.0), CandidateScore(W1, 0, 1.0, waits, waits.ttft_s)]
+    choice = no_room_rule(cs, 0, 1, [0], roomy, lambda: needed)
+    if not kept:
+        assert choice is None
+        return
+    assert choice is not None and choice.index == 0 and not choice.abandoned
+    assert "no room for a copy elsewhere" in choice.reason
+    # With room elsewhere, a best that holds the prefix too (moving copies
+    # nothing) or a best with the memory free now, the demand is never computed.
+    assert no_room_rule(cs, 0, 1, [0], [0, 1], lambda: int(never())) is None
+    assert no_room_rule(cs, 0, 1, [0, 1], [0, 1], lambda: int(never())) is None
+    free = [cs[0], scored("w1", 1.0)]
+    assert no_room_rule(free, 0, 1, [0], [0], lambda: int(never())) is None
+
+
+def test_a_full_fleet_keeps_a_customer_on_its_warm_worker_the_margin_would_leave() -> None:
+    # The warm worker is slower than the margin allows, but every other
+    # worker's memory is pinned by running requests (the copy would wait for
+    # them): one-off copies would thrash every cache.
+    r = Router()
+    doc = tokens(1, 8_000)
+    warm(r, W0, doc)
+    pinned = WorkerView(
+        W1,
+        in_flight=2,
+        decoding=2,
+        decode_tokens_remaining=200,
+        kv_capacity_blocks=2_000,
+        kv_used_blocks=1_800,
+    )
+    ws = [
+        WorkerView(W0, in_flight=6, pending_prefill_tokens=40_000, kv_capacity_blocks=2_000),
+        pinned,
+    ]
+    d = r.route(request("q", doc), ws, 1.0)
+    assert d.worker_id == W0 and "no room for a copy elsewhere" in d.reason
+    # The same with room on w1: the margin rule sends it there.
+    ws[1] = WorkerView(W1, kv_capacity_blocks=2_000)
+    d = r.route(request("q", doc), ws, 1.0)
+    assert d.worker_id == W1 and "beyond margin" in d.reason
 
 
 @pytest.mark.parametrize(

@@ -42,8 +42,10 @@ pure function whose docstring states its rule:
 4. **rules**, in order, each of which may leave the picker's choice:
    :func:`hot_prefix_rule` (warm another replica for a prefix in demand), then,
    when the picker's choice is not the lowest score overall,
-   :func:`max_wait_rule` (never queue too long for a warm cache) and
-   :func:`warm_margin_rule` (keep the warm worker while it is nearly as good).
+   :func:`max_wait_rule` (never queue too long for a warm cache, counting a
+   wait for KV memory), :func:`no_room_rule` (no copy into caches with no
+   room, for a prefix one replica serves) and :func:`warm_margin_rule` (keep
+   the warm worker while it is nearly as good).
 
 With no warm worker the cold path (``_select_cold``) runs instead:
 :func:`cold_pool_rule`, then the picker among all workers for a prefix never
@@ -265,30 +267,32 @@ class PrefixAwarePolicy(Policy):
         settled = held is not None and (
             held.source is not _SPECULATIVE or self._prefilled(ctx, picked_id, held.blocks)
         )
-        # The room filter only where the rule can fire (an unsettled copy never warms another).
+        # The room filter only where a rule reads it: the hot-prefix rule (a
+        # settled copy; an unsettled one never warms another) and the room
+        # rule (a choice that is not the best score).
         roomy = (
             copy_room_filter(
                 candidates, scored, eligible, holders, ctx.blocks.prompt_tokens, p.copy_max_kv_share
             )
-            if settled
+            if settled or picked != best
             else eligible
         )
-        choice = hot_prefix_rule(
-            scored,
-            roomy,
-            holders,
-            settled,
-            cls,
-            lambda: self._replicas_needed(ctx, candidates[picked], scored[picked], output),
-        )
+
+        def demand() -> tuple[float, int]:
+            return self._replicas_needed(ctx, candidates[picked], scored[picked], output)
+
+        choice = hot_prefix_rule(scored, roomy, holders, settled, cls, demand)
+        if choice is None and picked == best:  # the best score overall: nothing to weigh
+            choice = Choice(picked, "lowest predicted cost")
         if choice is None:
-            if picked == best:  # the best score overall: nothing to weigh
-                choice = Choice(picked, "lowest predicted cost")
-            else:
-                pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
-                choice = max_wait_rule(scored, picked, best, cls) or warm_margin_rule(
-                    scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
-                )
+            choice = max_wait_rule(scored, picked, best, cls) or no_room_rule(
+                scored, picked, best, holders, roomy, lambda: demand()[1]
+            )
+        if choice is None:
+            pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
+            choice = warm_margin_rule(
+                scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
+            )
         return _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
 
     def _select_cold(
@@ -649,7 +653,7 @@ def copy_room_filter(
     prompt_tokens: int,
     max_share: float,
 ) -> list[int]:
-    """Candidate filter for the hot-prefix rule: the workers with room for a copy.
+    """Candidate filter for the hot-prefix and no-room rules: the workers with room for a copy.
 
     A second replica of a prefix is there to take a share of its requests,
     so it needs room for the prefix's blocks *and* for those requests to run
@@ -729,18 +733,64 @@ def max_wait_rule(
     the decision marked ``warm_abandoned``. Only when leaving actually avoids
     the wait (the best's queue is within it) and brings the first token
     sooner: under overload every queue is long, and a copy would only add
-    prefill work.
+    prefill work. The wait counts the expected wait for KV memory
+    (``memory_risk_s``) beside the queue: a warm worker whose memory is
+    pinned by its running requests keeps a request waiting as surely as a
+    long queue, where the cost model's queue term does not show it.
     """
     w, b = scored[warm].terms, scored[best].terms
     assert w is not None and b is not None
     limit = cls.max_warm_wait_s
-    if w.queue_wait_s > limit and b.queue_wait_s <= limit and b.ttft_s < w.ttft_s:
+    w_wait, b_wait = w.queue_wait_s + w.memory_risk_s, b.queue_wait_s + b.memory_risk_s
+    if w_wait > limit and b_wait <= limit and b.ttft_s < w.ttft_s:
         reason = (
-            f"left warm {scored[warm].worker_id}: queue wait {w.queue_wait_s * 1e3:.0f} ms"
+            f"left warm {scored[warm].worker_id}: queue wait {w_wait * 1e3:.0f} ms"
             f" > max {limit * 1e3:.0f} ms"
         )
         return Choice(best, reason, abandoned=True)
     return None
+
+
+def no_room_rule(
+    scored: Sequence[CandidateScore],
+    warm: int,
+    best: int,
+    holders: Sequence[int],
+    roomy: Sequence[int],
+    needed: Callable[[], int],
+) -> Choice | None:
+    """Rule 3, no room: keep the ``warm`` choice when no other worker has room for a copy.
+
+    Leaving the warm worker for a better score elsewhere (``best``, not a
+    holder: moving to another holder copies nothing) copies the prefix
+    there. Where every other worker's KV would be past ``copy_max_kv_share``
+    with the copy on top of what its running requests pin (``roomy``, from
+    :func:`copy_room_filter`, holds no non-holder) and the cost model
+    expects the ``best`` to make the request wait for memory
+    (``memory_risk_s``), the copy waits for running requests there to
+    finish, then evicts other prefixes that are still asked for, and the
+    work it adds is paid by every request queued behind it: under cache
+    pressure one-off copies spread each prefix over every cache and thrash
+    them all (150 customer contexts that do not all fit,
+    ``llmd-customers``). So the warm choice stays, unless the prefix's
+    demand wants more replicas than hold it (``needed()``, computed only
+    here: a hot document is worth its copy). Where the best has the memory
+    now, the margin rule decides as without pressure. The maximum wait
+    (rule 2) still applies before this rule.
+    """
+    terms = scored[best].terms
+    if terms is None or terms.memory_risk_s <= 0.0:
+        return None
+    if best in holders or any(i not in holders for i in roomy):
+        return None
+    replicas = needed()
+    if replicas > len(holders):
+        return None
+    reason = (
+        f"no room for a copy elsewhere: kept warm, {len(holders)} of {max(1, replicas)}"
+        " replicas its demand needs hold it"
+    )
+    return Choice(warm, reason)
 
 
 def warm_margin_rule(
@@ -751,7 +801,7 @@ def warm_margin_rule(
     pressure: float,
     eviction_weight: float,
 ) -> Choice:
-    """Rule 3, warm margin: keep the ``warm`` choice while it is within a margin of the ``best``.
+    """Rule 4, warm margin: keep the ``warm`` choice while it is within a margin of the ``best``.
 
     Kept while ``switch(warm) <= switch(best) + pressure * (ttft(best) *
     warm_margin_rel + warm_margin_abs_s)``, else the best is chosen. Leaving
