@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from prefixrouter.core import Dispatcher, Router
 from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
@@ -73,9 +74,16 @@ def test_places_are_drawn_per_request_and_replica_uniformly_up_to_twice_the_esti
 
 
 def _burst(replicas: list[Dispatcher], t: float, doc0: int) -> list[str]:
-    """Each replica admits one new document at ``t`` on its own view; returns the workers."""
+    """Each replica admits one new document at ``t`` on its own view; returns the workers.
+
+    The view's workers differ by a few queued tokens, so no two are exact ties
+    (replicas draw among exact ties without knowing of each other, see
+    ``tie_band_picker``): the best is one worker, as a stale view of a busy
+    fleet usually shows.
+    """
+    view = [replace(w, pending_prefill_tokens=k) for k, w in enumerate(workers(8))]
     return [
-        d.admit(request(f"r{doc0 + i}", tokens(doc0 + i, 16 * 8)), workers(8), t).worker
+        d.admit(request(f"r{doc0 + i}", tokens(doc0 + i, 16 * 8)), view, t).worker
         for i, d in enumerate(replicas)
     ]
 
