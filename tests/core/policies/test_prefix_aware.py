@@ -546,7 +546,7 @@ def test_no_room_rule_keeps_the_warm_worker_when_no_other_has_room(
     # w1, the best score, would wait 0.5 s for KV memory.
     waits = CostTerms(0.0, 0.5, 0.0, 0.5, 0.0)
     cs = [scored("w0", 2.0), CandidateScore(W1, 0, 1.0, waits, waits.ttft_s)]
-    choice = no_room_rule(cs, 0, 1, [0], roomy, lambda: needed)
+    choice = no_room_rule(cs, 0, 1, [0], lambda: roomy, lambda: needed)
     if not kept:
         assert choice is None
         return
@@ -554,10 +554,10 @@ def test_no_room_rule_keeps_the_warm_worker_when_no_other_has_room(
     assert "no room for a copy elsewhere" in choice.reason
     # With room elsewhere, a best that holds the prefix too (moving copies
     # nothing) or a best with the memory free now, the demand is never computed.
-    assert no_room_rule(cs, 0, 1, [0], [0, 1], lambda: int(never())) is None
-    assert no_room_rule(cs, 0, 1, [0, 1], [0, 1], lambda: int(never())) is None
+    assert no_room_rule(cs, 0, 1, [0], lambda: [0, 1], lambda: int(never())) is None
+    assert no_room_rule(cs, 0, 1, [0, 1], lambda: never(), lambda: int(never())) is None
     free = [cs[0], scored("w1", 1.0)]
-    assert no_room_rule(free, 0, 1, [0], [0], lambda: int(never())) is None
+    assert no_room_rule(free, 0, 1, [0], lambda: never(), lambda: int(never())) is None
 
 
 def test_a_full_fleet_keeps_a_customer_on_its_warm_worker_the_margin_would_leave() -> None:

@@ -267,26 +267,33 @@ class PrefixAwarePolicy(Policy):
         settled = held is not None and (
             held.source is not _SPECULATIVE or self._prefilled(ctx, picked_id, held.blocks)
         )
-        # The room filter only where a rule reads it: the hot-prefix rule (a
-        # settled copy; an unsettled one never warms another) and the room
-        # rule (a choice that is not the best score).
-        roomy = (
-            copy_room_filter(
+
+        def room() -> list[int]:
+            return copy_room_filter(
                 candidates, scored, eligible, holders, ctx.blocks.prompt_tokens, p.copy_max_kv_share
             )
-            if settled or picked != best
-            else eligible
-        )
+
+        # The room filter only where a rule reads it: the hot-prefix rule (a
+        # settled copy; an unsettled one never warms another), and the no-room
+        # rule once its cheaper conditions hold.
+        roomy = room() if settled else None
 
         def demand() -> tuple[float, int]:
             return self._replicas_needed(ctx, candidates[picked], scored[picked], output)
 
-        choice = hot_prefix_rule(scored, roomy, holders, settled, cls, demand)
+        choice = hot_prefix_rule(
+            scored, eligible if roomy is None else roomy, holders, settled, cls, demand
+        )
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
         if choice is None:
             choice = max_wait_rule(scored, picked, best, cls) or no_room_rule(
-                scored, picked, best, holders, roomy, lambda: demand()[1]
+                scored,
+                picked,
+                best,
+                holders,
+                room if roomy is None else lambda: roomy,
+                lambda: demand()[1],
             )
         if choice is None:
             pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
@@ -756,7 +763,7 @@ def no_room_rule(
     warm: int,
     best: int,
     holders: Sequence[int],
-    roomy: Sequence[int],
+    roomy: Callable[[], Sequence[int]],
     needed: Callable[[], int],
 ) -> Choice | None:
     """Rule 3, no room: keep the ``warm`` choice when no other worker has room for a copy.
@@ -764,8 +771,9 @@ def no_room_rule(
     Leaving the warm worker for a better score elsewhere (``best``, not a
     holder: moving to another holder copies nothing) copies the prefix
     there. Where every other worker's KV would be past ``copy_max_kv_share``
-    with the copy on top of what its running requests pin (``roomy``, from
-    :func:`copy_room_filter`, holds no non-holder) and the cost model
+    with the copy on top of what its running requests pin (``roomy()``, from
+    :func:`copy_room_filter`, holds no non-holder; called, like ``needed()``,
+    only once the cheaper conditions hold: this runs on every warm request) and the cost model
     expects the ``best`` to make the request wait for memory
     (``memory_risk_s``), the copy waits for running requests there to
     finish, then evicts other prefixes that are still asked for, and the
@@ -781,7 +789,7 @@ def no_room_rule(
     terms = scored[best].terms
     if terms is None or terms.memory_risk_s <= 0.0:
         return None
-    if best in holders or any(i not in holders for i in roomy):
+    if best in holders or any(i not in holders for i in roomy()):
         return None
     replicas = needed()
     if replicas > len(holders):
