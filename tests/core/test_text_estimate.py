@@ -265,3 +265,31 @@ def test_a_request_routed_before_the_first_answer_is_no_miss() -> None:
     third, _ = admit("c")
     assert third.worker == first.worker
     assert abs(third.decision.predicted_cached_tokens - actual) <= 0.05 * actual
+
+
+def test_a_token_count_is_wanted_until_the_prefix_has_an_estimate_of_its_own() -> None:
+    """``wants_token_count``: true for a new document or a prompt more than doubled, once each."""
+    d = text_dispatcher()
+    ws = views(2)
+    doc = "abcdefghij" * 2_000  # 20,000 characters, 78 chunks
+
+    def admit(rid: str, text: str) -> Any:
+        return d.admit(RoutingRequest(RequestId(rid), NS, text=text), ws, 0.0)
+
+    first = admit("a", doc + " question a")
+    assert d.wants_token_count(first)  # nothing learned yet
+    second = admit("b", doc + " question b")
+    assert second.decision.predicted_cached_tokens == 78 * 64  # the prior: 4.0 a token
+    # The engine's count of the first prompt (POST /tokenize) teaches its prefix's estimate...
+    d.observe_prompt_tokens(len(doc) + 11, (len(doc) + 11) // 5, first)
+    third = admit("c", doc + " question c")
+    assert not d.wants_token_count(third)
+    # ...so the next request is predicted at its own 5 characters a token, before any answer.
+    assert abs(third.decision.predicted_cached_tokens - 4_000) <= 0.05 * 4_000
+    # A prompt that more than doubles the learned prefix wants a count again.
+    longer = admit("d", doc * 3)
+    assert d.wants_token_count(longer)
+    # Token mode never does.
+    tokens = Dispatcher(Router("prefix_aware", BlockHasher(block_size=BLOCK)), mode="token")
+    adm = tokens.admit(RoutingRequest(RequestId("t"), NS, tokens=list(range(2_000))), ws, 0.0)
+    assert not tokens.wants_token_count(adm)

@@ -91,7 +91,10 @@ class VllmCluster:
         index = int(worker_id.removeprefix("vllm"))
         return next(e.url for e in self.engines.engines if e.index == index)
 
-    def start_gateway(self, policy: str, *, events: bool, name: str) -> Gateway:
+    def start_gateway(
+        self, policy: str, *, events: bool, name: str, mode: str = "token"
+    ) -> Gateway:
+        """A gateway subprocess on the engines (``mode`` text: no tokenizer, no events)."""
         workers = []
         for e in self.engines.engines:
             w: dict[str, Any] = {"url": e.url, "id": self.worker_id(e.index)}
@@ -102,7 +105,11 @@ class VllmCluster:
         config: dict[str, Any] = {
             "workers": workers,
             "policy": {"name": policy},
-            "routing": {"mode": "token", "tokenizer": str(self.setup.model)},
+            "routing": (
+                {"mode": "token", "tokenizer": str(self.setup.model)}
+                if mode == "token"
+                else {"mode": "text"}
+            ),
             "tenants": {"acme": {"share_cache": False}, "globex": {"share_cache": False}},
             "api_keys": TENANT_KEYS,
             "server": dict(admin_client.ADMIN_CONFIG),

@@ -825,6 +825,27 @@ class Dispatcher:
             self._apply_held()
         return self._router.index.demote_events(worker, now)
 
+    def wants_token_count(self, admission: Admission) -> bool:
+        """Would the engine's token count of this text-mode prompt, asked now, teach the estimate?
+
+        True when no anchor of the prompt's chunks covering at least half of
+        them has an estimate of its own: a new document, or a conversation
+        that more than doubled since its last answer. Its chunks then convert
+        at the global estimate (the prior before any answer), which is off by
+        as much as documents differ in characters per token (prose against
+        code, CJK), until the prompt's first answer comes back. A request for
+        the same document routed during that first prefill is mispredicted;
+        one asked after the count came is not. A driver that can ask the
+        engine (``POST /tokenize``) feeds the count to
+        :meth:`observe_prompt_tokens` with this admission. Changes nothing.
+        """
+        if self.mode != "text" or admission.request.tokens is not None:
+            return False
+        hashes = admission.blocks.hashes
+        if not hashes:
+            return False
+        return 2 * self._router.hasher.estimator.learned_depth(hashes) < len(hashes)
+
     def observe_prompt_tokens(
         self, chars: int, prompt_tokens: int, admission: Admission | None = None
     ) -> None:

@@ -207,6 +207,21 @@ class TokenEstimator:
                     return hit[0]
         return self.chars_per_token
 
+    def learned_depth(self, hashes: Sequence[BlockHash]) -> int:
+        """Chunks covered by the deepest anchor of ``hashes`` with an estimate (0: none).
+
+        ``for_prefix`` converts at that anchor's estimate; the deeper it is,
+        the more of the prompt the estimate was learned on. Changes nothing.
+        """
+        prefixes = self._prefixes
+        if prefixes:
+            get = prefixes.get
+            for k in reversed(anchor_depths(len(hashes))):
+                depth = 1 << k
+                if get(hashes[depth - 1]) is not None:
+                    return depth
+        return 0
+
     def prefixes(self) -> int:
         """Anchors with an estimate of their own."""
         return len(self._prefixes)

@@ -121,6 +121,8 @@ async def background(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await st.registry.stop()
+        if st.counter is not None:
+            await st.counter.close()
         await st.session.close()
         st.session = None
 

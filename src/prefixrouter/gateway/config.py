@@ -17,7 +17,7 @@ Shape of the YAML file (all keys optional)::
     routing:       {mode: text|token, tokenizer, chunk_chars, block_size,
                     chars_per_token, template_version, tokenizer_revision,
                     prefix_key_tokens, default_max_tokens, document_chars,
-                    max_prompt_tokens}
+                    max_prompt_tokens, token_count, token_count_max_in_flight}
     tenants:       {NAME: {share_cache, cache_salt, priority, max_in_flight,
                            requests_per_s, burst}}
     default_tenant: {share_cache, cache_salt, priority, max_in_flight, requests_per_s, burst}
@@ -320,6 +320,12 @@ class RoutingConfig(_Model):
             its full length still counts in the cost model. Bounds one
             request's routing work, whatever its size: 131,072 is the longest
             context most served models take.
+        token_count: Text mode: when a prompt's prefix has no
+            characters-per-token estimate of its own yet, ask the chosen
+            ``vllm`` worker's ``POST /tokenize`` for its count beside the
+            request, so the document's next requests are predicted at its own
+            ratio before its first answer (:mod:`.token_count`).
+        token_count_max_in_flight: Token counts out at once.
     """
 
     mode: Literal["text", "token"] = "text"
@@ -333,6 +339,8 @@ class RoutingConfig(_Model):
     default_max_tokens: PosInt = 256
     document_chars: PosInt = 4000
     max_prompt_tokens: PosInt = DEFAULT_MAX_PROMPT_TOKENS
+    token_count: bool = True
+    token_count_max_in_flight: PosInt = 8
 
 
 class TenantRule(_Model):

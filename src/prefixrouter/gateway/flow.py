@@ -236,6 +236,8 @@ class RequestFlow:
             blocks = built.blocks if steer.blocks is None else steer.blocks
             adm = st.dispatch.admit(built.routing, views, now, blocks, steer.steering)
         decision = adm.decision
+        if st.counter is not None:  # text mode: a new prefix's tokens counted beside it
+            st.counter.routed(built, adm, st.registry.workers[decision.worker_id], st.session)
         if st.lint is not None:
             cls = decision.prefix_class
             st.metrics.linted(cls, st.lint.observe(built.prompt, cls))

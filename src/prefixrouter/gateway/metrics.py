@@ -395,8 +395,14 @@ class GatewayMetrics:
             "Volatile fields before stable prompt content (linter in observe mode).",
             ("prefix_class", "kind"),
         )
+        self.token_counts = _Counter(
+            "prefixrouter_token_counts",
+            "Text mode: new prefixes' token counts asked of the engines (POST /tokenize).",
+            ("outcome",),
+        )
         self.series: tuple[_Counter | _Histogram, ...] = (
             self.lint_findings,
+            self.token_counts,
             self.requests,
             self.input_tokens,
             self.predicted_cached,
@@ -478,6 +484,10 @@ class GatewayMetrics:
         """Count the linter's findings for one request (observe mode)."""
         for kind, n in findings.items():
             self.lint_findings.inc((prefix_class, kind), n)
+
+    def token_count(self, outcome: str) -> None:
+        """A token count ended: ``ok``, ``error``, ``unsupported`` or ``skipped``."""
+        self.token_counts.inc((outcome,))
 
     def eviction_observed(self, age_s: float, cls: str = "unknown") -> None:
         """A worker had lost a prefix (of prefix class ``cls``) it served ``age_s`` seconds ago."""

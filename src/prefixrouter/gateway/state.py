@@ -38,6 +38,7 @@ from prefixrouter.gateway.fleet import FleetControls
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
+from prefixrouter.gateway.token_count import TokenCounter
 from prefixrouter.gateway.upstream import UpstreamClient
 from prefixrouter.gateway.workers import Worker, WorkerRegistry
 from prefixrouter.prompt.lint import LintObserver
@@ -68,6 +69,7 @@ class GatewayState:
     discovery: DiscoveryLink | None = None
     session: aiohttp.ClientSession | None = None
     upstream: UpstreamClient | None = None
+    counter: TokenCounter | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
     requests_seen: int = 0
 
@@ -176,7 +178,11 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     if config.discovery.kind == "kubernetes":
         discovery = DiscoveryLink(config, registry)
         metrics.registry.register(DiscoveryCollector(discovery.watcher))
+    counter = None
+    if r.mode == "text" and r.token_count:
+        counter = TokenCounter(dispatch, metrics, r.token_count_max_in_flight)
     return GatewayState(
+        counter=counter,
         discovery=discovery,
         cluster=node,
         config=config,

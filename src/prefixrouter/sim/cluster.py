@@ -30,7 +30,11 @@ The gateway drives the same dispatcher with the same calls.
   131,072 prompt tokens hashed at most), and each completion teaches the
   characters-per-token estimate, global and of the prompt's prefixes, with the
   engine's ``prompt_tokens`` (``Dispatcher.complete``'s ``prompt_chars``, as
-  the gateway's proxy does). The
+  the gateway's proxy does). A prompt whose prefix has no estimate of its
+  own yet is also counted by the engine as soon as it is routed
+  (:attr:`ClusterConfig.token_count`, the gateway's ``POST /tokenize``
+  probe), so its document's next requests are predicted at its own ratio
+  before its first answer. The
   engine keeps its exact token-level model: it hashes the token ids in its
   own blocks. KV events are token blocks, which text-mode hashes never
   match, so a text-mode run refuses ``kv_events``.
@@ -96,7 +100,12 @@ from prefixrouter.sim.workload import SimRequest, Workload
 
 # Heap entry kinds, in the order simultaneous events run (arrivals are not on
 # the heap: they run after every heap entry at or before their time).
-_WAKEUP, _FACTS = 0, 1
+_WAKEUP, _FACTS, _COUNT = 0, 1, 2
+
+TOKEN_COUNT_BASE_S = 0.001
+"""Text mode's token-count probe (``POST /tokenize``): a loopback round trip."""
+TOKEN_COUNT_PER_TOKEN_S = 1e-6
+"""...plus the engine's tokenizer, about a million tokens a second (a fast BPE on one core)."""
 
 
 @dataclass(slots=True)
@@ -176,6 +185,11 @@ class ClusterConfig:
         routers: Router replicas in front of the fleet (arrivals round robin).
         sync: Deliver each replica's routing facts to the others (``routers > 1``).
         sync_lag_s: Seconds from a fact's recording to its application at the peers.
+        token_count: Text mode: ask the engine to count a new prefix's tokens
+            when it is routed (the gateway's ``routing.token_count_probe``), and
+            learn its characters per token from the count
+            (:data:`TOKEN_COUNT_BASE_S` plus :data:`TOKEN_COUNT_PER_TOKEN_S` a
+            token later) instead of from its first answer.
     """
 
     workers: int
@@ -187,6 +201,7 @@ class ClusterConfig:
     routers: int = 1
     sync: bool = True
     sync_lag_s: float = 0.0
+    token_count: bool = True
 
     def __post_init__(self) -> None:
         if self.routers < 1:
@@ -287,6 +302,9 @@ class Simulation:
         self._now = 0.0
         # seq of a _FACTS entry -> the facts it delivers (shared by every peer, not copied)
         self._batches: dict[int, tuple[list[Fact], float]] = {}
+        # seq of a _COUNT entry -> (router, admission, characters, tokens) of a token count
+        self._counts: dict[int, tuple[int, Admission, int, int]] = {}
+        self._counting: set[tuple[int, str]] = set()  # (router, prefix key) with a count pending
 
     def _hasher(self) -> BlockHasher:
         block_size = self.config.profile.block_size
@@ -324,6 +342,7 @@ class Simulation:
         self._records, self._by_id, self._logged, self._done = [], {}, [], 0
         heap = self._heap = []
         self._batches = {}
+        self._counts, self._counting = {}, set()
         self._seq = 0
         now = self._now = 0.0
         next_arrival = 0
@@ -336,6 +355,9 @@ class Simulation:
                 self._now = now
                 if kind == _FACTS:
                     self._deliver(i, *self._batches.pop(seq), now)
+                    continue
+                if kind == _COUNT:
+                    self._counted(seq)
                     continue
                 eng = self.engines[i]
                 if epoch == eng.epoch:
@@ -402,6 +424,8 @@ class Simulation:
             request, chars = text_routing_request(sreq, renderer)
             adm = dispatch.admit(request, views, now)
             prompt = sreq.prompt_tokens
+            if self.config.token_count and dispatch.wants_token_count(adm):
+                self._count_tokens(router, adm, chars, prompt, now)
             engine_hashes = hash_token_blocks(
                 sreq.namespace.seed, sreq.tokens(), self.config.profile.block_size
             )
@@ -431,6 +455,25 @@ class Simulation:
             EngineRequest(sreq.request_id, engine_hashes, prompt, sreq.output_tokens, now), now
         )
         self._schedule(i)
+
+    def _count_tokens(
+        self, router: int, adm: Admission, chars: int, tokens: int, now: float
+    ) -> None:
+        """Ask the engine for a new prefix's token count, as the gateway does (one per key)."""
+        key = (router, adm.decision.prefix_key)
+        if key in self._counting:
+            return
+        self._counting.add(key)
+        self._seq += 1
+        self._counts[self._seq] = (router, adm, chars, tokens)
+        at = now + TOKEN_COUNT_BASE_S + TOKEN_COUNT_PER_TOKEN_S * tokens
+        heapq.heappush(self._heap, (at, _COUNT, self._seq, router, 0))
+
+    def _counted(self, seq: int) -> None:
+        """A token count came back: it teaches the replica's estimate (global and per prefix)."""
+        router, adm, chars, tokens = self._counts.pop(seq)
+        self._counting.discard((router, adm.decision.prefix_key))
+        self.routers[router].observe_prompt_tokens(chars, tokens, adm)
 
     def _outputs(self, outputs: list[EngineOutput]) -> None:
         """An engine step's outputs: first tokens and completions fed back, KV events applied.
