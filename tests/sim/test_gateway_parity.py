@@ -24,7 +24,10 @@ What must match for a fair comparison, and how it is made to:
 * **load and feedback**: no request has its first token or completes while
   the decisions are made, in either driver, so both see the in-flight ledger
   of the admissions alone, with no TTFT calibration, no characters-per-token
-  observation and no confirmation yet. Live, the engines run 1,000 times
+  observation and no confirmation yet (the engine's token count of a new
+  prefix, ``routing.token_count``, is off in both: live it comes back while
+  the next request is sent, in the simulator a millisecond after these
+  decisions). Live, the engines run 1,000 times
   slower than real time (an 8,000-token prefill takes minutes); in the
   simulator the requests arrive a microsecond apart, before the first engine
   step ends (checked). The KV room the engines report differs (a live
@@ -105,7 +108,9 @@ PROFILE = EngineProfile(
 
 def _simulated(wl: Workload) -> tuple[list[str], dict[str, int]]:
     sim = Simulation(
-        wl, ClusterConfig(WORKERS, PROFILE, mode="text", decision_log=len(PATTERN)), POLICY
+        wl,
+        ClusterConfig(WORKERS, PROFILE, mode="text", decision_log=len(PATTERN), token_count=False),
+        POLICY,
     )
     run = sim.run()
     last_arrival = wl.requests[-1].arrival
@@ -118,7 +123,7 @@ def _simulated(wl: Workload) -> tuple[list[str], dict[str, int]]:
 
 
 def _index_after_admissions(wl: Workload) -> dict[str, int]:
-    sim = Simulation(wl, ClusterConfig(WORKERS, PROFILE, mode="text"), POLICY)
+    sim = Simulation(wl, ClusterConfig(WORKERS, PROFILE, mode="text", token_count=False), POLICY)
     for req in wl.requests:  # the arrivals alone, as the loop would run them first
         sim._arrive(req, req.arrival)
     return {f"w{i:02d}": sim.dispatch.index_blocks(WorkerId(f"w{i:02d}")) for i in range(WORKERS)}
@@ -154,6 +159,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     "workers": workers,
                     "server": {**ADMIN_CONFIG},
                     "proxy": {"first_byte_timeout_floor_s": None, "stall_timeout_s": None},
+                    "routing": {"token_count": False},  # no observation (module docstring)
                 }
             )
         )
