@@ -189,7 +189,8 @@ def mode_table(reports: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> str:
-    took = f" in {elapsed_s / 60:.0f} minutes" if elapsed_s > 0 else ""
+    # A --markdown-only rewrite simulates nothing: no duration to report.
+    took = f" in {elapsed_s / 60:.0f} minutes" if elapsed_s >= 30 else ""
     lines = [
         "# Simulated results: prefixrouter against the peers' policies",
         "",
@@ -286,7 +287,7 @@ def main() -> None:
     console = Console(stderr=True)
     command = "python benchmarks/sim_results.py"
     if args.modes != ",".join(MODES) and not args.markdown_only:
-        command += f" --modes {args.modes}` (the other mode's figures from `results/`"
+        command += f" --modes {args.modes}"  # the other modes' figures: results/ as it was
     if args.markdown_only:
         modes = []
     started = time.monotonic()

@@ -232,6 +232,14 @@ def simulate(
             "--sync/--no-sync", help="Replicas share routing facts (--no-sync: each on its own)."
         ),
     ] = True,
+    token_count: Annotated[
+        bool,
+        typer.Option(
+            "--token-count/--no-token-count",
+            help="Text mode: the engine counts a new prefix's tokens when it is first routed "
+            "(the gateway's routing.token_count).",
+        ),
+    ] = True,
     seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
@@ -277,6 +285,7 @@ def simulate(
             kv_events=kv_events,
             mode="text" if mode == "text" else "token",
             replicas=Replicas(replicas, sync, sync_lag_ms / 1e3),
+            token_count=token_count,
         )
     except (PrefixRouterError, KeyError, ValueError, OSError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None

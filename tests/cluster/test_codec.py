@@ -10,6 +10,7 @@ from prefixrouter.cluster import envelope
 from prefixrouter.cluster.codec import DecodeError, count_facts, decode_facts, encode_facts
 from prefixrouter.cluster.envelope import FACTS, Envelope, EnvelopeError
 from prefixrouter.core.facts import (
+    CountedFact,
     Fact,
     FirstTokenFact,
     NamespaceFields,
@@ -51,6 +52,7 @@ facts: st.SearchStrategy[Fact] = st.one_of(
         st.floats(allow_nan=False, allow_infinity=False),
     ),
     st.builds(WorkerFact, text.map(WorkerId), st.sampled_from(WorkerChange)),
+    st.builds(CountedFact, text.map(RequestId), u32, u32),
 )
 
 

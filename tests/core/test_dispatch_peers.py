@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefixrouter.core import Dispatcher, Outcome, Router, WorkerId
+from prefixrouter.core import Dispatcher, Outcome, RequestId, Router, RoutingRequest, WorkerId
+from prefixrouter.core.dispatch import Admission
 from prefixrouter.core.facts import (
+    CountedFact,
     FirstTokenFact,
     RoutedFact,
     SettledFact,
@@ -13,6 +15,7 @@ from prefixrouter.core.facts import (
     WorkerChange,
     WorkerFact,
 )
+from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.types import CacheNamespace, EntrySource
 from tests.core.conftest import request, tokens, workers
 
@@ -201,3 +204,33 @@ def test_an_answer_without_a_measured_ttft_calibrates_nothing_at_peers() -> None
     assert isinstance(settled, SettledFact) and settled.ttft_s == -1.0
     assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", settled, 1.0)
     assert b.router.cost.scale(adm.worker) == 1.0
+
+
+def test_an_engines_token_count_teaches_the_prefix_here_and_at_peers() -> None:
+    """Text mode: ``counted`` (the engine's /tokenize) travels as a CountedFact."""
+
+    def text_replica() -> Dispatcher:
+        return Dispatcher(Router("prefix_aware", BlockHasher()), "text", record_facts=True)
+
+    ns = CacheNamespace("m")
+    doc = "abcdefghij" * 2_000  # 20,000 characters the engine counts 5 to a token
+
+    def ask(d: Dispatcher, rid: str) -> Admission:
+        req = RoutingRequest(RequestId(rid), ns, text=doc + f" question {rid}")
+        return d.admit(req, workers(2), 0.0)
+
+    a, b = text_replica(), text_replica()
+    adm = ask(a, "r1")
+    assert a.wants_token_count(adm)
+    a.counted(adm, len(doc) + 12, (len(doc) + 12) // 5)
+    routed, counted = a.drain_facts()
+    assert isinstance(routed, RoutedFact) and isinstance(counted, CountedFact)
+    assert counted.prompt_tokens == (len(doc) + 12) // 5
+    assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", counted, 0.0)
+    later = ask(b, "r2")
+    assert not b.wants_token_count(later)
+    # B predicts the peer's copy at the document's own 5 characters a token.
+    assert abs(later.decision.predicted_cached_tokens - 4_000) <= 200
+    assert not any(isinstance(f, CountedFact) for f in b.drain_facts())  # not re-recorded
+    # A count of a routing never heard here is refused.
+    assert not b.apply_peer("a@1", CountedFact(RequestId("nope"), 100, 20), 0.0)

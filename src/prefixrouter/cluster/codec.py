@@ -25,6 +25,7 @@ Layout (little-endian)::
       SETTLED  u16 request_id, u8 settlement, u32 actual_cached_tokens,
                u32 prompt_chars, u32 prompt_tokens, f64 ttft_s
       WORKER   u16 worker, u8 change
+      COUNTED  u16 request_id, u32 prompt_chars, u32 prompt_tokens
 
 The envelope (who sent it, when, under which configuration) is
 :mod:`~prefixrouter.cluster.envelope`'s. :func:`encode_facts` splits a batch
@@ -44,6 +45,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from prefixrouter.core.facts import (
+    CountedFact,
     Fact,
     FirstTokenFact,
     NamespaceFields,
@@ -54,7 +56,7 @@ from prefixrouter.core.facts import (
     WorkerFact,
 )
 
-TAG_ROUTED, TAG_FIRST, TAG_SETTLED, TAG_WORKER = 1, 2, 3, 4
+TAG_ROUTED, TAG_FIRST, TAG_SETTLED, TAG_WORKER, TAG_COUNTED = 1, 2, 3, 4, 5
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -62,6 +64,7 @@ _ROUTED = struct.Struct("<B9HdIIIdI")
 _FIRST = struct.Struct("<BH")
 _SETTLED = struct.Struct("<BHBIIId")
 _WORKER = struct.Struct("<BHB")
+_COUNTED = struct.Struct("<BHII")
 _MAX_STRINGS = 0xFFFF
 _MAX_NAMESPACES = 1024  # the decoder's cache of namespace fields (cleared when full)
 _SETTLEMENTS = {int(v): v for v in Settlement}
@@ -148,6 +151,12 @@ class _Batch:
             )
             self.parts.append(rec)
             self.size += _SETTLED.size
+        elif isinstance(fact, CountedFact):
+            rec = _COUNTED.pack(
+                TAG_COUNTED, s(fact.request_id), _u32(fact.prompt_chars), _u32(fact.prompt_tokens)
+            )
+            self.parts.append(rec)
+            self.size += _COUNTED.size
         else:
             self.parts.append(_WORKER.pack(TAG_WORKER, s(fact.worker), int(fact.change)))
             self.size += _WORKER.size
@@ -299,6 +308,10 @@ def _decode(view: memoryview) -> list[Fact]:
             (_, worker, change) = _WORKER.unpack_from(view, pos)
             pos += _WORKER.size
             append(WorkerFact(strings[worker], _CHANGES[change]))
+        elif tag == TAG_COUNTED:
+            (_, rid, chars, tokens) = _COUNTED.unpack_from(view, pos)
+            pos += _COUNTED.size
+            append(CountedFact(strings[rid], chars, tokens))
         else:
             raise ValueError(f"unknown fact tag {tag}")
     if pos != len(view):

@@ -28,7 +28,9 @@ import struct
 import time
 from dataclasses import dataclass
 
-VERSION = 2
+VERSION = 3
+"""The wire version: 3 added the codec's ``COUNTED`` fact. A replica refuses
+messages of another version (an older one would not decode the new fact)."""
 FACTS = 1
 HEARTBEAT = 2
 

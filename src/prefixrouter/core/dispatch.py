@@ -68,6 +68,7 @@ from typing import Literal
 from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.facts import (
+    CountedFact,
     Fact,
     FirstTokenFact,
     NamespaceFields,
@@ -687,6 +688,9 @@ class Dispatcher:
         if isinstance(fact, FirstTokenFact):
             self.first_token(admission, now)
             return True
+        if isinstance(fact, CountedFact):
+            self.observe_prompt_tokens(fact.prompt_chars, fact.prompt_tokens, admission)
+            return True
         del open_[fact.request_id]
         if fact.settlement is Settlement.REJECTED:
             self.reject(admission, now)
@@ -836,8 +840,8 @@ class Dispatcher:
         code, CJK), until the prompt's first answer comes back. A request for
         the same document routed during that first prefill is mispredicted;
         one asked after the count came is not. A driver that can ask the
-        engine (``POST /tokenize``) feeds the count to
-        :meth:`observe_prompt_tokens` with this admission. Changes nothing.
+        engine (``POST /tokenize``) hands the count to :meth:`counted`.
+        Changes nothing.
         """
         if self.mode != "text" or admission.request.tokens is not None:
             return False
@@ -845,6 +849,20 @@ class Dispatcher:
         if not hashes:
             return False
         return 2 * self._router.hasher.estimator.learned_depth(hashes) < len(hashes)
+
+    def counted(self, admission: Admission, chars: int, prompt_tokens: int) -> None:
+        """The engine counted ``prompt_tokens`` for this routed text-mode prompt, before its answer.
+
+        Teaches the estimate as an answer would (:meth:`observe_prompt_tokens`)
+        and records a :class:`~prefixrouter.core.facts.CountedFact`, so every
+        peer learns the prefix's ratio at once too (one router counts a new
+        prefix once; replicas that did not hear of the count would each ask).
+        """
+        if chars <= 0 or prompt_tokens <= 0:
+            return
+        self.observe_prompt_tokens(chars, prompt_tokens, admission)
+        if self._outbox is not None and not admission.origin:  # a routing of our own
+            self._record(CountedFact(admission.request.request_id, chars, prompt_tokens))
 
     def observe_prompt_tokens(
         self, chars: int, prompt_tokens: int, admission: Admission | None = None

@@ -9,6 +9,9 @@ appends one to its outbox for every change a peer needs to mirror:
 * :class:`RoutedFact`: a request was sent to a worker (its block hashes, the
   tokens it will prefill, the output it may decode);
 * :class:`FirstTokenFact`: its prefill is done (it decodes now);
+* :class:`CountedFact`: text mode: the engine counted its prompt's tokens
+  before answering (the gateway's ``POST /tokenize`` of a new prefix), from
+  which every replica learns the prefix's characters per token at once;
 * :class:`SettledFact`: its answer (cached tokens reported, or a rejection,
   which takes the routing back; the observed TTFT, and in text mode the
   prompt's characters and the engine's token count, from which every replica
@@ -126,6 +129,21 @@ class SettledFact:
 
 
 @dataclass(frozen=True, slots=True)
+class CountedFact:
+    """Text mode: the engine counted the routed prompt's tokens (before its answer).
+
+    Attributes:
+        request_id: The routed request's id.
+        prompt_chars: The prompt's characters.
+        prompt_tokens: The engine's count of its tokens.
+    """
+
+    request_id: RequestId
+    prompt_chars: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerFact:
     """A worker went down or restarted, as the origin's health checks saw it."""
 
@@ -133,5 +151,5 @@ class WorkerFact:
     change: WorkerChange
 
 
-Fact = RoutedFact | FirstTokenFact | SettledFact | WorkerFact
+Fact = RoutedFact | FirstTokenFact | SettledFact | CountedFact | WorkerFact
 """Anything a dispatcher records for its peers."""

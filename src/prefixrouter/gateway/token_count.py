@@ -14,11 +14,12 @@ So when a text-mode request is routed and
 :meth:`~prefixrouter.core.dispatch.Dispatcher.wants_token_count` says its
 prefix has no estimate yet, :class:`TokenCounter` sends the same prompt
 (the messages and the options that change the chat template's output, or the
-prompt string) to the chosen worker's ``/tokenize`` and feeds the count to
-:meth:`~prefixrouter.core.dispatch.Dispatcher.observe_prompt_tokens`, as an
-answer would. It runs beside the request, never before it: the request is
-not delayed, and a count that fails changes nothing (the first answer still
-teaches the estimate). vLLM serves ``/tokenize`` on its API server, off the
+prompt string) to the chosen worker's ``/tokenize`` and hands the count to
+:meth:`~prefixrouter.core.dispatch.Dispatcher.counted`, which teaches the
+estimate as an answer would (and, on a cluster replica, tells its peers).
+It runs beside the request, never before it: the request is not delayed,
+and a count that fails changes nothing (the first answer still teaches the
+estimate). vLLM serves ``/tokenize`` on its API server, off the
 engine's step loop.
 
 Bounded: one count in flight per prefix key (the requests routed while it is
@@ -163,7 +164,7 @@ class TokenCounter:
             self.metrics.token_count("unsupported")
             log.info("worker %s has no /tokenize: its estimates come from answers", worker.id)
             return
-        self.dispatch.observe_prompt_tokens(chars, count, admission)
+        self.dispatch.counted(admission, chars, count)  # and a replica's peers learn it
         self.metrics.token_count("ok")
 
     async def _ask(

@@ -470,10 +470,11 @@ class Simulation:
         heapq.heappush(self._heap, (at, _COUNT, self._seq, router, 0))
 
     def _counted(self, seq: int) -> None:
-        """A token count came back: it teaches the replica's estimate (global and per prefix)."""
+        """A token count came back: it teaches the estimate (global and per prefix), peers' too."""
         router, adm, chars, tokens = self._counts.pop(seq)
         self._counting.discard((router, adm.decision.prefix_key))
-        self.routers[router].observe_prompt_tokens(chars, tokens, adm)
+        self.routers[router].counted(adm, chars, tokens)  # the peers hear of it too
+        self._publish(router, self._now)
 
     def _outputs(self, outputs: list[EngineOutput]) -> None:
         """An engine step's outputs: first tokens and completions fed back, KV events applied.

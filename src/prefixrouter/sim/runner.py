@@ -87,6 +87,7 @@ class RunPlan:
     kv_events: bool = False
     mode: RoutingMode = "token"
     replicas: Replicas = ONE_ROUTER
+    token_count: bool = True
 
 
 def plan(
@@ -101,22 +102,26 @@ def plan(
     kv_events: bool = False,
     mode: RoutingMode = "token",
     replicas: Replicas = ONE_ROUTER,
+    token_count: bool = True,
 ) -> RunPlan:
     """Resolve defaults and the arrival rate; returns the plan with a scaled workload.
 
     ``replicas`` does not change the rate: the load is the engines' (the
     same fleet, whatever number of routers spreads the traffic over it).
+    ``token_count``: text mode's engine count of a new prefix
+    (:attr:`~prefixrouter.sim.cluster.ClusterConfig.token_count`).
     """
     n = workers or workload.default_workers
     kv = kv_blocks if kv_blocks is not None else workload.default_kv_blocks
-    _config(n, profile, kv, kv_events, mode, replicas)  # fail early on a bad mode or replicas
+    _config(n, profile, kv, kv_events, mode, replicas, token_count)  # fail early on bad ones
     for name in policies:
         create_policy(name)  # fail early, naming the policy
     if workload.fixed_times:
         if load is None and rate is None:
             return RunPlan(
-                workload, profile, n, kv, policies, None, None, kv_events, mode, replicas
-            )
+                workload, profile, n, kv, policies, None, None, kv_events, mode, replicas,
+                token_count,
+            )  # fmt: skip
         # A trace keeps its own burstiness; only its clock is stretched so its
         # mean rate is the one asked for.
         if rate is None:
@@ -136,13 +141,15 @@ def plan(
             kv_events,
             mode,
             replicas,
+            token_count,
         )
     if rate is None:
         load = 0.6 if load is None else load
         rate = load * capacity_rps(workload, profile, n)
     return RunPlan(
-        workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode, replicas
-    )
+        workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode, replicas,
+        token_count,
+    )  # fmt: skip
 
 
 def _config(
@@ -152,6 +159,7 @@ def _config(
     kv_events: bool,
     mode: RoutingMode,
     replicas: Replicas,
+    token_count: bool = True,
 ) -> ClusterConfig:
     return ClusterConfig(
         workers,
@@ -162,6 +170,7 @@ def _config(
         routers=replicas.routers,
         sync=replicas.sync,
         sync_lag_s=replicas.lag_s,
+        token_count=token_count,
     )
 
 
@@ -174,7 +183,9 @@ def run_plan(
     """Simulate every policy of the plan; returns their summaries and raw runs."""
     results: list[dict[str, Any]] = []
     runs: list[SimRun] = []
-    config = _config(p.workers, p.profile, p.kv_blocks, p.kv_events, p.mode, p.replicas)
+    config = _config(
+        p.workers, p.profile, p.kv_blocks, p.kv_events, p.mode, p.replicas, p.token_count
+    )
     # Text mode: one renderer for every policy, so each shared segment is rendered once.
     renderer = TextRenderer(p.workload.requests) if p.mode == "text" else None
     for name in p.policies:
