@@ -35,6 +35,7 @@ from tests.cluster.live import (
     until,
     write_config,
 )
+from tests.core.test_text_estimate import documents
 
 
 @pytest.fixture(scope="module")
@@ -259,5 +260,41 @@ def test_tenant_isolation_holds_across_replicas(
         rec = await decision(b.url, hg["X-Request-Id"])
         assert rec["predicted_cached_tokens"] == 0, rec
         assert cached(body) < 100  # the engine keeps acme's blocks apart too (its salt)
+
+    _run(body())
+
+
+def test_a_new_documents_token_count_reaches_the_peers_before_its_answer(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Text mode: A's engine count of a new document teaches B too, before any answer.
+
+    A document of numbers (about 1.7 characters per token, far from the 4.0
+    prior) goes through A with a long answer; once A's count is back and B
+    has A's facts, B routes a second question about it, while the first
+    still decodes: B predicts the engine's reuse within 5 %.
+    """
+
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        a, b = await _start(fleet, cfg, nats, "a", "b")
+        text = "Replica count test.\n" + documents()["numbers"]
+        first = asyncio.create_task(post(a.url, chat(text + " Q1?", max_tokens=3000)))
+        ok = {"outcome": "ok"}
+
+        async def counted() -> bool:
+            return await metric(a.url, "prefixrouter_token_counts_total", ok) >= 1
+
+        await until(counted, "A's token count")
+        await synced(a.url, b.url)
+        st, hb, answer = await post(b.url, chat(text + " Q2?"))
+        assert st == 200 and not first.done()  # no answer about the document yet
+        rec = await decision(b.url, hb["X-Request-Id"])
+        actual = cached(answer)
+        assert actual > 5_000 and rec["actual_cached_tokens"] == actual
+        assert abs(rec["predicted_cached_tokens"] - actual) <= 0.05 * actual, rec
+        assert await metric(b.url, "prefixrouter_token_counts_total") == 0  # B asked nothing
+        status, _, _ = await first
+        assert status == 200
 
     _run(body())
