@@ -105,6 +105,24 @@ def test_at_least_one_worker_may_be_ejected_whatever_the_share() -> None:
     assert OutlierPolicy(max_ejected_share=0.5).max_ejected(10) == 5
 
 
+def test_a_restarted_engine_ends_its_ejection_and_starts_afresh() -> None:
+    det = OutlierDetector(POLICY)
+    fail(det, A, 0.0, 3)
+    det.release(5.0)
+    fail(det, A, 5.1)  # ejected a second time, until 15.1
+    assert fail(det, B, 6.0, 3) is None  # the fleet guard: one of three at a time
+    assert det.restarted(A, 7.0) is True
+    assert not det.ejected(A) and det.next_release == math.inf
+    assert det.ejections(A) == 2  # the history is kept...
+    assert fail(det, A, 7.1) is None  # ...but no probation: one failure ejects nothing
+    t = fail(det, B, 7.5)  # the guard's place is free again
+    assert t is not None and det.ejected(B) and det.next_release == pytest.approx(12.5)
+    assert det.restarted(C, 8.0) is False  # never seen: nothing to end
+    assert det.restarted(B, 8.0) is True and det.ejected_count() == 0
+    t = fail(det, A, 8.1, 2)  # A's run: 1 + 2 failures, its first ejection since the restart
+    assert t is not None and t.ejections == 1 and t.until == pytest.approx(13.1)
+
+
 def test_forgetting_an_ejected_worker_frees_its_place() -> None:
     det = OutlierDetector(OutlierPolicy(consecutive_failures=1))
     fail(det, A, 0.0)

@@ -213,6 +213,31 @@ class OutlierDetector:
         self.next_release = nxt
         return back
 
+    def restarted(self, worker_id: WorkerId, now: float) -> bool:
+        """A new engine process replaced the worker's: the old one's failures say nothing.
+
+        Its ejection ends now, without probation, and its failure run and
+        ejection count start again (``total_ejections`` keeps the history).
+        An engine SIGKILLed under load fails every request it had in flight
+        at once, often enough to be ejected before the health checks see it
+        down; once the driver knows a new process answers (a changed process
+        start time), keeping it out for the rest of that ejection only delays
+        its return (as Envoy's ``successful_active_health_check_uneject_host``
+        does for a host whose health checks pass again). Returns whether it
+        was ejected.
+        """
+        s = self._states.get(worker_id)
+        if s is None:
+            return False
+        was = worker_id in self._ejected
+        s.failures, s.ejections, s.probation = 0, 0, False
+        s.ejected_until, s.returned_at = None, now
+        if was:
+            self._ejected.discard(worker_id)
+            until = [s.ejected_until for w, s in self._states.items() if w in self._ejected]
+            self.next_release = min((u for u in until if u is not None), default=math.inf)
+        return was
+
     def forget(self, worker_id: WorkerId) -> None:
         """The worker left the fleet."""
         self._states.pop(worker_id, None)

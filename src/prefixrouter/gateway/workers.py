@@ -626,6 +626,12 @@ class WorkerRegistry:
         process published since is right, so it is kept.
         """
         w.restarts += 1
+        det = self.outliers
+        if det is not None and det.restarted(w.id, self.clock()):
+            # The failures that ejected it were the old process's (OutlierDetector.restarted).
+            w.ejected = False
+            log.info("worker %s restarted: its ejection ends", w.id)
+            self._rebuild()
         if w.feed is not None and w.feed.stats.restarts > w.feed_restarts:
             log.warning("worker %s restarted (its KV events said so first)", w.id)
             return
