@@ -28,10 +28,12 @@ import orjson
 import pytest
 
 from prefixrouter.harness.processes import Fleet
+from tests.cluster.live import metric
 from tests.core.test_text_estimate import documents
 from tests.gateway.served import engines_behind_gateway
 from tests.gateway.test_text_estimate import _log_records
 
+COUNTED, OK = "prefixrouter_token_counts_total", {"outcome": "ok"}
 LONG_ANSWER = 4000
 """Output tokens of each document's first request: it decodes for about a second."""
 
@@ -65,16 +67,6 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Ga
         yield {True: Gateway(on.url, on_log), False: Gateway(off.url, off_log)}
 
 
-async def _token_counts(s: aiohttp.ClientSession, url: str) -> float:
-    """``prefixrouter_token_counts_total{outcome="ok"}`` from the gateway's /metrics."""
-    async with s.get(url + "/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith('prefixrouter_token_counts_total{outcome="ok"}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def _ask_during_first_prefill(gw: Gateway, system: str, count: bool) -> dict[str, tuple[str, int]]:
     """Per document: a long first request, a second while it runs; the second's (id, cached)."""
 
@@ -101,7 +93,7 @@ def _ask_during_first_prefill(gw: Gateway, system: str, count: bool) -> dict[str
                 first = asyncio.create_task(post(s, body(doc, 0, LONG_ANSWER)))
                 if count:  # until this document's count came back (bounded)
                     end = time.monotonic() + 10
-                    while await _token_counts(s, gw.url) < n + 1 and time.monotonic() < end:
+                    while await metric(gw.url, COUNTED, OK) < n + 1 and time.monotonic() < end:
                         await asyncio.sleep(0.02)
                 else:  # until the first request's prefill is done (the engine holds it)
                     await asyncio.sleep(0.3)

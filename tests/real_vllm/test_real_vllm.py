@@ -12,9 +12,7 @@ import contextlib
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
 
-import aiohttp
 import pytest
 
 from prefixrouter.core.dispatch import Dispatcher
@@ -24,6 +22,7 @@ from prefixrouter.core.router import Router
 from prefixrouter.core.types import CacheNamespace, WorkerId
 from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber
+from tests.cluster.live import metric
 from tests.real_vllm.conftest import (
     BLOCK,
     KV_BLOCKS,
@@ -285,19 +284,13 @@ def test_g_text_mode_predicts_a_document_before_its_first_answer(vllm: VllmClust
     """
     gw = vllm.start_gateway("prefix_aware", events=False, name="text", mode="text")
 
-    async def counted() -> float:
-        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-            text = await r.text()
-        ok = [ln for ln in text.splitlines() if ln.startswith(_COUNTED)]
-        return float(ok[0].split()[-1]) if ok else 0.0
-
     async def body() -> None:
         ids, cached = [], []
         for n, doc_seed in enumerate((701, 702)):
             doc = document(doc_seed, 3000)
             # Decodes long enough that its answer is not back before the second's.
             first = asyncio.create_task(post_chat(gw.url, chat(doc, "Question 0?", 4000)))
-            await until(lambda n=n: _at_least(counted, n + 1), 60, "the document's token count")
+            await until(lambda n=n: _counted(gw.url, n + 1), 60, "the document's token count")
             second = await post_chat(gw.url, chat(doc, "Question 1?"))
             assert not first.done()  # no answer about this document has come back
             first.cancel()
@@ -317,8 +310,6 @@ def test_g_text_mode_predicts_a_document_before_its_first_answer(vllm: VllmClust
         vllm.stop_gateway(gw)
 
 
-_COUNTED = 'prefixrouter_token_counts_total{outcome="ok"}'
-
-
-async def _at_least(value: Callable[[], Awaitable[float]], n: float) -> bool:
-    return await value() >= n
+async def _counted(url: str, n: float) -> bool:
+    """At least ``n`` token counts came back to the gateway at ``url``."""
+    return await metric(url, "prefixrouter_token_counts_total", {"outcome": "ok"}) >= n

@@ -198,14 +198,8 @@ class TokenEstimator:
         The entry of the deepest anchor of ``hashes`` that has one, else the
         global estimate. Changes nothing.
         """
-        prefixes = self._prefixes
-        if prefixes:
-            get = prefixes.get
-            for k in reversed(anchor_depths(len(hashes))):
-                hit = get(hashes[(1 << k) - 1])
-                if hit is not None:
-                    return hit[0]
-        return self.chars_per_token
+        depth, cpt = self._deepest(hashes)
+        return cpt if depth else self.chars_per_token
 
     def learned_depth(self, hashes: Sequence[BlockHash]) -> int:
         """Chunks covered by the deepest anchor of ``hashes`` with an estimate (0: none).
@@ -213,14 +207,19 @@ class TokenEstimator:
         ``for_prefix`` converts at that anchor's estimate; the deeper it is,
         the more of the prompt the estimate was learned on. Changes nothing.
         """
+        return self._deepest(hashes)[0]
+
+    def _deepest(self, hashes: Sequence[BlockHash]) -> tuple[int, float]:
+        """(depth in chunks, estimate) of the deepest anchor with an entry; (0, 0.0) if none."""
         prefixes = self._prefixes
         if prefixes:
             get = prefixes.get
             for k in reversed(anchor_depths(len(hashes))):
                 depth = 1 << k
-                if get(hashes[depth - 1]) is not None:
-                    return depth
-        return 0
+                hit = get(hashes[depth - 1])
+                if hit is not None:
+                    return depth, hit[0]
+        return 0, 0.0
 
     def prefixes(self) -> int:
         """Anchors with an estimate of their own."""

@@ -234,14 +234,17 @@ class OutlierDetector:
         s.ejected_until, s.returned_at = None, now
         if was:
             self._ejected.discard(worker_id)
-            until = [s.ejected_until for w, s in self._states.items() if w in self._ejected]
-            self.next_release = min((u for u in until if u is not None), default=math.inf)
+            self._update_next_release()
         return was
+
+    def _update_next_release(self) -> None:
+        """The earliest end of an ejection still running (inf: none), after one ended early."""
+        until = (self._states[w].ejected_until for w in self._ejected)
+        self.next_release = min((u for u in until if u is not None), default=math.inf)
 
     def forget(self, worker_id: WorkerId) -> None:
         """The worker left the fleet."""
         self._states.pop(worker_id, None)
         if worker_id in self._ejected:
             self._ejected.discard(worker_id)
-            until = [s.ejected_until for w, s in self._states.items() if w in self._ejected]
-            self.next_release = min((u for u in until if u is not None), default=math.inf)
+            self._update_next_release()

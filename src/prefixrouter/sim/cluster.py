@@ -186,7 +186,7 @@ class ClusterConfig:
         sync: Deliver each replica's routing facts to the others (``routers > 1``).
         sync_lag_s: Seconds from a fact's recording to its application at the peers.
         token_count: Text mode: ask the engine to count a new prefix's tokens
-            when it is routed (the gateway's ``routing.token_count_probe``), and
+            when it is routed (the gateway's ``routing.token_count``), and
             learn its characters per token from the count
             (:data:`TOKEN_COUNT_BASE_S` plus :data:`TOKEN_COUNT_PER_TOKEN_S` a
             token later) instead of from its first answer.
