@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from prefixrouter.harness.faults import read_served
-from prefixrouter.simulated_engine.faults import parse_faults
+from prefixrouter.simulated_engine.faults import ServedLog, parse_faults
 from prefixrouter.simulated_engine.protocol import ApiError
 from tests.simulated_engine.conftest import served
 
@@ -136,3 +137,33 @@ async def test_served_log_records_each_request_by_tag(tmp_path: Path) -> None:
     assert by_tag["b"].how == "error" and by_tag["b"].t_first is None
     assert by_tag["c"].how == "gone"
     assert by_tag["a"].t_recv <= by_tag["a"].t_first <= time.monotonic()  # type: ignore[operator]
+
+
+async def test_a_streamed_answer_is_logged_done_before_its_last_bytes_go_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SIGKILL between the client getting [DONE] and the log's end line would
+    # count an answer the client got whole as lost: the line must come first.
+    order: list[str] = []
+    real_write = web.StreamResponse.write
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        if b"[DONE]" in bytes(data):
+            order.append("DONE written")
+        await real_write(self, data)
+
+    real_event = ServedLog.event
+
+    def event(self: ServedLog, ev: str, rid: str, **extra: Any) -> None:
+        if ev == "end":
+            order.append(f"end {extra.get('how')}")
+        real_event(self, ev, rid, **extra)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(ServedLog, "event", event)
+    log = tmp_path / "served.jsonl"
+    async with served(time_scale=20, served_log=str(log)) as (client, _):
+        async with client.post("/v1/chat/completions", json=_chat("a")) as resp:
+            assert b"[DONE]" in await resp.read()
+    assert order[:2] == ["end done", "DONE written"]
+    assert read_served({"e": log})[0].how == "done"

@@ -353,6 +353,12 @@ class EngineServer:
             if fault is not None and fault.bad_usage:
                 use = bad_usage(handle.prompt_tokens, n)
             tail = writer.usage(use) if with_usage else b""
+            if self.served is not None:
+                # Logged before the last bytes go out: a SIGKILL between them would
+                # otherwise leave an answer the client got whole without its end
+                # line, which the fault accounting reads as lost. A failing write
+                # below still ends the request "gone" (the later line wins).
+                self.served.event("end", rid, how="done")
             await resp.write(tail + ChunkWriter.DONE)
             await resp.write_eof()
             how = "done"
