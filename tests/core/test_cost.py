@@ -71,3 +71,18 @@ def test_calibration_converges_and_is_bounded() -> None:
     assert cm.scale(W.worker_id) <= cm.params.max_scale
     cm.forget(W.worker_id)
     assert cm.scale(W.worker_id) == 1.0
+
+
+def test_a_restarted_worker_takes_the_lowest_factor_of_the_others() -> None:
+    cm = CostModel()
+    a, b, c = WorkerId("a"), WorkerId("b"), WorkerId("c")
+    for _ in range(300):  # c learned 1.6 under its old load; a and b warmed to 0.8 and 0.9
+        for w, factor in ((a, 0.8), (b, 0.9), (c, 1.6)):
+            t = cm.predict(replace(W, worker_id=w), 4_000, 0, 0.0, 10)
+            cm.observe(w, t, t.ttft_s / t.scale * factor)
+    cm.restarted(c)
+    assert cm.scale(c) == cm.scale(a) == pytest.approx(0.8, rel=0.01)
+    assert cm.scale(b) == pytest.approx(0.9, rel=0.01)  # the others keep theirs
+    alone = CostModel()
+    alone.restarted(a)  # no fleet to learn from: the profile's own factor
+    assert alone.scale(a) == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixrouter.core import Dispatcher, Outcome, RequestId, Router, RoutingRequest, WorkerId
+from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.dispatch import Admission
 from prefixrouter.core.facts import (
     CountedFact,
@@ -234,3 +235,26 @@ def test_an_engines_token_count_teaches_the_prefix_here_and_at_peers() -> None:
     assert not any(isinstance(f, CountedFact) for f in b.drain_facts())  # not re-recorded
     # A count of a routing never heard here is refused.
     assert not b.apply_peer("a@1", CountedFact(RequestId("nope"), 100, 20), 0.0)
+
+
+def test_a_restarted_engine_takes_the_fleets_best_calibration_here_and_at_peers() -> None:
+    a, b = replica(), replica()
+    for w, factor in ((W0, 0.5), (W1, 1.5)):  # w1 learned a slow factor under its old load
+        for _ in range(100):
+            a.router.cost.observe(w, CostTerms(0.0, 1.0, 0.0, 0.0, 0.0), factor)
+            b.router.cost.observe(w, CostTerms(0.0, 1.0, 0.0, 0.0, 0.0), factor)
+    adm = a.admit(request("r1", DOC), workers(2), 0.0)
+    a.complete(adm, Outcome(0, None), 0.5)
+    a.drain_facts()
+    held = a.index_blocks(adm.worker)
+    # Its KV events reported the restart first: the entries stay, nothing is published.
+    a.worker_restarted(adm.worker, 1.0, clear_entries=False)
+    fleet = a.router.cost.scale(W1 if adm.worker == W0 else W0)
+    assert a.router.cost.scale(adm.worker) == pytest.approx(fleet)
+    assert a.index_blocks(adm.worker) == held and a.drain_facts() == []
+    # Seen from its metrics: entries cleared, and the peers do the same.
+    other = W1 if adm.worker == W0 else W0
+    a.worker_restarted(other, 2.0)
+    assert a.index_blocks(other) == 0
+    assert relay(a, b) == [True]
+    assert b.router.cost.scale(other) == pytest.approx(b.router.cost.scale(adm.worker))

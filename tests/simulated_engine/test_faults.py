@@ -162,8 +162,10 @@ async def test_a_streamed_answer_is_logged_done_before_its_last_bytes_go_out(
     monkeypatch.setattr(web.StreamResponse, "write", write)
     monkeypatch.setattr(ServedLog, "event", event)
     log = tmp_path / "served.jsonl"
-    async with served(time_scale=20, served_log=str(log)) as (client, _):
-        async with client.post("/v1/chat/completions", json=_chat("a")) as resp:
-            assert b"[DONE]" in await resp.read()
+    async with (
+        served(time_scale=20, served_log=str(log)) as (client, _),
+        client.post("/v1/chat/completions", json=_chat("a")) as resp,
+    ):
+        assert b"[DONE]" in await resp.read()
     assert order[:2] == ["end done", "DONE written"]
     assert read_served({"e": log})[0].how == "done"

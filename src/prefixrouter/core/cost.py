@@ -35,7 +35,19 @@ Calibration: each worker has a scale factor (start 1) applied to every time
 term. After each request the driver reports the observed TTFT; the factor
 moves toward ``observed / predicted`` by ``calibration_alpha`` (clipped to
 ``[1/max_scale, max_scale]``), so a slower GPU or a busier engine than its
-profile says is learned within tens of requests. Pure: no clock, no I/O.
+profile says is learned within tens of requests.
+
+A worker learns only from the requests it is sent, so a factor that is too
+high starves its worker of the traffic that would correct it. A restarted
+engine is where that bites: its factor described the old process under its
+old load, while identical engines that kept serving learned a lower one as
+they warmed (seen live, 40% apart: past the tie band, so the new process got
+no cold traffic for seconds). :meth:`CostModel.restarted` gives it the lowest
+factor of the rest of the fleet instead: optimism about a worker that has
+shown nothing yet, so it ties with the best and gets the traffic it learns
+its own factor from (within tens of requests; a slower one learns its way
+up). The fleet's mean was tried: with identical engines 20% apart it left the
+new process outside the tie band of the best. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -209,3 +221,12 @@ class CostModel:
     def forget(self, worker: WorkerId) -> None:
         """Drop a removed worker's calibration."""
         self._scale.pop(worker, None)
+
+    def restarted(self, worker: WorkerId) -> None:
+        """The worker's engine is a new process: it takes the lowest factor of the
+        other workers (module doc); the profile's own (1) when none has one."""
+        others = [s for w, s in self._scale.items() if w != worker]
+        if others:
+            self._scale[worker] = min(others)
+        else:
+            self._scale.pop(worker, None)

@@ -570,13 +570,19 @@ class Dispatcher:
             self._record(WorkerFact(worker, WorkerChange.DOWN))
         return self._router.worker_down(worker, now)
 
-    def worker_restarted(self, worker: WorkerId, now: float) -> None:
-        """The worker's engine is a new process with an empty cache: forget its entries."""
+    def worker_restarted(self, worker: WorkerId, now: float, *, clear_entries: bool = True) -> None:
+        """The worker's engine is a new process with an empty cache: forget its entries.
+
+        Its calibration restarts from the fleet's best either way
+        (:meth:`Router.worker_restarted`). ``clear_entries=False``: its KV
+        events reported the restart first and the entries are right; nothing
+        is published then (every replica sees the events and the restart).
+        """
         if self._held is not None:
             self._apply_held()
-        if self._outbox is not None:
+        if self._outbox is not None and clear_entries:
             self._record(WorkerFact(worker, WorkerChange.RESTARTED))
-        self._router.worker_restarted(worker, now)
+        self._router.worker_restarted(worker, now, clear_entries=clear_entries)
 
     def remove_worker(self, worker: WorkerId) -> list[RequestId]:
         """Forget a worker: index entries, calibration, policy state and in-flight requests.

@@ -431,13 +431,18 @@ class Router:
         """
         return self.index.demote_worker(worker, now)
 
-    def worker_restarted(self, worker: WorkerId, now: float) -> None:
+    def worker_restarted(self, worker: WorkerId, now: float, *, clear_entries: bool = True) -> None:
         """The worker's engine is a new process with an empty cache: forget its entries.
 
         Requests routed to it before ``now`` that miss are put down to the
-        restart, not to hashing what the engine does not see.
+        restart, not to hashing what the engine does not see. Its calibration
+        restarts from the fleet's best (:meth:`CostModel.restarted`).
+        ``clear_entries=False``: the entries are right already (the engine's
+        KV events reported the restart and what the new process stored since).
         """
-        self.index.clear_worker(worker, now)
+        if clear_entries:
+            self.index.clear_worker(worker, now)
+        self.cost.restarted(worker)
 
     def prefix_key(self, request: RoutingRequest, blocks: PromptBlocks) -> str:
         """The request's prefix key (as its decision would carry it). Changes no state."""

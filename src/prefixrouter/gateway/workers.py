@@ -623,7 +623,8 @@ class WorkerRegistry:
 
         Unless its KV-event feed saw the restart first (a sequence reset since
         the last scrape): the feed cleared the entries then, and what the new
-        process published since is right, so it is kept.
+        process published since is right, so it is kept. Its calibration
+        restarts from the fleet's best in both cases.
         """
         w.restarts += 1
         det = self.outliers
@@ -634,6 +635,7 @@ class WorkerRegistry:
             self._rebuild()
         if w.feed is not None and w.feed.stats.restarts > w.feed_restarts:
             log.warning("worker %s restarted (its KV events said so first)", w.id)
+            self.dispatch.worker_restarted(w.id, self.clock(), clear_entries=False)
             return
         log.warning("worker %s restarted: its index entries are cleared", w.id)
         self.dispatch.worker_restarted(w.id, self.clock())
