@@ -21,6 +21,8 @@ from prefixrouter.core import (
     WorkerView,
     prefix_room_blocks,
 )
+from prefixrouter.core.dispatch import Admission
+from prefixrouter.core.policy import create_policy
 from prefixrouter.core.types import CacheNamespace
 from prefixrouter.errors import NoWorkerAvailable
 from tests.core.conftest import request, tokens, workers
@@ -249,3 +251,55 @@ def test_characters_per_token_and_block_size_observations() -> None:
     req = RoutingRequest(RequestId("r"), CacheNamespace("m"), tokens=DOC)
     assert len(d.hash(req).hashes) == 10
     assert d.policy_name == "round_robin" and d.evicted_entries == 0
+
+
+def _hot_document(proactive: bool) -> tuple[Dispatcher, list[Admission], WorkerId]:
+    """One document settled on a worker, then asked about 60 times a second."""
+    d = Dispatcher(Router(create_policy("prefix_aware", {"proactive_copy": proactive})))
+    doc = tokens(1, 4_000)
+    views = workers(3)
+    first = d.admit(request("r0", [*doc, *tokens(2, 20)]), views, 0.0)
+    d.first_token(first, 0.4)
+    d.complete(first, Outcome(0, 0.4), 0.5)
+    admissions = []
+    for k in range(1, 40):
+        now = 0.5 + k / 60
+        adm = d.admit(
+            request(f"r{k}", [*doc, *tokens(100 + k, 20)]), [d.fill(v) for v in views], now
+        )
+        admissions.append(adm)
+        if adm.worker != first.worker or adm.decision.warm_up is not None:
+            break
+    return d, admissions, first.worker
+
+
+def test_a_hot_prefix_is_copied_by_the_users_request_without_proactive_copy() -> None:
+    _, admissions, holder = _hot_document(False)
+    copy = admissions[-1]
+    assert copy.worker != holder and copy.decision.warm_up is None
+    assert "hot prefix" in copy.decision.reason and copy.decision.predicted_cached_tokens == 0
+
+
+def test_proactive_copy_keeps_the_request_warm_and_warms_the_copy_itself() -> None:
+    d, admissions, holder = _hot_document(True)
+    last = admissions[-1]
+    target = last.decision.warm_up
+    # The request that called for the copy stays on the holder, warm...
+    assert target is not None and target != holder
+    assert last.worker == holder and last.decision.predicted_cached_tokens > 0
+    assert f"warming {target} with a prefill-only copy" in last.decision.reason
+    assert last.decision.to_dict()["warm_up"] == target
+    # ...and the router's own prefill-only request goes to the copy.
+    views = [d.fill(v) for v in workers(3)]
+    warm = d.warm_up(last, views, last.decision.now)
+    assert warm is not None and warm.worker == target
+    assert warm.request.request_id == f"{last.request.request_id}:warm-up"
+    assert warm.request.max_tokens == 1 and warm.blocks is last.blocks
+    assert d.load(target).in_flight == 1  # counted in flight like any request
+    d.first_token(warm, last.decision.now + 0.4)
+    d.complete(warm, Outcome(0, None), last.decision.now + 0.5)
+    assert d.load(target).in_flight == 0
+    assert d.router.index.match(last.blocks.hashes, 2.0)[target].blocks > 0  # now a holder
+    # No copy asked for, or the worker gone: nothing to admit.
+    assert d.warm_up(admissions[0], views, 2.0) is None
+    assert d.warm_up(last, [v for v in views if v.worker_id != target], 2.0) is None

@@ -7,6 +7,7 @@ from array import array
 import pytest
 
 from prefixrouter.core import PrefixClass, RequestId, WorkerId
+from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
 from prefixrouter.sim.report import lower_bound_prefill_tokens, summarize
@@ -83,3 +84,27 @@ def test_block_size_mismatch_is_refused() -> None:
     wl.block_size = 32
     with pytest.raises(ValueError, match="16"):
         Simulation(wl, ClusterConfig(1, PROFILE), "round_robin")
+
+
+def test_proactive_copies_are_the_routers_own_requests_and_leave_the_ledger_drained() -> None:
+    # Documents asked about faster than one copy each serves: the hot-prefix rule copies them.
+    wl = get_scenario("doc-qa").build(0, 200).scaled(8.0)
+    runs = {}
+    for proactive in (False, True):
+        policy = create_policy("prefix_aware", {"proactive_copy": proactive})
+        sim = Simulation(wl, ClusterConfig(wl.default_workers, PROFILE), policy)
+        runs[proactive] = sim.run()
+        for w in range(wl.default_workers):
+            load = sim.dispatch.load(WorkerId(f"w{w:02d}"))
+            assert (load.in_flight, load.pending_prefill_tokens, load.decoding) == (0, 0, 0)
+    off, on = runs[False], runs[True]
+    assert off.warm_ups == 0 and on.warm_ups > 0
+    # Only user requests are records: each once, none of the router's copies.
+    assert sorted(r.request_id for r in on.records) == sorted(r.request_id for r in wl.requests)
+    # A copy made by a user request is a cold decision; made by the router, it is none.
+    cold_off = sum(1 for r in off.records if r.tier == "cold")
+    cold_on = sum(1 for r in on.records if r.tier == "cold")
+    assert cold_on < cold_off
+    policy = create_policy("prefix_aware", {"proactive_copy": True})
+    again = Simulation(wl, ClusterConfig(wl.default_workers, PROFILE), policy).run()
+    assert summarize(again) == summarize(on) and again.warm_ups == on.warm_ups

@@ -91,6 +91,7 @@ from prefixrouter.core.types import (
     WorkerView,
 )
 from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
+from prefixrouter.errors import NoWorkerAvailable
 
 RoutingMode = Literal["text", "token"]
 """How prompts are hashed: ``token`` (engine blocks of token ids) or ``text``
@@ -352,6 +353,37 @@ class Dispatcher:
         if self._held is not None:
             self._apply_held()
         return self._admit(request, views, now, blocks, (), steering)
+
+    def warm_up(
+        self, admission: Admission, views: Sequence[WorkerView], now: float
+    ) -> Admission | None:
+        """Admit the prefill-only copy that ``admission``'s decision asks for, if any.
+
+        The policy's hot-prefix rule may decide that a prefix needs another
+        replica while the request itself is better served where the prefix
+        is (``Decision.warm_up``): the router then warms the copy itself, so
+        that no user request pays its cold prefill. The warm-up is the same
+        prompt (the same hashes) with ``max_tokens`` 1 and the request id
+        ``<id>:warm-up``, routed to the named worker alone and counted in
+        flight there like any request; the caller sends it, feeds its first
+        token and answer back as for any admission, and keeps it out of what
+        it reports as user traffic. None when the decision asks for none or
+        the worker is not among ``views`` (gone, or filtered since).
+        """
+        target = admission.decision.warm_up
+        if target is None:
+            return None
+        view = next((v for v in views if v.worker_id == target), None)
+        if view is None:
+            return None
+        request = admission.request
+        warm = replace(request, request_id=RequestId(f"{request.request_id}:warm-up"), max_tokens=1)
+        if self._held is not None:
+            self._apply_held()
+        try:
+            return self._admit(warm, [view], now, admission.blocks, ())
+        except NoWorkerAvailable:  # unhealthy since: no copy now
+            return None
 
     def retry(self, previous: Admission, views: Sequence[WorkerView], now: float) -> Admission:
         """Admit ``previous``'s request again, on a worker no attempt has tried.

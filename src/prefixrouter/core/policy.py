@@ -129,6 +129,9 @@ class Selection:
         predicted_cached_tokens: Tokens the policy expects the engine to reuse.
         candidates: Per-candidate figures, in candidate order.
         warm_abandoned: A warm candidate existed but was left because of the wait limit.
+        warm_up: A worker the policy wants the prefix copied to by a prefill-only
+            request of the router's own (:meth:`Dispatcher.warm_up`), while this
+            request goes to ``worker_id``; None for none.
     """
 
     worker_id: WorkerId
@@ -137,6 +140,7 @@ class Selection:
     predicted_cached_tokens: int = 0
     candidates: tuple[CandidateScore, ...] = ()
     warm_abandoned: bool = False
+    warm_up: WorkerId | None = None
 
 
 class Policy:

@@ -83,6 +83,8 @@ class Decision:
             for this decision (taken back by :meth:`Router.on_rejected`).
         affinity: With a session pin: ``hit`` (it held) or why it broke
             (:data:`~prefixrouter.core.affinity.BREAK_REASONS`); "" without one.
+        warm_up: The worker the policy wants the prefix copied to by a
+            prefill-only request (:meth:`Dispatcher.warm_up`); None for none.
     """
 
     request_id: str
@@ -102,6 +104,7 @@ class Decision:
     context: RoutingContext
     placed: Placement | None = None
     affinity: str = ""
+    warm_up: WorkerId | None = None
 
     @property
     def chosen(self) -> CandidateScore | None:
@@ -137,6 +140,8 @@ class Decision:
         }
         if self.affinity:
             out["affinity"] = self.affinity
+        if self.warm_up is not None:
+            out["warm_up"] = self.warm_up
         return out
 
 
@@ -329,6 +334,7 @@ class Router:
             ctx,  # context
             None,  # placed
             affinity,
+            sel.warm_up,
         )
 
     def on_routed(self, decision: Decision, now: float) -> None:

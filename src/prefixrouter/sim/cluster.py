@@ -85,7 +85,7 @@ from prefixrouter.core.hashing import (
 )
 from prefixrouter.core.policy import Outcome, Policy
 from prefixrouter.core.router import Router
-from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
+from prefixrouter.core.types import BlockHash, RoutingRequest, WorkerId, WorkerView
 from prefixrouter.sim.engine import (
     Completed,
     EngineModel,
@@ -169,6 +169,7 @@ class SimRun:
     decisions_logged: list[dict[str, object]] = field(default_factory=list)
     chars_per_token: float | None = None  # text mode: router 0's estimate at the end
     routers: int = 1  # router replicas (RequestRecord.router says which admitted each)
+    warm_ups: int = 0  # the routers' own prefill-only copies (Dispatcher.warm_up), not in records
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +306,9 @@ class Simulation:
         # seq of a _COUNT entry -> (router, admission, characters, tokens) of a token count
         self._counts: dict[int, tuple[int, Admission, int, int]] = {}
         self._counting: set[tuple[int, str]] = set()  # (router, prefix key) with a count pending
+        # request id of a warm-up -> (admission, router, cached tokens at its first token)
+        self._warm_ups: dict[str, tuple[Admission, int, int]] = {}
+        self._warm_up_count = 0
 
     def _hasher(self) -> BlockHasher:
         block_size = self.config.profile.block_size
@@ -343,6 +347,7 @@ class Simulation:
         heap = self._heap = []
         self._batches = {}
         self._counts, self._counting = {}, set()
+        self._warm_ups, self._warm_up_count = {}, 0
         self._seq = 0
         now = self._now = 0.0
         next_arrival = 0
@@ -380,6 +385,7 @@ class Simulation:
             self._logged,
             cpt,
             routers,
+            self._warm_up_count,
         )
 
     def _publish(self, router: int, t: float) -> None:
@@ -455,6 +461,29 @@ class Simulation:
             EngineRequest(sreq.request_id, engine_hashes, prompt, sreq.output_tokens, now), now
         )
         self._schedule(i)
+        if decision.warm_up is not None:
+            self._warm_up(router, adm, engine_hashes, prompt, now)
+
+    def _warm_up(
+        self,
+        router: int,
+        adm: Admission,
+        engine_hashes: tuple[BlockHash, ...],
+        prompt: int,
+        now: float,
+    ) -> None:
+        """Send the prefill-only copy the decision asks for, as the gateway does (not a record)."""
+        dispatch = self.routers[router]
+        warm = dispatch.warm_up(adm, self._views(router), now)
+        if warm is None:
+            return
+        self._publish(router, now)
+        rid = warm.request.request_id
+        self._warm_ups[rid] = (warm, router, 0)
+        self._warm_up_count += 1
+        i = self._engine_of[warm.worker]
+        self.engines[i].submit(EngineRequest(rid, engine_hashes, prompt, 1, now), now)
+        self._schedule(i)
 
     def _count_tokens(
         self, router: int, adm: Admission, chars: int, tokens: int, now: float
@@ -484,8 +513,11 @@ class Simulation:
         subscribes to every engine).
         """
         routers = self.routers
+        warm_ups = self._warm_ups
         for out in outputs:
-            if isinstance(out, FirstToken):
+            if warm_ups and isinstance(out, (FirstToken, Completed)) and out.request_id in warm_ups:
+                self._warm_up_output(out)
+            elif isinstance(out, FirstToken):
                 rec, adm, _, r = self._by_id[out.request_id]
                 rec.first_token = out.time
                 rec.cached_tokens = out.cached_tokens
@@ -513,6 +545,18 @@ class Simulation:
             elif isinstance(out, KvEventOut) and self.config.kv_events:
                 for dispatch in routers:
                     dispatch.apply_event(out.event, out.time)
+
+    def _warm_up_output(self, out: FirstToken | Completed) -> None:
+        """A warm-up's first token or answer, fed back as any admission's (module doc)."""
+        warm, r, cached = self._warm_ups[out.request_id]
+        dispatch = self.routers[r]
+        if isinstance(out, FirstToken):
+            self._warm_ups[out.request_id] = (warm, r, out.cached_tokens)
+            dispatch.first_token(warm, out.time)
+        else:
+            del self._warm_ups[out.request_id]
+            dispatch.complete(warm, Outcome(cached, None), out.time)
+        self._publish(r, out.time)
 
     def _schedule(self, i: int) -> None:
         """Push engine ``i``'s next wakeup (if it has one) on the event heap."""

@@ -137,6 +137,11 @@ class PrefixAwareParams:
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
+        proactive_copy: When the hot-prefix rule calls for another replica,
+            warm it with a prefill-only request of the router's own
+            (``Selection.warm_up``) and route the request as if no copy were
+            due, so that no user request pays the copy's cold prefill; off,
+            the request itself is sent to the new replica.
         copy_max_kv_share: The hot-prefix rule warms no worker whose KV cache
             would be fuller than this share with the copy's blocks on top of
             what its running requests hold (see ``copy_room_filter``).
@@ -175,6 +180,7 @@ class PrefixAwareParams:
     min_margin_share: float = 0.5
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
+    proactive_copy: bool = False
     copy_max_kv_share: float = 0.8
     tie_band_rel: float = 0.1
     demand_window_s: float = 10.0
@@ -284,6 +290,11 @@ class PrefixAwarePolicy(Policy):
         choice = hot_prefix_rule(
             scored, eligible if roomy is None else roomy, holders, settled, cls, demand
         )
+        warm_up: int | None = None
+        if choice is not None and p.proactive_copy:
+            # The router warms the copy itself; this request is routed by the
+            # rules below as if no copy were due.
+            warm_up, choice = choice.index, None
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
         if choice is None:
@@ -300,7 +311,11 @@ class PrefixAwarePolicy(Policy):
             choice = warm_margin_rule(
                 scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
             )
-        return _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
+        sel = _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
+        if warm_up is not None and warm_up != choice.index:  # else this request warms it
+            sel.warm_up = scored[warm_up].worker_id
+            sel.reason = f"{sel.reason}; hot prefix: warming {sel.warm_up} with a prefill-only copy"
+        return sel
 
     def _select_cold(
         self,
