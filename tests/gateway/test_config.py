@@ -68,10 +68,6 @@ def test_errors_name_file_line_and_field(tmp_path: Path) -> None:
     [
         ({"policy": {"name": "nope"}}, "policy: unknown policy 'nope'"),
         ({"policy": {"params": {"bogus": 1}}}, "unknown field 'bogus'"),
-        (
-            {"policy": {"params": {"proactive_copy": True}}},
-            "policy.params.proactive_copy: the gateway does not send warm-up copies yet",
-        ),
         ({"routing": {"mode": "chars"}}, "routing.mode"),
         ({"workers": [{"url": "http://a:1"}, {"url": "http://a:1"}]}, "duplicate worker id"),
         ({"proxy": {"max_attempts": 0}}, "proxy.max_attempts"),

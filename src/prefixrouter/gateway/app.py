@@ -123,6 +123,8 @@ async def background(app: web.Application) -> AsyncIterator[None]:
         await st.registry.stop()
         if st.counter is not None:
             await st.counter.close()
+        if st.warm_ups is not None:
+            await st.warm_ups.close()
         await st.session.close()
         st.session = None
 

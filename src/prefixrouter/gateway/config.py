@@ -293,16 +293,9 @@ class PolicyConfig(_Model):
         from prefixrouter.core.policy import create_policy
 
         try:
-            policy = create_policy(self.name, self.params)
+            create_policy(self.name, self.params)
         except PrefixRouterError as exc:
             raise ValueError(str(exc)) from None
-        if getattr(policy.params, "proactive_copy", False):
-            # The policy would route as if the copy were made, and nothing here
-            # sends the warm-up: worse than leaving it off.
-            raise ValueError(
-                "policy.params.proactive_copy: the gateway does not send warm-up copies "
-                "yet (the simulator does: benchmarks/proactive_copy.py); leave it false"
-            )
         return self
 
 

@@ -213,6 +213,7 @@ class RequestFlow:
         previous: Admission | None,
         views: Sequence[WorkerView],
         steer: Steer | None = None,
+        path: str = "/v1/chat/completions",
     ) -> Admission:
         """Route a first attempt (``previous`` None) or a retry among the workers not tried.
 
@@ -238,6 +239,8 @@ class RequestFlow:
         decision = adm.decision
         if st.counter is not None:  # text mode: a new prefix's tokens counted beside it
             st.counter.routed(built, adm, st.registry.workers[decision.worker_id], st.session)
+        if st.warm_ups is not None and decision.warm_up is not None:  # a hot prefix's copy
+            st.warm_ups.routed(built, adm, views, st.registry.workers, path, st.session)
         if st.lint is not None:
             cls = decision.prefix_class
             st.metrics.linted(cls, st.lint.observe(built.prompt, cls))

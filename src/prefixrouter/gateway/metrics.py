@@ -400,9 +400,15 @@ class GatewayMetrics:
             "Text mode: new prefixes' token counts asked of the engines (POST /tokenize).",
             ("outcome",),
         )
+        self.warm_ups = _Counter(
+            "prefixrouter_warm_ups",
+            "Proactive copies: the router's own prefill-only requests to a hot prefix's new copy.",
+            ("outcome",),
+        )
         self.series: tuple[_Counter | _Histogram, ...] = (
             self.lint_findings,
             self.token_counts,
+            self.warm_ups,
             self.requests,
             self.input_tokens,
             self.predicted_cached,
@@ -488,6 +494,10 @@ class GatewayMetrics:
     def token_count(self, outcome: str) -> None:
         """A token count ended: ``ok``, ``error``, ``unsupported`` or ``skipped``."""
         self.token_counts.inc((outcome,))
+
+    def warm_up(self, outcome: str) -> None:
+        """A proactive copy ended: ``ok``, ``error`` or ``skipped``."""
+        self.warm_ups.inc((outcome,))
 
     def eviction_observed(self, age_s: float, cls: str = "unknown") -> None:
         """A worker had lost a prefix (of prefix class ``cls``) it served ``age_s`` seconds ago."""

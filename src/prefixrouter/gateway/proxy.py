@@ -277,7 +277,7 @@ class Proxy:
             return error_response(exc)
         for _ in range(self.max_attempts):
             try:
-                adm = self.flow.admit(built, adm, st.registry.views(), steer)
+                adm = self.flow.admit(built, adm, st.registry.views(), steer, path)
             except NoWorkerAvailable as exc:
                 return self._no_worker(built, retry, exc, adm, t0)
             except Exception as exc:  # a routing bug answers 500, never crashes the gateway

@@ -40,6 +40,7 @@ from prefixrouter.gateway.request_builder import ChatTokenizer, RequestBuilder
 from prefixrouter.gateway.tenancy import Tenancy
 from prefixrouter.gateway.token_count import TokenCounter
 from prefixrouter.gateway.upstream import UpstreamClient
+from prefixrouter.gateway.warm_up import WarmUpSender
 from prefixrouter.gateway.workers import Worker, WorkerRegistry
 from prefixrouter.prompt.lint import LintObserver
 from prefixrouter.real_engines.kv_events import NamespaceSeed
@@ -70,6 +71,7 @@ class GatewayState:
     session: aiohttp.ClientSession | None = None
     upstream: UpstreamClient | None = None
     counter: TokenCounter | None = None
+    warm_ups: WarmUpSender | None = None
     last_served: OrderedDict[tuple[WorkerId, str], float] = field(default_factory=OrderedDict)
     requests_seen: int = 0
 
@@ -181,8 +183,12 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     counter = None
     if r.mode == "text" and r.token_count:
         counter = TokenCounter(dispatch, metrics, r.token_count_max_in_flight)
+    warm_ups = None
+    if getattr(policy.params, "proactive_copy", False):
+        warm_ups = WarmUpSender(dispatch, metrics, GatewayState.clock)
     return GatewayState(
         counter=counter,
+        warm_ups=warm_ups,
         discovery=discovery,
         cluster=node,
         config=config,
