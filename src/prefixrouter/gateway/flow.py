@@ -291,9 +291,7 @@ class RequestFlow:
         asks for it (``stream_options.include_usage``), because the usage is
         the only place a stream reports its prefix-cache reuse.
         """
-        salt = built.scope.cache_salt
-        if salt is not None and not worker.config.supports_cache_salt:
-            salt = None
+        salt = built.cache_salt_on(worker.config.supports_cache_salt)
         inject = built.stream and not built.client_wants_usage
         if salt is None and not inject:
             return built.raw

@@ -79,6 +79,10 @@ class BuiltRequest:
     blocks: PromptBlocks | None = None
     note: RequestNote | None = None
 
+    def cache_salt_on(self, takes_salt: bool) -> str | None:
+        """The ``cache_salt`` to send to a worker (``takes_salt``: it takes one); None for none."""
+        return self.scope.cache_salt if takes_salt else None
+
 
 def bad_request(exc: PromptError) -> BadRequest:
     """The OpenAI-style 400 of a malformed field: its message, ``param`` the field."""

@@ -35,7 +35,6 @@ Metrics: ``prefixrouter_token_counts_total{outcome}`` (``ok``, ``error``,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -43,6 +42,7 @@ import aiohttp
 import orjson
 
 from prefixrouter.core.dispatch import Admission, Dispatcher
+from prefixrouter.gateway.background import BackgroundTasks
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import BuiltRequest
 from prefixrouter.gateway.workers import Worker
@@ -106,7 +106,7 @@ class TokenCounter:
         self.max_in_flight = max_in_flight
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._pending: set[str] = set()  # prefix keys with a count out
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self._unsupported: set[Worker] = set()
 
     def routed(
@@ -135,12 +135,9 @@ class TokenCounter:
         if body is None:
             return
         self._pending.add(key)
-        task = asyncio.get_running_loop().create_task(
-            self._count(session, worker, body, built.text_chars, admission, key),
-            name="token-count",
+        self._tasks.spawn(
+            self._count(session, worker, body, built.text_chars, admission, key), "token-count"
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _count(
         self,
@@ -190,10 +187,5 @@ class TokenCounter:
 
     async def close(self) -> None:
         """Cancel the counts still out (the application's cleanup)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
         self._pending.clear()

@@ -37,6 +37,7 @@ import orjson
 from prefixrouter.core.dispatch import Admission, Dispatcher
 from prefixrouter.core.policy import Outcome
 from prefixrouter.core.types import WorkerId, WorkerView
+from prefixrouter.gateway.background import BackgroundTasks
 from prefixrouter.gateway.metrics import GatewayMetrics
 from prefixrouter.gateway.request_builder import BuiltRequest
 from prefixrouter.gateway.sse import json_usage, usage_figures
@@ -82,7 +83,7 @@ class WarmUpSender:
         self.clock = clock
         self.max_in_flight = max_in_flight
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
 
     def routed(
         self,
@@ -106,13 +107,8 @@ class WarmUpSender:
         warm = self.dispatch.warm_up(admission, views, self.clock())
         if warm is None:
             return
-        salt = built.scope.cache_salt if worker.config.supports_cache_salt else None
-        body = warm_up_body(built, salt)
-        task = asyncio.get_running_loop().create_task(
-            self._send(session, worker, path, body, warm), name="warm-up"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        body = warm_up_body(built, built.cache_salt_on(worker.config.supports_cache_salt))
+        self._tasks.spawn(self._send(session, worker, path, body, warm), "warm-up")
         log.info(
             "hot prefix %s: warming %s with a prefill-only copy",
             admission.decision.prefix_key,
@@ -154,9 +150,4 @@ class WarmUpSender:
 
     async def close(self) -> None:
         """Cancel the copies still out (the application's cleanup)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
