@@ -119,8 +119,8 @@ class VllmCluster:
             "metrics_poll": {"interval_s": 0.5},
             "health": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0, "timeout_s": 2.0},
             "decision_log": {"ring_size": 5000, "flush_interval_s": 0.1},
-            # Generous: on a CPU without AVX-512 (vLLM's slow CPU path) a cold
-            # 8k-token prefill takes about 15 s, and round robin's queue in the
+            # Generous: on an AVX2-only CPU vLLM's CPU engine is about 3x slower,
+            # a cold 8k-token prefill takes about 15 s, and round robin's queue in the
             # doc-QA comparison reaches about 110 s. A tighter limit turns that
             # queue into 502s and fails the comparison instead of measuring it.
             "proxy": {"request_timeout_s": REQUEST_TIMEOUT_S},
