@@ -7,6 +7,7 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -301,6 +302,24 @@ def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
     assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 2
 
 
+def test_tie_band_picker_draws_equal_loads_per_request_and_never_leaves_the_band() -> None:
+    # Idle workers (nothing in flight) whose scales are 2-6 % apart: scores
+    # within the band are noise, so no worker may take every request.
+    cs = [scored(f"w{i}", 1.0 + i / 50, scale=1.0 + i / 50) for i in range(4)]
+    cs.append(scored("w4", 1.5, scale=1.0))  # 50 % slower: outside the band
+    ws = workers(5)
+    picks = [tie_band_picker(cs, ws, range(5), 0.1, 0, 0, draw) for draw in range(1, 401)]
+    counts = Counter(picks)
+    assert set(counts) == {0, 1, 2, 3}
+    assert min(counts.values()) >= 60  # about 100 each of 400
+    # A draw is a function of the request: the same draw, the same worker.
+    assert tie_band_picker(cs, ws, range(5), 0.1, 0, 0, 7) == picks[6]
+    # Loads still come first: the one worker with fewer in flight takes them all.
+    busy = [replace(w, in_flight=1) for w in ws]
+    busy[2] = ws[2]
+    assert {tie_band_picker(cs, busy, range(5), 0.1, 0, 0, d) for d in range(1, 65)} == {2}
+
+
 def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() -> None:
     cs = [scored(f"w{i}", 1.0 + i / 100, scale=1.0 + i / 20) for i in range(4)]
     ws = workers(4, in_flight=2)
@@ -345,22 +364,40 @@ def test_replicas_with_one_stale_view_spread_requests_one_router_does_not() -> N
         calibrate(plain, w.worker_id, 1.0 + i / 50)
     reqs = [request(f"q{k}", tokens(100 + k, 512)) for k in range(16)]
 
-    # One router (salt 0) is today's order: every request to the same worker.
+    # One router (salt 0) decides by the request alone: two routers with the
+    # same state agree, and equal loads are drawn per request, so they spread.
     def verdict(d: Decision) -> tuple[str, str, str]:
         return d.worker_id, d.tier, d.reason
 
     alone = [verdict(one.route(q, ws, 1.0)) for q in reqs]
     assert alone == [verdict(plain.route(q, ws, 1.0)) for q in reqs]
-    assert {w for w, _, _ in alone} == {W0}
+    assert len({w for w, _, _ in alone}) >= 3
     # Sixteen replicas, one request each, on that same view: spread.
     spread = [replica(k + 1).route(q, ws, 1.0).worker_id for k, q in enumerate(reqs)]
-    # (Equal loads: the lower score of the two drawn, so w0 wins the draws
-    # that hold it, half of them.)
     assert len(set(spread)) >= 3
     assert spread.count(W0) <= 3 * len(spread) // 4
     # A replica's draw is its own: two replicas split one request differently.
     q = reqs[0]
     assert len({replica(s).route(q, ws, 1.0).worker_id for s in range(1, 9)}) >= 2
+
+
+def test_an_idle_restarted_worker_gets_its_share_of_unique_requests_at_once() -> None:
+    # Three idle engines; w1 restarted with the fleet's best scale, then the
+    # others kept learning and drifted 3-6 % below it. At a load that leaves
+    # nothing in flight, unique prompts must still reach w1: lowest-score
+    # tie-breaks sent all of them to w0 until its queue showed.
+    r = Router()
+    for w, factor in ((W0, 0.96), (W1, 1.0), (W2, 0.98)):
+        calibrate(r, w, factor)
+    r.worker_restarted(W1, 1.0)
+    calibrate(r, W0, 0.94)
+    calibrate(r, W2, 0.95)
+    ws = workers(3)
+    got = Counter(
+        r.route(request(f"u{k}", tokens(500 + k, 256)), ws, 2.0).worker_id for k in range(60)
+    )
+    assert set(got) == {W0, W1, W2}
+    assert got[W1] >= 10  # about a third of 60
 
 
 def test_replica_salt_of_an_id_is_stable_distinct_and_zero_for_none() -> None:
