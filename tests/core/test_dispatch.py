@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -253,9 +254,10 @@ def test_characters_per_token_and_block_size_observations() -> None:
     assert d.policy_name == "round_robin" and d.evicted_entries == 0
 
 
-def _hot_document(proactive: bool) -> tuple[Dispatcher, list[Admission], WorkerId]:
+def _hot_document(proactive: bool, **params: float) -> tuple[Dispatcher, list[Admission], WorkerId]:
     """One document settled on a worker, then asked about 60 times a second."""
-    d = Dispatcher(Router(create_policy("prefix_aware", {"proactive_copy": proactive})))
+    policy = create_policy("prefix_aware", {"proactive_copy": proactive, **params})
+    d = Dispatcher(Router(policy))
     doc = tokens(1, 4_000)
     views = workers(3)
     first = d.admit(request("r0", [*doc, *tokens(2, 20)]), views, 0.0)
@@ -303,3 +305,31 @@ def test_proactive_copy_keeps_the_request_warm_and_warms_the_copy_itself() -> No
     # No copy asked for, or the worker gone: nothing to admit.
     assert d.warm_up(admissions[0], views, 2.0) is None
     assert d.warm_up(last, [v for v in views if v.worker_id != target], 2.0) is None
+
+
+def test_proactive_copies_stop_at_the_budget_and_resume_as_it_refills() -> None:
+    # 10 % of a worker's time over 20 s: a 2 s burst of predicted prefill.
+    d, admissions, _ = _hot_document(True, copy_budget_share=0.1, copy_budget_window_s=20.0)
+    last = admissions[-1]
+    target = last.decision.warm_up
+    assert target is not None
+    prefill_s = next(c.terms.prefill_s for c in last.decision.candidates if c.worker_id == target)
+    assert 0 < prefill_s < 2.0
+    views = [d.fill(v) for v in workers(3)]
+
+    def copies(now: float) -> int:
+        """Copies sent one after another at ``now`` until the budget says no."""
+        n = 0
+        while (warm := d.warm_up(last, views, now)) is not None:
+            d.first_token(warm, now)
+            d.complete(warm, Outcome(0, None), now)
+            n += 1
+        return n
+
+    t = last.decision.now
+    burst = math.ceil(2.0 / prefill_s)  # while anything is left, the last one into debt
+    assert copies(t) == burst
+    debt = burst * prefill_s - 2.0
+    assert copies(t + debt / 0.1 - 0.01) == 0  # still in debt: no copy
+    assert copies(t + debt / 0.1 + 0.01) == 1  # out of it: one
+    assert d.load(target).in_flight == 0  # nothing refused was counted in flight

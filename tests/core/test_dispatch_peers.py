@@ -194,7 +194,8 @@ def test_a_peers_answer_calibrates_the_workers_speed_as_the_origins_does() -> No
     assert b.apply_peer("a@1", routed, 0.0) and b.apply_peer("a@1", settled, 1.0)
     assert b.router.cost.scale(adm.worker) == pytest.approx(a.router.cost.scale(adm.worker))
     other = W1 if adm.worker == W0 else W0
-    assert b.router.cost.scale(other) == 1.0
+    # The other worker, never observed: a hair below the lowest observed factor.
+    assert b.router.cost.scale(other) == pytest.approx(b.router.cost.scale(adm.worker), rel=1e-5)
 
 
 def test_an_answer_without_a_measured_ttft_calibrates_nothing_at_peers() -> None:
@@ -250,11 +251,11 @@ def test_a_restarted_engine_takes_the_fleets_best_calibration_here_and_at_peers(
     # Its KV events reported the restart first: the entries stay, nothing is published.
     a.worker_restarted(adm.worker, 1.0, clear_entries=False)
     fleet = a.router.cost.scale(W1 if adm.worker == W0 else W0)
-    assert a.router.cost.scale(adm.worker) == pytest.approx(fleet)
+    assert a.router.cost.scale(adm.worker) == pytest.approx(fleet, rel=1e-5)
     assert a.index_blocks(adm.worker) == held and a.drain_facts() == []
     # Seen from its metrics: entries cleared, and the peers do the same.
     other = W1 if adm.worker == W0 else W0
     a.worker_restarted(other, 2.0)
     assert a.index_blocks(other) == 0
     assert relay(a, b) == [True]
-    assert b.router.cost.scale(other) == pytest.approx(b.router.cost.scale(adm.worker))
+    assert b.router.cost.scale(other) == pytest.approx(b.router.cost.scale(adm.worker), rel=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -94,3 +96,32 @@ async def test_a_tenant_over_its_limit_gets_429_and_its_ticket_back_when_the_str
     await _pick(again, orjson.dumps(chat_body("two")), authorization="Bearer sk-a")
     assert again.picked is not None
     again.close()
+
+
+async def test_a_pick_tells_the_flow_the_requests_path_for_the_routers_own_copy() -> None:
+    # A decision that asks for a proactive copy has it sent to the request's own
+    # API path (RequestFlow.admit's `path`): a completions body to /v1/completions.
+    st = _state()
+    flow = RequestFlow(st)
+    paths: list[str] = []
+    admit = flow.admit
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        paths.append(args[4] if len(args) > 4 else kwargs.get("path", "/v1/chat/completions"))
+        return admit(*args, **kwargs)
+
+    flow.admit = recording  # type: ignore[method-assign]
+    for path, body in (
+        ("/v1/completions", {"model": "tiny", "prompt": "Clause 1. " * 50, "max_tokens": 4}),
+        ("/v1/chat/completions", chat_body("a question")),
+    ):
+        ex = Exchange(st, flow)
+        await ex.on(pb.ProcessingRequest(request_headers=ext_proc_headers({":path": path})))
+        await ex.on(
+            pb.ProcessingRequest(
+                request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True)
+            )
+        )
+        assert ex.picked is not None
+        ex.close()
+    assert paths == ["/v1/completions", "/v1/chat/completions"]

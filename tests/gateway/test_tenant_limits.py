@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
+from prefixrouter.core.bucket import TokenBucket
 from prefixrouter.gateway.config import config_from_dict
 from prefixrouter.gateway.controls import TENANT_LABELS_MAX, TenantControls, request_priority
 from prefixrouter.gateway.errors import BadRequest, Overloaded
 from prefixrouter.gateway.limits import (
     TenantLimit,
     TenantLimiter,
-    TokenBucket,
     WaitQueue,
     retry_after,
 )

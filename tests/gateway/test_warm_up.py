@@ -42,42 +42,75 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield gw
 
 
-def _body(question: int, max_tokens: int) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def budgeted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same fleet, with copies allowed a thousandth of each worker's time."""
+    tmp = tmp_path_factory.mktemp("warm-up-budget")
+    params = {"proactive_copy": True, "copy_budget_share": 0.001, "copy_budget_window_s": 1.0}
+    settings = {"policy": {"params": params}, "metrics_poll": {"interval_s": 0.5}}
+    with Fleet() as fleet:
+        _, gw = engines_behind_gateway(fleet, tmp / "gw.yaml", settings, engines=3)
+        yield gw
+
+
+def _body(question: int, max_tokens: int, doc: str = DOC) -> dict[str, Any]:
     return {
         "model": "tiny",
-        "messages": [{"role": "user", "content": f"{DOC}\n\nQuestion {question}: which lot?"}],
+        "messages": [{"role": "user", "content": f"{doc}\n\nQuestion {question}: which lot?"}],
         "max_tokens": max_tokens,
     }
 
 
-async def _ask(s: aiohttp.ClientSession, url: str, question: int, max_tokens: int) -> int:
-    async with s.post(url + "/v1/chat/completions", json=_body(question, max_tokens)) as r:
+async def _ask(
+    s: aiohttp.ClientSession, url: str, question: int, max_tokens: int, doc: str = DOC
+) -> int:
+    async with s.post(url + "/v1/chat/completions", json=_body(question, max_tokens, doc)) as r:
         await r.read()
         return r.status
 
 
-def test_a_hot_document_is_copied_by_the_routers_own_prefill_only_request(gateway: Server) -> None:
-    async def run() -> tuple[list[int], float, float]:
-        timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(timeout=timeout) as s:
-            assert await _ask(s, gateway.url, 0, 8) == 200  # settled on one engine
-            statuses = []
+async def _hot_waves(
+    url: str, docs: tuple[str, ...] = (DOC,)
+) -> tuple[list[int], dict[str, float], float]:
+    """Each document once, then three bursts of questions; the copies' outcomes."""
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        statuses = []
+        for doc in docs:
+            assert await _ask(s, url, 0, 8, doc) == 200  # settled on one engine
             for wave in range(3):  # bursts of concurrent questions: the document is hot
                 statuses += await asyncio.gather(
-                    *(_ask(s, gateway.url, 100 * wave + k, 64) for k in range(24))
+                    *(_ask(s, url, 100 * wave + k, 64, doc) for k in range(24))
                 )
-            for _ in range(100):  # the copies answer in the background
-                if await metric(gateway.url, "prefixrouter_warm_ups_total", {"outcome": "ok"}):
-                    break
-                await asyncio.sleep(0.1)
-            ok = await metric(gateway.url, "prefixrouter_warm_ups_total", {"outcome": "ok"})
-            users = await metric(gateway.url, "prefixrouter_requests_total")
-        return statuses, ok, users
 
-    statuses, ok, users = asyncio.run(run())
+        for _ in range(100):  # the copies answer in the background
+            if await metric(url, "prefixrouter_warm_ups_total", {"outcome": "ok"}):
+                break
+            await asyncio.sleep(0.1)
+        outcomes = {
+            o: await metric(url, "prefixrouter_warm_ups_total", {"outcome": o})
+            for o in ("ok", "error", "skipped", "over_budget")
+        }
+        users = await metric(url, "prefixrouter_requests_total")
+    return statuses, outcomes, users
+
+
+def test_a_hot_document_is_copied_by_the_routers_own_prefill_only_request(gateway: Server) -> None:
+    statuses, outcomes, users = asyncio.run(_hot_waves(gateway.url))
     assert statuses == [200] * 72
-    assert ok >= 1
+    assert outcomes["ok"] >= 1 and outcomes["error"] == 0, outcomes
     assert users == 73  # the copies are not user requests
+
+
+def test_copies_past_the_budget_are_refused_and_counted(budgeted: Server) -> None:
+    # Two hot documents on three engines: some engine is asked for a copy of
+    # each. A thousandth of its time: the first copy goes (into debt), the
+    # second finds the budget spent.
+    other = DOC.replace("supplier", "carrier").replace("deliver", "collect")
+    statuses, outcomes, users = asyncio.run(_hot_waves(budgeted.url, (DOC, other)))
+    assert statuses == [200] * 144 and users == 146
+    assert outcomes["ok"] >= 1 and outcomes["error"] == 0
+    assert outcomes["over_budget"] >= 1, outcomes
 
 
 def test_the_copys_body_asks_for_one_token_of_one_answer_unstreamed() -> None:

@@ -42,12 +42,19 @@ high starves its worker of the traffic that would correct it. A restarted
 engine is where that bites: its factor described the old process under its
 old load, while identical engines that kept serving learned a lower one as
 they warmed (seen live, 40% apart: past the tie band, so the new process got
-no cold traffic for seconds). :meth:`CostModel.restarted` gives it the lowest
-factor of the rest of the fleet instead: optimism about a worker that has
-shown nothing yet, so it ties with the best and gets the traffic it learns
-its own factor from (within tens of requests; a slower one learns its way
-up). The fleet's mean was tried: with identical engines 20% apart it left the
-new process outside the tie band of the best. Pure: no clock, no I/O.
+no cold traffic for seconds). So a worker that has shown nothing (never
+observed, or not since :meth:`CostModel.restarted`) is predicted at the
+lowest factor of the workers observed, a millionth below it, read live:
+optimism about the unknown, so it gets the next request that any idle worker
+would (the tie-break among equals goes its way) and learns its own factor
+from the traffic (within tens of requests; a slower one learns its way up).
+A factor copied once at the restart was tried: the others kept learning and
+drifted a few percent below it within seconds, and at a load that leaves
+nothing in flight every cold request went to the lowest of them (up to 6.6 s
+before the new process got one). The fleet's mean was tried before that:
+with identical engines 20% apart it left the new process outside the tie
+band of the best. A fleet with no observation yet predicts at the profile's
+own speed (factor 1). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -96,16 +103,30 @@ class CostParams:
     min_observed_s: float = 1e-4
 
 
+UNOBSERVED_EDGE = 1e-6
+"""How far below the lowest observed factor an unobserved worker is predicted
+(relative): enough to win an exact tie against that worker, nothing else."""
+
+
 class CostModel:
     """Predicts TTFT terms per worker and calibrates them from observations."""
 
     def __init__(self, params: CostParams | None = None) -> None:
         self.params = params or CostParams()
+        # Observed workers only; the others are predicted at `_unobserved`.
         self._scale: dict[WorkerId, float] = {}
+        self._lowest = math.inf  # the lowest observed factor
+        self._unobserved = 1.0
+
+    def _update_unobserved(self) -> None:
+        """The factor of workers not observed: a hair below the lowest observed one."""
+        scales = self._scale
+        self._lowest = min(scales.values()) if scales else math.inf
+        self._unobserved = self._lowest * (1.0 - UNOBSERVED_EDGE) if scales else 1.0
 
     def scale(self, worker: WorkerId) -> float:
         """The worker's calibration factor (1 = the profile is right)."""
-        return self._scale.get(worker, 1.0)
+        return self._scale.get(worker, self._unobserved)
 
     def predict(
         self,
@@ -192,7 +213,7 @@ class CostModel:
         own_step = prof.decode_step_time(batch + 1, batch_context + prompt_tokens)
         decode = output_tokens * own_step
 
-        s = self._scale.get(w.worker_id, 1.0)  # self.scale(), without the call
+        s = self._scale.get(w.worker_id, self._unobserved)  # self.scale(), without the call
         eviction = prof.prefill_time(evicted_tokens, 0.0) if evicted_tokens > 0 else 0.0
         # By keyword: `scale` passed positionally once landed in a term slot,
         # which left calibration converging to the square root of the error.
@@ -216,17 +237,21 @@ class CostModel:
         unscaled = predicted_ttft / predicted.scale
         ratio = min(p.max_scale, max(1.0 / p.max_scale, observed_ttft_s / unscaled))
         scale += p.calibration_alpha * (ratio - scale)
-        self._scale[worker] = min(p.max_scale, max(1.0 / p.max_scale, scale))
+        new = min(p.max_scale, max(1.0 / p.max_scale, scale))
+        old = self._scale.get(worker)
+        self._scale[worker] = new
+        # The unobserved factor follows the lowest observed one: rescanned on a
+        # new low, a first observation or the lowest one moving (rarely a scan).
+        if old is None or new < self._lowest or old == self._lowest:
+            self._update_unobserved()
 
     def forget(self, worker: WorkerId) -> None:
         """Drop a removed worker's calibration."""
-        self._scale.pop(worker, None)
+        if self._scale.pop(worker, None) is not None:
+            self._update_unobserved()
 
     def restarted(self, worker: WorkerId) -> None:
-        """The worker's engine is a new process: it takes the lowest factor of the
-        other workers (module doc); the profile's own (1) when none has one."""
-        others = [s for w, s in self._scale.items() if w != worker]
-        if others:
-            self._scale[worker] = min(others)
-        else:
-            self._scale.pop(worker, None)
+        """The worker's engine is a new process: it is unobserved again, predicted
+        a hair below the lowest factor of the others (module doc)."""
+        if self._scale.pop(worker, None) is not None:
+            self._update_unobserved()

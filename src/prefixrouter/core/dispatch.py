@@ -367,14 +367,18 @@ class Dispatcher:
         ``<id>:warm-up``, routed to the named worker alone and counted in
         flight there like any request; the caller sends it, feeds its first
         token and answer back as for any admission, and keeps it out of what
-        it reports as user traffic. None when the decision asks for none or
-        the worker is not among ``views`` (gone, or filtered since).
+        it reports as user traffic. None when the decision asks for none, the
+        worker is not among ``views`` (gone, or filtered since) or the policy's
+        copy budget has nothing left for it (``Router.admit_warm_up``: the next
+        request that calls for the copy asks again).
         """
         target = admission.decision.warm_up
         if target is None:
             return None
         view = next((v for v in views if v.worker_id == target), None)
         if view is None:
+            return None
+        if not self._router.admit_warm_up(admission.decision, now):
             return None
         request = admission.request
         warm = replace(request, request_id=RequestId(f"{request.request_id}:warm-up"), max_tokens=1)

@@ -177,6 +177,14 @@ class Policy:
     def on_worker_removed(self, worker: WorkerId) -> None:
         """``worker`` left the fleet."""
 
+    def admit_warm_up(self, worker: WorkerId, prefill_s: float, now: float) -> bool:
+        """Whether the prefill-only copy to ``worker`` that this policy's decision
+        asked for (``Selection.warm_up``) goes out now; ``prefill_s`` is its
+        predicted prefill there. A yes is spent (``Dispatcher.warm_up`` asks once,
+        right before it admits the copy). The default: always.
+        """
+        return True
+
 
 P = TypeVar("P", bound=type[Policy])
 

@@ -337,6 +337,20 @@ class Router:
             sel.warm_up,
         )
 
+    def admit_warm_up(self, decision: Decision, now: float) -> bool:
+        """Whether the copy ``decision`` asks for (``Decision.warm_up``) goes out now:
+        its policy's budget (``Policy.admit_warm_up``), given the copy's predicted
+        prefill on its worker. A yes is spent."""
+        target = decision.warm_up
+        if target is None:
+            return False
+        prefill_s = 0.0
+        for c in decision.candidates:
+            if c.worker_id == target and c.terms is not None:
+                prefill_s = c.terms.prefill_s
+                break
+        return self._policy_of(decision).admit_warm_up(target, prefill_s, now)
+
     def on_routed(self, decision: Decision, now: float) -> None:
         """The request was sent to ``decision.worker_id``."""
         ctx = decision.context

@@ -102,6 +102,7 @@ class Exchange:
         self.settled = False
         self.done = False
         self.kind: str | None = None
+        self.path = ""  # the request's API path (a proactive copy goes to the same one)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -134,6 +135,7 @@ class Exchange:
         self.subset = protocol.subset_hint(req)
         path = h.get(":path", "").split("?", 1)[0]
         self.kind = KINDS.get(path) if h.get(":method", "POST") == "POST" else None
+        self.path = path
         if self.kind is not None:
             length = h.get("content-length")
             try:
@@ -223,7 +225,7 @@ class Exchange:
             allowed = {w.id for w in self._allowed_workers()}
             views = [v for v in views if v.worker_id in allowed]
         try:
-            adm = self.flow.admit(built, None, views, steer)
+            adm = self.flow.admit(built, None, views, steer, self.path)
         except NoWorkerAvailable as exc:
             rid = {"x-request-id": str(built.routing.request_id)}
             why: str | NoWorkerAvailable = exc

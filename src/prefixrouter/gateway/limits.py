@@ -4,7 +4,7 @@ Every function here takes the time as an argument, so the rules are tested
 without a clock; :mod:`prefixrouter.gateway.admission` applies them to live
 requests.
 
-**Rate** (:class:`TokenBucket`): a tenant with ``requests_per_s = r`` and
+**Rate** (:class:`~prefixrouter.core.bucket.TokenBucket`): a tenant with ``requests_per_s = r`` and
 ``burst = b`` has a bucket of ``b`` tokens, refilled continuously at ``r`` a
 second. A request takes one token; with none left it is refused, and told
 when the next token comes: ``Retry-After`` is that wait rounded *up* to whole
@@ -47,52 +47,12 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Generic, TypeVar
 
+from prefixrouter.core.bucket import TokenBucket
+
 T = TypeVar("T")
 
 IDLE_TENANTS_MAX = 10_000
 """Tenants whose state :class:`TenantLimiter` keeps; past it, idle ones are forgotten."""
-
-
-@dataclass(slots=True)
-class TokenBucket:
-    """``capacity`` tokens, refilled at ``rate`` per second (see the module docstring).
-
-    Attributes:
-        rate: Tokens per second.
-        capacity: Most tokens held (the burst).
-        tokens: Tokens now (starts full).
-        stamp: When ``tokens`` was last brought up to date (None: never).
-    """
-
-    rate: float
-    capacity: float
-    tokens: float = -1.0
-    stamp: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.rate <= 0 or self.capacity < 1:
-            raise ValueError(f"a bucket needs rate > 0 and capacity >= 1, got {self}")
-        if self.tokens < 0:
-            self.tokens = self.capacity
-
-    def _refill(self, now: float) -> None:
-        if self.stamp is not None and now > self.stamp:
-            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        if self.stamp is None or now > self.stamp:
-            self.stamp = now
-
-    def take(self, now: float) -> float:
-        """Take a token: 0.0 when taken, else the seconds until one will be there."""
-        self._refill(now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
-
-    def full(self, now: float) -> bool:
-        """Whether the bucket is full at ``now`` (nothing to remember about it)."""
-        self._refill(now)
-        return self.tokens >= self.capacity
 
 
 @dataclass(frozen=True, slots=True)

@@ -496,7 +496,7 @@ class GatewayMetrics:
         self.token_counts.inc((outcome,))
 
     def warm_up(self, outcome: str) -> None:
-        """A proactive copy ended: ``ok``, ``error`` or ``skipped``."""
+        """A proactive copy ended: ``ok``, ``error``, ``skipped`` or ``over_budget``."""
         self.warm_ups.inc((outcome,))
 
     def eviction_observed(self, age_s: float, cls: str = "unknown") -> None:

@@ -16,11 +16,14 @@ settled), then the completion with the engine's cached tokens. No
 calibration is taken from it (its time is not a user's TTFT) and it is
 neither in the decision log nor in the request metrics: it is the router's
 work, counted in ``prefixrouter_warm_ups_total{outcome}`` (``ok``,
-``error``, ``skipped``: over the in-flight bound).
+``error``, ``skipped``: over the in-flight bound, ``over_budget``: over the
+policy's copy budget).
 
 Bounded: at most ``max_in_flight`` copies out at once (the hot-prefix rule
 asks for one per prefix and replica it lacks, and never on a worker whose
-queue is past the maximum wait), each cut after ``timeout_s``; one that
+queue is past the maximum wait), at most the policy's share of each
+worker's time (``policy.params.copy_budget_share``, checked by the
+dispatcher), each cut after ``timeout_s``; one that
 fails is taken back (:meth:`~prefixrouter.core.dispatch.Dispatcher.reject`),
 as an attempt the engine did no prefill for.
 """
@@ -106,6 +109,9 @@ class WarmUpSender:
             return
         warm = self.dispatch.warm_up(admission, views, self.clock())
         if warm is None:
+            # The worker left routing since, or the policy's copy budget said no.
+            if any(v.worker_id == target for v in views):
+                self.metrics.warm_up("over_budget")
             return
         body = warm_up_body(built, built.cache_salt_on(worker.config.supports_cache_salt))
         self._tasks.spawn(self._send(session, worker, path, body, warm), "warm-up")

@@ -49,9 +49,9 @@ pure function whose docstring states its rule:
 
 With no warm worker the cold path (``_select_cold``) runs instead:
 :func:`cold_pool_rule`, then the picker among all workers for a prefix never
-seen (equal loads drawn per request), or :func:`rendezvous_home` for one seen
-before that no cache holds any more. Under the cold quota, when every warm
-worker is out of room, the lowest score among the workers with room wins.
+seen, or :func:`rendezvous_home` for one seen before that no cache holds any
+more. Under the cold quota, when every warm worker is out of room, the lowest
+score among the workers with room wins.
 
 Tiers (the one recorded is the chosen worker's):
 
@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from prefixrouter.core.bucket import TokenBucket
 from prefixrouter.core.index import PrefixIndex
 from prefixrouter.core.policy import (
     CandidateScore,
@@ -142,6 +143,17 @@ class PrefixAwareParams:
             (``Selection.warm_up``) and route the request as if no copy were
             due, so that no user request pays the copy's cold prefill; off,
             the request itself is sent to the new replica.
+        copy_budget_share: Proactive copies' budget: the share of each
+            worker's time its copies' predicted prefill may take, averaged
+            over ``copy_budget_window_s`` (a token bucket in seconds of
+            prefill, :class:`~prefixrouter.core.bucket.TokenBucket`; a copy
+            goes whenever the bucket is not empty, into debt if it must, so
+            one long document's copy is never refused for its size). Over
+            the budget no copy goes and the request is routed as it was; the
+            next request that calls for the copy asks again. Each router
+            replica keeps its own budget (its own copies).
+        copy_budget_window_s: The span that budget is averaged over (its
+            burst: ``copy_budget_share * copy_budget_window_s`` seconds).
         copy_max_kv_share: The hot-prefix rule warms no worker whose KV cache
             would be fuller than this share with the copy's blocks on top of
             what its running requests hold (see ``copy_room_filter``).
@@ -180,7 +192,9 @@ class PrefixAwareParams:
     min_margin_share: float = 0.5
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
-    proactive_copy: bool = False
+    proactive_copy: bool = True
+    copy_budget_share: float = 0.25
+    copy_budget_window_s: float = 10.0
     copy_max_kv_share: float = 0.8
     tie_band_rel: float = 0.1
     demand_window_s: float = 10.0
@@ -237,6 +251,8 @@ class PrefixAwarePolicy(Policy):
         # Demand per prefix, keyed by the block hash that ends it; see on_routed.
         self._demand: dict[int, _Demand] = {}
         self._sweep_at = self.params.min_tracked_prefixes  # see _sweep_demand
+        # Proactive copies' budget per worker (admit_warm_up).
+        self._copy_budget: dict[WorkerId, TokenBucket] = {}
 
     # ----------------------------------------------------------------- select
 
@@ -264,12 +280,7 @@ class PrefixAwarePolicy(Policy):
         deepest, holders = deepest_holders(scored, warm_ok)
         salt = _request_salt(ctx)
         picked = tie_band_picker(
-            scored,
-            candidates,
-            holders,
-            p.tie_band_rel,
-            _argmin(scored, holders),
-            salt,
+            scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders), salt
         )
         # 4. The rules, in order; each may leave the picker's choice.
         picked_id = scored[picked].worker_id
@@ -346,19 +357,12 @@ class PrefixAwarePolicy(Policy):
         hashes = ctx.blocks.hashes
         if not p.home_by_hash or not hashes or hashes[0] not in self._demand:
             # None is warm, so `best` is the best of all.
-            salt = _request_salt(ctx)
             pick = tie_band_picker(
-                scored,
-                candidates,
-                range(len(scored)),
-                p.tie_band_rel,
-                best,
-                salt,
-                _request_draw(ctx, salt),
+                scored, candidates, range(len(scored)), p.tie_band_rel, best, _request_salt(ctx)
             )
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
-                reason = "no reusable prefix anywhere: near-equal, fewest in flight, then drawn"
+                reason = "no reusable prefix anywhere: fewest in flight among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         home, near = rendezvous_home(scored, best, hashes[0], p.short)
         reason = f"no reusable prefix anywhere: its home among {near} within margin"
@@ -404,6 +408,19 @@ class PrefixAwarePolicy(Policy):
         return rate, math.ceil(demand / p.hot_prefix_utilization)
 
     # ------------------------------------------------------------------ hooks
+
+    def admit_warm_up(self, worker: WorkerId, prefill_s: float, now: float) -> bool:
+        """Spend ``prefill_s`` of ``worker``'s copy budget (``copy_budget_share``)."""
+        bucket = self._copy_budget.get(worker)
+        if bucket is None:
+            p = self.params
+            rate = p.copy_budget_share
+            bucket = TokenBucket(rate, rate * p.copy_budget_window_s)
+            self._copy_budget[worker] = bucket
+        return bucket.spend(now, prefill_s)
+
+    def on_worker_removed(self, worker: WorkerId) -> None:
+        self._copy_budget.pop(worker, None)
 
     def on_routed(self, ctx: RoutingContext, worker: WorkerId) -> None:
         # Count the request toward each of its prefixes of 1, 2, 4, 8, ...
@@ -621,7 +638,6 @@ def tie_band_picker(
     band: float,
     best: int,
     salt: int = 0,
-    draw: int = 0,
 ) -> int:
     """Picker: the best of ``indices``, where scores within a tie band of the best count as equal.
 
@@ -634,24 +650,8 @@ def tie_band_picker(
     whose scale happens to be lowest until its queue shows. The tie band is
     how far the candidates' calibration scales disagree, at most ``band``
     (relative); among candidates whose scores are within it of the best, the
-    one with the fewest requests in flight wins. With one candidate, or
-    scales that agree, the lowest score wins, and only exact ties are
-    near-equal.
-
-    Near-equal candidates with equal requests in flight go to the lowest
-    score, or, given a ``draw`` (this request's hash, :func:`_request_draw`),
-    to the highest rendezvous weight of (draw, worker), so that successive
-    requests spread evenly over them. The cold path draws: no worker holds
-    anything, so their scores differ only by calibration and load, and
-    within the band calibration is noise; taking the lowest feeds, at low
-    load (nothing in flight anywhere), every cold request to the one worker
-    whose scale happens to be lowest. A worker that gets none is never
-    observed, so its scale never moves: an engine back from a restart starts
-    from the fleet's best scale (:meth:`CostModel.restarted`), the others
-    kept drifting below it, and it got no traffic until each of them had a
-    request in flight. Holders of a prefix do not draw: their scores also
-    weigh how sure the index is of what each holds, which is not noise (a
-    draw there made doc-qa's mean TTFT at load 0.9 5 % worse in the simulator).
+    one with the fewest requests in flight wins, then the lowest score. With
+    one candidate, or scales that agree, the lowest score wins.
 
     ``salt`` (this request's on this router replica, :func:`_request_salt`;
     0 for one router) is for replicas that route on one view until their
@@ -686,26 +686,17 @@ def tie_band_picker(
                 highest = s
     agree = scales < 2 or lowest <= 0
     band = 0.0 if agree else max(0.0, min(band, highest / lowest - 1.0))
-    if band <= 0 and not salt and not draw:
+    if band <= 0 and not salt:
         return best
     # The band ends exactly at the highest scale's score when scores scale
     # with calibration (a cold prompt): a relative 1e-9 keeps that worker in
     # against rounding.
     limit = scored[best].score * (1.0 + band + 1e-9)
     near = [i for i in indices if scored[i].score <= limit]
-    if len(near) < 2:
-        return best
     if salt and len(near) > 2:
         # Two choices among the near-equal, drawn by the salt (see above).
         near = heapq.nlargest(2, near, key=lambda i: _rendezvous(salt, scored[i].worker_id))
-    fewest = min([candidates[i].in_flight for i in near])
-    tied = [i for i in near if candidates[i].in_flight == fewest]
-    if len(tied) == 1:
-        return tied[0]
-    if not draw:
-        return min(tied, key=lambda i: scored[i].score)
-    # Equal loads: the request's draw, not calibration noise (see above).
-    return max(tied, key=lambda i: _rendezvous(draw, scored[i].worker_id))
+    return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
 
 
 def copy_room_filter(
@@ -991,15 +982,6 @@ def _selection(
         reason = f"{choice.reason}; {cached} of {prompt} tokens cached"
         return Selection(c.worker_id, tier, reason, cached, out, choice.abandoned)
     return Selection(c.worker_id, "cold", choice.reason, 0, out, choice.abandoned)
-
-
-def _request_draw(ctx: RoutingContext, salt: int) -> int:
-    """This request's draw among equally loaded near-equal cold workers
-    (:func:`tie_band_picker`): the replica's salt, or on one router the
-    request id's hash (deterministic, never 0)."""
-    if salt:
-        return salt
-    return int(xxhash.xxh3_64_intdigest(ctx.request.request_id.encode("utf-8"))) | 1
 
 
 def _request_salt(ctx: RoutingContext) -> int:
