@@ -6,7 +6,7 @@ Usage::
         [--seeds 4] [--doc-qa-kv 9000,30000] [--mode token] [--processes 2]
         [--out benchmarks/proactive_copy_results.md]
 
-``prefix_aware`` with ``proactive_copy`` off and on (the default), on the same
+``prefix_aware`` with ``proactive_copy`` off (the default) and on, on the same
 requests and fleet (:mod:`prefixrouter.sim.runner`'s plan), for every
 scenario, load and seed; doc-qa also at the ``--doc-qa-kv`` sizes (issue 15,
 goal 3: more KV must not make it slower). Several seeds, because a shared
@@ -129,7 +129,7 @@ def main() -> None:
         f"# Proactive copy, {args.mode} mode",
         "",
         f"Produced by `python benchmarks/proactive_copy.py --mode {args.mode} --seeds "
-        f"{args.seeds}`: `prefix_aware` with `proactive_copy` off and on (the default), "
+        f"{args.seeds}`: `prefix_aware` with `proactive_copy` off (the default) and on, "
         "on the same requests and fleet; each figure is the mean over the seeds (one for "
         "the Mooncake trace). *ratio* is on / off; *prefill* is the prefill tokens' "
         "ratio; *warm-ups* the router's prefill-only copies per run. KV: blocks per "

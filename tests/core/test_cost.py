@@ -73,7 +73,7 @@ def test_calibration_converges_and_is_bounded() -> None:
     assert cm.scale(W.worker_id) == 1.0
 
 
-def test_a_restarted_or_new_worker_follows_the_lowest_factor_of_the_others() -> None:
+def test_a_restarted_worker_follows_the_lowest_factor_of_the_others_until_observed() -> None:
     cm = CostModel()
     a, b, c = WorkerId("a"), WorkerId("b"), WorkerId("c")
     for _ in range(300):  # c learned 1.6 under its old load; a and b warmed to 0.8 and 0.9
@@ -91,14 +91,14 @@ def test_a_restarted_or_new_worker_follows_the_lowest_factor_of_the_others() -> 
             cm.observe(b, t, t.ttft_s / t.scale * factor)
         lowest = min(cm.scale(a), cm.scale(b))
         assert cm.scale(c) == pytest.approx(lowest, rel=1e-5) and cm.scale(c) < lowest
-    assert cm.scale(WorkerId("new")) == cm.scale(c)  # a worker never observed: the same
+    assert cm.scale(WorkerId("new")) == 1.0  # a worker never observed: the profile's own
     # Its first observation gives it its own factor, which the others no longer move.
     t = cm.predict(replace(W, worker_id=c), 4_000, 0, 0.0, 10)
     cm.observe(c, t, t.ttft_s / t.scale * 1.6)
     own = cm.scale(c)
     assert own > cm.scale(a)
     cm.forget(a)
-    assert cm.scale(c) == own and cm.scale(WorkerId("new")) < cm.scale(b)
+    assert cm.scale(c) == own and cm.scale(WorkerId("new")) == 1.0
     alone = CostModel()
     alone.restarted(a)  # no fleet to learn from: the profile's own factor
     assert alone.scale(a) == 1.0

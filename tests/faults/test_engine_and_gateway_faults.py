@@ -43,12 +43,12 @@ def test_an_engine_sigkilled_mid_stream_loses_nothing_and_gets_traffic_back(
     rep = run_one(ff, SINGLE, "engine_sigkill")
     assert_sound(rep)
     # Measured 0.02-0.04 s to leave (the first refused connection marks it down)
-    # and 0.6-2.05 s to return after the new process answered /health, with
-    # three CPU burners beside the fleet: the gateway's next health check (its
-    # backoff is at most 2 s), then the next unique prompt (an engine with no
-    # calibration is predicted at the fleet's best). Before, it kept a factor
-    # the others drifted below, and cold ties went to them until they all had
-    # requests in flight: up to 6.6 s under load.
+    # and 0.2-1.9 s to return after the new process answered /health, with two
+    # CPU burners and a simulator benchmark beside the fleet: the gateway's next
+    # health check (its backoff is at most 2 s), then the next unique prompt (a
+    # restarted engine is predicted at the fleet's best until observed). Before,
+    # it kept a factor the others drifted below, and cold ties went to them
+    # until they all had requests in flight: up to 6.6 s under load.
     assert rep.leave_s is not None and rep.leave_s < 2.0
     assert rep.return_s is not None and rep.return_s < 5.0
 

@@ -503,11 +503,11 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     # token came from w0: the first copy is prefilled, so the second is warmed.
     prefilled = route_under_demand(50.0, settled=False, first_token=True)
     assert prefilled.worker_id == W1 and "hot prefix" in prefilled.reason
-    # Proactive copy (the default): the request stays warm, the copy is the router's.
+    # Proactive copy: the request stays warm, the copy is the router's.
     copied = route_under_demand(50.0, proactive=True)
     assert copied.worker_id == W0 and copied.warm_up == W1
     assert "warming w1 with a prefill-only copy" in copied.reason
-    assert Router().policy.params.proactive_copy
+    assert not Router().policy.params.proactive_copy  # opt-in (decision_quality_notes.md)
 
 
 def test_copy_room_filter_keeps_workers_with_room_for_the_copy() -> None:

@@ -192,7 +192,7 @@ class PrefixAwareParams:
     min_margin_share: float = 0.5
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
-    proactive_copy: bool = True
+    proactive_copy: bool = False
     copy_budget_share: float = 0.25
     copy_budget_window_s: float = 10.0
     copy_max_kv_share: float = 0.8
@@ -688,10 +688,7 @@ def tie_band_picker(
     band = 0.0 if agree else max(0.0, min(band, highest / lowest - 1.0))
     if band <= 0 and not salt:
         return best
-    # The band ends exactly at the highest scale's score when scores scale
-    # with calibration (a cold prompt): a relative 1e-9 keeps that worker in
-    # against rounding.
-    limit = scored[best].score * (1.0 + band + 1e-9)
+    limit = scored[best].score * (1.0 + band)
     near = [i for i in indices if scored[i].score <= limit]
     if salt and len(near) > 2:
         # Two choices among the near-equal, drawn by the salt (see above).
