@@ -16,7 +16,7 @@ draw on it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -32,14 +32,16 @@ class TokenBucket:
 
     rate: float
     capacity: float
-    tokens: float = -1.0
+    tokens: float = field(init=False)
     stamp: float | None = None
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.capacity <= 0:
-            raise ValueError(f"a bucket needs rate > 0 and capacity > 0, got {self}")
-        if self.tokens < 0:
-            self.tokens = self.capacity
+            raise ValueError(
+                f"a bucket needs rate > 0 and capacity > 0, got rate={self.rate} "
+                f"capacity={self.capacity}"
+            )
+        self.tokens = self.capacity
 
     def _refill(self, now: float) -> None:
         if self.stamp is not None and now > self.stamp:

@@ -106,7 +106,7 @@ class CostParams:
     min_observed_s: float = 1e-4
 
 
-UNOBSERVED_EDGE = 1e-6
+RESTARTED_EDGE = 1e-6
 """How far below the lowest observed factor a restarted worker is predicted
 (relative): enough to win an exact tie against that worker, nothing else."""
 
@@ -116,25 +116,22 @@ class CostModel:
 
     def __init__(self, params: CostParams | None = None) -> None:
         self.params = params or CostParams()
-        # Observed workers; a restarted one is in `_restarted` until observed
-        # again, predicted at `_optimistic` (module doc); the rest at 1.
+        # Observed workers; a restarted one is in `_restarted` (and not in
+        # `_scale`) until observed again; a worker in neither is at 1.
         self._scale: dict[WorkerId, float] = {}
         self._restarted: set[WorkerId] = set()
-        self._lowest = math.inf  # the lowest observed factor
-        self._optimistic = 1.0
 
-    def _update_optimistic(self) -> None:
-        """A restarted worker's factor: a hair below the lowest observed one."""
-        scales = self._scale
-        self._lowest = min(scales.values()) if scales else math.inf
-        self._optimistic = self._lowest * (1.0 - UNOBSERVED_EDGE) if scales else 1.0
+    def _unobserved_scale(self, worker: WorkerId) -> float:
+        """A worker with no factor of its own: a restarted one a hair below the
+        lowest observed factor, read now (module doc); any other the profile's 1."""
+        if worker in self._restarted and self._scale:
+            return min(self._scale.values()) * (1.0 - RESTARTED_EDGE)
+        return 1.0
 
     def scale(self, worker: WorkerId) -> float:
         """The worker's calibration factor (1 = the profile is right)."""
         s = self._scale.get(worker)
-        if s is None:
-            return self._optimistic if worker in self._restarted else 1.0
-        return s
+        return self._unobserved_scale(worker) if s is None else s
 
     def predict(
         self,
@@ -221,9 +218,9 @@ class CostModel:
         own_step = prof.decode_step_time(batch + 1, batch_context + prompt_tokens)
         decode = output_tokens * own_step
 
-        s = self._scale.get(w.worker_id)  # self.scale(), without the call
+        s = self._scale.get(w.worker_id)  # self.scale(), without the call if known
         if s is None:
-            s = self._optimistic if w.worker_id in self._restarted else 1.0
+            s = self._unobserved_scale(w.worker_id)
         eviction = prof.prefill_time(evicted_tokens, 0.0) if evicted_tokens > 0 else 0.0
         # By keyword: `scale` passed positionally once landed in a term slot,
         # which left calibration converging to the square root of the error.
@@ -247,25 +244,17 @@ class CostModel:
         unscaled = predicted_ttft / predicted.scale
         ratio = min(p.max_scale, max(1.0 / p.max_scale, observed_ttft_s / unscaled))
         scale += p.calibration_alpha * (ratio - scale)
-        new = min(p.max_scale, max(1.0 / p.max_scale, scale))
-        old = self._scale.get(worker)
-        self._scale[worker] = new
+        self._scale[worker] = min(p.max_scale, max(1.0 / p.max_scale, scale))
         self._restarted.discard(worker)
-        # The optimistic factor follows the lowest observed one: rescanned on a
-        # new low, a first observation or the lowest one moving (rarely a scan).
-        if old is None or new < self._lowest or old == self._lowest:
-            self._update_optimistic()
 
     def forget(self, worker: WorkerId) -> None:
         """Drop a removed worker's calibration."""
         self._restarted.discard(worker)
-        if self._scale.pop(worker, None) is not None:
-            self._update_optimistic()
+        self._scale.pop(worker, None)
 
     def restarted(self, worker: WorkerId) -> None:
         """The worker's engine is a new process: until observed again it is
         predicted a hair below the lowest factor of the others, whatever they
         learn meanwhile (module doc); the profile's own (1) when none has one."""
         self._restarted.add(worker)
-        if self._scale.pop(worker, None) is not None:
-            self._update_optimistic()
+        self._scale.pop(worker, None)

@@ -4,12 +4,13 @@ Every function here takes the time as an argument, so the rules are tested
 without a clock; :mod:`prefixrouter.gateway.admission` applies them to live
 requests.
 
-**Rate** (:class:`~prefixrouter.core.bucket.TokenBucket`): a tenant with ``requests_per_s = r`` and
-``burst = b`` has a bucket of ``b`` tokens, refilled continuously at ``r`` a
-second. A request takes one token; with none left it is refused, and told
-when the next token comes: ``Retry-After`` is that wait rounded *up* to whole
-seconds (HTTP's unit), so a client that honours it is never refused again for
-the same reason. A refused request takes nothing.
+**Rate** (:class:`~prefixrouter.core.bucket.TokenBucket`): a tenant with
+``requests_per_s = r`` and ``burst = b`` has a bucket of ``b`` tokens,
+refilled continuously at ``r`` a second. A request takes one token; with none
+left it is refused, and told when the next token comes: ``Retry-After`` is
+that wait rounded *up* to whole seconds (HTTP's unit), so a client that
+honours it is never refused again for the same reason. A refused request takes
+nothing.
 
 **In flight** (:class:`TenantLimiter`): a tenant with ``max_in_flight = n``
 has at most ``n`` requests between admission and their last byte; the
