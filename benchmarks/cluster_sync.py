@@ -33,6 +33,14 @@ cluster:
   the replicas. nats-py's own protocol work is not in it;
 * ``process_ms_per_request``: each replica's whole process CPU per request it
   served (everything: HTTP, routing, sync, nats-py), mean over replicas;
+* ``marginal_ms_per_request`` (with ``--no-sync-side``: ``--replicas``
+  gateways without ``--cluster``, sharing nothing, in the same rounds on the
+  same engines): what sync adds to a replica's whole process per request of
+  the cluster, ``(process_ms_per_request - no sync's) / replicas``. It counts
+  nats-py's work, which ``sync_ms_per_request`` leaves out, and only the CPU
+  sync adds: the node's count also holds the cost of running code that the
+  next routing would otherwise run cold (module doc of the notes,
+  ``replicas_live_results.md``);
 * ``lag_p50_ms`` / ``lag_p99_ms`` / ``over_10ms``: the fact propagation lag
   from every replica's ``prefixrouter_cluster_propagation_lag_seconds``
   histogram (deltas over the rounds; percentiles interpolated within buckets
@@ -45,7 +53,7 @@ cluster:
 Usage::
 
     python benchmarks/cluster_sync.py [--replicas 4] [--rates 8,50,200] [--seconds 12]
-        [--rounds 2] [--baseline-src DIR] [--doc-kb 0] [--json FILE]
+        [--rounds 2] [--baseline-src DIR] [--no-sync-side] [--doc-kb 0] [--json FILE]
     python benchmarks/cluster_sync.py --hot-loop 3000 [--per-message 1] [--doc-kb 0]
 
 ``--hot-loop N`` measures no network and no processes: N requests' facts
@@ -82,12 +90,14 @@ from prefixrouter.harness.health import wait_routable
 from prefixrouter.harness.nats import NatsServer
 from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import Fleet, Server
-from prefixrouter.harness.replicas import start_replicas, wait_ready_async
+from prefixrouter.harness.replicas import GATEWAY_MODULE, start_replicas, wait_ready_async
 from prefixrouter.prometheus import histogram, histogram_quantile
 
 ADMIN_KEY = "bench-admin-key"
 PATH = "/v1/chat/completions"
 LAG = "prefixrouter_cluster_propagation_lag_seconds"
+NO_SYNC = "no sync"
+"""The side of ``--no-sync-side``: the same replicas without ``--cluster``."""
 SETTLE_S = 0.8
 """After a round: the last answers' facts arrive and held ones are applied (0.5 s bound)."""
 console = Console(stderr=True)
@@ -194,6 +204,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sides: list[tuple[str, str | None]] = [("this", None)]
     if args.baseline_src:
         sides.insert(0, ("baseline", str(Path(args.baseline_src).resolve())))
+    if args.no_sync_side:
+        sides.append((NO_SYNC, None))
     with (
         tempfile.TemporaryDirectory() as tmp,
         Fleet() as fleet,
@@ -211,6 +223,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg.write_bytes(orjson.dumps({"workers": workers, "server": {"admin_api_key": ADMIN_KEY}}))
         clusters: dict[str, list[Server]] = {}
         for side, src in sides:
+            if side == NO_SYNC:  # the same gateways sharing nothing: no --cluster
+                clusters[side] = [
+                    fleet.start(f"{side}-r{i}", GATEWAY_MODULE, ["--config", str(cfg)])
+                    for i in range(args.replicas)
+                ]
+                continue
             nats = stack.enter_context(NatsServer())
             env = {"PYTHONPATH": src} if src else None
             clusters[side] = start_replicas(
@@ -271,6 +289,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                 a["lag"][le] = a["lag"].get(le, 0.0) + c - rb["lag"].get(le, 0.0)
                         merged.append((b, a))
                     row[side] = {**_summary(merged), "errors": errors[side]}
+                if NO_SYNC in row:
+                    # What sync adds to a replica's whole process (nats-py included),
+                    # per request of the cluster: the per-own-request difference / N.
+                    extra = row["this"]["process_ms_per_request"]
+                    extra -= row[NO_SYNC]["process_ms_per_request"]
+                    row["this"]["marginal_ms_per_request"] = round(extra / args.replicas, 4)
                 out["rates"].append(row)
     return out
 
@@ -287,10 +311,11 @@ def _table(out: dict[str, Any]) -> Table:
         "lag p99",
         ">10 ms",
         "process ms/req",
+        "marginal ms/req/replica",
     ):
         t.add_column(col, justify="right")
     for row in out["rates"]:
-        for side in ("baseline", "this"):
+        for side in ("baseline", "this", NO_SYNC):
             r = row.get(side)
             if r is None:
                 continue
@@ -307,6 +332,7 @@ def _table(out: dict[str, Any]) -> Table:
                 f"{r['lag_p99_ms']:.2f} ms",
                 f"{100 * r['over_10ms']:.1f} %",
                 f"{r['process_ms_per_request']:.2f}",
+                f"{r['marginal_ms_per_request']:.3f}" if "marginal_ms_per_request" in r else "-",
             )
     return t
 
@@ -381,6 +407,11 @@ def main() -> None:
     ap.add_argument("--decode-ms", type=float, default=300.0, help="engines' rest, after")
     ap.add_argument("--doc-kb", type=int, default=0, help="K KB documents (0: 8 KB bodies)")
     ap.add_argument("--baseline-src", default="", help="another checkout's src, side by side")
+    ap.add_argument(
+        "--no-sync-side",
+        action="store_true",
+        help="also N gateways sharing nothing, side by side (the marginal CPU of sync)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--hot-loop", type=int, default=0, metavar="N", help="in process, no network")
     ap.add_argument("--per-message", type=int, default=1, help="requests per message (hot loop)")

@@ -28,6 +28,7 @@ from prefixrouter.core import (
 )
 from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.policies.prefix_aware import (
+    Choice,
     OutputClassParams,
     PrefixAwareParams,
     PrefixAwarePolicy,
@@ -35,6 +36,7 @@ from prefixrouter.core.policies.prefix_aware import (
     cold_pool_rule,
     cold_quota_filter,
     copy_room_filter,
+    copy_rule,
     deepest_holders,
     hot_prefix_rule,
     margin_limit,
@@ -471,13 +473,14 @@ def test_hot_prefix_warms_a_second_replica() -> None:
         settled: bool = True,
         first_token: bool = False,
         proactive: bool = False,
+        queued_on_holder: int = 9_000,
     ) -> Decision:
         # The rule's own verdict: the request itself goes to the new replica
         # (proactive copy off; with it on, the router sends the copy instead).
         r = Router(create_policy("prefix_aware", {"proactive_copy": proactive}))
         warm(r, W0, doc)
         ws = workers(2)
-        ws[0] = replace(ws[0], pending_prefill_tokens=9_000)  # warm, but queued
+        ws[0] = replace(ws[0], pending_prefill_tokens=queued_on_holder)  # warm, but queued
         # a stream of this prefix at the given rate feeds the demand estimate
         for i in range(300):
             t = i / requests_per_s
@@ -507,7 +510,24 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     copied = route_under_demand(50.0, proactive=True)
     assert copied.worker_id == W0 and copied.warm_up == W1
     assert "warming w1 with a prefill-only copy" in copied.reason
+    # A longer queue on the holder: the request's first token comes no later
+    # on the copy, cold prefill included, so it warms the copy itself (rule 5)
+    # and the router sends no copy of its own.
+    queued = route_under_demand(50.0, proactive=True, queued_on_holder=12_000)
+    score = {c.worker_id: c.score for c in queued.candidates}
+    assert score[W1] <= score[W0]
+    assert queued.worker_id == W1 and queued.warm_up is None and "hot prefix" in queued.reason
     assert not Router().policy.params.proactive_copy  # opt-in (decision_quality_notes.md)
+
+
+def test_copy_rule_lets_the_request_pay_the_copy_when_that_costs_it_nothing() -> None:
+    cs = [scored("w0", 0.70, queue=0.6), scored("w1", 0.65), scored("w2", 0.9)]
+    copy = Choice(1, "hot prefix: warming w1")
+    kept = Choice(0, "warm within margin")
+    assert copy_rule(cs, kept, copy) is copy  # sooner on the copy: the request goes
+    assert copy_rule([*cs[:1], scored("w1", 0.70), cs[2]], kept, copy) is copy  # a tie too
+    assert copy_rule([cs[0], scored("w1", 0.71), cs[2]], kept, copy) is kept  # later: stays
+    assert copy_rule(cs, Choice(1, "lowest"), copy).reason == "lowest"  # already there
 
 
 def test_copy_room_filter_keeps_workers_with_room_for_the_copy() -> None:

@@ -45,7 +45,10 @@ pure function whose docstring states its rule:
    :func:`max_wait_rule` (never queue too long for a warm cache, counting a
    wait for KV memory), :func:`no_room_rule` (no copy into caches with no
    room, for a prefix one replica serves) and :func:`warm_margin_rule` (keep
-   the warm worker while it is nearly as good).
+   the warm worker while it is nearly as good); with ``proactive_copy`` the
+   hot-prefix rule's verdict is set aside for a copy of the router's own,
+   and :func:`copy_rule` sends the request itself to the copy when its
+   first token comes no later there.
 
 With no warm worker the cold path (``_select_cold``) runs instead:
 :func:`cold_pool_rule`, then the picker among all workers for a prefix never
@@ -141,8 +144,10 @@ class PrefixAwareParams:
         proactive_copy: When the hot-prefix rule calls for another replica,
             warm it with a prefill-only request of the router's own
             (``Selection.warm_up``) and route the request as if no copy were
-            due, so that no user request pays the copy's cold prefill; off,
-            the request itself is sent to the new replica.
+            due, so that no user request pays the copy's cold prefill, unless
+            the request's own first token comes no later on the new replica
+            (:func:`copy_rule`: then it makes the copy itself); off, the
+            request itself is sent to the new replica.
         copy_budget_share: Proactive copies' budget: the share of each
             worker's time its copies' predicted prefill may take, averaged
             over ``copy_budget_window_s`` (a token bucket in seconds of
@@ -306,11 +311,11 @@ class PrefixAwarePolicy(Policy):
         choice = hot_prefix_rule(
             scored, eligible if roomy is None else roomy, holders, settled, cls, demand
         )
-        warm_up: int | None = None
+        copy: Choice | None = None
         if choice is not None and p.proactive_copy:
             # The router warms the copy itself; this request is routed by the
-            # rules below as if no copy were due.
-            warm_up, choice = choice.index, None
+            # rules below as if no copy were due, then by the copy rule.
+            copy, choice = choice, None
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
         if choice is None:
@@ -327,9 +332,11 @@ class PrefixAwarePolicy(Policy):
             choice = warm_margin_rule(
                 scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
             )
+        if copy is not None:
+            choice = copy_rule(scored, choice, copy)
         sel = _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
-        if warm_up is not None and warm_up != choice.index:  # else this request warms it
-            sel.warm_up = scored[warm_up].worker_id
+        if copy is not None and copy.index != choice.index:  # else this request warms it
+            sel.warm_up = scored[copy.index].worker_id
             sel.reason = f"{sel.reason}; hot prefix: warming {sel.warm_up} with a prefill-only copy"
         return sel
 
@@ -882,6 +889,27 @@ def warm_margin_rule(
         f"beyond margin of {b.worker_id} {cold_switch * 1e3:.0f} ms"
     )
     return Choice(best, reason)
+
+
+def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) -> Choice:
+    """Rule 5, the copy's own request (``proactive_copy``): the request warms the copy
+    itself when its first token comes no later there, cold prefill included.
+
+    ``copy`` is the hot-prefix rule's verdict, set aside so that rules 2-4
+    could route the request as if no copy were due (``choice``). The copy
+    is made either way; the question left is who pays its prefill. When
+    the copy target's score is no higher than the choice's, the request
+    loses nothing by paying it, and no prefill-only copy of the router's
+    own is needed: one prefill instead of two, and no request is kept on a
+    holder that the warm margin would keep only to avoid a copy that is
+    being made anyway. Under load this is the common case: the holders'
+    queues are what made the prefix hot (Mooncake at load 0.9: without
+    this rule the request stayed on a long holder queue, 985 -> 1,343 ms
+    mean with copies on; with it, 986 ms).
+    """
+    if copy.index != choice.index and scored[copy.index].score <= scored[choice.index].score:
+        return copy
+    return choice
 
 
 def switch_score(c: CandidateScore, cls: OutputClassParams, eviction_weight: float) -> float:
