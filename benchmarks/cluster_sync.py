@@ -37,10 +37,8 @@ cluster:
   gateways without ``--cluster``, sharing nothing, in the same rounds on the
   same engines): what sync adds to a replica's whole process per request of
   the cluster, ``(process_ms_per_request - no sync's) / replicas``. It counts
-  nats-py's work, which ``sync_ms_per_request`` leaves out, and only the CPU
-  sync adds: the node's count also holds the cost of running code that the
-  next routing would otherwise run cold (module doc of the notes,
-  ``replicas_live_results.md``);
+  nats-py's work, which ``sync_ms_per_request`` leaves out, and the cost of
+  waking for each message (``replicas_live_results.md``);
 * ``lag_p50_ms`` / ``lag_p99_ms`` / ``over_10ms``: the fact propagation lag
   from every replica's ``prefixrouter_cluster_propagation_lag_seconds``
   histogram (deltas over the rounds; percentiles interpolated within buckets
@@ -54,14 +52,18 @@ Usage::
 
     python benchmarks/cluster_sync.py [--replicas 4] [--rates 8,50,200] [--seconds 12]
         [--rounds 2] [--baseline-src DIR] [--no-sync-side] [--doc-kb 0] [--json FILE]
-    python benchmarks/cluster_sync.py --hot-loop 3000 [--per-message 1] [--doc-kb 0]
+    python benchmarks/cluster_sync.py --hot-loop 3000 [--per-message 1] [--doc-kb 0] [--gap-ms 0]
 
 ``--hot-loop N`` measures no network and no processes: N requests' facts
 recorded by one dispatcher, encoded into messages of ``--per-message``
 requests' facts each, then unpacked, decoded and applied by a second
 dispatcher in this process, best of five repeats: the microseconds per
 request of the publishing side and of the applying side, free of the noise
-of a shared machine but hot (caches hold everything).
+of a shared machine but hot (caches hold everything). With ``--gap-ms G``
+it also applies the same messages twice more with a fresh dispatcher, back
+to back and each after ``G`` ms of unrelated interpreter work, and prints
+both apply figures and their ratio: what the same calls cost when they run
+cold, as a live replica's do between other work.
 
 Target (issue 14): sync at most 0.05 ms of CPU per request per replica;
 propagation lag p99 under 10 ms on loopback.
@@ -337,7 +339,18 @@ def _table(out: dict[str, Any]) -> Table:
     return t
 
 
-def hot_loop(n: int, per_message: int, doc_kb: int) -> dict[str, Any]:
+def _other_work(ms: float) -> None:
+    """About ``ms`` of interpreter work that touches none of sync's code or data."""
+    import time
+
+    end = time.thread_time() + ms / 1e3
+    x = 0
+    while time.thread_time() < end:
+        for i in range(1000):
+            x += i
+
+
+def hot_loop(n: int, per_message: int, doc_kb: int, gap_ms: float = 0.0) -> dict[str, Any]:
     """Publish-side and apply-side microseconds per request, in process (module doc)."""
     import time
 
@@ -382,7 +395,7 @@ def hot_loop(n: int, per_message: int, doc_kb: int) -> dict[str, Any]:
         t2 = time.process_time()
         best_pub = min(best_pub, (t1 - t0) / n)
         best_apply = min(best_apply, (t2 - t1) / n)
-    return {
+    out = {
         "requests": n,
         "requests_per_message": per_message,
         "doc_kb": doc_kb,
@@ -390,6 +403,29 @@ def hot_loop(n: int, per_message: int, doc_kb: int) -> dict[str, Any]:
         "apply_side_us": round(best_apply * 1e6, 2),
         "sync_us_per_request_per_replica_at_2": round((best_pub + best_apply) * 1e6, 2),
     }
+    if gap_ms > 0:
+        # The same messages applied by a fresh dispatcher, each after gap_ms of
+        # other work (as a live replica applies a pass between other processes'
+        # and its own HTTP work), and back to back, in one run: only the apply
+        # calls are timed.
+        timed: dict[float, float] = {}
+        for gap in (0.0, gap_ms):
+            c = Dispatcher(Router("prefix_aware", BlockHasher()), "text")
+            spent = 0.0
+            for data in messages:
+                if gap:
+                    _other_work(gap)
+                t0 = time.thread_time()
+                got, body = envelope.unpack(data)
+                for fact in decode_facts(body):
+                    c.apply_peer(got.origin, fact, 1.0)
+                spent += time.thread_time() - t0
+            timed[gap] = spent / n
+        out["gap_ms"] = gap_ms
+        out["apply_side_us_back_to_back"] = round(timed[0.0] * 1e6, 2)
+        out["apply_side_us_after_gap"] = round(timed[gap_ms] * 1e6, 2)
+        out["after_gap_ratio"] = round(timed[gap_ms] / timed[0.0], 2)
+    return out
 
 
 def main() -> None:
@@ -415,9 +451,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--hot-loop", type=int, default=0, metavar="N", help="in process, no network")
     ap.add_argument("--per-message", type=int, default=1, help="requests per message (hot loop)")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="hot loop: also apply each message after this much other work, side by side",
+    )
     args = ap.parse_args()
     if args.hot_loop:
-        print(orjson.dumps(hot_loop(args.hot_loop, args.per_message, args.doc_kb)).decode())
+        figures = hot_loop(args.hot_loop, args.per_message, args.doc_kb, args.gap_ms)
+        print(orjson.dumps(figures).decode())
         return
     out = asyncio.run(run(args))
     console.print(_table(out))
