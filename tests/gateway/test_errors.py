@@ -23,6 +23,7 @@ from prefixrouter.gateway.errors import (
     ServiceUnavailable,
     Unauthorized,
     UpstreamFailed,
+    UpstreamTimeout,
     error_response,
     upstream_error_body,
 )
@@ -41,6 +42,7 @@ from tests.gateway.served import BOUND_S, HOST, gateway, status_and_json
         (PayloadTooLarge("x"), 413, "invalid_request_error", "request_too_large"),
         (ServiceUnavailable("x"), 503, "service_unavailable", "no_healthy_worker"),
         (UpstreamFailed("x"), 502, "upstream_error", "upstream_unreachable"),
+        (UpstreamTimeout("x"), 504, "upstream_error", "upstream_timeout"),
         (NoWorkerAvailable("x"), 503, "service_unavailable", "no_healthy_worker"),
         (ConfigError("x"), 400, "invalid_request_error", "invalid_config"),
         (UnknownNameError("policy", "p", []), 404, "invalid_request_error", "not_found"),

@@ -236,3 +236,25 @@ def test_a_check_sent_before_the_worker_went_silent_does_not_clear_it() -> None:
             assert w.healthy and w.view.healthy
 
     run(body)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_worker_timing_out_is_a_504_not_a_502(stream: bool) -> None:
+    """The gateway gave up waiting (a gateway timeout), not a worker it could
+    not reach: every attempt timed out, so the client gets 504
+    ``upstream_timeout`` naming each attempt, and the decision log says 504."""
+
+    async def body() -> None:
+        async with gateway_env(n=2, overrides=FAST) as env:
+            for engine in env.engines:  # both frozen: accept, never answer
+                engine.delay_s = engine.health_delay_s = 30.0
+            t0 = time.monotonic()
+            r = await env.chat(LONG, stream=stream)
+            err = (await r.json())["error"]
+            assert time.monotonic() - t0 < 10.0  # the first-byte timeouts, not the freeze
+            assert r.status == 504 and err["code"] == "upstream_timeout"
+            assert err["type"] == "upstream_error" and "FirstByteTimeout" in err["message"]
+            (log,) = await _decisions(env)
+            assert log["status"] == 504 and log["attempts"] >= 1
+
+    run(body)

@@ -26,6 +26,7 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   ├── ServiceUnavailable       503  service_unavailable    no_healthy_worker  (+ Retry-After)
     │   │   └── Overloaded           503  service_unavailable    overloaded  (shed; + Retry-After)
     │   └── UpstreamFailed           502  upstream_error         upstream_unreachable
+    │       └── UpstreamTimeout      504  upstream_error         upstream_timeout
     ├── RoutingError
     │   └── NoWorkerAvailable        503  service_unavailable    no_healthy_worker  (+ Retry-After)
     ├── ConfigError                  400  invalid_request_error  invalid_config  (admin API input)
@@ -42,8 +43,10 @@ Upstream failures: an upstream that cannot be reached, refuses
 (``proxy.retry_statuses``) or breaks before its first byte makes the request
 try another worker; only when none is left does the client see the last
 refusal's own answer (status kept) or a 502 ``upstream_unreachable`` that
-names every worker tried and why. A stream that breaks after bytes reached
-the client ends with an SSE ``data: {"error": ...}`` event (never a retry).
+names every worker tried and why (a 504 ``upstream_timeout`` when every
+attempt timed out: the gateway gave up waiting). A stream that breaks after
+bytes reached the client ends with an SSE ``data: {"error": ...}`` event
+(never a retry).
 
 An upstream engine's own error keeps its status: its body is passed through
 when it already has the OpenAI shape and wrapped into it otherwise
@@ -196,6 +199,14 @@ class UpstreamFailed(GatewayError):
     status = 502
     type = "upstream_error"
     code = "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamFailed):
+    """504: every attempted worker timed out before answering (a gateway timeout,
+    not a worker that could not be reached)."""
+
+    status = 504
+    code = "upstream_timeout"
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:

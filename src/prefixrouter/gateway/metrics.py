@@ -23,7 +23,8 @@ Per request (updated once, when the request ends):
 * ``prefixrouter_evicted_prefix_age_seconds{prefix_class}``: when a worker no longer holds a
   prefix it served before (a miss), the time since it last served it;
 * ``prefixrouter_retries_total{worker,status}``: attempts abandoned before
-  the first byte (unreachable worker: ``status="502"``, or a refusal status);
+  the first byte (unreachable worker: ``status="502"``; timed out:
+  ``"504"``; or a refusal status);
 * ``prefixrouter_kv_evictions_total{source}``: ``observed`` = those misses;
   ``mirrored`` = blocks the router's index dropped to mirror the engines' KV size.
 

@@ -93,6 +93,7 @@ from prefixrouter.gateway.errors import (
     GatewayError,
     PayloadTooLarge,
     UpstreamFailed,
+    UpstreamTimeout,
     error_body,
     error_response,
     upstream_error_body,
@@ -150,6 +151,8 @@ class _Retry:
     tried: list[WorkerId] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     last_refusal: Attempt | None = None
+    # Every attempt so far timed out (504): the final answer is a 504 then.
+    timed_out: bool = True
 
 
 class Proxy:
@@ -317,6 +320,7 @@ class Proxy:
                 retry = _Retry()
             retry.tried.append(worker.id)
             retry.errors.append(f"{worker.id}: {att.error}")
+            retry.timed_out = retry.timed_out and att.status == 504
             if not att.unreachable:
                 retry.last_refusal = att
         return self._no_worker(built, retry, "every attempt failed", adm, t0)
@@ -530,8 +534,9 @@ class Proxy:
     ) -> web.StreamResponse:
         """The answer when no (further) worker can take the request.
 
-        The last refusal's own answer, else a 502 naming every worker tried,
-        else :meth:`RequestFlow.no_worker_error` (403 or 503).
+        The last refusal's own answer, else a 502 naming every worker tried
+        (504 if every attempt timed out), else
+        :meth:`RequestFlow.no_worker_error` (403 or 503).
         """
         why = str(no_worker)
         hdrs = {"X-Request-Id": str(built.routing.request_id)}
@@ -541,8 +546,9 @@ class Proxy:
             resp = refusal.fallback  # the upstream's own error keeps its status
         elif retry is not None and retry.tried:
             detail = "; ".join(retry.errors)
+            failed = UpstreamTimeout if retry.timed_out else UpstreamFailed
             resp = error_response(
-                UpstreamFailed(f"no worker could serve the request ({detail})", headers=hdrs)
+                failed(f"no worker could serve the request ({detail})", headers=hdrs)
             )
         else:
             resp = error_response(self.flow.no_worker_error(built, no_worker, hdrs))
@@ -578,11 +584,13 @@ def _failed(exc: BaseException) -> Attempt:
     """An attempt that failed before its first byte: retried on another worker.
 
     A first-byte timeout makes the worker suspect (it may only be slow); any
-    other failure means it could not be reached.
+    other failure means it could not be reached. A timeout of any kind is a
+    504 (the gateway gave up waiting), anything else a 502.
     """
     if isinstance(exc, FirstByteTimeout):
         return Attempt(None, 504, error=_describe(exc), suspect=True)
-    return Attempt(None, 502, error=_describe(exc), unreachable=True)
+    status = 504 if isinstance(exc, TimeoutError) else 502
+    return Attempt(None, status, error=_describe(exc), unreachable=True)
 
 
 def _describe(exc: BaseException) -> str:
