@@ -134,7 +134,7 @@ def run(args: argparse.Namespace, on_step: Any = None) -> list[dict[str, Any]]:
         text = f"{i:012d}" + filler[12:]  # unique from its first block on
         req = RoutingRequest(RequestId(f"r{i}"), ns, text=text, max_tokens=128)
         for v in views:
-            dispatch.fill(v)
+            dispatch.fill(v, now)
         admission = dispatch.admit(req, views, now)
         if args.reject_every and i % args.reject_every == args.reject_every - 1:
             dispatch.reject(admission, now)  # answered 400 at once

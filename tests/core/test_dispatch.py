@@ -60,7 +60,7 @@ def test_admit_routes_records_the_routing_and_counts_it_in_flight() -> None:
     assert d.index_blocks(adm.worker) == 20  # speculative placement
     load = d.load(adm.worker)
     assert (load.in_flight, load.pending_prefill_tokens, load.queued_prompt_tokens) == (1, 320, 320)
-    view = d.fill(WorkerView(adm.worker))
+    view = d.fill(WorkerView(adm.worker), 0.0)
     assert view.in_flight == 1 and view.queued_prompt_tokens == 320
 
 
@@ -267,7 +267,7 @@ def _hot_document(proactive: bool, **params: float) -> tuple[Dispatcher, list[Ad
     for k in range(1, 40):
         now = 0.5 + k / 60
         adm = d.admit(
-            request(f"r{k}", [*doc, *tokens(100 + k, 20)]), [d.fill(v) for v in views], now
+            request(f"r{k}", [*doc, *tokens(100 + k, 20)]), [d.fill(v, now) for v in views], now
         )
         admissions.append(adm)
         if adm.worker != first.worker or adm.decision.warm_up is not None:
@@ -292,7 +292,7 @@ def test_proactive_copy_keeps_the_request_warm_and_warms_the_copy_itself() -> No
     assert f"warming {target} with a prefill-only copy" in last.decision.reason
     assert last.decision.to_dict()["warm_up"] == target
     # ...and the router's own prefill-only request goes to the copy.
-    views = [d.fill(v) for v in workers(3)]
+    views = [d.fill(v, last.decision.now) for v in workers(3)]
     warm = d.warm_up(last, views, last.decision.now)
     assert warm is not None and warm.worker == target
     assert warm.request.request_id == f"{last.request.request_id}:warm-up"
@@ -315,7 +315,7 @@ def test_proactive_copies_stop_at_the_budget_and_resume_as_it_refills() -> None:
     assert target is not None
     prefill_s = next(c.terms.prefill_s for c in last.decision.candidates if c.worker_id == target)
     assert 0 < prefill_s < 2.0
-    views = [d.fill(v) for v in workers(3)]
+    views = [d.fill(v, last.decision.now) for v in workers(3)]
 
     def copies(now: float) -> int:
         """Copies sent one after another at ``now`` until the budget says no."""

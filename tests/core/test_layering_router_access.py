@@ -102,7 +102,7 @@ router.hasher.estimator.observe(1, 1)
 router.on_completed(d, o, 0.0)
 self._router.route(r, v, 0.0)
 self.st.dispatch.router.index
-dispatch._ledger.fill(v)
+dispatch._ledger.fill(v, 0.0)
 """
     flagged = {v.split(":")[0] for v in violations(source)}
     assert flagged == {f"line {n}" for n in range(2, 12)}  # every line

@@ -26,7 +26,7 @@ def test_the_registry_mirrors_with_the_dispatchers_formula_and_fresh_ledger_figu
     registry._mirror_capacity(w)
     unit = dispatch.index_block_tokens()
     assert unit == 64.0
-    expected = prefix_room_blocks(dispatch.fill(w.view), unit)
+    expected = prefix_room_blocks(dispatch.fill(w.view, 0.0), unit)
     # 10,000 tokens decoding (625 blocks) leave none of the 500 used as other
     assert dispatch.index_capacity(w.id) == expected == 1000 * 16 // 64
     dispatch.complete(adm, Outcome(0, 0.1), 1.0)

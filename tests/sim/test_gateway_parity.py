@@ -30,7 +30,10 @@ What must match for a fair comparison, and how it is made to:
   decisions). Live, the engines run 1,000 times
   slower than real time (an 8,000-token prefill takes minutes); in the
   simulator the requests arrive a microsecond apart, before the first engine
-  step ends (checked). The KV room the engines report differs (a live
+  step ends (checked). ``prefix_aware``'s prefill-in-progress rule reads
+  the time since a worker's prefill started: milliseconds live,
+  microseconds here, against predicted prefills of about 0.4 s, so it
+  gives the same verdicts. The KV room the engines report differs (a live
   engine's poll vs the model), but 20,000 blocks per worker leave it far from
   binding in both.
 
@@ -233,11 +236,13 @@ def test_simulator_and_gateway_make_the_same_first_decisions(gateway: str) -> No
     live_workers, live_index = asyncio.run(asyncio.wait_for(_live(gateway, bodies), 120))
     assert live_workers == sim_workers
     assert live_index == sim_index
-    # the decisions are not trivial: documents follow their worker, load spreads
-    by_doc = {
-        d: {w for w, p in zip(sim_workers, PATTERN, strict=True) if p == d} for d in (0, 1, 2)
-    }
-    assert all(len(ws) == 1 for ws in by_doc.values())
+    # the decisions are not trivial: documents follow their workers, load spreads.
+    # (A document's second request may take an idle worker while its first
+    # prefill has only just started: prefix_aware's prefill-in-progress rule.)
+    for d in (0, 1, 2):
+        seq = [w for w, p in zip(sim_workers, PATTERN, strict=True) if p == d]
+        assert len(set(seq)) <= 2
+        assert all(w in seq[:k] for k, w in enumerate(seq) if k >= 2)
     assert len(set(sim_workers)) == WORKERS
 
 

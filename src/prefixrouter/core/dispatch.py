@@ -303,11 +303,11 @@ class Dispatcher:
             self._apply_held()
         return self._ledger.load(worker)
 
-    def fill(self, view: WorkerView) -> WorkerView:
-        """Copy the ledger's figures for ``view``'s worker into it (in place) and return it."""
+    def fill(self, view: WorkerView, now: float) -> WorkerView:
+        """Copy the ledger's figures at ``now`` for ``view``'s worker into it (in place)."""
         if self._held is not None:
             self._apply_held()
-        return self._ledger.fill(view)
+        return self._ledger.fill(view, now)
 
     # ------------------------------------------------------------- requests
 
@@ -437,6 +437,7 @@ class Dispatcher:
             max(0, prompt - decision.predicted_cached_tokens),
             prompt,
             request.max_tokens,
+            now,
         )
         router.on_routed(decision, now)
         if self._outbox is not None:
@@ -485,7 +486,7 @@ class Dispatcher:
             return
         admission.first_token = True
         rid = admission.request.request_id
-        self._ledger.on_first_token(rid)
+        self._ledger.on_first_token(rid, now)
         self._router.on_first_token(admission.decision, now)
         if self._outbox is not None and not admission.origin:
             self._record(FirstTokenFact(rid))
@@ -808,6 +809,7 @@ class Dispatcher:
             max(0, prompt - fact.predicted_cached_tokens),
             prompt,
             fact.max_tokens,
+            now,
         )
         router.on_routed(decision, now)
         open_[fact.request_id] = Admission(decision, origin=origin)

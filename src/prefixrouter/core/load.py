@@ -7,6 +7,14 @@ decoding, expected decode tokens and context held. The gateway and the
 simulator update it with the same three calls (routed, first token,
 completed) and copy its figures into :class:`~prefixrouter.core.types.WorkerView`.
 
+A prefill in progress: the pending tokens fall only when a request's first
+token comes, though the engine has been working on the head of its prefill
+queue since it got there. The ledger keeps when that head started (the
+routing that found nothing pending, or the first token that ended the
+prefill ahead of it) and reports the time since as ``prefill_elapsed_s``
+(read by ``prefix_aware``'s prefill-in-progress rule). Times are the
+caller's clock, passed in.
+
 Pure: no clock, no I/O.
 """
 
@@ -36,6 +44,9 @@ class WorkerLoad:
     decode_tokens_remaining: int = 0
     context_tokens: int = 0
     queued_prompt_tokens: int = 0
+    # When the engine started on the head of the pending prefill (module
+    # doc); meaningful only while pending_prefill_tokens > 0.
+    prefill_since: float = 0.0
     requests: set[RequestId] = field(default_factory=set)
 
 
@@ -65,13 +76,16 @@ class InflightLedger:
         uncached_tokens: int,
         prompt_tokens: int,
         output_tokens: int,
+        now: float,
     ) -> None:
-        """The request was sent to ``worker``; its uncached prefill is now queued there."""
+        """The request was sent to ``worker`` at ``now``; its uncached prefill is queued there."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in flight")
         item = _InFlight(worker, uncached_tokens, prompt_tokens, output_tokens)
         self._requests[request_id] = item
         load = self.load(worker)
+        if load.pending_prefill_tokens <= 0:
+            load.prefill_since = now  # nothing ahead of it: the engine starts on it now
         load.in_flight += 1
         load.pending_prefill_tokens += uncached_tokens
         load.queued_prompt_tokens += prompt_tokens
@@ -82,13 +96,17 @@ class InflightLedger:
         item = self._requests.get(request_id)
         return item is not None and item.decoding
 
-    def on_first_token(self, request_id: RequestId) -> None:
-        """Prefill is done; the request now decodes and holds its context."""
+    def on_first_token(self, request_id: RequestId, now: float) -> None:
+        """Prefill is done at ``now``; the request now decodes and holds its context."""
         item = self._requests.get(request_id)
         if item is None or item.decoding:
             return
         item.decoding = True
         load = self.load(item.worker)
+        if item.uncached_tokens > 0:
+            # A prefill ended: the engine moves on to the next in line (a
+            # fully cached request's first token says nothing of the queue).
+            load.prefill_since = now
         load.pending_prefill_tokens -= item.uncached_tokens
         load.queued_prompt_tokens -= item.prompt_tokens
         load.decoding += 1
@@ -111,11 +129,14 @@ class InflightLedger:
             load.pending_prefill_tokens -= item.uncached_tokens
             load.queued_prompt_tokens -= item.prompt_tokens
 
-    def fill(self, view: WorkerView) -> WorkerView:
-        """Copy this worker's aggregates into ``view`` (in place) and return it."""
+    def fill(self, view: WorkerView, now: float) -> WorkerView:
+        """Copy this worker's aggregates at ``now`` into ``view`` (in place) and return it."""
         load = self.load(view.worker_id)
         view.in_flight = load.in_flight
-        view.pending_prefill_tokens = load.pending_prefill_tokens
+        pending = load.pending_prefill_tokens
+        view.pending_prefill_tokens = pending
+        elapsed = now - load.prefill_since
+        view.prefill_elapsed_s = elapsed if pending > 0 and elapsed > 0.0 else 0.0
         view.decoding = load.decoding
         view.decode_tokens_remaining = load.decode_tokens_remaining
         view.context_tokens = load.context_tokens

@@ -194,6 +194,8 @@ class WorkerView:
         tenants: Tenants allowed on it (None = all).
         in_flight: Requests sent and not completed.
         pending_prefill_tokens: Uncached prompt tokens still to prefill (queued + running).
+        prefill_elapsed_s: Seconds the engine has been on the head of that
+            queue (0 when nothing is pending; see :mod:`prefixrouter.core.load`).
         decoding: Requests past their first token.
         decode_tokens_remaining: Expected output tokens still to generate, all requests.
         context_tokens: KV tokens held by running requests (attended by each decode step).
@@ -214,6 +216,7 @@ class WorkerView:
     tenants: frozenset[str] | None = None
     in_flight: int = 0
     pending_prefill_tokens: int = 0
+    prefill_elapsed_s: float = 0.0
     decoding: int = 0
     decode_tokens_remaining: int = 0
     context_tokens: int = 0

@@ -505,8 +505,9 @@ class WorkerRegistry:
         if det is not None and det.next_release <= self.clock():
             self._returned(det.release(self.clock()))
         fill = self.dispatch.fill
+        now = self.clock()
         for w in self._routable:
-            fill(w.view)
+            fill(w.view, now)
             if w.foreign:
                 w.view.in_flight += w.foreign
         return self._views
@@ -809,4 +810,4 @@ class WorkerRegistry:
         """
         if w.config.kv_capacity_blocks is None and not w.engine.num_blocks:
             return  # capacity unknown: keep the index default
-        self.dispatch.mirror_capacity((self.dispatch.fill(w.view),))
+        self.dispatch.mirror_capacity((self.dispatch.fill(w.view, self.clock()),))

@@ -289,7 +289,7 @@ class Simulation:
         ]
         self._engine_of = {eng.worker_id: i for i, eng in enumerate(self.engines)}
         for r, dispatch in enumerate(self.routers):
-            dispatch.mirror_capacity(self._views(r))
+            dispatch.mirror_capacity(self._views(r, 0.0))
         self._on_progress = on_progress
         # One run's state (reset by run()).
         self._records: list[RequestRecord] = []
@@ -316,8 +316,8 @@ class Simulation:
             return replace(text_hasher(), block_size=block_size)
         return BlockHasher(block_size=block_size)
 
-    def _views(self, router: int) -> list[WorkerView]:
-        """Router ``router``'s snapshot of every engine (its own ledger's figures filled)."""
+    def _views(self, router: int, now: float) -> list[WorkerView]:
+        """Router ``router``'s snapshot of every engine at ``now`` (its ledger's figures filled)."""
         prof = self.config.profile
         fill = self.routers[router].fill
         return [
@@ -329,7 +329,8 @@ class Simulation:
                     block_size=prof.block_size,
                     max_slots=prof.max_num_seqs,
                     profile=prof.speed,
-                )
+                ),
+                now,
             )
             for eng in self.engines
         ]
@@ -419,7 +420,7 @@ class Simulation:
     def _arrive(self, sreq: SimRequest, now: float, router: int = 0) -> None:
         """An arrival at ``router``: mirror the KV room, admit the request, hand it on."""
         dispatch = self.routers[router]
-        views = self._views(router)
+        views = self._views(router, now)
         dispatch.mirror_capacity(views)
         renderer = self._renderer
         if renderer is None:  # token mode: the engine shares the router's hashes
@@ -474,7 +475,7 @@ class Simulation:
     ) -> None:
         """Send the prefill-only copy the decision asks for, as the gateway does (not a record)."""
         dispatch = self.routers[router]
-        warm = dispatch.warm_up(adm, self._views(router), now)
+        warm = dispatch.warm_up(adm, self._views(router, now), now)
         if warm is None:
             return
         self._publish(router, now)

@@ -248,7 +248,9 @@ def test_cold_quota_keeps_slots_for_unique_requests_in_a_hot_stream() -> None:
         for i in range(12):
             unique = i % 3 == 2
             toks = tokens(1000 + i, 800) if unique else hot + tokens(500 + i, 40)
-            ws = [ledger.fill(WorkerView(WorkerId(f"w{k}"), max_slots=8)) for k in range(3)]
+            ws = [
+                ledger.fill(WorkerView(WorkerId(f"w{k}"), max_slots=8), float(i)) for k in range(3)
+            ]
             d = r.route(request(f"r{i}", toks), ws, float(i))
             chosen = next(w for w in ws if w.worker_id == d.worker_id)
             if unique:
@@ -256,7 +258,7 @@ def test_cold_quota_keeps_slots_for_unique_requests_in_a_hot_stream() -> None:
             else:
                 hot_per_worker[d.worker_id] = hot_per_worker.get(d.worker_id, 0) + 1
             r.on_routed(d, float(i))
-            ledger.on_routed(d.context.request.request_id, d.worker_id, 40, 3_040, 128)
+            ledger.on_routed(d.context.request.request_id, d.worker_id, 40, 3_040, 128, float(i))
         return hot_per_worker, free_slots_seen
 
     hot, free = run(0.25)
@@ -861,3 +863,47 @@ def test_params_validation_names_the_field() -> None:
     p = create_policy("prefix_aware", {"long": {"decode_weight": 2}}).params
     assert isinstance(p, PrefixAwareParams) and p.long.decode_weight == 2.0
     assert p.long.warm_margin_rel == PrefixAwareParams().long.warm_margin_rel
+
+
+# ------------------------------------------------- rule 4a: prefill in progress
+
+
+def _second_request_for_a_prefix_being_prefilled(
+    gap_s: float, **params: object
+) -> tuple[WorkerId, str]:
+    """A 4,000-token prefix is routed to one worker of three and its prefill
+    starts; ``gap_s`` later a second request for it arrives. Where does it go?"""
+    r, ledger = Router(create_policy("prefix_aware", params)), InflightLedger()
+    prefix = tokens(7, 4_000)
+    views = [ledger.fill(WorkerView(w), 0.0) for w in (W0, W1, W2)]
+    first = r.route(request("a", [*prefix, *tokens(8, 40)]), views, 0.0)
+    r.on_routed(first, 0.0)
+    ledger.on_routed(RequestId("a"), first.worker_id, 4_040, 4_040, 16, 0.0)
+    views = [ledger.fill(WorkerView(w), gap_s) for w in (W0, W1, W2)]
+    second = r.route(request("b", [*prefix, *tokens(9, 40)]), views, gap_s)
+    holder = first.worker_id
+    return (holder if second.worker_id == holder else WorkerId("idle")), second.reason
+
+
+def test_a_prefill_just_started_is_not_waited_for_beside_an_idle_worker() -> None:
+    # 10 ms into a ~200 ms prefill: waiting costs about as much as an idle
+    # worker's cold prefill, and the requests that arrive meanwhile would
+    # join this one's engine step; the margin alone kept it waiting.
+    where, reason = _second_request_for_a_prefix_being_prefilled(0.01)
+    assert where == "idle" and "its prefill in progress" in reason
+    where, reason = _second_request_for_a_prefix_being_prefilled(0.01, wait_on_prefill=False)
+    assert where != "idle" and "warm within margin" in reason
+
+
+def test_a_prefill_nearly_done_is_waited_for() -> None:
+    # 170 ms into it: what is left plus this request's own prefill comes
+    # well before an idle worker's whole prefill.
+    where, reason = _second_request_for_a_prefix_being_prefilled(0.17)
+    assert where != "idle" and reason.startswith("warm, its prefill in progress")
+
+
+def test_a_prefix_asked_for_slower_than_its_prefill_is_left_to_the_margin() -> None:
+    # Asked for once per 2 s, a ~200 ms prefill is long done by the next
+    # request: the rule does not apply (the margin rule decides).
+    _, reason = _second_request_for_a_prefix_being_prefilled(2.0)
+    assert "prefill in progress" not in reason
