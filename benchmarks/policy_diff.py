@@ -17,7 +17,7 @@ the issue) are added with ``--kv-cells``::
 
 Without ``--against`` it prints this tree's figures alone. The summary
 counts the cells whose mean or p99 moved by more than ``--threshold``
-percent either way. Asserts nothing; about two minutes per seed on two cores.
+percent either way. Asserts nothing; about two minutes a seed for each tree on two cores.
 """
 
 from __future__ import annotations

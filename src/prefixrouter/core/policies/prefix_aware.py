@@ -373,11 +373,11 @@ class PrefixAwarePolicy(Policy):
         depth = int(warm.matched_tokens // blocks.block_tokens)
         if depth <= 0:
             return 0.0, 0
-        d = self._demand.get(blocks.hashes[(1 << (depth.bit_length() - 1)) - 1])
+        d = self._demand.get(_tracked_key(blocks.hashes, depth))
         if d is None:
             return 0.0, 0
         now = ctx.now
-        rate = d.rate * math.exp(-max(0.0, now - d.last) / self.params.demand_window_s)
+        rate = self._steady_rate(d, now)
         recent = d.recent
         if recent and now > recent[0]:
             gaps = len(recent) / (now - recent[0])
@@ -439,7 +439,7 @@ class PrefixAwarePolicy(Policy):
         # The demand of the prefix this request would reuse, at the deepest
         # tracked depth it covers (a session's history, not the system prompt
         # every session shares).
-        rate = self.prefix_rate(blocks.hashes[(1 << (depth.bit_length() - 1)) - 1], ctx.now)
+        rate = self.prefix_rate(_tracked_key(blocks.hashes, depth), ctx.now)
         if rate <= 0.0:
             return rate, 0
         p = self.params
@@ -523,7 +523,7 @@ class PrefixAwarePolicy(Policy):
         """Whether ``worker`` sent a first token for the prefix of ``blocks`` blocks."""
         if blocks <= 0:
             return False
-        key = ctx.blocks.hashes[(1 << (blocks.bit_length() - 1)) - 1]
+        key = _tracked_key(ctx.blocks.hashes, blocks)
         d = self._demand.get(key)
         return d is not None and worker in d.prefilled
 
@@ -568,6 +568,10 @@ class PrefixAwarePolicy(Policy):
         self._sweep_at = 2 * len(kept) + self.params.min_tracked_prefixes
         return kept
 
+    def _steady_rate(self, d: _Demand, now: float) -> float:
+        """The decayed count of ``d``'s arrivals, read at ``now`` (requests per second)."""
+        return d.rate * math.exp(-max(0.0, now - d.last) / self.params.demand_window_s)
+
     def prefix_rate(self, last_block: int, now: float) -> float:
         """Requests per second for the prefix ending at block hash ``last_block``.
 
@@ -577,7 +581,7 @@ class PrefixAwarePolicy(Policy):
         d = self._demand.get(last_block)
         if d is None:
             return 0.0
-        steady = d.rate * math.exp(-max(0.0, now - d.last) / self.params.demand_window_s)
+        steady = self._steady_rate(d, now)
         recent = d.recent
         if len(recent) == recent.maxlen and now > recent[0]:
             return max(steady, (len(recent) - 1) / (now - recent[0]))
@@ -1122,6 +1126,12 @@ def _selection(
         reason = f"{choice.reason}; {cached} of {prompt} tokens cached"
         return Selection(c.worker_id, tier, reason, cached, out, choice.abandoned)
     return Selection(c.worker_id, "cold", choice.reason, 0, out, choice.abandoned)
+
+
+def _tracked_key(hashes: Sequence[int], blocks: int) -> int:
+    """The demand table's key for a prefix of ``blocks`` blocks (``blocks`` >= 1): the
+    hash ending the deepest tracked prefix (1, 2, 4, ... blocks) it covers."""
+    return hashes[(1 << (blocks.bit_length() - 1)) - 1]
 
 
 def _request_salt(ctx: RoutingContext) -> int:
