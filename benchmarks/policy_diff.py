@@ -39,7 +39,7 @@ from sim_results import PROFILE, build
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
-from prefixrouter.sim.report import summarize
+from prefixrouter.sim.report import summarize, total_prefill_tokens
 from prefixrouter.sim.runner import plan
 from prefixrouter.sim.scenarios import SCENARIOS
 
@@ -58,7 +58,7 @@ def run_job(job: Job) -> tuple[Job, dict[str, float]]:
     config = ClusterConfig(p.workers, p.profile, p.kv_blocks, mode=p.mode)
     s = summarize(Simulation(p.workload, config, create_policy("prefix_aware", params)).run())
     return job, {"mean": s["ttft_ms"]["mean"], "p99": s["ttft_ms"]["p99"],
-                 "prefill": s["prefill_tokens"]}  # fmt: skip
+                 "prefill": total_prefill_tokens(s)}  # fmt: skip
 
 
 def jobs(args: argparse.Namespace) -> list[Job]:

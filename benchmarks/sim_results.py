@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from prefixrouter.core.policy import policy_names
 from prefixrouter.sim.plot import plot_report
 from prefixrouter.sim.profiles import get_profile
-from prefixrouter.sim.report import lower_bound_prefill_tokens
+from prefixrouter.sim.report import lower_bound_prefill_tokens, total_prefill_tokens
 from prefixrouter.sim.runner import plan, run_plan
 from prefixrouter.sim.scenarios import SCENARIOS
 from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
@@ -69,7 +69,7 @@ def verdict(report: dict[str, Any]) -> dict[str, Any]:
         "ours_p99": ours["ttft_ms"]["p99"],
         "best_p99": best_p99["ttft_ms"]["p99"],
         "best_p99_policy": best_p99["policy"],
-        "prefill_x_bound": ours["prefill_tokens"] / bound if bound else float("nan"),
+        "prefill_x_bound": total_prefill_tokens(ours) / bound if bound else float("nan"),
     }
 
 
@@ -251,7 +251,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
             lines.append(
                 f"| {name} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p90'])} | "
                 f"{_ms(t['p99'])} | {_ms(e['mean'])} | {_ms(e['p99'])} | {share:.1%} | "
-                f"{r['prefill_tokens'] / bound:.2f} | {r['evictions']} | "
+                f"{total_prefill_tokens(r) / bound:.2f} | {r['evictions']} | "
                 f"{r['load_imbalance']:.2f} | {r['warm_abandoned']} |"
             )
     for appended in (LIVE, VLLM, REPLICAS_LIVE, REPLICAS, RELIABILITY, EPP, TENANT_FLOOD):

@@ -85,6 +85,8 @@ def _policy_list(spec: str) -> list[str]:
 
 
 def _results_table(report: dict[str, Any]) -> Table:
+    from prefixrouter.sim.report import total_prefill_tokens
+
     bound = report["lower_bound_prefill_tokens"]
     title = f"{report['scenario']} · {report['workers']} workers · " + (
         f"load {report['load']:.2f} ({report['rate_rps']:.2f} req/s)"
@@ -115,7 +117,7 @@ def _results_table(report: dict[str, Any]) -> Table:
     for r in report["results"]:
         t = r["ttft_ms"]
         share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
-        ratio = r["prefill_tokens"] / bound if bound else float("nan")
+        ratio = total_prefill_tokens(r) / bound if bound else float("nan")
         style = "bold" if r["policy"] == "prefix_aware" else None
         table.add_row(
             r["policy"],

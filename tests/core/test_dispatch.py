@@ -131,6 +131,27 @@ def test_complete_confirms_and_reports_a_miss() -> None:
     assert d.load(W0).in_flight == 0
 
 
+def test_a_request_routed_behind_a_running_prefill_is_no_evidence_against_the_worker() -> None:
+    """Two requests for one document on one worker: the second was routed on the
+    first's speculative entry while its prefill ran and reused only part of it.
+    The worker keeps its trust (its next prediction is as confident), and the
+    chain its answer confirms is the whole prompt."""
+    d = dispatcher("prefix_aware")
+    first = d.admit(request("a", DOC), workers(1), 0.0)
+    second = d.admit(request("b", DOC), workers(1), 0.01)
+    assert second.decision.predicted_cached_tokens > 0
+    d.first_token(first, 0.5)
+    d.complete(first, Outcome(0, 0.5), 0.6)
+    assert d.complete(second, Outcome(16, 0.6), 0.7)  # a shortfall, reported as a miss
+    index = d.router.index
+    assert index.trust(W0, 0.7) == 1.0 and index.unconfirmed_misses == 1
+    assert index.match(second.blocks.hashes, 0.7)[W0].source is EntrySource.CONFIRMED
+    # The same shortfall against the confirmed chain lowers trust.
+    third = d.admit(request("c", DOC), workers(1), 1.0)
+    assert d.complete(third, Outcome(16, 0.1), 1.1)
+    assert index.trust(W0, 1.1) < 1.0 and index.unexplained_misses == 1
+
+
 def test_holds_prefix_names_a_decisions_prefix_while_the_index_holds_it() -> None:
     d = dispatcher("prefix_aware")
     adm = d.admit(request("a", DOC), workers(2), 0.0)

@@ -104,6 +104,23 @@ def test_miss_lowers_trust_and_drops_entries_past_actual_match() -> None:
     assert m.confidence == pytest.approx(0.5)
 
 
+def test_a_miss_against_an_unconfirmed_entry_keeps_trust_and_confirms_the_chain() -> None:
+    """A request routed on our own routing's entry, while that request's prefill
+    still ran, reuses only the chunks computed so far: no evidence against the
+    worker's cache. The engine holds the whole prompt now."""
+    idx = PrefixIndex(IndexParams(miss_decay=0.5))
+    doc = chain(1, 10)
+    idx.on_routed(A, doc, 0.0)
+    assert idx.on_completed(A, doc, 16.0, 160, 48, 1.0, speculative=True) is True
+    assert idx.trust(A, 1.0) == 1.0
+    assert idx.unconfirmed_misses == 1 and idx.unexplained_misses == 0
+    m = idx.match(doc, 1.0)[A]
+    assert m.blocks == 10 and m.source is EntrySource.CONFIRMED
+    # Against the confirmed chain, the same shortfall is a miss as before.
+    assert idx.on_completed(A, doc, 16.0, 160, 48, 2.0) is True
+    assert idx.trust(A, 2.0) == pytest.approx(0.5) and idx.unexplained_misses == 1
+
+
 def test_hit_within_tolerance_is_not_a_miss_and_restores_trust() -> None:
     idx = PrefixIndex(IndexParams(miss_decay=0.5, hit_recovery=0.25))
     doc = chain(1, 10)

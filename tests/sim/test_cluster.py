@@ -87,8 +87,8 @@ def test_block_size_mismatch_is_refused() -> None:
 
 
 def test_proactive_copies_are_the_routers_own_requests_and_leave_the_ledger_drained() -> None:
-    # Documents asked about faster than one copy each serves: the hot-prefix rule copies them.
-    wl = get_scenario("doc-qa").build(0, 200).scaled(8.0)
+    # Forms asked for faster than one copy each serves: the hot-prefix rule copies them.
+    wl = get_scenario("templates").build(0, 200).scaled(30.0)
     runs = {}
     for proactive in (False, True):
         policy = create_policy("prefix_aware", {"proactive_copy": proactive})

@@ -248,6 +248,8 @@ class PrefixIndex:
         """Misses on a full cache: the engine evicted what we thought it held."""
         self.unexplained_misses = 0
         """Misses on a cache with room: an input-identification problem."""
+        self.unconfirmed_misses = 0
+        """Misses against a prefix only our routing had put there (its prefill still ran)."""
 
     # ----------------------------------------------------------------- reads
 
@@ -462,6 +464,7 @@ class PrefixIndex:
         actual_cached_tokens: int,
         now: float,
         routed_at: float = _INF,
+        speculative: bool = False,
     ) -> bool:
         """Fold in the engine's report of how many prompt tokens it reused.
 
@@ -482,6 +485,18 @@ class PrefixIndex:
         were routed, so it is not counted, trust is kept, and the chain, which
         the engine has just prefilled again, is confirmed like any other.
 
+        A miss whose prediction rested on an entry only our own routing had
+        put there (``speculative``: no answer or engine event had confirmed
+        it when the request was routed) says nothing against the worker's
+        cache either: the request that put it there was most likely still
+        prefilling it, and an engine reuses only blocks already computed
+        (a 40,000-token document prefills in five 8,192-token steps; the
+        requests admitted meanwhile reuse the chunks done so far and compute
+        the rest again). Trust is kept and, since the engine now holds the
+        whole prompt, the chain is confirmed; it is counted in
+        ``unconfirmed_misses``. A worker whose cache really differs from our
+        hashes misses again against the confirmed chain, and is distrusted then.
+
         Returns:
             True if this was a miss.
         """
@@ -497,7 +512,9 @@ class PrefixIndex:
             miss = False  # explained by a cache clear after the decision (see above)
             predicted_blocks = actual_blocks
         trust = self.trust(worker, now)
-        if miss:
+        if miss and speculative:
+            self.unconfirmed_misses += 1  # explained by a prefill still running (see above)
+        elif miss:
             full = self.blocks_of(worker) >= p.eviction_explains_fill * self.capacity(worker)
             if full:
                 self.eviction_misses += 1

@@ -51,7 +51,7 @@ from prefixrouter.core.policy import (
     RoutingContext,
     create_policy,
 )
-from prefixrouter.core.types import RoutingRequest, WorkerId, WorkerView
+from prefixrouter.core.types import EntrySource, RoutingRequest, WorkerId, WorkerView
 from prefixrouter.errors import NoWorkerAvailable
 
 DEFAULT_PREFIX_KEY_TOKENS = 1024
@@ -413,6 +413,7 @@ class Router:
                 block_tokens = then
             else:
                 predicted = int(predicted * block_tokens / then)
+            held = ctx.matches.get(decision.worker_id)
             miss = self.index.on_completed(
                 decision.worker_id,
                 ctx.blocks.hashes,
@@ -421,6 +422,7 @@ class Router:
                 outcome.actual_cached_tokens,
                 now,
                 decision.now,
+                speculative=held is not None and held.source is EntrySource.SPECULATIVE,
             )
             chosen = decision.chosen
             if outcome.ttft_s is not None and chosen is not None and chosen.terms is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixrouter.sim.cluster import SimRun
+from prefixrouter.sim.report import total_prefill_tokens
 
 
 def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> None:
@@ -49,7 +50,7 @@ def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> N
 
     results = report["results"]
     names = [r["policy"] for r in results]
-    prefill = [r["prefill_tokens"] / 1e6 for r in results]
+    prefill = [total_prefill_tokens(r) / 1e6 for r in results]  # the router's own copies too
     colors = ["black" if n == "prefix_aware" else "tab:blue" for n in names]
     ax_bar.barh(names, prefill, color=colors)
     bound = report["lower_bound_prefill_tokens"] / 1e6

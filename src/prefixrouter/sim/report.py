@@ -8,6 +8,10 @@ For each run (one policy on one workload and fleet):
 * ``throughput_rps`` and ``output_tokens_per_s``: completed requests and
   generated tokens over the span from the first arrival to the last completion;
 * ``prompt_tokens``, ``cached_tokens``, ``prefill_tokens`` (= prompt - cached);
+* ``warm_ups`` and ``warm_up_prefill_tokens`` (runs whose router made
+  prefill-only copies of its own, ``proactive_copy``, only): the copies sent
+  and the prefill the engines spent on them, which is not in any request's
+  figures; :func:`total_prefill_tokens` adds it back;
 * ``evictions``: prefix-cache blocks the engines evicted, and
   ``eviction_mean_age_s`` how long they had been unused;
 * ``kv_wait_ms_total``: time requests waited for KV memory before admission;
@@ -101,11 +105,20 @@ def summarize(run: SimRun) -> dict[str, Any]:
         "kv_wait_ms_total": round(sum(r.kv_wait_s for r in done) * 1e3, 1),
         "per_worker_requests": {w.worker: w.requests for w in run.workers},
     }
+    if run.warm_ups:  # runs without copies keep their keys
+        engines = sum(w.prefill_tokens for w in run.workers)
+        out["warm_ups"] = run.warm_ups
+        out["warm_up_prefill_tokens"] = max(0, engines - (prompt - cached))
     if run.chars_per_token is not None:  # text mode only: token-mode reports keep their keys
         out["chars_per_token"] = round(run.chars_per_token, 4)
     if run.routers > 1:  # one router's reports keep their keys
         out["replicas"] = replica_figures(run)
     return out
+
+
+def total_prefill_tokens(summary: dict[str, Any]) -> int:
+    """The prefill a run cost the engines: the requests' and the router's own copies'."""
+    return int(summary["prefill_tokens"]) + int(summary.get("warm_up_prefill_tokens", 0))
 
 
 def cached_share(cached_tokens: int, prompt_tokens: int) -> float:

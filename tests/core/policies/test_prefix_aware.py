@@ -519,7 +519,7 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     score = {c.worker_id: c.score for c in queued.candidates}
     assert score[W1] <= score[W0]
     assert queued.worker_id == W1 and queued.warm_up is None and "hot prefix" in queued.reason
-    assert not Router().policy.params.proactive_copy  # opt-in (decision_quality_notes.md)
+    assert Router().policy.params.proactive_copy  # the default (decision_quality_notes.md)
 
 
 def test_copy_rule_lets_the_request_pay_the_copy_when_that_costs_it_nothing() -> None:

@@ -154,7 +154,9 @@ class PrefixAwareParams:
             due, so that no user request pays the copy's cold prefill, unless
             the request's own first token comes no later on the new replica
             (:func:`copy_rule`: then it makes the copy itself); off, the
-            request itself is sent to the new replica.
+            request itself is sent to the new replica. On by default since
+            a miss behind a running prefill no longer lowers a worker's trust
+            (``benchmarks/decision_quality_notes.md``).
         copy_budget_share: Proactive copies' budget: the share of each
             worker's time its copies' predicted prefill may take, averaged
             over ``copy_budget_window_s`` (a token bucket in seconds of
@@ -205,7 +207,7 @@ class PrefixAwareParams:
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
     wait_on_prefill: bool = True
-    proactive_copy: bool = False
+    proactive_copy: bool = True
     copy_budget_share: float = 0.25
     copy_budget_window_s: float = 10.0
     copy_max_kv_share: float = 0.8
