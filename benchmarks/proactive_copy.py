@@ -6,7 +6,7 @@ Usage::
         [--seeds 4] [--doc-qa-kv 9000,30000] [--mode token] [--processes 2]
         [--out benchmarks/proactive_copy_results.md]
 
-``prefix_aware`` with ``proactive_copy`` off (the default) and on, on the same
+``prefix_aware`` with ``proactive_copy`` off and on (the default), on the same
 requests and fleet (:mod:`prefixrouter.sim.runner`'s plan), for every
 scenario, load and seed; doc-qa also at the ``--doc-qa-kv`` sizes (issue 15,
 goal 3: more KV must not make it slower). Several seeds, because a shared
@@ -38,7 +38,7 @@ from sim_results import PROFILE, build
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
-from prefixrouter.sim.report import summarize
+from prefixrouter.sim.report import summarize, total_prefill_tokens
 from prefixrouter.sim.runner import plan
 
 SCENARIOS = "doc-qa,system-prompt,templates,rag,multi-turn,hot-prefix,mooncake-conversation"
@@ -61,7 +61,7 @@ def run_cell(job: Job) -> tuple[Job, dict[bool, dict[str, Any]]]:
         out[proactive] = {
             "mean": s["ttft_ms"]["mean"],
             "p99": s["ttft_ms"]["p99"],
-            "prefill": s["prefill_tokens"],
+            "prefill": total_prefill_tokens(s),  # the router's own copies counted
             "warm_ups": run.warm_ups,
         }
     return job, out
@@ -129,11 +129,11 @@ def main() -> None:
         f"# Proactive copy, {args.mode} mode",
         "",
         f"Produced by `python benchmarks/proactive_copy.py --mode {args.mode} --seeds "
-        f"{args.seeds}`: `prefix_aware` with `proactive_copy` off (the default) and on, "
+        f"{args.seeds}`: `prefix_aware` with `proactive_copy` off and on (the default), "
         "on the same requests and fleet; each figure is the mean over the seeds (one for "
         "the Mooncake trace). *ratio* is on / off; *prefill* is the prefill tokens' "
-        "ratio; *warm-ups* the router's prefill-only copies per run. KV: blocks per "
-        "worker (-: the scenario's default).",
+        "ratio, the router's copies counted; *warm-ups* the router's prefill-only "
+        "copies per run. KV: blocks per worker (-: the scenario's default).",
         "",
         "| scenario | load | KV | seeds | mean off | mean on | ratio | p99 off | p99 on "
         "| ratio | prefill | warm-ups |",
