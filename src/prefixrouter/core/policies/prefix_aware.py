@@ -168,6 +168,14 @@ class PrefixAwareParams:
             replica keeps its own budget (its own copies).
         copy_budget_window_s: The span that budget is averaged over (its
             burst: ``copy_budget_share * copy_budget_window_s`` seconds).
+        copy_min_prefix_share: A prefill-only copy is sent only when the hot
+            prefix is at least this share of the request's prompt. The copy is
+            the request's whole prompt with ``max_tokens`` 1 (the prompt is
+            what the router can send), so the rest of it is prefill spent on
+            this request's own text, which no other request reuses: a
+            521-token system block of 20,000-token conversations (the
+            Mooncake trace) would cost 40 times its size. Below the share the
+            request itself makes the copy, as with ``proactive_copy`` off.
         copy_max_kv_share: The hot-prefix rule warms no worker whose KV cache
             would be fuller than this share with the copy's blocks on top of
             what its running requests hold (see ``copy_room_filter``).
@@ -211,6 +219,7 @@ class PrefixAwareParams:
     copy_budget_share: float = 0.25
     copy_budget_window_s: float = 10.0
     copy_max_kv_share: float = 0.8
+    copy_min_prefix_share: float = 0.5
     tie_band_rel: float = 0.1
     demand_window_s: float = 10.0
     burst_samples: int = 8
@@ -322,7 +331,11 @@ class PrefixAwarePolicy(Policy):
             scored, eligible if roomy is None else roomy, holders, settled, cls, demand
         )
         copy: Choice | None = None
-        if choice is not None and p.proactive_copy:
+        if (
+            choice is not None
+            and p.proactive_copy
+            and scored[picked].matched_tokens >= p.copy_min_prefix_share * ctx.blocks.prompt_tokens
+        ):
             # The router warms the copy itself; this request is routed by the
             # rules below as if no copy were due, then by the copy rule.
             copy, choice = choice, None
