@@ -522,6 +522,33 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     assert Router().policy.params.proactive_copy  # the default (decision_quality_notes.md)
 
 
+def test_no_prefill_only_copy_of_a_prefix_that_is_a_small_part_of_the_prompt() -> None:
+    """A copy is the request's whole prompt with max_tokens 1: for a hot prefix
+    that is under ``copy_min_prefix_share`` of the prompt, most of the copy
+    would be this request's own text. The request then makes the copy itself,
+    as with proactive copies off."""
+    doc = tokens(1, 8_000)
+
+    def hot_route(suffix_tokens: int) -> Decision:
+        r = Router(create_policy("prefix_aware", {"proactive_copy": True}))
+        warm(r, W0, doc)
+        ws = workers(2)
+        ws[0] = replace(ws[0], pending_prefill_tokens=9_000)  # warm, but queued
+        for i in range(300):
+            t = i / 50.0  # 50 requests a second: hot
+            d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
+            r.policy.on_routed(d.context, W0)
+        hold(r, W0, doc, 6.0)
+        fill_cache(r, W1, 20_000, 6.0)
+        return r.route(request("x", doc + tokens(7, suffix_tokens)), ws, 6.0)
+
+    short = hot_route(50)  # the prefix is nearly all of the prompt: the router copies it
+    assert short.worker_id == W0 and short.warm_up == W1
+    long = hot_route(12_000)  # 8,000 of 20,000 tokens: the request goes itself
+    assert long.warm_up is None
+    assert long.worker_id == W1 and "hot prefix" in long.reason
+
+
 def test_copy_rule_lets_the_request_pay_the_copy_when_that_costs_it_nothing() -> None:
     cs = [scored("w0", 0.70, queue=0.6), scored("w1", 0.65), scored("w2", 0.9)]
     copy = Choice(1, "hot prefix: warming w1")
