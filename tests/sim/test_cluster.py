@@ -10,7 +10,7 @@ from prefixrouter.core import PrefixClass, RequestId, WorkerId
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
-from prefixrouter.sim.report import lower_bound_prefill_tokens, summarize
+from prefixrouter.sim.report import lower_bound_prefill_tokens, summarize, total_prefill_tokens
 from prefixrouter.sim.scenarios import get_scenario
 from prefixrouter.sim.workload import SIM_NAMESPACE, SimRequest, Workload
 
@@ -105,6 +105,11 @@ def test_proactive_copies_are_the_routers_own_requests_and_leave_the_ledger_drai
     cold_off = sum(1 for r in off.records if r.tier == "cold")
     cold_on = sum(1 for r in on.records if r.tier == "cold")
     assert cold_on < cold_off
+    # The copies' prefill is reported apart and counted in the engines' total.
+    s_on = summarize(on)
+    assert s_on["warm_ups"] == on.warm_ups and s_on["warm_up_prefill_tokens"] > 0
+    assert total_prefill_tokens(s_on) == sum(w.prefill_tokens for w in on.workers)
+    assert "warm_ups" not in summarize(off)
     policy = create_policy("prefix_aware", {"proactive_copy": True})
     again = Simulation(wl, ClusterConfig(wl.default_workers, PROFILE), policy).run()
     assert summarize(again) == summarize(on) and again.warm_ups == on.warm_ups

@@ -413,6 +413,8 @@ class Router:
                 block_tokens = then
             else:
                 predicted = int(predicted * block_tokens / then)
+            # A prediction resting on our own unconfirmed routing: a shortfall
+            # is a prefill still running, not the worker's cache (the index's doc).
             held = ctx.matches.get(decision.worker_id)
             miss = self.index.on_completed(
                 decision.worker_id,
