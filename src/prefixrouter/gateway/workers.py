@@ -501,11 +501,11 @@ class WorkerRegistry:
 
     def views(self) -> list[WorkerView]:
         """The routable workers' views with fresh in-flight figures (not draining)."""
+        now = self.clock()  # once: this runs on every request
         det = self.outliers
-        if det is not None and det.next_release <= self.clock():
-            self._returned(det.release(self.clock()))
+        if det is not None and det.next_release <= now:
+            self._returned(det.release(now))
         fill = self.dispatch.fill
-        now = self.clock()
         for w in self._routable:
             fill(w.view, now)
             if w.foreign:
