@@ -549,6 +549,34 @@ def test_no_prefill_only_copy_of_a_prefix_that_is_a_small_part_of_the_prompt() -
     assert long.worker_id == W1 and "hot prefix" in long.reason
 
 
+def test_no_prefill_only_copy_into_a_worker_with_a_prefill_pending() -> None:
+    """A chunked-prefill engine prefills every admitted request's chunk in one
+    step and each first token comes at its end: a copy sent to a worker with a
+    user's prefill pending would delay that user's first token by the copy's
+    prefill. The router then sends no copy; a later request asks again."""
+    doc = tokens(1, 8_000)
+
+    def hot_route(pending_on_target: int) -> Decision:
+        r = Router(create_policy("prefix_aware", {"proactive_copy": True}))
+        warm(r, W0, doc)
+        ws = workers(2)
+        ws[0] = replace(ws[0], pending_prefill_tokens=2_000)  # warm, a little queued
+        for i in range(300):
+            t = i / 50.0  # 50 requests a second: hot
+            d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
+            r.policy.on_routed(d.context, W0)
+        hold(r, W0, doc, 6.0)
+        fill_cache(r, W1, 20_000, 6.0)
+        ws[1] = replace(ws[1], pending_prefill_tokens=pending_on_target)
+        return r.route(request("x", doc + tokens(7, 50)), ws, 6.0)
+
+    idle = hot_route(0)
+    assert idle.worker_id == W0 and idle.warm_up == W1
+    busy = hot_route(500)  # another request's 500 tokens still to prefill on w1
+    assert busy.worker_id == W0 and busy.warm_up is None
+    assert "prefill-only copy" not in busy.reason
+
+
 def test_copy_rule_lets_the_request_pay_the_copy_when_that_costs_it_nothing() -> None:
     cs = [scored("w0", 0.70, queue=0.6), scored("w1", 0.65), scored("w2", 0.9)]
     copy = Choice(1, "hot prefix: warming w1")
