@@ -45,17 +45,20 @@ from prefixrouter.sim.scenarios import SCENARIOS
 
 TRACES = {"mooncake-conversation"}  # one request order whatever the seed: its first seed only
 
-# scenario, load, mode, kv blocks (None: the scenario's default), seed, params, mooncake limit
-Job = tuple[str, float, str, int | None, int, dict[str, Any], int]
+# scenario, load, mode, kv blocks (None: the scenario's default), seed, params, mooncake
+# limit, the clients' max_tokens (0: each answer's length)
+Job = tuple[str, float, str, int | None, int, dict[str, Any], int, int]
 Cell = tuple[str, float, str, int | None]
 
 
 def run_job(job: Job) -> tuple[Job, dict[str, float]]:
     """One simulated run of ``prefix_aware``."""
-    name, load, mode, kv, seed, params, limit = job
+    name, load, mode, kv, seed, params, limit, cap = job
     p = plan(build(name, seed, limit), get_profile(PROFILE), ["prefix_aware"], load=load,
              mode=mode, kv_blocks=kv)  # fmt: skip
-    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, mode=p.mode)
+    # Only when set: a checkout from before the option runs the default (--against).
+    capped = {"client_max_tokens": cap} if cap else {}
+    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, mode=p.mode, **capped)
     s = summarize(Simulation(p.workload, config, create_policy("prefix_aware", params)).run())
     return job, {"mean": s["ttft_ms"]["mean"], "p99": s["ttft_ms"]["p99"],
                  "prefill": total_prefill_tokens(s)}  # fmt: skip
@@ -75,7 +78,8 @@ def jobs(args: argparse.Namespace) -> list[Job]:
             for mode in args.modes.split(","):
                 for kv in [None, *kv_cells.get(name, [])]:
                     for seed in seeds[:1] if name in TRACES else seeds:
-                        out.append((name, load, mode, kv, seed, params, args.mooncake_limit))
+                        out.append((name, load, mode, kv, seed, params, args.mooncake_limit,
+                                    args.client_max_tokens))  # fmt: skip
     slow = {"llmd-customers", "mooncake-conversation"}
     return sorted(out, key=lambda j: j[0] not in slow)
 
@@ -101,7 +105,7 @@ def measure_with(src: str, args: argparse.Namespace) -> dict[Cell, dict[str, flo
     """The same cells with another checkout's code (a subprocess on its ``src``)."""
     argv = [sys.executable, os.path.abspath(__file__), "--json"]
     for flag in ("seeds", "scenarios", "loads", "modes", "kv_cells", "params",
-                 "mooncake_limit", "processes"):  # fmt: skip
+                 "mooncake_limit", "processes", "client_max_tokens"):  # fmt: skip
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
     done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
@@ -126,6 +130,8 @@ def main() -> None:
                     help="extra cells scenario:blocks, comma-separated ('' for none)")  # fmt: skip
     ap.add_argument("--params", default="{}", help="prefix_aware parameters, JSON, both sides")
     ap.add_argument("--mooncake-limit", type=int, default=3000)
+    ap.add_argument("--client-max-tokens", type=int, default=0,
+                    help="max_tokens clients send, a cap (0: each answer's length)")  # fmt: skip
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--threshold", type=float, default=0.5, help="percent that counts as moved")
     ap.add_argument("--all", action="store_true", help="print every cell, moved or not")

@@ -100,6 +100,8 @@ def _gain(ours: float, best: float) -> str:
 NOTES = Path(__file__).with_name("results_notes.md")
 TEXT_NOTES = Path(__file__).with_name("text_mode_notes.md")
 """Where text mode loses to token mode and why (written from these figures), appended."""
+CLIENT_CAP = Path(__file__).with_name("client_cap_results.md")
+"""Clients that send max_tokens as a cap (``benchmarks/client_cap.py``), after the notes."""
 LIVE = Path(__file__).with_name("live_results.md")
 """The live comparison with the real peer routers (``prefixrouter bench``), appended."""
 VLLM = Path(__file__).with_name("vllm_results.md")
@@ -224,8 +226,9 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
             f"{_ms(v['best_p99'])} ({v['best_p99_policy']}) | "
             f"{_gain(v['ours_p99'], v['best_p99'])} | {v['prefill_x_bound']:.2f} |"
         )
-    if NOTES.exists():
-        lines += ["", NOTES.read_text(encoding="utf-8").strip()]
+    for notes in (NOTES, CLIENT_CAP):
+        if notes.exists():
+            lines += ["", notes.read_text(encoding="utf-8").strip()]
     lines += mode_table(reports)
     for rep in reports:
         mode = mode_of(rep)

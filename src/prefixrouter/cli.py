@@ -242,6 +242,14 @@ def simulate(
             "(the gateway's routing.token_count).",
         ),
     ] = True,
+    client_max_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="The max_tokens clients send, a cap (answers still end at their own "
+            "length); 0: each request asks for its answer's exact length.",
+        ),
+    ] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
@@ -288,6 +296,7 @@ def simulate(
             mode="text" if mode == "text" else "token",
             replicas=Replicas(replicas, sync, sync_lag_ms / 1e3),
             token_count=token_count,
+            client_max_tokens=client_max_tokens,
         )
     except (PrefixRouterError, KeyError, ValueError, OSError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
@@ -324,6 +333,7 @@ def simulate(
         **({"mode": "text"} if mode == "text" else {}),
         # One router's reports keep the keys they had before replicas existed.
         **({"replicas": p.replicas.as_dict()} if replicas > 1 else {}),
+        **({"client_max_tokens": client_max_tokens} if client_max_tokens else {}),
         "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
         "results": results,
     }

@@ -50,6 +50,7 @@ facts: st.SearchStrategy[Fact] = st.one_of(
         u32,
         u32,
         st.floats(allow_nan=False, allow_infinity=False),
+        u32,
     ),
     st.builds(WorkerFact, text.map(WorkerId), st.sampled_from(WorkerChange)),
     st.builds(CountedFact, text.map(RequestId), u32, u32),

@@ -51,16 +51,17 @@ def engines_behind_gateway(
     settings: dict[str, Any],
     engines: int = 2,
     env: dict[str, str] | None = None,
+    engine_args: tuple[str, ...] = (),
 ) -> tuple[list[Server], Server]:
     """``engines`` simulated engines (``ENGINE_ARGS``) behind ``python -m prefixrouter.gateway``.
 
     The gateway's configuration is ``settings`` plus the engines as workers
     (ids ``e0``, ``e1``...), written to ``config_path``; ``env`` adds
-    environment variables (secrets go there). Both are healthy on return.
+    environment variables (secrets go there); ``engine_args`` go to every
+    engine after ``ENGINE_ARGS``. Both are healthy on return.
     """
-    procs = [
-        fleet.start(f"e{i}", "prefixrouter.simulated_engine", ENGINE_ARGS) for i in range(engines)
-    ]
+    args = ENGINE_ARGS + engine_args
+    procs = [fleet.start(f"e{i}", "prefixrouter.simulated_engine", args) for i in range(engines)]
     asyncio.run(fleet.wait_healthy(procs, timeout_s=30.0))
     workers = [{"url": e.url, "id": e.name} for e in procs]
     config_path.write_bytes(orjson.dumps({"workers": workers, **settings}))  # JSON is YAML

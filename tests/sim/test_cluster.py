@@ -113,3 +113,24 @@ def test_proactive_copies_are_the_routers_own_requests_and_leave_the_ledger_drai
     policy = create_policy("prefix_aware", {"proactive_copy": True})
     again = Simulation(wl, ClusterConfig(wl.default_workers, PROFILE), policy).run()
     assert summarize(again) == summarize(on) and again.warm_ups == on.warm_ups
+
+
+@pytest.mark.parametrize("mode", ["token", "text"])
+def test_clients_that_send_a_cap_are_expected_to_decode_what_answers_decoded(mode: str) -> None:
+    """Answers of 32 tokens under a cap of 2,048: the first requests are taken at the
+    first guess (512), the later ones at what the answers decoded; exact clients at
+    their word."""
+    wl = _doc_workload(2, 20, 4_000, 0.25)
+    decisions = {}
+    for cap in (0, 2048):
+        config = ClusterConfig(4, PROFILE, mode=mode, client_max_tokens=cap, decision_log=40)
+        run = Simulation(wl, config, "prefix_aware").run()
+        assert all(r.output_tokens == 32 and r.completed > 0 for r in run.records)
+        decisions[cap] = [d["expected_output_tokens"] for d in run.decisions_logged]
+    assert set(decisions[0]) == {32}
+    assert decisions[2048][0] == 512 and decisions[2048][-1] == 32
+
+
+def test_a_negative_client_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="client max_tokens"):
+        ClusterConfig(4, PROFILE, client_max_tokens=-1)

@@ -23,7 +23,7 @@ Layout (little-endian)::
                u32 n_hashes, u64 * n_hashes
       FIRST    u16 request_id
       SETTLED  u16 request_id, u8 settlement, u32 actual_cached_tokens,
-               u32 prompt_chars, u32 prompt_tokens, f64 ttft_s
+               u32 prompt_chars, u32 prompt_tokens, f64 ttft_s, u32 output_tokens
       WORKER   u16 worker, u8 change
       COUNTED  u16 request_id, u32 prompt_chars, u32 prompt_tokens
 
@@ -62,7 +62,7 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _ROUTED = struct.Struct("<B9HdIIIdI")
 _FIRST = struct.Struct("<BH")
-_SETTLED = struct.Struct("<BHBIIId")
+_SETTLED = struct.Struct("<BHBIIIdI")
 _WORKER = struct.Struct("<BHB")
 _COUNTED = struct.Struct("<BHII")
 _MAX_STRINGS = 0xFFFF
@@ -148,6 +148,7 @@ class _Batch:
                 _u32(fact.prompt_chars),
                 _u32(fact.prompt_tokens),
                 fact.ttft_s,
+                _u32(fact.output_tokens),
             )
             self.parts.append(rec)
             self.size += _SETTLED.size
@@ -301,9 +302,15 @@ def _decode(view: memoryview) -> list[Fact]:
             pos += _FIRST.size
             append(FirstTokenFact(strings[rid]))
         elif tag == TAG_SETTLED:
-            (_, rid, settlement, cached, chars, tokens, ttft) = _SETTLED.unpack_from(view, pos)
+            (_, rid, settlement, cached, chars, tokens, ttft, output) = _SETTLED.unpack_from(
+                view, pos
+            )
             pos += _SETTLED.size
-            append(SettledFact(strings[rid], _SETTLEMENTS[settlement], cached, chars, tokens, ttft))
+            append(
+                SettledFact(
+                    strings[rid], _SETTLEMENTS[settlement], cached, chars, tokens, ttft, output
+                )
+            )
         elif tag == TAG_WORKER:
             (_, worker, change) = _WORKER.unpack_from(view, pos)
             pos += _WORKER.size

@@ -28,9 +28,10 @@ import struct
 import time
 from dataclasses import dataclass
 
-VERSION = 3
-"""The wire version: 3 added the codec's ``COUNTED`` fact. A replica refuses
-messages of another version (an older one would not decode the new fact)."""
+VERSION = 4
+"""The wire version: 3 added the codec's ``COUNTED`` fact, 4 the answer's
+``output_tokens`` in ``SETTLED``. A replica refuses messages of another
+version (an older one would not decode the new layout)."""
 FACTS = 1
 HEARTBEAT = 2
 

@@ -93,7 +93,7 @@ def hold_pin(
         confidence = m.confidence
     if held <= 0 or held < pin.min_cached_tokens or confidence < pin.min_confidence:
         return None, "evicted"
-    terms = ctx.cost.predict(view, prompt, held, confidence, max(1, ctx.request.max_tokens))
+    terms = ctx.cost.predict(view, prompt, held, confidence, ctx.output_tokens)
     if terms.queue_wait_s > pin.max_wait_s:
         return None, "overloaded"
     reason = (

@@ -436,7 +436,7 @@ class Dispatcher:
             decision.worker_id,
             max(0, prompt - decision.predicted_cached_tokens),
             prompt,
-            request.max_tokens,
+            decision.context.output_tokens,
             now,
         )
         router.on_routed(decision, now)
@@ -552,6 +552,7 @@ class Dispatcher:
                     prompt_chars if observed else 0,
                     prompt_tokens if observed else 0,
                     ttft if ttft is not None and ttft >= 0 else -1.0,
+                    outcome.output_tokens,
                 ),
             )
         return miss
@@ -742,7 +743,7 @@ class Dispatcher:
             ttft = fact.ttft_s if fact.ttft_s >= 0 else None
             self.complete(
                 admission,
-                Outcome(fact.actual_cached_tokens, ttft, ok=ok),
+                Outcome(fact.actual_cached_tokens, ttft, ok, fact.output_tokens),
                 now,
                 prompt_chars=fact.prompt_chars,
                 prompt_tokens=fact.prompt_tokens,
@@ -777,7 +778,12 @@ class Dispatcher:
         )
         router = self._router
         blocks = PromptBlocks(fact.hashes, fact.block_tokens, fact.prompt_tokens)
-        ctx = RoutingContext(request, blocks, {}, now, fact.prefix_key, router.cost, router.index)
+        # The expected output from this replica's own estimate: it learns
+        # from every replica's answers (SettledFact.output_tokens).
+        output = router.output.expected(fact.max_tokens, fact.prefix_key)
+        ctx = RoutingContext(
+            request, blocks, {}, now, fact.prefix_key, router.cost, router.index, output
+        )
         # The chosen worker's record carries only the peer's uncalibrated
         # prediction (scale 1): on completion, Router.on_completed calibrates
         # the worker from it and the observed TTFT, as the peer did.
@@ -808,7 +814,7 @@ class Dispatcher:
             fact.worker,
             max(0, prompt - fact.predicted_cached_tokens),
             prompt,
-            fact.max_tokens,
+            output,
             now,
         )
         router.on_routed(decision, now)

@@ -118,6 +118,8 @@ class SettledFact:
         prompt_chars: Text mode: the prompt's characters (0: no observation).
         prompt_tokens: Text mode: the engine's count of the prompt's tokens.
         ttft_s: The observed time to first token (-1: not measured).
+        output_tokens: The engine's ``completion_tokens`` (0: not reported);
+            peers learn the fill of ``max_tokens`` from it.
     """
 
     request_id: RequestId
@@ -126,6 +128,7 @@ class SettledFact:
     prompt_chars: int = 0
     prompt_tokens: int = 0
     ttft_s: float = -1.0
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,10 @@ class RoutingContext:
         prefix_key: Hex id of the request's leading prefix (for demand and logs).
         cost: The router's (calibrated) cost model, for policies that predict TTFT.
         index: The shared prefix index, read-only (how full each worker's cache is).
+        output_tokens: Tokens the request is expected to decode: its
+            ``max_tokens`` scaled by the fill its prefix's answers showed
+            (:class:`~prefixrouter.core.output.OutputEstimate`). Read it, not
+            ``request.max_tokens``, wherever the output length matters.
         replica_salt: The router replica's tie-break salt (``Router(replica_salt=)``;
             0, one router, keeps the deterministic order).
     """
@@ -59,6 +63,7 @@ class RoutingContext:
     prefix_key: str
     cost: CostModel
     index: PrefixIndex
+    output_tokens: int
     replica_salt: int = 0
 
 
@@ -70,11 +75,14 @@ class Outcome:
         actual_cached_tokens: ``usage.prompt_tokens_details.cached_tokens``.
         ttft_s: Observed time to first token, if measured.
         ok: False when the request failed or was cancelled.
+        output_tokens: ``usage.completion_tokens`` (0: not reported); teaches
+            the router how much of ``max_tokens`` answers decode.
     """
 
     actual_cached_tokens: int
     ttft_s: float | None = None
     ok: bool = True
+    output_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ from prefixrouter.core.cost import CostModel, CostParams
 from prefixrouter.core.events import KvEvent
 from prefixrouter.core.hashing import BlockHasher, PromptBlocks
 from prefixrouter.core.index import IndexParams, Placement, PrefixIndex
+from prefixrouter.core.output import OutputEstimate
 from prefixrouter.core.policy import (
     CandidateScore,
     Outcome,
@@ -133,6 +134,7 @@ class Decision:
             "reason": self.reason,
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "expected_output_tokens": self.context.output_tokens,
             "candidate_workers": [c.to_dict() for c in self.candidates],
             "filtered": dict(self.filtered),
             "warm_abandoned": self.warm_abandoned,
@@ -231,6 +233,7 @@ class Router:
         self.hasher = hasher or BlockHasher()
         self.index = PrefixIndex(index_params)
         self.cost = CostModel(cost_params)
+        self.output = OutputEstimate()
         self.prefix_key_tokens = prefix_key_tokens
         # Router replicas that share one (stale) view break near-ties apart:
         # see prefix_aware.tie_band_picker. 0 is one router's order.
@@ -300,8 +303,9 @@ class Router:
             blocks = self.blocks_for(request)
         matches = self.index.match(blocks.hashes, now)
         key = self._prefix_key(request, blocks)
+        output = self.output.expected(request.max_tokens, key)
         ctx = RoutingContext(
-            request, blocks, matches, now, key, self.cost, self.index, self.replica_salt
+            request, blocks, matches, now, key, self.cost, self.index, output, self.replica_salt
         )
         policy = self.policy
         affinity = ""
@@ -426,6 +430,8 @@ class Router:
                 decision.now,
                 speculative=held is not None and held.source is EntrySource.SPECULATIVE,
             )
+            if outcome.output_tokens > 0:
+                self.output.observe(ctx.request.max_tokens, outcome.output_tokens, ctx.prefix_key)
             chosen = decision.chosen
             if outcome.ttft_s is not None and chosen is not None and chosen.terms is not None:
                 self.cost.observe(decision.worker_id, chosen.terms, outcome.ttft_s)

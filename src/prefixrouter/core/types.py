@@ -92,7 +92,8 @@ class RoutingRequest:
         tokens: Prompt token ids, in token mode.
         text: The prompt text as the engine would see it (normalized), in text mode.
         prompt_tokens: Prompt length in tokens (estimated in text mode); 0 = derive.
-        max_tokens: Expected output tokens (the request's ``max_tokens``).
+        max_tokens: The request's ``max_tokens``: a cap on its output (what it is
+            expected to decode is ``RoutingContext.output_tokens``, learned).
         prefix_class: What kind of prefix this is, for reporting.
         model: Model name the request asks for (filters on it).
         adapter: LoRA adapter the request asks for, if any.

@@ -313,7 +313,8 @@ class RoutingConfig(_Model):
         template_version: Part of the cache namespace: bump when the prompt template changes.
         tokenizer_revision: Part of the cache namespace.
         prefix_key_tokens: Depth of the prefix key in decisions and metrics.
-        default_max_tokens: Expected output tokens when a request gives none.
+        default_max_tokens: The ``max_tokens`` taken when a request gives none (the
+            output expected of it is then learned from answers, as for any cap).
         document_chars: A message this long makes the request's prefix class ``document``.
         max_prompt_tokens: Only a prompt's first this many tokens are hashed
             and indexed (text mode: their characters at the current estimate);

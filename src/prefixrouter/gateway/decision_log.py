@@ -13,7 +13,9 @@ for the chosen worker (an engine does not report a request's queue time);
 ``actual_cached_tokens`` and ``prompt_tokens`` are the engine's ``usage``
 (null when it reported none); ``prefill_tokens`` = prompt - cached;
 ``ttft_ms`` is measured to the first upstream byte of a stream (null when not
-streamed); ``latency_ms`` from arrival to the end of the response; ``ts`` is
+streamed); ``expected_output_tokens`` is what the router expected the answer to
+decode (the client's ``max_tokens`` at the fill earlier answers showed,
+:mod:`prefixrouter.core.output`); ``latency_ms`` from arrival to the end of the response; ``ts`` is
 the wall-clock end time (Unix seconds), ``time`` the decision time on the
 gateway's monotonic clock. ``namespace`` is the cache namespace key: a
 client's own ``cache_salt`` appears in it only as a keyed digest (see
@@ -95,6 +97,7 @@ class LogEntry:
     __slots__ = (
         "affinity",
         "candidates",
+        "expected_output_tokens",
         "filtered",
         "namespace",
         "now",
@@ -122,6 +125,7 @@ class LogEntry:
         self.reason = d.reason
         self.predicted_cached_tokens = d.predicted_cached_tokens
         self.prompt_tokens = d.prompt_tokens
+        self.expected_output_tokens = d.context.output_tokens
         self.candidates = d.candidates
         self.filtered = d.filtered
         self.warm_abandoned = d.warm_abandoned
@@ -152,6 +156,7 @@ def render(entry: LogEntry) -> dict[str, Any]:
         "reason": entry.reason,
         "predicted_cached_tokens": entry.predicted_cached_tokens,
         "prompt_tokens": prompt,
+        "expected_output_tokens": entry.expected_output_tokens,
         "candidate_workers": [c.to_dict() for c in entry.candidates],
         "filtered": dict(entry.filtered),
         "warm_abandoned": entry.warm_abandoned,

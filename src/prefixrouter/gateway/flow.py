@@ -19,7 +19,8 @@ same books, so those live here, once:
   set a tenant's ``cache_salt`` or to ask a stream for its usage chunk;
 * **settlement** (:meth:`RequestFlow.finish`): what the engine reported
   (``usage.prompt_tokens`` teaches the text-mode estimator,
-  ``prompt_tokens_details.cached_tokens`` and the time to first byte go to
+  ``prompt_tokens_details.cached_tokens``, the time to first byte and
+  ``completion_tokens``, which teaches the expected output, go to
   ``Dispatcher.complete``), or ``Dispatcher.reject`` for an attempt the
   engine did no prefill for; the usage and request metrics; one decision-log
   record (:meth:`RequestFlow.record`).
@@ -55,7 +56,7 @@ from prefixrouter.gateway.errors import (
 )
 from prefixrouter.gateway.fleet import Steer
 from prefixrouter.gateway.request_builder import BuiltRequest
-from prefixrouter.gateway.sse import usage_figures
+from prefixrouter.gateway.sse import completion_tokens, usage_figures
 from prefixrouter.gateway.state import GatewayState
 from prefixrouter.gateway.tenancy import TenantScope
 from prefixrouter.gateway.workers import Worker
@@ -339,7 +340,7 @@ class RequestFlow:
         # A removed worker's admission settles without feedback (the dispatcher
         # knows); its prefix is not noted as served either.
         if ok and cached is not None:
-            answer = Outcome(cached, served.ttft_s, True)
+            answer = Outcome(cached, served.ttft_s, True, completion_tokens(served.usage))
             miss = dispatch.complete(adm, answer, now, prompt_chars=chars, prompt_tokens=tokens)
             if not worker.removed:
                 last = st.note_served(worker.id, decision.prefix_key, now)

@@ -121,6 +121,12 @@ def answer_usage(data: Any) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+def completion_tokens(usage: dict[str, Any] | None) -> int:
+    """``usage.completion_tokens`` (0: not reported): what the answer decoded."""
+    n = usage.get("completion_tokens") if usage else None
+    return n if isinstance(n, int) and n > 0 else 0
+
+
 def usage_figures(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
     """``(prompt_tokens, cached_tokens)`` from an OpenAI usage object (None: not reported)."""
     if not usage:

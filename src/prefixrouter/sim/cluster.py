@@ -191,6 +191,11 @@ class ClusterConfig:
             learn its characters per token from the count
             (:data:`TOKEN_COUNT_BASE_S` plus :data:`TOKEN_COUNT_PER_TOKEN_S` a
             token later) instead of from its first answer.
+        client_max_tokens: The ``max_tokens`` clients send, a cap as chat
+            clients set it (each answer still ends at its own length, as at
+            the end of its text; a request longer than the cap asks for its
+            own length). 0: every client sends its answer's exact length,
+            as a benchmark client does.
     """
 
     workers: int
@@ -203,8 +208,11 @@ class ClusterConfig:
     sync: bool = True
     sync_lag_s: float = 0.0
     token_count: bool = True
+    client_max_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.client_max_tokens < 0:
+            raise ValueError(f"client max_tokens must be >= 0, got {self.client_max_tokens}")
         if self.routers < 1:
             raise ValueError(f"router replicas must be at least 1, got {self.routers}")
         if not self.sync_lag_s >= 0.0:  # also refuses NaN
@@ -227,13 +235,16 @@ def text_hasher() -> BlockHasher:
     )
 
 
-def routing_request(req: SimRequest) -> RoutingRequest:
-    """The router's view of a simulated request (token mode)."""
+def routing_request(req: SimRequest, max_tokens: int = 0) -> RoutingRequest:
+    """The router's view of a simulated request (token mode).
+
+    ``max_tokens``: the client's cap (0: the answer's own length).
+    """
     return RoutingRequest(
         request_id=req.request_id,
         namespace=req.namespace,
         tokens=req.tokens(),
-        max_tokens=req.output_tokens,
+        max_tokens=max_tokens or req.output_tokens,
         prefix_class=req.prefix_class,
         first_user_offset=req.first_user_offset,
     )
@@ -424,11 +435,11 @@ class Simulation:
         dispatch.mirror_capacity(views)
         renderer = self._renderer
         if renderer is None:  # token mode: the engine shares the router's hashes
-            adm = dispatch.admit(routing_request(sreq), views, now)
+            adm = dispatch.admit(routing_request(sreq, self._cap(sreq)), views, now)
             chars = 0
             engine_hashes, prompt = adm.blocks.hashes, adm.blocks.prompt_tokens
         else:  # text mode: the router sees text, the engine its token blocks
-            request, chars = text_routing_request(sreq, renderer)
+            request, chars = text_routing_request(sreq, renderer, max_tokens=self._cap(sreq))
             adm = dispatch.admit(request, views, now)
             prompt = sreq.prompt_tokens
             if self.config.token_count and dispatch.wants_token_count(adm):
@@ -464,6 +475,11 @@ class Simulation:
         self._schedule(i)
         if decision.warm_up is not None:
             self._warm_up(router, adm, engine_hashes, prompt, now)
+
+    def _cap(self, sreq: SimRequest) -> int:
+        """The ``max_tokens`` the client sends (0: the answer's own length)."""
+        cap = self.config.client_max_tokens
+        return max(cap, sreq.output_tokens) if cap else 0
 
     def _warm_up(
         self,
@@ -534,7 +550,7 @@ class Simulation:
                 # settled fact carries the observation to the peers.
                 routers[r].complete(
                     adm,
-                    Outcome(rec.cached_tokens, rec.ttft_s),
+                    Outcome(rec.cached_tokens, rec.ttft_s, True, rec.output_tokens),
                     out.time,
                     prompt_chars=chars,
                     prompt_tokens=rec.prompt_tokens,

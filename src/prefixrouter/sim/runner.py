@@ -88,6 +88,7 @@ class RunPlan:
     mode: RoutingMode = "token"
     replicas: Replicas = ONE_ROUTER
     token_count: bool = True
+    client_max_tokens: int = 0
 
 
 def plan(
@@ -103,24 +104,28 @@ def plan(
     mode: RoutingMode = "token",
     replicas: Replicas = ONE_ROUTER,
     token_count: bool = True,
+    client_max_tokens: int = 0,
 ) -> RunPlan:
     """Resolve defaults and the arrival rate; returns the plan with a scaled workload.
 
     ``replicas`` does not change the rate: the load is the engines' (the
     same fleet, whatever number of routers spreads the traffic over it).
     ``token_count``: text mode's engine count of a new prefix
-    (:attr:`~prefixrouter.sim.cluster.ClusterConfig.token_count`).
+    (:attr:`~prefixrouter.sim.cluster.ClusterConfig.token_count`);
+    ``client_max_tokens``: the cap clients send
+    (:attr:`~prefixrouter.sim.cluster.ClusterConfig.client_max_tokens`).
     """
     n = workers or workload.default_workers
     kv = kv_blocks if kv_blocks is not None else workload.default_kv_blocks
-    _config(n, profile, kv, kv_events, mode, replicas, token_count)  # fail early on bad ones
+    # Fail early on bad arguments.
+    _config(n, profile, kv, kv_events, mode, replicas, token_count, client_max_tokens)
     for name in policies:
         create_policy(name)  # fail early, naming the policy
     if workload.fixed_times:
         if load is None and rate is None:
             return RunPlan(
                 workload, profile, n, kv, policies, None, None, kv_events, mode, replicas,
-                token_count,
+                token_count, client_max_tokens,
             )  # fmt: skip
         # A trace keeps its own burstiness; only its clock is stretched so its
         # mean rate is the one asked for.
@@ -142,13 +147,14 @@ def plan(
             mode,
             replicas,
             token_count,
+            client_max_tokens,
         )
     if rate is None:
         load = 0.6 if load is None else load
         rate = load * capacity_rps(workload, profile, n)
     return RunPlan(
         workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode, replicas,
-        token_count,
+        token_count, client_max_tokens,
     )  # fmt: skip
 
 
@@ -160,6 +166,7 @@ def _config(
     mode: RoutingMode,
     replicas: Replicas,
     token_count: bool = True,
+    client_max_tokens: int = 0,
 ) -> ClusterConfig:
     return ClusterConfig(
         workers,
@@ -171,6 +178,7 @@ def _config(
         sync=replicas.sync,
         sync_lag_s=replicas.lag_s,
         token_count=token_count,
+        client_max_tokens=client_max_tokens,
     )
 
 
@@ -184,8 +192,9 @@ def run_plan(
     results: list[dict[str, Any]] = []
     runs: list[SimRun] = []
     config = _config(
-        p.workers, p.profile, p.kv_blocks, p.kv_events, p.mode, p.replicas, p.token_count
-    )
+        p.workers, p.profile, p.kv_blocks, p.kv_events, p.mode, p.replicas, p.token_count,
+        p.client_max_tokens,
+    )  # fmt: skip
     # Text mode: one renderer for every policy, so each shared segment is rendered once.
     renderer = TextRenderer(p.workload.requests) if p.mode == "text" else None
     for name in p.policies:

@@ -167,17 +167,24 @@ class TextRenderer:
         out.append({"role": "user", "content": "".join(user)})
         return out
 
-    def chat_body(self, req: SimRequest) -> dict[str, Any]:
-        """The OpenAI chat body a client would send for ``req``."""
+    def chat_body(self, req: SimRequest, max_tokens: int = 0) -> dict[str, Any]:
+        """The OpenAI chat body a client would send for ``req``.
+
+        ``max_tokens``: the client's cap (0: the answer's own length, as a
+        benchmark client sends it).
+        """
         return {
             "model": req.namespace.model_revision,
             "messages": self.messages(req),
-            "max_tokens": req.output_tokens,
+            "max_tokens": max_tokens or req.output_tokens,
         }
 
 
 def text_routing_request(
-    req: SimRequest, renderer: TextRenderer, classifier: ClassifierParams = DEFAULT_PARAMS
+    req: SimRequest,
+    renderer: TextRenderer,
+    classifier: ClassifierParams = DEFAULT_PARAMS,
+    max_tokens: int = 0,
 ) -> tuple[RoutingRequest, int]:
     """The router's view of ``req`` in text mode, built as the gateway builds it.
 
@@ -186,12 +193,13 @@ def text_routing_request(
     text mode; no ``X-Prefix-Class``: the class is inferred, as for a client
     that sends none) and becomes the :class:`RoutingRequest` the gateway's
     request builder makes of it (namespace: the simulated request's own).
+    ``max_tokens`` is the client's cap (0: the answer's own length).
 
     Returns:
         The routing request and its prompt's characters (with the engine's
         ``prompt_tokens`` they teach the characters-per-token estimate).
     """
-    built = build_prompt_request(renderer.chat_body(req), CHAT, classifier=classifier)
+    built = build_prompt_request(renderer.chat_body(req, max_tokens), CHAT, classifier=classifier)
     prompt = built.prompt
     routing = RoutingRequest(
         request_id=req.request_id,

@@ -5,7 +5,9 @@ model from one simulated :class:`~prefixrouter.sim.engine.EngineModel`, driven
 in real time by :class:`~prefixrouter.simulated_engine.runtime.EngineRuntime`.
 Prompts are tokenized for real (:mod:`prefixrouter.tokenization`, chat template
 first), so token counts, block boundaries and cache hits are those a router in
-token mode computes; the output is filler text of exactly ``max_tokens`` tokens.
+token mode computes; the output is filler text of exactly ``max_tokens`` tokens
+(fewer with ``answer_tokens``: every answer then ends on its own there, as a
+model's end of sequence, and a client's ``max_tokens`` is a cap).
 
 Endpoints:
 
@@ -97,6 +99,11 @@ OFFLOAD_CHARS = 64_000
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _finish_reason(handle: RequestHandle, max_tokens: int) -> str:
+    """``stop`` for an answer that ended before ``max_tokens``, else ``length`` (as vLLM)."""
+    return "stop" if handle.output_tokens < max_tokens else "length"
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -253,6 +260,11 @@ class EngineServer:
         finally:
             served.event("end", rid, how=how)
 
+    def _answer_length(self, max_tokens: int) -> int:
+        """Tokens the answer decodes: ``max_tokens``, or ``answer_tokens`` when fewer."""
+        own = self.config.answer_tokens
+        return min(max_tokens, own) if own is not None else max_tokens
+
     async def _answer(
         self, request: web.Request, kind: Kind, body: dict[str, Any], rid: str
     ) -> tuple[web.StreamResponse, str]:
@@ -271,14 +283,14 @@ class EngineServer:
         if self.publisher is not None:
             self.publisher.remember(hashes, ids, opts.cache_salt)
         try:
-            handle = self.runtime.submit(hashes, len(ids), max_tokens)
+            handle = self.runtime.submit(hashes, len(ids), self._answer_length(max_tokens))
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         created = int(time.time())
         self.in_flight += 1
         try:
             if opts.stream:
-                writer = ChunkWriter(kind, rid, created, model)
+                writer = ChunkWriter(kind, rid, created, model, _finish_reason(handle, max_tokens))
                 return await self._stream(request, handle, writer, rid, opts.include_usage, fault)
             done = await handle.done
             first = handle.first.result()
@@ -286,7 +298,8 @@ class EngineServer:
             use = usage(len(ids), done.output_tokens, first.cached_tokens)
             if fault is not None and fault.bad_usage:
                 use = bad_usage(len(ids), done.output_tokens)
-            raw = orjson.dumps(full_response(kind, rid, created, model, text, use))
+            reason = _finish_reason(handle, max_tokens)
+            raw = orjson.dumps(full_response(kind, rid, created, model, text, use, reason))
             how = "done"
             if fault is not None and (fault.malformed or fault.truncate):
                 raw = b'{"id": "' + rid.encode() + b'", "choices": [{' if fault.malformed else raw

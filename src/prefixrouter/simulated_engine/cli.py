@@ -99,6 +99,10 @@ def engine(
     default_max_tokens: Annotated[
         int, typer.Option(min=1, help="Output tokens when a request gives no max_tokens.")
     ] = 16,
+    answer_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="Every answer ends here on its own (default: at max_tokens)."),
+    ] = None,
     engine_id: Annotated[str, typer.Option(help="Value of the `engine` metric label.")] = "0",
     tokenizer: Annotated[
         Path | None, typer.Option(help="Tokenizer JSON file or folder (default: built-in).")
@@ -132,6 +136,7 @@ def engine(
             time_scale=time_scale,
             max_model_len=max_model_len,
             default_max_tokens=default_max_tokens,
+            answer_tokens=answer_tokens,
             engine_id=engine_id,
             tokenizer=str(tokenizer) if tokenizer is not None else None,
             kv_events_endpoint=kv_events_endpoint,

@@ -51,6 +51,10 @@ class EngineServerConfig:
         max_model_len: Longest prompt + output accepted (default:
             :data:`DEFAULT_MAX_MODEL_LEN` or the KV cache, the smaller).
         default_max_tokens: Output length when a request gives no ``max_tokens``.
+        answer_tokens: Where every answer ends on its own, as at a model's end
+            of sequence: a request decodes ``min(max_tokens, answer_tokens)``
+            tokens (``finish_reason`` ``stop`` when fewer than ``max_tokens``).
+            None: every request decodes its whole ``max_tokens``.
         engine_id: Value of the ``engine`` label on every metric.
         tokenizer: Tokenizer file or folder (default: the project's own).
         kv_events_endpoint: Publish KV events like vLLM to this ZMQ address
@@ -70,6 +74,7 @@ class EngineServerConfig:
     time_scale: float = 1.0
     max_model_len: int | None = None
     default_max_tokens: int = 16
+    answer_tokens: int | None = None
     engine_id: str = "0"
     tokenizer: str | None = None
     kv_events_endpoint: str | None = None
@@ -83,7 +88,7 @@ class EngineServerConfig:
             raise ConfigError("model: must be a non-empty name")
         if not self.time_scale > 0:
             raise ConfigError(f"time_scale: must be positive, got {self.time_scale}")
-        for name in ("kv_blocks", "block_size", "max_model_len"):
+        for name in ("kv_blocks", "block_size", "max_model_len", "answer_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {value}")

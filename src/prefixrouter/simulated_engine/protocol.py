@@ -12,7 +12,8 @@ Supported request fields: ``model``, ``messages`` (chat) or ``prompt``
 ``max_tokens`` / ``max_completion_tokens`` (the output length; chat prefers the
 latter), ``stream``, ``stream_options.include_usage``, ``cache_salt``, ``tools``,
 ``add_generation_prompt``, ``n`` (1 only), ``ignore_eos`` and every sampling
-field (accepted, ignored: output is filler of exactly ``max_tokens`` tokens).
+field (accepted, ignored: output is filler of exactly ``max_tokens`` tokens, or
+of the engine's ``answer_tokens`` when fewer: ``finish_reason`` ``stop``).
 """
 
 from __future__ import annotations
@@ -217,15 +218,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def full_response(
-    kind: Kind, rid: str, created: int, model: str, text: str, use: dict[str, Any]
+    kind: Kind,
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    use: dict[str, Any],
+    finish_reason: str = "length",
 ) -> dict[str, Any]:
-    """A non-streaming response body."""
+    """A non-streaming response body (``finish_reason``: ``stop`` for an answer that
+    ended on its own, ``length`` for one cut at ``max_tokens``)."""
     if kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "tool_calls": []},
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": finish_reason,
             "stop_reason": None,
         }
         obj = "chat.completion"
@@ -234,7 +242,7 @@ def full_response(
             "index": 0,
             "text": text,
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": finish_reason,
             "stop_reason": None,
         }
         obj = "text_completion"
@@ -251,10 +259,13 @@ def full_response(
 class ChunkWriter:
     """Builds the SSE frames of one streaming response (``data: {json}\\n\\n``)."""
 
-    __slots__ = ("_head", "_kind")
+    __slots__ = ("_head", "_kind", "_reason")
 
-    def __init__(self, kind: Kind, rid: str, created: int, model: str) -> None:
+    def __init__(
+        self, kind: Kind, rid: str, created: int, model: str, finish_reason: str = "length"
+    ) -> None:
         self._kind = kind
+        self._reason = finish_reason
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = {"id": rid, "object": obj, "created": created, "model": model}
 
@@ -280,7 +291,7 @@ class ChunkWriter:
 
     def token(self, text: str, last: bool) -> bytes:
         """One output token; the last one carries ``finish_reason``."""
-        reason = "length" if last else None
+        reason = self._reason if last else None
         if self._kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,

@@ -194,10 +194,18 @@ def test_long_generations_spread_differently_from_short_answers() -> None:
     ws = workers(2)
     # the warm worker runs a big decode batch
     ws[0] = replace(ws[0], decoding=100, context_tokens=500_000, decode_tokens_remaining=50_000)
+    # Answers so far used their whole max_tokens: the cap is the output (core/output.py).
+    r.output.observe(2_000, 2_000, "any")
     short = r.route(request("s", doc + tokens(2, 100), max_tokens=8), ws, 1.0)
     long = r.route(request("l", doc + tokens(3, 100), max_tokens=2_000), ws, 1.0)
     assert short.worker_id == W0 and short.tier == "exact"
     assert long.worker_id == W1 and long.tier == "cold"
+    # Before any answer, a cap of 2,000 is no forecast: the request is taken
+    # for a chat answer (at most 512 tokens) and follows the cache.
+    unknown = Router()
+    warm(unknown, W0, doc)
+    capped = unknown.route(request("c", doc + tokens(3, 100), max_tokens=2_000), ws, 1.0)
+    assert capped.context.output_tokens == 512 and capped.worker_id == W0
 
 
 def test_calibration_learns_the_observed_ratio() -> None:

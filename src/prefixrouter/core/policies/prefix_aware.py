@@ -78,8 +78,10 @@ counts as never seen), and ``max_tracked_prefixes`` caps it (oldest first). A
 request the engine did no prefill for (``on_rejected``) is taken out of the
 counts again.
 
-Parameters per output class live in :class:`OutputClassParams`; requests with
-``max_tokens >= long_output_tokens`` use ``long``.
+Parameters per output class live in :class:`OutputClassParams`; requests
+expected to decode at least ``long_output_tokens`` use ``long`` (the expected
+output is ``RoutingContext.output_tokens``: a client's ``max_tokens`` is a
+cap, and :mod:`prefixrouter.core.output` learns how much of it answers use).
 """
 
 from __future__ import annotations
@@ -134,7 +136,9 @@ class PrefixAwareParams:
     Attributes:
         short: Thresholds for short answers.
         long: Thresholds for long generations.
-        long_output_tokens: ``max_tokens`` from which a request is a long generation.
+        long_output_tokens: Expected output (``RoutingContext.output_tokens``: the
+            request's ``max_tokens`` at the fill answers showed) from which a
+            request is a long generation.
         min_match_tokens: Matches shorter than this do not make a worker warm.
         min_confidence: Matches trusted less than this are scored as cold.
         cold_reserved_share: Share of each worker's slots warm preference may not fill.
@@ -284,7 +288,7 @@ class PrefixAwarePolicy(Policy):
     def select(self, ctx: RoutingContext, candidates: Sequence[WorkerView]) -> Selection:
         """Scorer, candidate filter, picker, then the rules (see the module docstring)."""
         p = self.params
-        output = max(1, ctx.request.max_tokens)
+        output = ctx.output_tokens
         cls = p.long if output >= p.long_output_tokens else p.short
         # 1. Scorer, then 2. the candidate filter (the cold quota).
         scored, warm = score_candidates(ctx, candidates, p, cls, output)

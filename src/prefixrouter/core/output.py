@@ -1,0 +1,110 @@
+"""How many tokens a request will decode, learned from the engines' answers.
+
+A client's ``max_tokens`` is a cap, not a forecast: chat clients send 1,024,
+2,048 or 4,096 whatever the answer, and the engine stops at the end of the
+answer long before. Every figure the router derives from the output length
+reads it: the output class (short answers follow the cache, long generations
+spread by decode load), the decode term of the score, the KV a request will
+hold, the hot-prefix rule's demand (rate times engine time per request). Taken
+at a cap of 2,048 for answers of 100-500 tokens, the simulator's multi-turn
+mean TTFT was 68-80 % higher and hot-prefix's 156-166 % (``prefixrouter
+simulate --client-max-tokens``, ``benchmarks/decision_quality_notes.md``):
+every request looked like a long generation, and every prefix hot.
+
+:class:`OutputEstimate` learns the **fill**: the share of ``max_tokens`` that
+answers decode, ``min(1, completion_tokens / max_tokens)``, per prefix (the
+request's prefix key: a form, a document's questions, an assistant's system
+prompt answer alike) and over all answers. A request is expected to decode::
+
+    expected = max(1, round(max_tokens * fill))
+
+with the prefix's fill once one of its answers came back, else the global
+one. Before the first answer no fill is known, and the first seconds of
+traffic are where a cap taken at its word does most harm (a whole first
+wave routed as long generations: templates' p99 +72 % at a cap of 2,048, on
+cold prefills made at the start); the expected output is then ``max_tokens``
+but at most ``first_guess_tokens`` (512, below ``long_output_tokens``). Where
+clients send the answer's real length, as every benchmark of this project
+does, the fill is 1 and nothing changes past the first answer. A fill is an
+exponential mean whose first answers count as a running mean (weight ``1/n``
+until ``1/window``): the first answer sets it, rather than moving it from the
+prior by a step. Prefixes are kept in insertion order up to ``max_prefixes``;
+the oldest goes first.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_WINDOW = 32
+"""Answers an exponential mean of fill roughly remembers."""
+DEFAULT_MAX_PREFIXES = 65_536
+"""Prefixes whose fill is kept (oldest dropped first)."""
+DEFAULT_FIRST_GUESS_TOKENS = 512
+"""The most a request is expected to decode before any answer came back: about
+the 90th percentile of chat answers in the public traces (Azure LLM inference
+2023, conversation: 424 tokens; Mooncake's conversation trace: 597)."""
+
+
+@dataclass(slots=True)
+class _Fill:
+    """An exponential mean of fill and how many answers it has seen."""
+
+    value: float = 1.0
+    seen: int = 0
+
+    def add(self, sample: float, window: int) -> None:
+        self.seen += 1
+        weight = 1.0 / min(self.seen, window)
+        self.value += weight * (sample - self.value)
+
+
+class OutputEstimate:
+    """Expected decode length per request, from the fill of ``max_tokens`` seen so far."""
+
+    def __init__(
+        self,
+        window: int = DEFAULT_WINDOW,
+        max_prefixes: int = DEFAULT_MAX_PREFIXES,
+        first_guess_tokens: int = DEFAULT_FIRST_GUESS_TOKENS,
+    ) -> None:
+        if first_guess_tokens < 1:
+            raise ValueError(f"first_guess_tokens must be at least 1, got {first_guess_tokens}")
+        if window < 1:
+            raise ValueError(f"window must be at least 1 answer, got {window}")
+        if max_prefixes < 1:
+            raise ValueError(f"max_prefixes must be at least 1, got {max_prefixes}")
+        self.window = window
+        self.first_guess_tokens = first_guess_tokens
+        self.max_prefixes = max_prefixes
+        self._global = _Fill()
+        self._by_prefix: dict[str, _Fill] = {}
+
+    def expected(self, max_tokens: int, prefix_key: str) -> int:
+        """Tokens a request with this cap and prefix is expected to decode (at least 1)."""
+        cap = max(1, max_tokens)
+        g = self._global
+        if g.seen == 0:
+            return min(cap, self.first_guess_tokens)
+        own = self._by_prefix.get(prefix_key)
+        fill = own.value if own is not None else g.value
+        if fill >= 1.0:
+            return cap
+        return max(1, round(cap * fill))
+
+    def observe(self, max_tokens: int, output_tokens: int, prefix_key: str) -> None:
+        """An answer decoded ``output_tokens`` under a cap of ``max_tokens``."""
+        if max_tokens <= 0 or output_tokens <= 0:
+            return  # no cap, or no answer: nothing learned
+        sample = min(1.0, output_tokens / max_tokens)
+        window = self.window
+        self._global.add(sample, window)
+        by_prefix = self._by_prefix
+        own = by_prefix.get(prefix_key)
+        if own is None:
+            if len(by_prefix) >= self.max_prefixes:
+                del by_prefix[next(iter(by_prefix))]  # the oldest prefix
+            own = by_prefix[prefix_key] = _Fill()
+        own.add(sample, window)
