@@ -430,8 +430,7 @@ class Router:
                 decision.now,
                 speculative=held is not None and held.source is EntrySource.SPECULATIVE,
             )
-            if outcome.output_tokens > 0:
-                self.output.observe(ctx.request.max_tokens, outcome.output_tokens, ctx.prefix_key)
+            self.output.observe(ctx.request.max_tokens, outcome.output_tokens, ctx.prefix_key)
             chosen = decision.chosen
             if outcome.ttft_s is not None and chosen is not None and chosen.terms is not None:
                 self.cost.observe(decision.worker_id, chosen.terms, outcome.ttft_s)

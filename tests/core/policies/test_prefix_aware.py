@@ -530,29 +530,36 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     assert Router().policy.params.proactive_copy  # the default (decision_quality_notes.md)
 
 
+def _hot_copy_route(
+    *, suffix_tokens: int = 50, pending_on_holder: int = 9_000, pending_on_target: int = 0
+) -> Decision:
+    """An 8,000-token document asked 50 times a second, held (settled) only on
+    w0, whose queue holds ``pending_on_holder`` tokens; w1 busy with other
+    prefixes and ``pending_on_target`` tokens of prefill. The next request's
+    decision, proactive copies on."""
+    doc = tokens(1, 8_000)
+    r = Router(create_policy("prefix_aware", {"proactive_copy": True}))
+    warm(r, W0, doc)
+    ws = workers(2)
+    ws[0] = replace(ws[0], pending_prefill_tokens=pending_on_holder)
+    for i in range(300):
+        t = i / 50.0  # 50 requests a second: hot
+        d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
+        r.policy.on_routed(d.context, W0)
+    hold(r, W0, doc, 6.0)
+    fill_cache(r, W1, 20_000, 6.0)
+    ws[1] = replace(ws[1], pending_prefill_tokens=pending_on_target)
+    return r.route(request("x", doc + tokens(7, suffix_tokens)), ws, 6.0)
+
+
 def test_no_prefill_only_copy_of_a_prefix_that_is_a_small_part_of_the_prompt() -> None:
     """A copy is the request's whole prompt with max_tokens 1: for a hot prefix
     that is under ``copy_min_prefix_share`` of the prompt, most of the copy
     would be this request's own text. The request then makes the copy itself,
     as with proactive copies off."""
-    doc = tokens(1, 8_000)
-
-    def hot_route(suffix_tokens: int) -> Decision:
-        r = Router(create_policy("prefix_aware", {"proactive_copy": True}))
-        warm(r, W0, doc)
-        ws = workers(2)
-        ws[0] = replace(ws[0], pending_prefill_tokens=9_000)  # warm, but queued
-        for i in range(300):
-            t = i / 50.0  # 50 requests a second: hot
-            d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
-            r.policy.on_routed(d.context, W0)
-        hold(r, W0, doc, 6.0)
-        fill_cache(r, W1, 20_000, 6.0)
-        return r.route(request("x", doc + tokens(7, suffix_tokens)), ws, 6.0)
-
-    short = hot_route(50)  # the prefix is nearly all of the prompt: the router copies it
-    assert short.worker_id == W0 and short.warm_up == W1
-    long = hot_route(12_000)  # 8,000 of 20,000 tokens: the request goes itself
+    short = _hot_copy_route(suffix_tokens=50)  # the prefix is nearly all of the prompt
+    assert short.worker_id == W0 and short.warm_up == W1  # the router copies it
+    long = _hot_copy_route(suffix_tokens=12_000)  # 8,000 of 20,000 tokens: the request goes
     assert long.warm_up is None
     assert long.worker_id == W1 and "hot prefix" in long.reason
 
@@ -562,25 +569,10 @@ def test_no_prefill_only_copy_into_a_worker_with_a_prefill_pending() -> None:
     step and each first token comes at its end: a copy sent to a worker with a
     user's prefill pending would delay that user's first token by the copy's
     prefill. The router then sends no copy; a later request asks again."""
-    doc = tokens(1, 8_000)
-
-    def hot_route(pending_on_target: int) -> Decision:
-        r = Router(create_policy("prefix_aware", {"proactive_copy": True}))
-        warm(r, W0, doc)
-        ws = workers(2)
-        ws[0] = replace(ws[0], pending_prefill_tokens=2_000)  # warm, a little queued
-        for i in range(300):
-            t = i / 50.0  # 50 requests a second: hot
-            d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), ws, t)
-            r.policy.on_routed(d.context, W0)
-        hold(r, W0, doc, 6.0)
-        fill_cache(r, W1, 20_000, 6.0)
-        ws[1] = replace(ws[1], pending_prefill_tokens=pending_on_target)
-        return r.route(request("x", doc + tokens(7, 50)), ws, 6.0)
-
-    idle = hot_route(0)
+    idle = _hot_copy_route(pending_on_holder=2_000)  # warm, a little queued
     assert idle.worker_id == W0 and idle.warm_up == W1
-    busy = hot_route(500)  # another request's 500 tokens still to prefill on w1
+    # another request's 500 tokens still to prefill on w1
+    busy = _hot_copy_route(pending_on_holder=2_000, pending_on_target=500)
     assert busy.worker_id == W0 and busy.warm_up is None
     assert "prefill-only copy" not in busy.reason
 

@@ -1056,10 +1056,10 @@ def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) ->
     mean with copies on; with it, 986 ms).
 
     The score, not the first token alone: it counts the decode batch the
-    request joins. Comparing first tokens alone kept templates' requests off
-    a cold copy (p99 -6 to -8 %) but kept doc-qa's questions on holders whose
-    long-context batches were what made the document hot (load 0.9: mean +8
-    to +9 %, seeds 0-3).
+    request joins. Comparing first tokens kept doc-qa's questions on holders
+    whose long-context batches were what made the document hot (load 0.9:
+    mean +8 to +9 %, seeds 0-3), for a templates p99 of -6 to -8 % (measured
+    together with the rule that sends no copy into a pending prefill).
     """
     if copy.index != choice.index and scored[copy.index].score <= scored[choice.index].score:
         return copy
