@@ -34,6 +34,7 @@ from typing import cast
 
 import xxhash
 
+from prefixrouter.core.running_mean import fold
 from prefixrouter.core.types import BlockHash
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -131,7 +132,8 @@ class TokenEstimator:
 
     **Globally**: the running mean of ``chars / prompt_tokens`` over observed
     requests, each weighted ``max(alpha, 1/n)`` (``n``: observations so far,
-    counting this one). The first answer therefore *replaces* the prior (an
+    counting this one; :func:`~prefixrouter.core.running_mean.fold`, the
+    router's one running mean). The first answer therefore *replaces* the prior (an
     engine's count beats a guess; a prior crept from by ``alpha`` per request
     under-valued warm workers for many requests), the first ``1/alpha`` are an
     equal-weight mean, and later ones move it by ``alpha`` at most, so one odd
@@ -235,7 +237,7 @@ class TokenEstimator:
             return
         ratio = chars / prompt_tokens
         cap = max(1, round(1.0 / self.alpha))
-        self.chars_per_token, self._count = _fold(self.chars_per_token, self._count, ratio, cap)
+        self.chars_per_token, self._count = fold(self.chars_per_token, self._count, ratio, cap)
         if not hashes or self.max_prefixes == 0:
             return
         prefixes = self._prefixes
@@ -245,19 +247,10 @@ class TokenEstimator:
             if old is None:
                 prefixes[anchor] = (ratio, 1)
             else:
-                prefixes[anchor] = _fold(old[0], old[1], ratio, cap)
+                prefixes[anchor] = fold(old[0], old[1], ratio, cap)
                 prefixes.move_to_end(anchor)
         while len(prefixes) > self.max_prefixes:
             prefixes.popitem(last=False)
-
-
-def _fold(mean: float, count: int, value: float, cap: int) -> tuple[float, int]:
-    """A running mean's next value: weight ``1/(count+1)``, at least ``1/cap``.
-
-    With ``count == 0`` the value replaces the mean (the prior).
-    """
-    n = count + 1 if count < cap else cap
-    return mean + (value - mean) / n, n
 
 
 @dataclass(frozen=True, slots=True)
