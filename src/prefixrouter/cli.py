@@ -245,9 +245,10 @@ def simulate(
     client_max_tokens: Annotated[
         int,
         typer.Option(
-            min=0,
+            min=-1,
             help="The max_tokens clients send, a cap (answers still end at their own "
-            "length); 0: each request asks for its answer's exact length.",
+            "length); 0: each request asks for its answer's exact length; -1: clients "
+            "send none.",
         ),
     ] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,

@@ -16,7 +16,8 @@ def test_before_any_answer_a_cap_is_taken_at_most_at_the_first_guess() -> None:
     est = OutputEstimate()
     assert est.expected(4096, "k") == DEFAULT_FIRST_GUESS_TOKENS
     assert est.expected(200, "k") == 200  # a cap below the guess is taken at its word
-    assert est.expected(0, "k") == 1  # never below one token
+    assert est.expected(1, "k") == 1
+    assert est.expected(0, "k") == DEFAULT_FIRST_GUESS_TOKENS  # no cap: the guess too
 
 
 def test_the_first_answer_sets_the_fill_and_later_ones_average_it() -> None:
@@ -45,6 +46,26 @@ def test_clients_that_send_the_answers_length_are_taken_at_their_word() -> None:
     assert est.expected(7000, "k") == 7000
     est.observe(100, 250, "k")  # an engine that overran the cap counts as full
     assert est.expected(7000, "k") == 7000
+
+
+def test_requests_without_a_cap_expect_what_such_answers_decoded() -> None:
+    est = OutputEstimate(window=4)
+    est.observe(0, 1800, "essay")  # no max_tokens: a long generation
+    assert est.expected(0, "essay") == 1800  # not cut to any nominal cap
+    est.observe(0, 2200, "essay")
+    assert est.expected(0, "essay") == 2000
+    est.observe(0, 40, "chat")
+    assert est.expected(0, "chat") == 40
+    assert est.expected(0, "new") == round((1800 + 2200 + 40) / 3)  # the uncapped mean
+
+
+def test_capped_and_uncapped_answers_are_learned_apart() -> None:
+    est = OutputEstimate()
+    est.observe(2048, 205, "k")  # a fill of a tenth
+    est.observe(0, 900, "k")  # a client without a cap, same prefix
+    assert est.expected(2048, "k") == 205  # the fill is not moved by 900 of "no cap"
+    assert est.expected(0, "k") == 900  # nor is 900 read as a tenth of a cap
+    assert est.expected(0, "other") == 900 and est.expected(4096, "other") == 410
 
 
 def test_the_prefixes_kept_are_bounded_oldest_first() -> None:

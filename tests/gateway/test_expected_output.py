@@ -42,15 +42,18 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         yield Gateway(gw.url, log)
 
 
-async def _ask(url: str, topic: str, *, stream: bool) -> tuple[str, int, str]:
-    """One chat request with ``max_tokens`` CAP: its id (the gateway's), completion
-    tokens and finish reason."""
+async def _ask(
+    url: str, topic: str, *, stream: bool, cap: int | None = CAP
+) -> tuple[str, int, str]:
+    """One chat request with ``max_tokens`` ``cap`` (None: no such field): its id
+    (the gateway's), completion tokens and finish reason."""
     body: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": f"Say something about {topic}."}],
-        "max_tokens": CAP,
         "stream": stream,
     }
+    if cap is not None:
+        body["max_tokens"] = cap
     if stream:
         body["stream_options"] = {"include_usage": True}
     timeout = aiohttp.ClientTimeout(total=30)
@@ -87,3 +90,35 @@ def test_a_cap_is_not_taken_for_the_answers_length_once_answers_came_back(
     records = _log_records(gateway.log, {first, later, streamed})
     expected = [records[rid]["expected_output_tokens"] for rid in (first, later, streamed)]
     assert expected == [DEFAULT_FIRST_GUESS_TOKENS, ANSWER, ANSWER]
+
+
+UNCAPPED_ANSWER = 600  # beyond the first guess, and beyond any small nominal cap
+
+
+@pytest.fixture(scope="module")
+def uncapped_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """Engines that decode up to 4,000 tokens when a request sets no cap, and whose
+    answers end after UNCAPPED_ANSWER."""
+    tmp = tmp_path_factory.mktemp("expected-output-uncapped")
+    log = tmp / "decisions.jsonl"
+    settings = {"decision_log": {"path": str(log), "flush_interval_s": 0.1}}
+    args = ("--answer-tokens", str(UNCAPPED_ANSWER), "--default-max-tokens", "4000")
+    with Fleet() as fleet:
+        _, gw = engines_behind_gateway(fleet, tmp / "gw.yaml", settings, engine_args=args)
+        yield Gateway(gw.url, log)
+
+
+def test_requests_without_a_cap_expect_what_their_answers_decoded(
+    uncapped_gateway: Gateway,
+) -> None:
+    """No ``max_tokens``: the engine decodes to the answer's end. The gateway learns
+    that length itself (it once took 256 for such a request, and read any longer
+    answer as 256)."""
+    url = uncapped_gateway.url
+    first, *answer = asyncio.run(_ask(url, "first", stream=False, cap=None))
+    assert answer == [UNCAPPED_ANSWER, "stop"]
+    later, *answer = asyncio.run(_ask(url, "later", stream=True, cap=None))
+    assert answer == [UNCAPPED_ANSWER, "stop"]
+    records = _log_records(uncapped_gateway.log, {first, later})
+    expected = [records[rid]["expected_output_tokens"] for rid in (first, later)]
+    assert expected == [DEFAULT_FIRST_GUESS_TOKENS, UNCAPPED_ANSWER]

@@ -32,7 +32,8 @@ def test_text_mode() -> None:
     assert req.prompt.text_chars == len(req.prompt.text)
     assert req.prompt.rendered is not None and req.prompt.rendered.text == req.prompt.text
     assert req.prompt.prefix_class is PrefixClass.SYSTEM and req.prompt.first_user_text == "hello"
-    assert build_prompt_request({"model": "m", "messages": [USER]}, CHAT).options.max_tokens == 256
+    uncapped = build_prompt_request({"model": "m", "messages": [USER]}, CHAT)
+    assert uncapped.options.max_tokens == 0  # none given: no cap
 
 
 def test_token_mode() -> None:

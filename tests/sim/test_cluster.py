@@ -8,7 +8,7 @@ import pytest
 
 from prefixrouter.core import PrefixClass, RequestId, WorkerId
 from prefixrouter.core.policy import create_policy
-from prefixrouter.sim.cluster import ClusterConfig, Simulation
+from prefixrouter.sim.cluster import NO_MAX_TOKENS, ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
 from prefixrouter.sim.report import lower_bound_prefill_tokens, summarize, total_prefill_tokens
 from prefixrouter.sim.scenarios import get_scenario
@@ -122,15 +122,17 @@ def test_clients_that_send_a_cap_are_expected_to_decode_what_answers_decoded(mod
     their word."""
     wl = _doc_workload(2, 20, 4_000, 0.25)
     decisions = {}
-    for cap in (0, 2048):
+    for cap in (0, 2048, NO_MAX_TOKENS):
         config = ClusterConfig(4, PROFILE, mode=mode, client_max_tokens=cap, decision_log=40)
         run = Simulation(wl, config, "prefix_aware").run()
         assert all(r.output_tokens == 32 and r.completed > 0 for r in run.records)
         decisions[cap] = [d["expected_output_tokens"] for d in run.decisions_logged]
     assert set(decisions[0]) == {32}
     assert decisions[2048][0] == 512 and decisions[2048][-1] == 32
+    # Clients that send no max_tokens: the guess, then what their answers decoded.
+    assert decisions[NO_MAX_TOKENS][0] == 512 and decisions[NO_MAX_TOKENS][-1] == 32
 
 
-def test_a_negative_client_cap_is_refused() -> None:
+def test_a_client_cap_below_none_is_refused() -> None:
     with pytest.raises(ValueError, match="client max_tokens"):
-        ClusterConfig(4, PROFILE, client_max_tokens=-1)
+        ClusterConfig(4, PROFILE, client_max_tokens=-2)

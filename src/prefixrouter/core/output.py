@@ -25,11 +25,11 @@ wave routed as long generations: templates' p99 +72 % at a cap of 2,048, on
 cold prefills made at the start); the expected output is then ``max_tokens``
 but at most ``first_guess_tokens`` (512, below ``long_output_tokens``). Where
 clients send the answer's real length, as every benchmark of this project
-does, the fill is 1 and nothing changes past the first answer. A fill is an
-exponential mean whose first answers count as a running mean (weight ``1/n``
-until ``1/window``): the first answer sets it, rather than moving it from the
-prior by a step. Prefixes are kept in insertion order up to ``max_prefixes``;
-the oldest goes first.
+does, the fill is 1 and nothing changes past the first answer. A fill is the
+router's one running mean (:mod:`prefixrouter.core.running_mean`, as
+characters per token are): the first answer sets it, the first ``window``
+count equally, later ones move it by ``1/window``. Prefixes are kept in
+insertion order up to ``max_prefixes``; the oldest goes first.
 
 Pure: no I/O, no clock.
 """
@@ -37,6 +37,8 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from prefixrouter.core.running_mean import fold
 
 DEFAULT_WINDOW = 32
 """Answers an exponential mean of fill roughly remembers."""
@@ -50,19 +52,53 @@ the 90th percentile of chat answers in the public traces (Azure LLM inference
 
 @dataclass(slots=True)
 class _Fill:
-    """An exponential mean of fill and how many answers it has seen."""
+    """A running mean of fill (:func:`~prefixrouter.core.running_mean.fold`) and its count."""
 
     value: float = 1.0
-    seen: int = 0
+    seen: int = 0  # answers folded in, at most the window
 
     def add(self, sample: float, window: int) -> None:
-        self.seen += 1
-        weight = 1.0 / min(self.seen, window)
-        self.value += weight * (sample - self.value)
+        self.value, self.seen = fold(self.value, self.seen, sample, window)
+
+
+class _Learned:
+    """Running means per prefix key (insertion order, bounded) and over all answers."""
+
+    __slots__ = ("by_prefix", "overall")
+
+    def __init__(self) -> None:
+        self.overall = _Fill()
+        self.by_prefix: dict[str, _Fill] = {}
+
+    def get(self, prefix_key: str) -> float | None:
+        """The prefix's mean, else the overall one; None before any answer."""
+        if self.overall.seen == 0:
+            return None
+        own = self.by_prefix.get(prefix_key)
+        return own.value if own is not None else self.overall.value
+
+    def add(self, sample: float, prefix_key: str, window: int, max_prefixes: int) -> None:
+        self.overall.add(sample, window)
+        by_prefix = self.by_prefix
+        own = by_prefix.get(prefix_key)
+        if own is None:
+            if len(by_prefix) >= max_prefixes:
+                del by_prefix[next(iter(by_prefix))]  # the oldest prefix
+            own = by_prefix[prefix_key] = _Fill()
+        own.add(sample, window)
 
 
 class OutputEstimate:
-    """Expected decode length per request, from the fill of ``max_tokens`` seen so far."""
+    """Expected decode length per request, from the answers seen so far.
+
+    ``max_tokens`` 0 is a request that set no cap (the engine's own limit, the
+    context, applies): its expected output is the mean that earlier uncapped
+    answers decoded, per prefix and overall, in tokens. A fill of some
+    nominal cap would not do: the default 256 the gateway took for it before
+    read every longer answer as a full 256 (a 2,000-token generation was
+    never a long one), and one shared with capped clients' fills would
+    scale a 2,048 cap's fill to a context-sized cap.
+    """
 
     def __init__(
         self,
@@ -79,32 +115,27 @@ class OutputEstimate:
         self.window = window
         self.first_guess_tokens = first_guess_tokens
         self.max_prefixes = max_prefixes
-        self._global = _Fill()
-        self._by_prefix: dict[str, _Fill] = {}
+        self._fill = _Learned()  # capped requests: the share of the cap
+        self._uncapped = _Learned()  # requests without a cap: tokens
 
     def expected(self, max_tokens: int, prefix_key: str) -> int:
-        """Tokens a request with this cap and prefix is expected to decode (at least 1)."""
-        cap = max(1, max_tokens)
-        g = self._global
-        if g.seen == 0:
-            return min(cap, self.first_guess_tokens)
-        own = self._by_prefix.get(prefix_key)
-        fill = own.value if own is not None else g.value
+        """Tokens a request with this cap (0: none) and prefix is expected to decode (>= 1)."""
+        if max_tokens <= 0:
+            tokens = self._uncapped.get(prefix_key)
+            return self.first_guess_tokens if tokens is None else max(1, round(tokens))
+        fill = self._fill.get(prefix_key)
+        if fill is None:
+            return min(max_tokens, self.first_guess_tokens)
         if fill >= 1.0:
-            return cap
-        return max(1, round(cap * fill))
+            return max_tokens
+        return max(1, round(max_tokens * fill))
 
     def observe(self, max_tokens: int, output_tokens: int, prefix_key: str) -> None:
-        """An answer decoded ``output_tokens`` under a cap of ``max_tokens``."""
-        if max_tokens <= 0 or output_tokens <= 0:
-            return  # no cap, or no answer: nothing learned
+        """An answer decoded ``output_tokens`` under a cap of ``max_tokens`` (0: none)."""
+        if output_tokens <= 0:
+            return  # no answer: nothing learned
+        if max_tokens <= 0:
+            self._uncapped.add(output_tokens, prefix_key, self.window, self.max_prefixes)
+            return
         sample = min(1.0, output_tokens / max_tokens)
-        window = self.window
-        self._global.add(sample, window)
-        by_prefix = self._by_prefix
-        own = by_prefix.get(prefix_key)
-        if own is None:
-            if len(by_prefix) >= self.max_prefixes:
-                del by_prefix[next(iter(by_prefix))]  # the oldest prefix
-            own = by_prefix[prefix_key] = _Fill()
-        own.add(sample, window)
+        self._fill.add(sample, prefix_key, self.window, self.max_prefixes)

@@ -72,6 +72,7 @@ log = logging.getLogger("prefixrouter.gateway")
 
 EngineKind = Literal["vllm", "sglang", "llamacpp", "openai"]
 PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 
 # Per engine kind: (health path, metrics path). "" = the engine has none.
@@ -313,8 +314,12 @@ class RoutingConfig(_Model):
         template_version: Part of the cache namespace: bump when the prompt template changes.
         tokenizer_revision: Part of the cache namespace.
         prefix_key_tokens: Depth of the prefix key in decisions and metrics.
-        default_max_tokens: The ``max_tokens`` taken when a request gives none (the
-            output expected of it is then learned from answers, as for any cap).
+        default_max_tokens: The ``max_tokens`` taken when a request gives none.
+            0 (the default): none, as the engine sees it (vLLM then decodes up
+            to the context); the output expected of such requests is the mean
+            their earlier answers decoded, per prefix and overall. N: taken as
+            the request's cap, its fill learned as for any cap (an answer
+            longer than N is then read as N).
         document_chars: A message this long makes the request's prefix class ``document``.
         max_prompt_tokens: Only a prompt's first this many tokens are hashed
             and indexed (text mode: their characters at the current estimate);
@@ -337,7 +342,7 @@ class RoutingConfig(_Model):
     template_version: str = ""
     tokenizer_revision: str = ""
     prefix_key_tokens: PosInt = 1024
-    default_max_tokens: PosInt = 256
+    default_max_tokens: NonNegInt = 0
     document_chars: PosInt = 4000
     max_prompt_tokens: PosInt = DEFAULT_MAX_PROMPT_TOKENS
     token_count: bool = True

@@ -12,7 +12,8 @@ Steps, in the order their errors are reported:
 1. :func:`request_options`: the body is an object; ``model`` (a non-empty
    string); ``stream``, ``stream_options.include_usage`` (booleans);
    ``max_completion_tokens``, else ``max_tokens`` (each, when given, a
-   positive integer), else the default. The gateway validates its own fields (``cache_salt``, the
+   positive integer), else the default (0: none given, the engine's own
+   limit applies). The gateway validates its own fields (``cache_salt``, the
    tenant) between this step and the next.
 2. :func:`build_prompt`: ``messages`` (a non-empty list, rendered with
    :data:`~prefixrouter.prompt.render.GATEWAY` rules, or, with a tokenizer,
@@ -54,7 +55,9 @@ from prefixrouter.prompt.render import (
 
 CHAT = "chat"
 COMPLETIONS = "completions"
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 0
+"""The ``max_tokens`` of a body that gives none: 0, no cap (what such requests
+decode is learned from their answers, :class:`~prefixrouter.core.output.OutputEstimate`)."""
 TOKEN_MODE_RULES = RenderRules(strict=True, roles=OPENAI_ROLES, text_only=True)
 """Token mode: the gateway's roles and the text-only template's content rules."""
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32
@@ -94,7 +97,8 @@ class RequestOptions:
         model: The requested model.
         stream: The client asked for a stream.
         wants_usage: The client asked for the usage chunk (``stream_options.include_usage``).
-        max_tokens: Expected output tokens.
+        max_tokens: The client's cap on the output; 0 when it sent none (the
+            router learns what such requests decode, :mod:`prefixrouter.core.output`).
     """
 
     model: str
@@ -152,7 +156,7 @@ def build_prompt_request(
         kind: :data:`CHAT` (``/v1/chat/completions``) or :data:`COMPLETIONS`.
         tokenizer: Token mode's tokenizer; None: text mode.
         classifier: Thresholds and markers of the inferred prefix class.
-        default_max_tokens: Expected output tokens when the body gives none.
+        default_max_tokens: The cap taken when the body gives none (0: none).
         prefix_class: A stated class (the ``X-Prefix-Class`` header), if any.
 
     Raises:

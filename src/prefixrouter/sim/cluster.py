@@ -102,6 +102,8 @@ from prefixrouter.sim.workload import SimRequest, Workload
 # the heap: they run after every heap entry at or before their time).
 _WAKEUP, _FACTS, _COUNT = 0, 1, 2
 
+NO_MAX_TOKENS = -1
+"""``ClusterConfig.client_max_tokens`` for clients that send no ``max_tokens``."""
 TOKEN_COUNT_BASE_S = 0.001
 """Text mode's token-count probe (``POST /tokenize``): a loopback round trip."""
 TOKEN_COUNT_PER_TOKEN_S = 1e-6
@@ -195,7 +197,10 @@ class ClusterConfig:
             clients set it (each answer still ends at its own length, as at
             the end of its text; a request longer than the cap asks for its
             own length). 0: every client sends its answer's exact length,
-            as a benchmark client does.
+            as a benchmark client does. :data:`NO_MAX_TOKENS` (-1): clients
+            send no ``max_tokens`` at all, as many chat applications do (the
+            engine decodes to the end of the answer; the router sees 0, no
+            cap).
     """
 
     workers: int
@@ -211,8 +216,11 @@ class ClusterConfig:
     client_max_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.client_max_tokens < 0:
-            raise ValueError(f"client max_tokens must be >= 0, got {self.client_max_tokens}")
+        if self.client_max_tokens < NO_MAX_TOKENS:
+            raise ValueError(
+                f"client max_tokens must be >= 0, or {NO_MAX_TOKENS} for none; "
+                f"got {self.client_max_tokens}"
+            )
         if self.routers < 1:
             raise ValueError(f"router replicas must be at least 1, got {self.routers}")
         if not self.sync_lag_s >= 0.0:  # also refuses NaN
@@ -235,16 +243,17 @@ def text_hasher() -> BlockHasher:
     )
 
 
-def routing_request(req: SimRequest, max_tokens: int = 0) -> RoutingRequest:
+def routing_request(req: SimRequest, max_tokens: int | None = None) -> RoutingRequest:
     """The router's view of a simulated request (token mode).
 
-    ``max_tokens``: the client's cap (0: the answer's own length).
+    ``max_tokens``: what the client sends; None: the answer's own length; 0:
+    none (the gateway's ``routing.default_max_tokens`` 0).
     """
     return RoutingRequest(
         request_id=req.request_id,
         namespace=req.namespace,
         tokens=req.tokens(),
-        max_tokens=max_tokens or req.output_tokens,
+        max_tokens=req.output_tokens if max_tokens is None else max_tokens,
         prefix_class=req.prefix_class,
         first_user_offset=req.first_user_offset,
     )
@@ -477,9 +486,11 @@ class Simulation:
             self._warm_up(router, adm, engine_hashes, prompt, now)
 
     def _cap(self, sreq: SimRequest) -> int:
-        """The ``max_tokens`` the client sends (0: the answer's own length)."""
+        """The ``max_tokens`` the client sends (0: none)."""
         cap = self.config.client_max_tokens
-        return max(cap, sreq.output_tokens) if cap else 0
+        if cap == NO_MAX_TOKENS:
+            return 0
+        return max(cap, sreq.output_tokens) if cap else sreq.output_tokens
 
     def _warm_up(
         self,

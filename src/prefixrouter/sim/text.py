@@ -167,24 +167,27 @@ class TextRenderer:
         out.append({"role": "user", "content": "".join(user)})
         return out
 
-    def chat_body(self, req: SimRequest, max_tokens: int = 0) -> dict[str, Any]:
+    def chat_body(self, req: SimRequest, max_tokens: int | None = None) -> dict[str, Any]:
         """The OpenAI chat body a client would send for ``req``.
 
-        ``max_tokens``: the client's cap (0: the answer's own length, as a
-        benchmark client sends it).
+        ``max_tokens``: the client's cap; None: the answer's own length, as a
+        benchmark client sends it; 0: no ``max_tokens`` field at all.
         """
-        return {
+        body: dict[str, Any] = {
             "model": req.namespace.model_revision,
             "messages": self.messages(req),
-            "max_tokens": max_tokens or req.output_tokens,
         }
+        sent = req.output_tokens if max_tokens is None else max_tokens
+        if sent:
+            body["max_tokens"] = sent
+        return body
 
 
 def text_routing_request(
     req: SimRequest,
     renderer: TextRenderer,
     classifier: ClassifierParams = DEFAULT_PARAMS,
-    max_tokens: int = 0,
+    max_tokens: int | None = None,
 ) -> tuple[RoutingRequest, int]:
     """The router's view of ``req`` in text mode, built as the gateway builds it.
 
@@ -193,7 +196,7 @@ def text_routing_request(
     text mode; no ``X-Prefix-Class``: the class is inferred, as for a client
     that sends none) and becomes the :class:`RoutingRequest` the gateway's
     request builder makes of it (namespace: the simulated request's own).
-    ``max_tokens`` is the client's cap (0: the answer's own length).
+    ``max_tokens`` is what the client sends (:meth:`TextRenderer.chat_body`).
 
     Returns:
         The routing request and its prompt's characters (with the engine's
