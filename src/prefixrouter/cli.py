@@ -98,7 +98,14 @@ def _results_table(report: dict[str, Any]) -> Table:
     replicas = report.get("replicas")
     if replicas is not None:
         title += f" · {_replicas_text(replicas)}"
-    table = Table(title=title, title_justify="left")
+    floor = report.get("ttft_floor_ms")
+    caption = (
+        f"TTFT floor (an idle engine per request, every earlier prefix reusable once "
+        f"computed): mean {_ms(floor['mean'])}, p99 {_ms(floor['p99'])}"
+        if floor is not None
+        else None
+    )
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col in (
         "policy",
         "TTFT mean",
@@ -259,7 +266,7 @@ def simulate(
     ] = False,
 ) -> None:
     """Simulate a workload on a fleet under every routing policy, side by side."""
-    from prefixrouter.sim.report import lower_bound_prefill_tokens
+    from prefixrouter.sim.report import lower_bound_prefill_tokens, ttft_floor_ms
     from prefixrouter.sim.runner import Replicas, plan, run_plan
     from prefixrouter.sim.scenarios import SCENARIOS
 
@@ -336,6 +343,7 @@ def simulate(
         **({"replicas": p.replicas.as_dict()} if replicas > 1 else {}),
         **({"client_max_tokens": client_max_tokens} if client_max_tokens else {}),
         "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
+        "ttft_floor_ms": ttft_floor_ms(p.workload, prof.speed),
         "results": results,
     }
     console.print(_results_table(report))

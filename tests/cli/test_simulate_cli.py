@@ -48,6 +48,8 @@ def test_json_report_schema_and_byte_identical_reruns(tmp_path: Path) -> None:
         assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
         assert r["completed"] == 120 and r["requests"] == 120
         assert r["prefill_tokens"] >= a["lower_bound_prefill_tokens"]
+        for q in ("mean", "p50", "p90", "p99"):  # no policy beats the floor
+            assert 0 < a["ttft_floor_ms"][q] <= r["ttft_ms"][q]
     _simulate(tmp_path, "b")
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
 

@@ -25,15 +25,20 @@ For each run (one policy on one workload and fleet):
 request must prefill at least the tokens after the longest prefix that *some*
 earlier request already had (whole blocks, and the engine always recomputes
 the last prompt token), i.e. what one infinite cache shared by all would do.
+:func:`ttft_floor` is its counterpart for time to first token (the report's
+``ttft_floor_ms``): each request's prefill on an idle engine, reusing any
+prefix an earlier request brought, once that prefix can have been computed.
+How far a policy's TTFT is above it is what routing and queueing cost.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from prefixrouter.core.hashing import BlockHasher
-from prefixrouter.core.types import BlockHash
+from prefixrouter.core.types import BlockHash, SpeedProfile
 from prefixrouter.sim.cluster import RequestRecord, SimRun
 from prefixrouter.sim.workload import Workload
 from prefixrouter.stats import percentiles
@@ -67,6 +72,84 @@ def first_seen_prefill(workload: Workload) -> list[int]:
 def lower_bound_prefill_tokens(workload: Workload) -> int:
     """Prefill tokens with one unlimited cache shared by every request (see module doc)."""
     return sum(first_seen_prefill(workload))
+
+
+def ttft_floor(workload: Workload, speed: SpeedProfile) -> list[float]:
+    """Per request, a time to first token (seconds) that no router can beat on ``speed``.
+
+    An infinite fleet that never queues and one infinite cache shared by all:
+    a request's first token comes at the end of its prefill, and it may reuse
+    any prefix some earlier request brought, but not before that prefix is
+    computed. A block first seen with request ``q``, which itself reused ``a``
+    blocks, is computed no sooner than ``t_q`` plus the prefill of the blocks
+    from ``a`` to it (a prefix's KV is computed in order, and nobody has those
+    blocks before ``q`` arrives). Reusing ``d`` blocks of that run therefore
+    gives at best::
+
+        max(0, t_q + prefill((d - a) * B, a * B) - overhead - t_r)
+            + prefill(prompt_r - d * B, d * B)
+
+    The profile's prefill is additive in the tokens (splitting a prefill in
+    two costs one more fixed overhead, nothing else), so within a run the sum
+    falls with ``d`` while the wait is zero and stays level once it is not:
+    each run's deepest reusable block is its best choice, and the floor is
+    the least of those and of prefilling the whole prompt. (The overhead is
+    taken off the wait because an engine step pays one overhead for all the
+    chunks it prefills.) Queues, decode steps and the engines' number are
+    ignored: this is a floor, reached only by a fleet as large as the load.
+    """
+    hasher = BlockHasher(block_size=workload.block_size)
+    bs = workload.block_size
+    prefill = speed.prefill_time
+    overhead = speed.prefill_overhead_s
+    # block hash -> (arrival of the request that brought it, blocks it reused)
+    first: dict[BlockHash, tuple[float, int]] = {}
+    out: list[float] = []
+    for req in workload.requests:
+        hashes = hasher.token_blocks(req.namespace.seed, req.tokens()).hashes
+        prompt, t_r = req.prompt_tokens, req.arrival
+        limit = reusable_tokens(prompt, len(hashes), bs) // bs
+        best = prefill(prompt, 0)
+        run: tuple[float, int] | None = None
+        depth = 0
+        for depth in range(min(limit, len(hashes))):
+            origin = first.get(hashes[depth])
+            if origin is None:
+                break
+            if run is not None and origin != run:
+                best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
+            run = origin
+        else:
+            depth = min(limit, len(hashes))
+        if run is not None:
+            best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
+        out.append(best)
+        held = depth
+        origin_here = (t_r, held)
+        for h in hashes:
+            first.setdefault(h, origin_here)
+    return out
+
+
+def ttft_floor_ms(workload: Workload, speed: SpeedProfile) -> dict[str, float]:
+    """The report's ``ttft_floor_ms``: mean and percentiles of :func:`ttft_floor`."""
+    return percentiles(t * 1e3 for t in ttft_floor(workload, speed))
+
+
+def _reuse_floor(
+    prefill: Callable[[float, float], float],
+    overhead: float,
+    prompt: int,
+    arrival: float,
+    run: tuple[float, int],
+    depth: int,
+    block_size: int,
+) -> float:
+    """:func:`ttft_floor`'s bound for reusing ``depth`` blocks, the last from ``run``."""
+    t_q, a = run
+    ready = t_q + prefill((depth - a) * block_size, a * block_size) - overhead
+    reused = depth * block_size
+    return max(0.0, ready - arrival) + prefill(prompt - reused, reused)
 
 
 def summarize(run: SimRun) -> dict[str, Any]:
