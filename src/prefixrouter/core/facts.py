@@ -119,7 +119,7 @@ class SettledFact:
         prompt_tokens: Text mode: the engine's count of the prompt's tokens.
         ttft_s: The observed time to first token (-1: not measured).
         output_tokens: The engine's ``completion_tokens`` (0: not reported);
-            peers learn the fill of ``max_tokens`` from it.
+            peers learn the expected output from it, as the origin does.
     """
 
     request_id: RequestId

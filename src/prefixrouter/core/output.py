@@ -29,7 +29,10 @@ does, the fill is 1 and nothing changes past the first answer. A fill is the
 router's one running mean (:mod:`prefixrouter.core.running_mean`, as
 characters per token are): the first answer sets it, the first ``window``
 count equally, later ones move it by ``1/window``. Prefixes are kept in
-insertion order up to ``max_prefixes``; the oldest goes first.
+insertion order up to ``max_prefixes``; the oldest goes first. A request
+without a cap (``max_tokens`` 0) is expected to decode the mean that earlier
+uncapped answers decoded, in tokens, per prefix and overall
+(:class:`OutputEstimate`).
 
 Pure: no I/O, no clock.
 """
@@ -51,10 +54,10 @@ the 90th percentile of chat answers in the public traces (Azure LLM inference
 
 
 @dataclass(slots=True)
-class _Fill:
-    """A running mean of fill (:func:`~prefixrouter.core.running_mean.fold`) and its count."""
+class _Mean:
+    """A running mean (:func:`~prefixrouter.core.running_mean.fold`) and its count."""
 
-    value: float = 1.0
+    value: float = 0.0  # replaced by the first sample
     seen: int = 0  # answers folded in, at most the window
 
     def add(self, sample: float, window: int) -> None:
@@ -67,8 +70,8 @@ class _Learned:
     __slots__ = ("by_prefix", "overall")
 
     def __init__(self) -> None:
-        self.overall = _Fill()
-        self.by_prefix: dict[str, _Fill] = {}
+        self.overall = _Mean()
+        self.by_prefix: dict[str, _Mean] = {}
 
     def get(self, prefix_key: str) -> float | None:
         """The prefix's mean, else the overall one; None before any answer."""
@@ -84,7 +87,7 @@ class _Learned:
         if own is None:
             if len(by_prefix) >= max_prefixes:
                 del by_prefix[next(iter(by_prefix))]  # the oldest prefix
-            own = by_prefix[prefix_key] = _Fill()
+            own = by_prefix[prefix_key] = _Mean()
         own.add(sample, window)
 
 

@@ -49,7 +49,8 @@ class RoutingContext:
         cost: The router's (calibrated) cost model, for policies that predict TTFT.
         index: The shared prefix index, read-only (how full each worker's cache is).
         output_tokens: Tokens the request is expected to decode: its
-            ``max_tokens`` scaled by the fill its prefix's answers showed
+            ``max_tokens`` scaled by the fill its prefix's answers showed, or
+            without a cap what such answers decoded
             (:class:`~prefixrouter.core.output.OutputEstimate`). Read it, not
             ``request.max_tokens``, wherever the output length matters.
         replica_salt: The router replica's tie-break salt (``Router(replica_salt=)``;
@@ -76,7 +77,7 @@ class Outcome:
         ttft_s: Observed time to first token, if measured.
         ok: False when the request failed or was cancelled.
         output_tokens: ``usage.completion_tokens`` (0: not reported); teaches
-            the router how much of ``max_tokens`` answers decode.
+            the router what answers decode (:class:`~prefixrouter.core.output.OutputEstimate`).
     """
 
     actual_cached_tokens: int

@@ -14,9 +14,10 @@ for the chosen worker (an engine does not report a request's queue time);
 (null when it reported none); ``prefill_tokens`` = prompt - cached;
 ``ttft_ms`` is measured to the first upstream byte of a stream (null when not
 streamed); ``expected_output_tokens`` is what the router expected the answer to
-decode (the client's ``max_tokens`` at the fill earlier answers showed,
-:mod:`prefixrouter.core.output`); ``latency_ms`` from arrival to the end of the response; ``ts`` is
-the wall-clock end time (Unix seconds), ``time`` the decision time on the
+decode (the client's ``max_tokens`` at the fill earlier answers showed, or
+without a cap what such answers decoded, :mod:`prefixrouter.core.output`);
+``latency_ms`` from arrival to the end of the response; ``ts`` is the
+wall-clock end time (Unix seconds), ``time`` the decision time on the
 gateway's monotonic clock. ``namespace`` is the cache namespace key: a
 client's own ``cache_salt`` appears in it only as a keyed digest (see
 :mod:`prefixrouter.gateway.tenancy`), so the log never holds the salt, and

@@ -34,13 +34,13 @@ How far a policy's TTFT is above it is what routing and queueing cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.types import BlockHash, SpeedProfile
 from prefixrouter.sim.cluster import RequestRecord, SimRun
-from prefixrouter.sim.workload import Workload
+from prefixrouter.sim.workload import SimRequest, Workload
 from prefixrouter.stats import percentiles
 
 
@@ -50,23 +50,42 @@ def reusable_tokens(prompt_tokens: int, blocks: int, block_size: int) -> int:
     return min(blocks * block_size, cap)
 
 
-def first_seen_prefill(workload: Workload) -> list[int]:
-    """Per request, the tokens it must prefill with one unlimited shared cache."""
+Origin = tuple[float, int]
+"""Where a block was first seen: that request's arrival and the blocks it reused."""
+
+
+def _first_seen(
+    workload: Workload,
+) -> Iterator[tuple[SimRequest, tuple[BlockHash, ...], int, dict[BlockHash, Origin]]]:
+    """Each request with its block hashes, how many leading blocks some earlier request
+    brought, and the origin of every block seen before it (one unlimited shared cache).
+
+    The map is read while the request is yielded; its new blocks are added after.
+    Block hashes are chained, so once one is new, every later one is too.
+    """
     hasher = BlockHasher(block_size=workload.block_size)
-    seen: set[BlockHash] = set()
-    out: list[int] = []
+    bs = workload.block_size
+    first: dict[BlockHash, Origin] = {}
     for req in workload.requests:
         hashes = hasher.token_blocks(req.namespace.seed, req.tokens()).hashes
         held = 0
         for h in hashes:
-            if h not in seen:
+            if h not in first:
                 break
             held += 1
-        out.append(
-            req.prompt_tokens - reusable_tokens(req.prompt_tokens, held, workload.block_size)
-        )
-        seen.update(hashes)
-    return out
+        yield req, hashes, held, first
+        origin = (req.arrival, reusable_tokens(req.prompt_tokens, held, bs) // bs)
+        for h in hashes[held:]:
+            first[h] = origin
+
+
+def first_seen_prefill(workload: Workload) -> list[int]:
+    """Per request, the tokens it must prefill with one unlimited shared cache."""
+    bs = workload.block_size
+    return [
+        req.prompt_tokens - reusable_tokens(req.prompt_tokens, held, bs)
+        for req, _, held, _ in _first_seen(workload)
+    ]
 
 
 def lower_bound_prefill_tokens(workload: Workload) -> int:
@@ -98,36 +117,20 @@ def ttft_floor(workload: Workload, speed: SpeedProfile) -> list[float]:
     chunks it prefills.) Queues, decode steps and the engines' number are
     ignored: this is a floor, reached only by a fleet as large as the load.
     """
-    hasher = BlockHasher(block_size=workload.block_size)
     bs = workload.block_size
     prefill = speed.prefill_time
     overhead = speed.prefill_overhead_s
-    # block hash -> (arrival of the request that brought it, blocks it reused)
-    first: dict[BlockHash, tuple[float, int]] = {}
     out: list[float] = []
-    for req in workload.requests:
-        hashes = hasher.token_blocks(req.namespace.seed, req.tokens()).hashes
+    for req, hashes, held, first in _first_seen(workload):
         prompt, t_r = req.prompt_tokens, req.arrival
-        limit = reusable_tokens(prompt, len(hashes), bs) // bs
+        reused = reusable_tokens(prompt, held, bs) // bs
         best = prefill(prompt, 0)
-        run: tuple[float, int] | None = None
-        depth = 0
-        for depth in range(min(limit, len(hashes))):
-            origin = first.get(hashes[depth])
-            if origin is None:
-                break
-            if run is not None and origin != run:
+        # Each run of blocks one earlier request brought, at its deepest block.
+        for depth in range(1, reused + 1):
+            run = first[hashes[depth - 1]]
+            if depth == reused or first[hashes[depth]] != run:
                 best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
-            run = origin
-        else:
-            depth = min(limit, len(hashes))
-        if run is not None:
-            best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
         out.append(best)
-        held = depth
-        origin_here = (t_r, held)
-        for h in hashes:
-            first.setdefault(h, origin_here)
     return out
 
 
@@ -141,7 +144,7 @@ def _reuse_floor(
     overhead: float,
     prompt: int,
     arrival: float,
-    run: tuple[float, int],
+    run: Origin,
     depth: int,
     block_size: int,
 ) -> float:
