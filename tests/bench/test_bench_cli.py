@@ -132,6 +132,41 @@ def test_replicas_synced_and_not_side_by_side(tmp_path: Path, tokenizer_cache: s
     assert "lag p99" in run["stdout"]  # the replicas' columns are shown
 
 
+@pytest.mark.timeout(240)
+def test_rounds_interleave_the_routers_and_report_their_paired_ratio(
+    tmp_path: Path, tokenizer_cache: str
+) -> None:
+    """--rounds 2: each router twice, interleaved, each run on reset caches and its own logs."""
+    logs = tmp_path / "logs"
+    run = _bench(
+        [*TINY, "--routers", "round_robin,prefix_aware", "--rounds", "2", "--no-overhead",
+         "--log-dir", str(logs), "--markdown", str(tmp_path / "bench.md")],
+        tmp_path, tokenizer_cache, timeout=230,
+    )  # fmt: skip
+    doc = run["doc"]
+    order = [(r["router"], r["round"]) for r in doc["results"]]
+    assert order == [("round_robin", 1), ("prefix_aware", 1), ("round_robin", 2),
+                     ("prefix_aware", 2)]  # fmt: skip
+    for r in doc["results"]:
+        assert r["ok"] == r["requests"] == 24, r.get("error") or r.get("first_error")
+    means = {(r["router"], r["round"]): r["ttft_ms"]["mean"] for r in doc["results"]}
+    rr, ours = doc["rounds"]
+    assert rr["router"] == "round_robin" and rr["vs_first"] is None and rr["rounds"] == 2
+    paired = [means["prefix_aware", k] / means["round_robin", k] for k in (1, 2)]
+    assert ours["vs_first"]["mean"] == pytest.approx(sum(paired) / 2)
+    assert ours["vs_first"]["min"] == pytest.approx(min(paired))
+    assert ours["ttft_mean_ms"]["max"] == max(means["prefix_aware", k] for k in (1, 2))
+    # Each round's gateway logged on its own, and met engines whose caches
+    # were reset: its first question about a document found nothing cached.
+    for k in (1, 2):
+        path = logs / f"doc-qa-prefix_aware-round{k}.decisions.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        first = next(r for r in sorted(records, key=lambda r: r["ts"]) if r["prompt_tokens"] > 1000)
+        assert first["actual_cached_tokens"] == 0
+    assert "doc-qa · over 2 rounds" in run["stdout"]
+    assert "prefix_aware · round 2" in (tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -85,3 +85,27 @@ def test_empty_exposition_is_valid() -> None:
     m.attach_live(list, lambda: 0)
     s = _samples(m)
     assert s[("prefixrouter_cache_prediction_error_tokens_count", ())] == 0
+
+
+def test_ttft_over_its_prediction_and_each_workers_speed_scale() -> None:
+    m = GatewayMetrics()
+    slow = WorkerGauges("w0", True, 0, 0.2, 0.0, speed_scale=2.5)
+    m.attach_live(lambda: [slow, WorkerGauges("w1", True, 0, 0.2, 0.0)], lambda: 0)
+    # 1.2 s observed against 0.3 s predicted (4x); 0.1 s against 0.1 s (exact).
+    m.usage("tiny", "default", "document", 9000, 8000, 8000, 1.2, 0.3, "exact")
+    m.usage("tiny", "default", "document", 9000, 0, 0, 0.1, 0.1, "cold")
+    m.usage("tiny", "default", "document", 9000, 0, 0, None, 0.5, "cold")  # not streamed
+    m.usage("tiny", "default", "document", 9000, 0, 0, 0.2, None, "cold")  # no prediction
+    s = _samples(m)
+
+    def bucket(decision: str, le: str) -> float:
+        key = (("decision", decision), ("le", le))
+        return s[("prefixrouter_ttft_prediction_ratio_bucket", key)]
+
+    assert s[("prefixrouter_ttft_prediction_ratio_count", (("decision", "exact"),))] == 1
+    assert s[("prefixrouter_ttft_prediction_ratio_sum", (("decision", "exact"),))] == 4.0
+    assert (bucket("exact", "2.0"), bucket("exact", "4.0")) == (0, 1)
+    assert (bucket("cold", "0.8"), bucket("cold", "1.25")) == (0, 1)
+    assert s[("prefixrouter_ttft_prediction_ratio_count", (("decision", "cold"),))] == 1
+    assert s[("prefixrouter_worker_speed_scale", (("worker", "w0"),))] == 2.5
+    assert s[("prefixrouter_worker_speed_scale", (("worker", "w1"),))] == 1.0

@@ -55,9 +55,11 @@ class _RichUI:
             self.progress.advance(self.task)
 
     def scenario_done(self, report: dict[str, Any]) -> None:
-        from prefixrouter.bench.report import scenario_table
+        from prefixrouter.bench.report import rounds_table, scenario_table
 
         console.print(scenario_table(report))
+        if "rounds" in report:
+            console.print(rounds_table(report))
 
     def overhead_router(self, router: str, index: int, total: int) -> None:
         if self.overhead_task is None:
@@ -118,6 +120,16 @@ def bench(
     warmup: Annotated[
         int, typer.Option(min=0, help="Unique warm-up requests through each router first.")
     ] = 100,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=50,
+            help="Run every router this many times, interleaved (round 1 runs each once, "
+            "then round 2, ...), and report each router's spread and its mean TTFT over the "
+            "first router's, round by round.",
+        ),
+    ] = 1,
     seed: Annotated[int, typer.Option(min=0, help="Workload seed.")] = 0,
     kv_blocks: Annotated[
         int | None,
@@ -190,8 +202,8 @@ def bench(
     opts = BenchOptions(
         scenarios=names, routers=specs, profile=prof, peers_dir=peers, workers=workers,
         rate=rate, requests=requests, load=load, time_scale=time_scale, scale=scale,
-        warmup=warmup, seed=seed, kv_blocks=kv_blocks, log_dir=log_dir, json_out=json_out,
-        plot_out=plot, markdown_out=markdown,
+        warmup=warmup, rounds=rounds, seed=seed, kv_blocks=kv_blocks, log_dir=log_dir,
+        json_out=json_out, plot_out=plot, markdown_out=markdown,
         overhead=OverheadConfig(
             workers=workers, rate=overhead_rate, seconds=overhead_seconds,
             saturation_s=min(3.0, overhead_seconds),

@@ -50,6 +50,7 @@ from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scra
 from prefixrouter.bench.oracle import PIN_FILL, oracle_pins, write_pins
 from prefixrouter.bench.overhead import process_cpu_s
 from prefixrouter.bench.ratios import ttft_ratios
+from prefixrouter.bench.rounds import by_round, rounds_summary
 from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason, token_config
 from prefixrouter.bench.workload import BenchWorkload
 from prefixrouter.harness.engines import reset_prefix_caches
@@ -105,10 +106,19 @@ class RouterRun:
     skipped: str | None = None
     error: str | None = None
     replicas: list[ReplicaFigures] = field(default_factory=list)
+    round: int | None = None  # its round, from 1, under --rounds (prefixrouter.bench.rounds)
+
+    @property
+    def label(self) -> str:
+        """The router's name, and its round when there are several."""
+        name = self.spec.name
+        return name if self.round is None else f"{name} · round {self.round}"
 
     def summary(self) -> dict[str, Any]:
         """The JSON figures of this run (module doc)."""
         out: dict[str, Any] = {"router": self.spec.name, "label": self.spec.label}
+        if self.round is not None:
+            out["round"] = self.round
         if self.skipped is not None:
             return {**out, "skipped": self.skipped}
         if self.error is not None:
@@ -194,6 +204,9 @@ class ScenarioRun:
         """``{"scenario", ..., "results": [...]}`` for the JSON file."""
         w = self.workload
         results = [r.summary() for r in self.runs]
+        # The oracle and peer ratios compare runs of one round with each other.
+        ratios = [row for group in by_round(results) for row in ttft_ratios(group)]
+        rounds = {"rounds": rounds_summary(results)} if any("round" in r for r in results) else {}
         return {
             "scenario": w.scenario,
             "description": w.description,
@@ -206,7 +219,8 @@ class ScenarioRun:
             "time_scale": round(w.time_scale, 6),
             "kv_blocks": w.kv_blocks,
             "results": results,
-            "ratios": ttft_ratios(results),
+            "ratios": ratios,
+            **rounds,
         }
 
 
@@ -227,6 +241,7 @@ async def run_router(
     *,
     on_start: Callable[[str, int], None] | None = None,
     on_done: Callable[[ReplayResult], None] | None = None,
+    round_number: int | None = None,
 ) -> RouterRun:
     """One router's run of the scenario on the running ``engines`` (module doc).
 
@@ -235,12 +250,14 @@ async def run_router(
     sends them the requests round robin, and each replica's CPU, sync CPU
     and propagation lag over the measured run are kept.
     """
-    run = RouterRun(spec)
+    run = RouterRun(spec, round=round_number)
     run.skipped = skip_reason(spec, cfg.peers_dir)
     if run.skipped is not None:
         return run
     urls = [e.url for e in engines]
     stem = f"{workload.scenario}-{spec.name}"
+    if round_number is not None:  # each round's logs of their own
+        stem += f"-round{round_number}"
     nats = NatsServer().start() if spec.clustered else None
     routers: list[Server] = []
     work = Path(tempfile.mkdtemp(prefix="prefixrouter-bench-"))
@@ -263,7 +280,7 @@ async def run_router(
         before = await scrape(urls)
         replicas_before = await _replica_state(routers) if len(routers) > 1 else []
         if on_start is not None:
-            on_start(spec.name, len(workload.requests))
+            on_start(run.label, len(workload.requests))
         t0 = time.perf_counter()
         run.results = await replay(
             bases, workload.requests, concurrency=cfg.concurrency,
@@ -385,24 +402,30 @@ async def run_scenario(
     engines: Sequence[Server] | None = None,
     on_start: Callable[[str, int], None] | None = None,
     on_done: Callable[[ReplayResult], None] | None = None,
+    rounds: int = 1,
 ) -> ScenarioRun:
-    """Run every router in turn on the scenario's fleet.
+    """Run every router in turn on the scenario's fleet, ``rounds`` times.
 
-    Without ``engines``, a fleet is started for ``workload`` and stopped at
-    the end; given ``engines`` (from :func:`start_engines`), they are used and
-    left running.
+    With several rounds, round 1 runs each router once in the given order,
+    then round 2, ...: interleaved, so that a slow spell of the machine
+    falls on every router alike (:mod:`prefixrouter.bench.rounds`). Without
+    ``engines``, a fleet is started for ``workload`` and stopped at the end;
+    given ``engines`` (from :func:`start_engines`), they are used and left
+    running.
     """
     owned = engines is None
     fleet_engines = start_engines(cfg, workload, fleet) if engines is None else list(engines)
     out = ScenarioRun(workload, cfg.workers, cfg.profile)
     try:
         await fleet.wait_healthy(fleet_engines)
-        for spec in routers:
-            out.runs.append(
-                await run_router(
-                    spec, cfg, workload, fleet, fleet_engines, on_start=on_start, on_done=on_done
-                )
-            )
+        for k in range(rounds):
+            number = k + 1 if rounds > 1 else None
+            for spec in routers:
+                run = await run_router(
+                    spec, cfg, workload, fleet, fleet_engines, on_start=on_start,
+                    on_done=on_done, round_number=number,
+                )  # fmt: skip
+                out.runs.append(run)
     finally:
         if owned:
             for e in fleet_engines:

@@ -15,7 +15,7 @@ share per router) and one row for the overhead comparison.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +65,11 @@ def scenario_table(report: dict[str, Any]) -> Table:
     for r in report["results"]:
         if "ttft_ms" not in r:
             why = r.get("skipped") or r.get("error", "")
-            table.add_row(r["router"], "skipped" if "skipped" in r else "failed", why[:150])
+            table.add_row(_label(r), "skipped" if "skipped" in r else "failed", why[:150])
             continue
         t, e = r["ttft_ms"], r["e2e_ms"]
         cells = [
-            r["router"],
+            _label(r),
             f"{r['ok']}/{r['requests']}",
             _ms(t["mean"]), _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]),
             _ms(e["p50"]), _ms(e["p99"]),
@@ -80,6 +80,54 @@ def scenario_table(report: dict[str, Any]) -> Table:
         if replicated:
             cells += _replica_cells(r)
         table.add_row(*cells, style="bold" if r["router"].startswith("prefix_aware") else None)
+    return table
+
+
+def _label(r: dict[str, Any]) -> str:
+    """A result's router, and its round under ``--rounds``."""
+    return f"{r['router']} · round {r['round']}" if "round" in r else str(r["router"])
+
+
+def _spread_cell(s: dict[str, float] | None, fmt: Callable[[float], str]) -> str:
+    if s is None:
+        return "-"
+    return f"{fmt(s['mean'])} ({fmt(s['min'])} to {fmt(s['max'])})"
+
+
+def _ratio_cell(row: dict[str, Any]) -> str:
+    v = row["vs_first"]
+    if v is None:
+        return "-"
+    return f"{v['mean']:.2f}x ({v['min']:.2f}x to {v['max']:.2f}x) of {v['router']}"
+
+
+def _spread_rows(report: dict[str, Any], ms: Callable[[float], str]) -> list[list[str]]:
+    """The rounds table's cells, one row per router (:mod:`prefixrouter.bench.rounds`)."""
+    return [
+        [
+            row["router"],
+            str(row["rounds"]),
+            _spread_cell(row["ttft_mean_ms"], ms),
+            _spread_cell(row["ttft_p99_ms"], ms),
+            _spread_cell(row["cached_share"], lambda v: f"{v:.1%}"),
+            _ratio_cell(row),
+        ]
+        for row in report["rounds"]
+    ]
+
+
+ROUNDS_COLUMNS = ("router", "rounds", "TTFT mean: mean (min to max)", "TTFT p99",
+                  "cached", "mean TTFT over the first router's, per round")  # fmt: skip
+
+
+def rounds_table(report: dict[str, Any]) -> Table:
+    """Each router over the rounds of ``--rounds``: its spread and its paired ratio."""
+    n = max((row["rounds"] for row in report["rounds"]), default=0)
+    table = Table(title=f"{report['scenario']} · over {n} rounds", title_justify="left")
+    for col in ROUNDS_COLUMNS:
+        table.add_column(col, justify="left" if col in ("router", ROUNDS_COLUMNS[-1]) else "right")
+    for cells in _spread_rows(report, _ms):
+        table.add_row(*cells, style="bold" if cells[0].startswith("prefix_aware") else None)
     return table
 
 
@@ -155,14 +203,14 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
     for row, run in zip(axes, runs, strict=False):
         ax_cdf, ax_ttft, ax_cache = row
         done = [r for r in run.runs if r.results]
-        names = [r.spec.name for r in done]
-        colors = [COLORS.get(n, "tab:gray") for n in names]
+        names = [r.label for r in done]
+        colors = [COLORS.get(r.spec.name, "tab:gray") for r in done]
         for r, color in zip(done, colors, strict=True):
             ttft = sorted(x.ttft_s * 1e3 for x in r.results if x.ok and x.ttft_s >= 0)
             if ttft:
                 ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
                 width = 2.5 if r.spec.name.startswith("prefix_aware") else 1.5
-                ax_cdf.step(ttft, ys, where="post", label=r.spec.name, color=color, lw=width)
+                ax_cdf.step(ttft, ys, where="post", label=r.label, color=color, lw=width)
         ax_cdf.set_xscale("log")
         ax_cdf.set_xlabel("TTFT (ms, log)")
         ax_cdf.set_ylabel("share of requests")
@@ -255,11 +303,11 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
         for r in rep["results"]:
             if "ttft_ms" not in r:
                 why = r.get("skipped") or r.get("error")
-                lines.append(f"| {r['router']} | {why} | | | | | | | | | |")
+                lines.append(f"| {_label(r)} | {why} | | | | | | | | | |")
                 continue
             t, e = r["ttft_ms"], r["e2e_ms"]
             ours = r["router"].startswith("prefix_aware")
-            name = f"**{r['router']}**" if ours else r["router"]
+            name = f"**{_label(r)}**" if ours else _label(r)
             lines.append(
                 f"| {name} | {r['ok']}/{r['requests']} | {_md_ms(t['mean'])} | "
                 f"{_md_ms(t['p50'])} | {_md_ms(t['p90'])} | {_md_ms(t['p99'])} | "
@@ -268,6 +316,13 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
                 + ("".join(f" {c} |" for c in _replica_cells(r)) if replicated else "")
             )
         lines.append("")
+        if "rounds" in rep:
+            lines += [
+                "| " + " | ".join(ROUNDS_COLUMNS) + " |",
+                "| --- | ---: | ---: | ---: | ---: | --- |",
+                *("| " + " | ".join(cells) + " |" for cells in _spread_rows(rep, _md_ms)),
+                "",
+            ]
         if "oracle" in _names(rep):
             lines += [f"- {describe(r)}" for r in rep.get("ratios") or []] + [""]
     return "\n".join(lines)

@@ -54,6 +54,7 @@ class BenchOptions:
     time_scale: float | None = None
     scale: float = 0.5
     warmup: int = 100
+    rounds: int = 1
     seed: int = 0
     kv_blocks: int | None = None
     log_dir: Path | None = None
@@ -149,6 +150,7 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
                 fleet,
                 on_start=on_start,
                 on_done=ui.request_done if ui is not None else None,
+                rounds=opts.rounds,
             )
         )
         out.runs.append(run)
