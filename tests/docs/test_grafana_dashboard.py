@@ -122,7 +122,9 @@ def test_every_dashboard_query_reads_exported_series(live_pages: dict[str, Page]
     assert wanted <= used, wanted - used
     # The traffic made each TTFT panel's three lines exist.
     hits = {
-        s.labels["hit"] for s in live_pages["r0"].samples if s.name.startswith("prefixrouter_ttft")
+        s.labels["hit"]
+        for s in live_pages["r0"].samples
+        if s.name.startswith("prefixrouter_ttft_seconds")
     }
     assert hits == {"warm", "partial", "cold"}
 

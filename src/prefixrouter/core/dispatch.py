@@ -265,6 +265,10 @@ class Dispatcher:
             self._apply_held()
         return self._router.index.evicted_entries
 
+    def speed_scale(self, worker: WorkerId) -> float:
+        """The cost model's calibration factor for ``worker`` (1 = its speed profile is right)."""
+        return self._router.cost.scale(worker)
+
     def index_blocks(self, worker: WorkerId) -> int:
         """Blocks the index holds for ``worker``."""
         if self._held is not None:

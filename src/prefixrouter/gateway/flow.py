@@ -368,6 +368,8 @@ class RequestFlow:
                 cached,
                 decision.predicted_cached_tokens,
                 served.ttft_s,
+                decision.predicted_ttft_s,
+                decision.tier,
             )
         st.metrics.request_done(worker.id, decision.tier, served.status)
         if steer is not None:

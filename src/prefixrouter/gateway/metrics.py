@@ -18,6 +18,10 @@ Per request (updated once, when the request ends):
   predicted on the chosen worker;
 * ``prefixrouter_cache_prediction_error_tokens``: ``|predicted - actual|``
   cached tokens, when the engine reports them;
+* ``prefixrouter_ttft_prediction_ratio{decision}``: a streamed request's
+  time to first token over the cost model's prediction for the worker it
+  was sent to (1: exact; 4: four times slower than predicted): the routing
+  decisions are as good as these predictions;
 * ``prefixrouter_warm_abandoned_total{prefix_class}``: requests that left a
   warm candidate because of the wait limit;
 * ``prefixrouter_evicted_prefix_age_seconds{prefix_class}``: when a worker no longer holds a
@@ -30,7 +34,9 @@ Per request (updated once, when the request ends):
 
 Read at scrape time from the live state: per-worker gauges
 ``prefixrouter_worker_healthy``, ``_in_flight``, ``_kv_usage``,
-``_engine_waiting`` and ``_ejected``, and the counter
+``_engine_waiting``, ``_ejected`` and ``_speed_scale`` (the cost model's
+calibration factor: how much slower than its speed profile the worker
+answers), and the counter
 ``prefixrouter_worker_ejections_total`` (outlier ejection); and, from the proxy's upstream client,
 ``prefixrouter_upstream_connections_opened_total{worker}`` (steady under
 steady traffic when keep-alive works) and
@@ -81,6 +87,8 @@ WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
 AGE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
+# Observed over predicted: as many buckets below 1 as above (a factor of 2 apart, 1.25 round 1).
+RATIO_BUCKETS = (0.0625, 0.125, 0.25, 0.5, 0.8, 1.25, 2.0, 4.0, 8.0, 16.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -95,6 +103,7 @@ class WorkerGauges:
     engine_waiting: float
     ejected: bool = False
     ejections: int = 0
+    speed_scale: float = 1.0
 
 
 class _Counter:
@@ -204,6 +213,12 @@ class _Collector(Collector):
             "Outlier ejections of the worker since it joined.",
             labels=["worker"],
         )
+        speed = GaugeMetricFamily(
+            "prefixrouter_worker_speed_scale",
+            "The cost model's calibration factor: the worker's TTFTs over its speed "
+            "profile's (1 = as profiled).",
+            labels=["worker"],
+        )
         for w in self._workers():
             ejected.add_metric([w.worker], 1.0 if w.ejected else 0.0)
             ejections.add_metric([w.worker], float(w.ejections))
@@ -211,12 +226,14 @@ class _Collector(Collector):
             flight.add_metric([w.worker], float(w.in_flight))
             kv.add_metric([w.worker], w.kv_usage)
             waiting.add_metric([w.worker], w.engine_waiting)
+            speed.add_metric([w.worker], w.speed_scale)
         yield healthy
         yield flight
         yield kv
         yield waiting
         yield ejected
         yield ejections
+        yield speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +396,13 @@ class GatewayMetrics:
             (),
             TOKEN_BUCKETS,
         )
+        self.ttft_ratio = _Histogram(
+            "prefixrouter_ttft_prediction_ratio",
+            "Streamed requests: time to first token over the cost model's prediction "
+            "for the chosen worker, by decision tier.",
+            ("decision",),
+            RATIO_BUCKETS,
+        )
         self.evicted_age = _Histogram(
             "prefixrouter_evicted_prefix_age_seconds",
             "Age of prefixes a worker had lost when asked again (since it last served them).",
@@ -419,6 +443,7 @@ class GatewayMetrics:
             self.ttft,
             self.queue_wait,
             self.prediction_error,
+            self.ttft_ratio,
             self.evicted_age,
         )
         self._cluster_collector: ClusterCollector | None = None
@@ -475,8 +500,10 @@ class GatewayMetrics:
         cached_tokens: int,
         predicted_cached: int,
         ttft_s: float | None,
+        predicted_ttft_s: float | None = None,
+        decision: str = "",
     ) -> None:
-        """What the engine reported for a successful request."""
+        """What the engine reported for a successful request (``decision``: its tier)."""
         cached = min(cached_tokens, prompt_tokens) if prompt_tokens else cached_tokens
         self.input_tokens.inc((model, pool, "cached", cls), cached)
         self.input_tokens.inc((model, pool, "uncached", cls), max(0, prompt_tokens - cached))
@@ -486,6 +513,8 @@ class GatewayMetrics:
         self.prediction_error.observe((), abs(predicted_cached - cached_tokens))
         if ttft_s is not None:
             self.ttft.observe((self.hit_label(cached_tokens, prompt_tokens), cls), ttft_s)
+            if predicted_ttft_s is not None and predicted_ttft_s > 0.0:
+                self.ttft_ratio.observe((decision,), ttft_s / predicted_ttft_s)
 
     def linted(self, prefix_class: str, findings: dict[str, int]) -> None:
         """Count the linter's findings for one request (observe mode)."""

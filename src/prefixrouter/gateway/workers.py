@@ -535,6 +535,7 @@ class WorkerRegistry:
                 w.engine.waiting,
                 w.ejected,
                 w.ejections,
+                self.dispatch.speed_scale(w.id),
             )
             for w in self.workers.values()
         ]
