@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixrouter.core import SpeedProfile
 from prefixrouter.errors import ConfigError
 from prefixrouter.gateway.cli import build_config
 from prefixrouter.gateway.config import GatewayConfig, config_from_dict, load_config
@@ -179,3 +180,52 @@ def test_kv_events_are_on_when_the_gateway_binds_or_connects() -> None:
     )
     assert connects.kv_events_on and connects.kv_events.endpoint is None
     assert connects.workers[1].kv_events_connect == "tcp://b:5557"
+
+
+def test_a_speed_profile_for_every_worker_or_one_of_its_own() -> None:
+    """policy.profile for all, workers[].profile for one; the cost model predicts with it."""
+    from prefixrouter.core import CacheNamespace, RequestId, RoutingRequest
+    from prefixrouter.gateway.state import build_state
+    from prefixrouter.sim.profiles import get_profile
+
+    cfg = config_from_dict(
+        {
+            "policy": {"profile": "llama3-8b-h100"},
+            "workers": [
+                {"url": "http://127.0.0.1:9", "id": "big"},
+                {"url": "http://127.0.0.1:10", "id": "small", "profile": "tiny-cpu"},
+                {"url": "http://127.0.0.1:11", "id": "generic"},
+            ],
+        }
+    )
+    st = build_state(cfg)
+    views = {str(v.worker_id): v for v in st.registry.views()}
+    assert views["big"].profile == get_profile("llama3-8b-h100").speed
+    assert views["small"].profile == get_profile("tiny-cpu").speed
+    # The profile sets the predicted cold prefill of a 20,000-token prompt.
+    doc = RoutingRequest(RequestId("r"), CacheNamespace("m"), text="word " * 16_000)
+    adm = st.dispatch.admit(doc, st.registry.views(), 0.0)
+    predicted = {c.worker_id: c.terms.prefill_s for c in adm.decision.candidates if c.terms}
+    n = adm.decision.prompt_tokens
+    assert n > 15_000
+    assert predicted["big"] == pytest.approx(get_profile("llama3-8b-h100").speed.prefill_time(n))
+    assert predicted["small"] == pytest.approx(get_profile("tiny-cpu").speed.prefill_time(n))
+    assert predicted["generic"] == pytest.approx(
+        get_profile("llama3-8b-h100").speed.prefill_time(n)
+    )
+    generic = build_state(config_from_dict({"workers": [{"url": "http://127.0.0.1:9"}]}))
+    assert generic.registry.views()[0].profile == SpeedProfile()
+
+
+def test_an_unknown_speed_profile_is_an_error_naming_the_field_and_the_known_ones() -> None:
+    known = r"policy\.profile.*unknown engine profile 'h100'.*tiny-cpu"
+    with pytest.raises(ConfigError, match=known):
+        config_from_dict({"policy": {"profile": "h100"}})
+    worker = {"url": "http://127.0.0.1:9", "profile": "a100"}
+    with pytest.raises(ConfigError, match=r"workers\.0\.profile.*unknown engine profile 'a100'"):
+        config_from_dict({"workers": [worker]})
+    cfg = build_config(None, ["http://127.0.0.1:9"], 8080, "127.0.0.1", None, "prefix_aware",
+                       profile="tiny-cpu")  # fmt: skip
+    assert cfg.policy.profile == "tiny-cpu"
+    with pytest.raises(ConfigError, match="unknown engine profile"):
+        build_config(None, None, 8080, "127.0.0.1", None, "prefix_aware", profile="nope")

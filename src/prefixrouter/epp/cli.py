@@ -37,6 +37,7 @@ from prefixrouter.gateway.cli import (
     DiscoverOption,
     HostOption,
     PolicyOption,
+    ProfileOption,
     ReplicaIdOption,
     WorkerOption,
     build_config,
@@ -98,6 +99,7 @@ def epp(
     fallbacks: Annotated[
         int, typer.Option(min=0, max=8, help="More endpoints after the pick, for retries.")
     ] = 0,
+    profile: ProfileOption = None,
 ) -> None:
     """Run the endpoint picker: Envoy's ext_proc server, routing as the gateway does."""
     try:
@@ -112,6 +114,7 @@ def epp(
             cluster,
             replica_id,
             discover,
+            profile=profile,
         )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -6,7 +6,8 @@ differ from their defaults: ``--worker URL`` (repeatable) adds workers,
 ``--port``/``--host`` set the listen address, ``--decision-log`` the JSON-lines
 file, ``--access-log`` the access log's (:mod:`prefixrouter.gateway.access_log`),
 ``--policy`` the routing policy (its parameters then come from the file only
-if the names match), ``--admin-api-key`` (or the environment variable
+if the names match), ``--profile`` the engine speed profile the cost model
+starts every worker from (``policy.profile``), ``--admin-api-key`` (or the environment variable
 ``PREFIXROUTER_ADMIN_API_KEY``; prefer it, a command line is visible to every
 local user) the key of ``/admin/*``, which are off without one, and
 ``--cluster nats://HOST:PORT`` with ``--replica-id NAME`` make this gateway
@@ -96,6 +97,7 @@ def build_config(
     replica_id: str | None = None,
     discover: str | None = None,
     access_log: Path | None = None,
+    profile: str | None = None,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
 
@@ -118,6 +120,8 @@ def build_config(
     note = alias_note(policy)
     if note is not None:
         log.warning("--policy: %s", note)
+    if profile is not None:
+        data["policy"]["profile"] = profile
     if admin_api_key:
         data["server"]["admin_api_key"] = admin_api_key
     if cluster is not None:
@@ -205,6 +209,13 @@ AccessLogOption = Annotated[
     typer.Option(help="Append the access log (one JSON line per request) to this file."),
 ]
 PolicyOption = Annotated[str, typer.Option(help="Routing policy (see `prefixrouter policies`).")]
+ProfileOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Engine speed profile the cost model predicts the workers with (see "
+        "`prefixrouter profiles`; default: a generic one). Overrides policy.profile.",
+    ),
+]
 AdminKeyOption = Annotated[
     str | None,
     typer.Option(
@@ -244,6 +255,7 @@ def serve(
     cluster: ClusterOption = None,
     replica_id: ReplicaIdOption = None,
     discover: DiscoverOption = None,
+    profile: ProfileOption = None,
 ) -> None:
     """Run the OpenAI-compatible gateway in front of the workers."""
     try:
@@ -259,6 +271,7 @@ def serve(
             replica_id,
             discover,
             access_log,
+            profile,
         )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)
