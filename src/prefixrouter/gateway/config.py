@@ -90,10 +90,12 @@ class _Model(BaseModel):
 
 def known_profile(name: str) -> str:
     """``name`` if it is a built-in engine profile (``prefixrouter profiles``), else ValueError."""
-    from prefixrouter.sim.profiles import PROFILES
+    from prefixrouter.sim.profiles import get_profile
 
-    if name not in PROFILES:
-        raise ValueError(f"unknown engine profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+    try:
+        get_profile(name)
+    except KeyError as exc:  # its message names the known profiles
+        raise ValueError(exc.args[0]) from None
     return name
 
 

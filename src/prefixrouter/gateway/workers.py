@@ -92,7 +92,7 @@ from prefixrouter.gateway.upstream import Endpoint
 from prefixrouter.prometheus import samples
 from prefixrouter.real_engines.kv_events import NamespaceSeed
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber, WorkerFeed
-from prefixrouter.sim.profiles import PROFILES
+from prefixrouter.sim.profiles import get_profile
 
 log = logging.getLogger("prefixrouter.gateway")
 
@@ -400,7 +400,7 @@ class WorkerRegistry:
             view.kv_capacity_blocks = wc.kv_capacity_blocks
         profile = wc.profile or self.config.policy.profile
         if profile:  # else the generic SpeedProfile (config.PolicyConfig.profile)
-            view.profile = PROFILES[profile].speed
+            view.profile = get_profile(profile).speed
         headers = {"Authorization": f"Bearer {wc.api_key}"} if wc.api_key else {}
         w = Worker(
             config=wc,
