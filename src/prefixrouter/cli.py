@@ -95,6 +95,8 @@ def _results_table(report: dict[str, Any]) -> Table:
         if report.get("rate_rps")
         else "trace arrival times"
     )
+    if report.get("scale", 1) != 1:
+        title += f" · lengths x{report['scale']:g}, {report['kv_blocks']} KV blocks"
     replicas = report.get("replicas")
     if replicas is not None:
         title += f" · {_replicas_text(replicas)}"
@@ -207,6 +209,15 @@ def simulate(
     limit: Annotated[int | None, typer.Option(min=1, help="Keep only the first N requests.")] = (
         None
     ),
+    scale: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="Token lengths and the scenario's KV size times this, as `bench --scale` "
+            "(0.5 with --requests 160 --load 0.8 --workers 4 is the live bench's doc-qa).",
+        ),
+    ] = 1.0,
     rate_scale: Annotated[
         float, typer.Option(min=1e-6, help="Trace replay speed-up (2 = twice as fast).")
     ] = 1.0,
@@ -288,6 +299,7 @@ def simulate(
         )
         if limit is not None:
             workload = workload.limited(limit)
+        workload = workload.lengths_scaled(scale)
         from prefixrouter.sim.profiles import get_profile
 
         prof = get_profile(profile)
@@ -342,6 +354,7 @@ def simulate(
         # One router's reports keep the keys they had before replicas existed.
         **({"replicas": p.replicas.as_dict()} if replicas > 1 else {}),
         **({"client_max_tokens": client_max_tokens} if client_max_tokens else {}),
+        **({"scale": scale} if scale != 1 else {}),
         "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
         "ttft_floor_ms": ttft_floor_ms(p.workload, prof.speed),
         "results": results,

@@ -8,7 +8,6 @@ from prefixrouter.bench.workload import (
     BenchWorkload,
     build_bench_workload,
     live_scenarios,
-    scale_lengths,
     warmup_requests,
 )
 from prefixrouter.errors import ConfigError
@@ -44,7 +43,7 @@ def test_doc_qa_requests_share_their_document_text_and_nothing_else() -> None:
 def test_text_length_follows_the_scaled_token_count() -> None:
     tok = load_tokenizer()
     w = _build("unique", requests=10)
-    base = scale_lengths(get_scenario("unique").build(0, 10), 0.1)
+    base = get_scenario("unique").build(0, 10).lengths_scaled(0.1)
     for r, s in zip(w.requests, base.requests, strict=True):
         n = len(tok.encode(render_chat(r.body["messages"], None, add_generation_prompt=True)))
         assert abs(n - s.prompt_tokens) <= 0.2 * s.prompt_tokens + 8

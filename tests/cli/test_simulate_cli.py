@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from prefixrouter.cli import app
-from prefixrouter.sim.scenarios import SCENARIOS
+from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
 
 runner = CliRunner()
 
@@ -52,6 +53,34 @@ def test_json_report_schema_and_byte_identical_reruns(tmp_path: Path) -> None:
             assert 0 < a["ttft_floor_ms"][q] <= r["ttft_ms"][q]
     _simulate(tmp_path, "b")
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_scale_simulates_the_live_benchs_fleet(tmp_path: Path) -> None:
+    # --scale cuts lengths and the scenario's KV as `prefixrouter bench --scale`
+    # does, so the simulator runs the live cell's workload.
+    from prefixrouter.bench.workload import build_bench_workload
+    from prefixrouter.sim.profiles import get_profile
+    from prefixrouter.tokenization import load_tokenizer
+
+    out = tmp_path / "half.json"
+    args = ["simulate", "--scenario", "doc-qa", "--requests", "40", "--workers", "4"]
+    args += ["--load", "0.8", "--scale", "0.5", "--policies", "round_robin", "--json", str(out)]
+    res = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "lengths x0.5, 3000 KV blocks" in res.output
+    report = json.loads(out.read_text())
+    live = build_bench_workload(
+        "doc-qa", requests=40, rate=8.0, scale=0.5, workers=4,
+        profile=get_profile("llama3-8b-h100"), tokenizer=load_tokenizer(), load=0.8,
+    )  # fmt: skip
+    assert report["scale"] == 0.5 and report["kv_blocks"] == live.kv_blocks == 3000
+    # The bench's cut of the scenario, prompt for prompt; about half the whole one.
+    cut = get_scenario("doc-qa").build(0, 40).lengths_scaled(0.5)
+    assert report["results"][0]["prompt_tokens"] == cut.prompt_token_total()
+    whole = get_scenario("doc-qa").build(0, 40).prompt_token_total()
+    assert cut.prompt_token_total() == pytest.approx(whole / 2, rel=0.01)
+    res = runner.invoke(app, ["simulate", "--scale", "1.5"])
+    assert res.exit_code != 0 and "--scale" in res.output
 
 
 def test_plot_is_written(tmp_path: Path) -> None:

@@ -118,6 +118,44 @@ def test_workload_limited_and_validation() -> None:
         Workload("w", "d", [], default_workers=0)
 
 
+def test_lengths_scaled_cuts_each_shared_segment_once_and_the_kv_with_it() -> None:
+    system, doc = array("I", range(100)), array("I", range(1000))
+    reqs = [_request(i, float(i), system, doc, array("I", range(40 + i))) for i in range(3)]
+    wl = Workload("w", "d", reqs, default_kv_blocks=6000)
+    half = wl.lengths_scaled(0.5)
+    assert half.default_kv_blocks == 3000 and wl.default_kv_blocks == 6000
+    first = half.requests[0]
+    assert [len(s) for s in first.segments] == [50, 500, 20]
+    # The requests that shared a segment share its cut; each question is its own.
+    assert all(r.segments[0] is first.segments[0] for r in half.requests)
+    assert all(r.segments[1] is first.segments[1] for r in half.requests)
+    assert [len(r.segments[2]) for r in half.requests] == [20, 20, 21]
+    assert first.output_tokens == 5 and first.first_user_offset == 50
+    assert wl.requests[0].prompt_tokens == 1140  # the original is untouched
+    assert wl.lengths_scaled(1.0) is wl
+    tiny = Workload("w", "d", [_request(0, 0.0, array("I", [7]), array("I", [8]))])
+    cut = tiny.lengths_scaled(0.01).requests[0]
+    assert [len(s) for s in cut.segments] == [1, 1] and cut.output_tokens == 1
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1.5])
+def test_lengths_scaled_rejects_a_scale_outside_zero_to_one(scale: float) -> None:
+    with pytest.raises(ValueError, match="scale"):
+        Workload("w", "d", []).lengths_scaled(scale)
+
+
+def test_system_segments_count_the_segments_before_the_first_user_offset() -> None:
+    a, b, c = array("I", [1] * 10), array("I", [2] * 20), array("I", [3] * 5)
+    req = _request(0, 0.0, a, b, c)
+    assert req.system_segments == 1
+    req.first_user_offset = 30
+    assert req.system_segments == 2
+    req.first_user_offset = 35  # the last segment is always the user's
+    assert req.system_segments == 2
+    req.first_user_offset = 0
+    assert req.system_segments == 0
+
+
 # --------------------------------------------------------------------------- arrivals
 
 

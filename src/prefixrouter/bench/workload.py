@@ -86,37 +86,6 @@ class BenchWorkload:
     block_size: int = 16
 
 
-def scale_lengths(workload: Workload, scale: float) -> Workload:
-    """A copy with every segment and output ``scale`` times as long; sharing is kept."""
-    if not 0 < scale <= 1:
-        raise ConfigError(f"scale: must be in (0, 1], got {scale}")
-    if scale == 1:
-        return workload
-    cut: dict[int, array[int]] = {}
-
-    def seg(s: array[int]) -> array[int]:
-        out = cut.get(id(s))
-        if out is None:
-            out = cut[id(s)] = s[: max(1, round(len(s) * scale))]
-        return out
-
-    reqs = [
-        replace(
-            r,
-            segments=tuple(seg(s) for s in r.segments),
-            output_tokens=max(1, round(r.output_tokens * scale)),
-            first_user_offset=sum(len(seg(s)) for s in r.segments[: system_segments(r)]),
-        )
-        for r in workload.requests
-    ]
-    blocks = workload.default_kv_blocks
-    return replace(
-        workload,
-        requests=reqs,
-        default_kv_blocks=math.ceil(blocks * scale) if blocks is not None else None,
-    )
-
-
 class SegmentText:
     """Text for token-id segments: one text per distinct segment object."""
 
@@ -137,20 +106,9 @@ class SegmentText:
         return text
 
 
-def system_segments(req: SimRequest) -> int:
-    """How many leading segments are the system message (``first_user_offset``)."""
-    pos = count = 0
-    for s in req.segments:
-        if pos >= req.first_user_offset:
-            break
-        pos += len(s)
-        count += 1
-    return min(count, len(req.segments) - 1)
-
-
 def chat_messages(req: SimRequest, text: SegmentText) -> list[dict[str, str]]:
     """The OpenAI chat messages of one scenario request (module doc)."""
-    k = system_segments(req)
+    k = req.system_segments
     messages: list[dict[str, str]] = []
     if k:
         system = "\n\n".join(text(s) for s in req.segments[:k])
@@ -232,7 +190,10 @@ def build_bench_workload(
     else:
         spec = get_scenario(scenario)
         base = spec.build(seed, requests)
-        scaled = scale_lengths(base, scale)
+        try:
+            scaled = base.lengths_scaled(scale)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if kv_blocks is not None:
             scaled = replace(scaled, default_kv_blocks=kv_blocks)
         shared = spec.shared_prefix

@@ -97,6 +97,18 @@ class SimRequest:
             out.extend(seg)  # same typecode: a memcpy
         return out
 
+    @property
+    def system_segments(self) -> int:
+        """How many leading segments are the system part (before ``first_user_offset``;
+        at least the last segment is the user's)."""
+        pos = count = 0
+        for s in self.segments:
+            if pos >= self.first_user_offset:
+                break
+            pos += len(s)
+            count += 1
+        return min(count, len(self.segments) - 1)
+
 
 @dataclass(slots=True)
 class Workload:
@@ -163,6 +175,47 @@ class Workload:
         if n < 0:
             raise ValueError(f"limit must be >= 0, got {n}")
         return replace(self, requests=self.requests[:n])
+
+    def lengths_scaled(self, scale: float) -> Workload:
+        """A copy with every segment, output and the KV size ``scale`` times as large.
+
+        A shared segment is cut once, so the requests that shared it still
+        share one (shorter) array; each output is at least one token. The
+        scenario's KV per worker is scaled too, so caches stay under the
+        pressure the scenario was designed for: 0.5 makes doc-qa the live
+        benchmark's fleet (:mod:`prefixrouter.bench.workload`), which the
+        simulator then reproduces decision for decision.
+
+        Raises:
+            ValueError: ``scale`` outside (0, 1].
+        """
+        if not 0 < scale <= 1:
+            raise ValueError(f"scale: must be in (0, 1], got {scale}")
+        if scale == 1:
+            return self
+        cut: dict[int, array[int]] = {}
+
+        def seg(s: array[int]) -> array[int]:
+            out = cut.get(id(s))
+            if out is None:
+                out = cut[id(s)] = s[: max(1, round(len(s) * scale))]
+            return out
+
+        reqs = [
+            replace(
+                r,
+                segments=tuple(seg(s) for s in r.segments),
+                output_tokens=max(1, round(r.output_tokens * scale)),
+                first_user_offset=sum(len(seg(s)) for s in r.segments[: r.system_segments]),
+            )
+            for r in self.requests
+        ]
+        blocks = self.default_kv_blocks
+        return replace(
+            self,
+            requests=reqs,
+            default_kv_blocks=math.ceil(blocks * scale) if blocks is not None else None,
+        )
 
     def prompt_token_total(self) -> int:
         """Prompt tokens of all requests (what a cache-blind cluster prefills)."""
