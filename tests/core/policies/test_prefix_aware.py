@@ -654,16 +654,21 @@ def test_max_wait_rule_counts_a_wait_for_kv_memory_as_a_wait() -> None:
 def test_no_room_rule_keeps_the_warm_worker_when_no_other_has_room(
     roomy: list[int], needed: int, kept: bool
 ) -> None:
-    choice = no_room_rule(0, 1, [0], lambda: roomy, lambda: needed)
+    # w1, the best score, would wait 0.5 s for KV memory.
+    waits = CostTerms(0.0, 0.5, 0.0, 0.5, 0.0)
+    cs = [scored("w0", 2.0), CandidateScore(W1, 0, 1.0, waits, waits.ttft_s)]
+    choice = no_room_rule(cs, 0, 1, [0], lambda: roomy, lambda: needed)
     if not kept:
         assert choice is None
         return
     assert choice is not None and choice.index == 0 and not choice.abandoned
     assert "no room for a copy elsewhere" in choice.reason
-    # With room elsewhere, or a best that holds the prefix too (moving copies
-    # nothing), the demand is never computed.
-    assert no_room_rule(0, 1, [0], lambda: [0, 1], lambda: int(never())) is None
-    assert no_room_rule(0, 1, [0, 1], lambda: never(), lambda: int(never())) is None
+    # With room elsewhere, a best that holds the prefix too (moving copies
+    # nothing) or a best with the memory free now, the demand is never computed.
+    assert no_room_rule(cs, 0, 1, [0], lambda: [0, 1], lambda: int(never())) is None
+    assert no_room_rule(cs, 0, 1, [0, 1], lambda: never(), lambda: int(never())) is None
+    free = [cs[0], scored("w1", 1.0)]
+    assert no_room_rule(free, 0, 1, [0], lambda: never(), lambda: int(never())) is None
 
 
 def test_a_full_fleet_keeps_a_customer_on_its_warm_worker_the_margin_would_leave() -> None:
@@ -691,16 +696,6 @@ def test_a_full_fleet_keeps_a_customer_on_its_warm_worker_the_margin_would_leave
     ws[1] = WorkerView(W1, kv_capacity_blocks=2_000)
     d = r.route(request("q", doc), ws, 1.0)
     assert d.worker_id == W1 and "beyond margin" in d.reason
-    # A copy that would fit in w1's free memory now, but leave it more than
-    # 80 % pinned (1,200 used + 500 of the copy's blocks of 2,000): the next
-    # requests there would wait, so the warm worker keeps it.
-    ws[1] = WorkerView(
-        W1, in_flight=1, decoding=1, decode_tokens_remaining=100, kv_capacity_blocks=2_000,
-        kv_used_blocks=1_200,
-    )  # fmt: skip
-    d = r.route(request("q", doc), ws, 1.0)
-    assert d.worker_id == W0 and "no room for a copy elsewhere" in d.reason
-    assert d.candidates[1].terms is not None and d.candidates[1].terms.memory_risk_s == 0.0
 
 
 @pytest.mark.parametrize(

@@ -348,6 +348,7 @@ class PrefixAwarePolicy(Policy):
             choice = Choice(picked, "lowest predicted cost")
         if choice is None:
             choice = max_wait_rule(scored, picked, best, cls) or no_room_rule(
+                scored,
                 picked,
                 best,
                 holders,
@@ -886,6 +887,7 @@ def max_wait_rule(
 
 
 def no_room_rule(
+    scored: Sequence[CandidateScore],
     warm: int,
     best: int,
     holders: Sequence[int],
@@ -899,25 +901,22 @@ def no_room_rule(
     there. Where every other worker's KV would be past ``copy_max_kv_share``
     with the copy on top of what its running requests pin (``roomy()``, from
     :func:`copy_room_filter`, holds no non-holder; called, like ``needed()``,
-    only once the cheaper conditions hold: this runs on every warm request),
-    the copy either waits for running requests there to finish or, if it
-    fits now, leaves that worker too full for the next requests: the
-    prefix's own, which the copy is for, and those already there as their
-    answers grow. Either way it evicts other prefixes that are still asked
-    for, and the work it adds is paid by every request queued behind it:
-    under cache pressure one-off copies spread each prefix over every cache
-    and thrash them all (150 customer contexts that do not all fit,
+    only once the cheaper conditions hold: this runs on every warm request) and the cost model
+    expects the ``best`` to make the request wait for memory
+    (``memory_risk_s``), the copy waits for running requests there to
+    finish, then evicts other prefixes that are still asked for, and the
+    work it adds is paid by every request queued behind it: under cache
+    pressure one-off copies spread each prefix over every cache and thrash
+    them all (150 customer contexts that do not all fit,
     ``llmd-customers``). So the warm choice stays, unless the prefix's
     demand wants more replicas than hold it (``needed()``, computed only
-    here: a hot document is worth its copy). The maximum wait (rule 2)
-    still applies before this rule.
-
-    The rule once applied only when the cost model also expected the
-    ``best`` to make this request wait for memory; a copy that fits now
-    was then left to the margin rule, and the next requests paid for it
-    (``benchmarks/decision_quality_notes.md``: ``llmd-customers`` 6-14 %
-    lower mean TTFT without that condition).
+    here: a hot document is worth its copy). Where the best has the memory
+    now, the margin rule decides as without pressure. The maximum wait
+    (rule 2) still applies before this rule.
     """
+    terms = scored[best].terms
+    if terms is None or terms.memory_risk_s <= 0.0:
+        return None
     if best in holders or any(i not in holders for i in roomy()):
         return None
     replicas = needed()
