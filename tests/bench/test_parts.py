@@ -33,6 +33,27 @@ def test_parse_routers() -> None:
         parse_routers(" , ")
 
 
+def test_any_registered_policy_runs_in_our_gateway() -> None:
+    affinity, replicas, old = parse_routers(
+        "gateway:ray_prefix_affinity,gateway:llmd_weighted@2,gateway:prefixrouter"
+    )
+    assert (affinity.name, affinity.kind, affinity.policy) == (
+        "gateway:ray_prefix_affinity", "gateway", "ray_prefix_affinity",
+    )  # fmt: skip
+    assert affinity.label == "gateway ray_prefix_affinity" and affinity.ours
+    assert (replicas.name, replicas.replicas, replicas.policy) == (
+        "gateway:llmd_weighted@2", 2, "llmd_weighted",
+    )  # fmt: skip
+    assert old.policy == "prefix_aware"  # the deprecated alias, resolved
+    cmd = router_command(
+        affinity, port=9000, workers=["http://127.0.0.1:1"], peers_dir=Path("."),
+        prometheus_port=0, tokenizer_dir=None,
+    )  # fmt: skip
+    assert cmd[cmd.index("--policy") + 1] == "ray_prefix_affinity"
+    with pytest.raises(ConfigError, match="unknown policy 'nginx'; registered: prefix_aware"):
+        parse_routers("gateway:nginx")
+
+
 def test_our_routers_as_replicas() -> None:
     one, synced, alone = parse_routers("prefix_aware,prefix_aware@4,prefix_aware@4-nosync")
     assert (one.replicas, synced.replicas, synced.sync, alone.sync) == (1, 4, True, False)

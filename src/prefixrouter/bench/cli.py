@@ -82,7 +82,9 @@ def bench(
             help="'all' or a comma-separated list of round_robin, prefix_aware, "
             "prefix_aware-token, oracle (documents pinned from the workload), "
             "sglang-cache_aware, sglang-round_robin, vllm-cache_aware; ours also as "
-            "NAME@N (N replicas sharing facts over NATS) or NAME@N-nosync."
+            "NAME@N (N replicas sharing facts over NATS) or NAME@N-nosync; "
+            "gateway:POLICY runs our gateway with any registered policy "
+            "(`prefixrouter policies`)."
         ),
     ] = "all",
     replicas: Annotated[

@@ -15,6 +15,10 @@ workers:
   never tries to download one;
 * ``vllm-cache_aware``: vllm-router (PyPI ``vllm-router==0.1.17``), its own defaults.
 
+Any other registered policy runs in our gateway as ``gateway:NAME`` (say
+``gateway:ray_prefix_affinity``, one engine per document by bounded-load
+hashing), so a peer's rule is measured live on our own data path.
+
 Our gateway's routers may also run as replicas: ``prefix_aware@4`` is four
 gateway processes on one nats-server the bench starts (``--cluster``, one
 ``--replica-id`` each), sharing routing facts; ``prefix_aware@4-nosync`` is
@@ -147,16 +151,39 @@ ROUTERS: dict[str, RouterSpec] = {
 }
 
 
+GATEWAY_PREFIX = "gateway:"
+"""``gateway:NAME``: our gateway running the registered policy ``NAME``."""
+
+
+def gateway_router(name: str) -> RouterSpec:
+    """``gateway:POLICY``: our gateway with any registered policy (``prefixrouter policies``).
+
+    Raises:
+        ConfigError: An unknown policy (the message lists the registered ones).
+    """
+    from prefixrouter.core.policy import canonical_policy_name, policy_names
+
+    policy = name.removeprefix(GATEWAY_PREFIX)
+    registered = policy_names()
+    resolved = canonical_policy_name(policy)
+    if resolved not in registered:
+        raise ConfigError(
+            f"router {name!r}: unknown policy {policy!r}; registered: {', '.join(registered)}"
+        )
+    return RouterSpec(name, "gateway", resolved)
+
+
 def parse_routers(spec: str) -> list[RouterSpec]:
     """``all`` or a comma-separated list of router names, in the given order.
 
     One of our gateway's routers may name replicas: ``prefix_aware@4`` (four
     processes sharing facts over NATS) or ``prefix_aware@4-nosync`` (four
-    that do not), so one run compares them side by side.
+    that do not), so one run compares them side by side. ``gateway:POLICY``
+    is our gateway with any other registered policy (:func:`gateway_router`).
 
     Raises:
-        ConfigError: An unknown name (the message lists the known ones), or a
-            bad replica count.
+        ConfigError: An unknown name (the message lists the known ones), an
+            unknown policy, or a bad replica count.
     """
     if spec.strip() == "all":
         return list(ROUTERS.values())
@@ -166,16 +193,23 @@ def parse_routers(spec: str) -> list[RouterSpec]:
     out: list[RouterSpec] = []
     for name in dict.fromkeys(names):
         base, _, count = name.partition("@")
-        if base not in ROUTERS:
+        if base.startswith(GATEWAY_PREFIX):
+            router = gateway_router(base)
+        elif base in ROUTERS:
+            router = ROUTERS[base]
+        else:
             known = ", ".join(ROUTERS)
-            raise ConfigError(f"unknown router {name!r}; known: all, {known} (ours also NAME@N)")
+            raise ConfigError(
+                f"unknown router {name!r}; known: all, {known} "
+                "(ours also NAME@N, and gateway:POLICY for any registered policy)"
+            )
         if not count:
-            out.append(ROUTERS[base])
+            out.append(router)
             continue
         digits, _, flag = count.partition("-")
         if not digits.isdigit() or int(digits) < 1 or flag not in ("", "nosync"):
             raise ConfigError(f"router {name!r}: write NAME@N or NAME@N-nosync, N >= 1")
-        out.append(ROUTERS[base].replicated(int(digits), sync=flag != "nosync"))
+        out.append(router.replicated(int(digits), sync=flag != "nosync"))
     return out
 
 
