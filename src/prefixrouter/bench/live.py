@@ -50,7 +50,7 @@ from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scra
 from prefixrouter.bench.oracle import PIN_FILL, oracle_pins, write_pins
 from prefixrouter.bench.overhead import process_cpu_s
 from prefixrouter.bench.ratios import ttft_ratios
-from prefixrouter.bench.rounds import by_round, rounds_summary
+from prefixrouter.bench.rounds import by_round, round_label, rounds_summary
 from prefixrouter.bench.routers import RouterSpec, router_command, skip_reason, token_config
 from prefixrouter.bench.workload import BenchWorkload
 from prefixrouter.harness.engines import reset_prefix_caches
@@ -111,8 +111,7 @@ class RouterRun:
     @property
     def label(self) -> str:
         """The router's name, and its round when there are several."""
-        name = self.spec.name
-        return name if self.round is None else f"{name} · round {self.round}"
+        return round_label(self.spec.name, self.round)
 
     def summary(self) -> dict[str, Any]:
         """The JSON figures of this run (module doc)."""

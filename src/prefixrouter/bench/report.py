@@ -24,6 +24,7 @@ from rich.table import Table
 
 from prefixrouter.bench.live import ScenarioRun
 from prefixrouter.bench.ratios import describe
+from prefixrouter.bench.rounds import round_label
 
 COLORS = {
     "round_robin": "tab:blue",
@@ -85,7 +86,7 @@ def scenario_table(report: dict[str, Any]) -> Table:
 
 def _label(r: dict[str, Any]) -> str:
     """A result's router, and its round under ``--rounds``."""
-    return f"{r['router']} · round {r['round']}" if "round" in r else str(r["router"])
+    return round_label(str(r["router"]), r.get("round"))
 
 
 def _spread_cell(s: dict[str, float] | None, fmt: Callable[[float], str]) -> str:

@@ -41,6 +41,11 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
+def round_label(router: str, number: int | None) -> str:
+    """How tables and logs name one router's run: its name, and its round when there are several."""
+    return router if number is None else f"{router} · round {number}"
+
+
 def by_round(results: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """The results grouped by round, rounds in order (one group without rounds)."""
     groups: dict[int, list[dict[str, Any]]] = {}

@@ -182,9 +182,9 @@ class Workload:
         A shared segment is cut once, so the requests that shared it still
         share one (shorter) array; each output is at least one token. The
         scenario's KV per worker is scaled too, so caches stay under the
-        pressure the scenario was designed for: 0.5 makes doc-qa the live
-        benchmark's fleet (:mod:`prefixrouter.bench.workload`), which the
-        simulator then reproduces decision for decision.
+        pressure the scenario was designed for: 0.5 gives doc-qa the live
+        benchmark's workload and KV size (:mod:`prefixrouter.bench.workload`
+        cuts it with this method).
 
         Raises:
             ValueError: ``scale`` outside (0, 1].
