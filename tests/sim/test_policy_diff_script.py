@@ -1,0 +1,77 @@
+"""``benchmarks/policy_diff.py``: seeds paired into a standard error, shaped cells, bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "policy_diff.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import policy_diff  # noqa: E402
+
+
+def _figures(*means: float) -> dict[int, dict[str, float]]:
+    return {seed: {"mean": m, "p99": m, "prefill": m} for seed, m in enumerate(means)}
+
+
+def test_a_change_is_paired_by_seed() -> None:
+    # Seeds that differ a lot from each other but move alike: a clear change.
+    before = _figures(100.0, 300.0, 200.0)
+    after = _figures(90.0, 290.0, 188.0)
+    c = policy_diff.change(before, after, "mean")
+    assert c.before == pytest.approx(200.0) and c.after == pytest.approx(189.3333, rel=1e-4)
+    diffs = [-10.0, -10.0, -12.0]
+    se = 100 * math.sqrt(sum((d - sum(diffs) / 3) ** 2 for d in diffs) / 2) / math.sqrt(3) / 200
+    assert c.se_pct == pytest.approx(se)
+    assert c.clear and c.label() == f"{c.pct:+.1f}% ±{se:.1f}"
+    # The same means, moving both ways by seed: no clear change.
+    noisy = policy_diff.change(before, _figures(150.0, 230.0, 188.0), "mean")
+    assert noisy.pct == pytest.approx(c.pct) and not noisy.clear
+
+
+def test_one_seed_has_no_standard_error() -> None:
+    c = policy_diff.change(_figures(100.0), _figures(50.0), "mean")
+    assert c.se_pct is None and not c.clear and c.label() == "-50.0%"
+    # Only the seeds both sides ran are paired.
+    both = policy_diff.change(_figures(100.0, 400.0), _figures(50.0), "mean")
+    assert both.before == 100.0 and both.se_pct is None
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_shaped_cell_against_the_same_code_moves_nothing() -> None:
+    done = _run(
+        "--against", str(ROOT / "src"), "--scenarios", "doc-qa", "--loads", "0.8",
+        "--modes", "token", "--scale", "0.5", "--workers", "4", "--requests", "40",
+        "--kv-cells", "", "--seeds", "0,1", "--all", "--processes", "1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if "doc-qa" in line)
+    assert row.count("+0.0% ±0.0") == 2
+    assert "0 figures lower, 0 higher" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scale", "1.5"], "--scale: must be in (0, 1], got 1.5"),
+        (["--workers", "-1"], "--workers and --requests"),
+        (["--scenarios", "doc-qb"], "unknown scenario 'doc-qb'"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> None:
+    done = _run(*args)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
