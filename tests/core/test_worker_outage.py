@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prefixrouter.core import (
     BlockHash,
     BlockStored,
@@ -53,6 +55,22 @@ def test_a_completion_after_the_outage_confirms_the_entries_again() -> None:
     idx.on_completed(A, doc, 16.0, 64, 64, 2.0)  # the engine came back with its cache
     assert idx.expire(100.0) == 0
     assert idx.match(doc, 100.0)[A].source is EntrySource.CONFIRMED
+
+
+def test_a_worker_back_from_an_outage_keeps_its_entries_and_takes_the_fleets_best_factor() -> None:
+    router = Router()
+    doc = chain(1, 4)
+    router.index.on_routed(A, doc, 0.0)
+    router.index.on_completed(A, doc, 16.0, 0, 64, 0.0)
+    cost = router.cost
+    cost._scale.update({A: 1.3, B: 1.1})  # A's factor from before the outage
+    router.worker_down(A, 1.0)
+    cost._scale[B] = 0.9  # B kept learning while A was down
+    router.worker_up(A)
+    assert router.index.blocks_of(A) == 4  # the same process: its cache is there
+    assert cost.scale(A) < cost.scale(B) and cost.scale(A) == pytest.approx(0.9, rel=1e-5)
+    cost._scale[B] = 0.8  # followed live until A is observed again
+    assert cost.scale(A) == pytest.approx(0.8, rel=1e-5) and cost.scale(A) < 0.8
 
 
 def test_a_restarted_worker_is_cleared() -> None:

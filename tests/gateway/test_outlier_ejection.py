@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from prefixrouter.core.types import WorkerId
 from prefixrouter.harness.faults import until
 from prefixrouter.prometheus import samples
 from tests.gateway.helpers import Env, gateway_env, run
@@ -45,6 +46,10 @@ def test_a_worker_answering_500_is_ejected_then_returns_on_probation() -> None:
             for i in range(10):
                 assert (await env.chat(f"ejected {i}")).status == 200
             assert len(bad.requests) == sent  # none reached it while ejected
+            cost = env.state.dispatch.router.cost
+            # Its factor from before the ejection, above the other's (fake
+            # engines answer too fast to calibrate: set by hand).
+            cost._scale.update({WorkerId("w0"): 2.0, WorkerId("w1"): 0.9})
 
             # Still failing when it returns: one request, and out again (longer).
             async def tried_again() -> bool:
@@ -52,6 +57,10 @@ def test_a_worker_answering_500_is_ejected_then_returns_on_probation() -> None:
                 return len(bad.requests) > sent
 
             await until(tried_again, "the ejected worker to be tried again", 10.0, 0.02)
+            # Back on probation with its calibration from the fleet's best (a 500
+            # has no first token to observe): the factor it had is as old as the
+            # ejection, and probation needs requests to reach it.
+            assert cost.scale(WorkerId("w0")) < cost.scale(WorkerId("w1"))
             state = await _worker(env, "w0")
             assert state["ejected"] is True and state["ejections"] == 2
             assert len(bad.requests) == sent + 1

@@ -155,7 +155,15 @@ def test_a_short_outage_keeps_the_index_and_a_restart_clears_it() -> None:
             index = env.state.dispatch.router.index
             held = index.blocks_of(w.id)
             assert held > 0
+            cost = env.state.dispatch.router.cost
+            others = [x for x in env.state.registry.workers if x != w.id]
+            # Its factor from before the outage, above the others' (which go on learning).
+            for o in others:
+                cost._scale[o] = 0.9
+            cost._scale[w.id] = 2.0
             await _down_then_up(env, engine, w)
+            # Back from the outage: a hair below the fleet's best factor until observed.
+            assert cost.scale(w.id) < min(cost.scale(o) for o in others)
             # The same engine process came back: its entries were kept, speculative.
             assert index.blocks_of(w.id) == held
             entries = index.entries(w.id)

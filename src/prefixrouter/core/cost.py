@@ -53,7 +53,13 @@ a few percent below it within seconds, and at a load that leaves nothing in
 flight every cold request went to the lowest of them (up to 6.6 s before the
 new process got one). The fleet's mean was tried before that: with
 identical engines 20% apart it left the new process outside the tie band of
-the best. A worker never observed (a new one) starts from the profile's own
+the best. A worker back from an outage (frozen, cut off: its health checks
+failed, and it is the same process with its cache) is in the same place, its
+factor as old as the outage, and gets the same optimism
+(:meth:`CostModel.restarted` through ``Router.worker_up``): seen live, an
+engine SIGSTOPped for 10 s came back with a factor 10% above the others',
+which had drifted down meanwhile, and no request reached it for 22 s. A
+worker never observed (a new one) starts from the profile's own
 speed (factor 1): the same optimism for every worker at a fleet's start
 reshuffled the first placements and moved whole simulated runs (llm-d's
 customer benchmark at load 0.6, text mode: 529 to 978 ms mean). Pure: no
@@ -253,8 +259,9 @@ class CostModel:
         self._scale.pop(worker, None)
 
     def restarted(self, worker: WorkerId) -> None:
-        """The worker's engine is a new process: until observed again it is
-        predicted a hair below the lowest factor of the others, whatever they
-        learn meanwhile (module doc); the profile's own (1) when none has one."""
+        """The worker's factor is stale (a new engine process, or back from an outage):
+        until observed again it is predicted a hair below the lowest factor of the
+        others, whatever they learn meanwhile (module doc); the profile's own (1)
+        when none has one."""
         self._restarted.add(worker)
         self._scale.pop(worker, None)

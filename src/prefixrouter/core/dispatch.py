@@ -612,6 +612,16 @@ class Dispatcher:
             self._record(WorkerFact(worker, WorkerChange.DOWN))
         return self._router.worker_down(worker, now)
 
+    def worker_up(self, worker: WorkerId) -> None:
+        """The worker answers again after an outage (:meth:`Router.worker_up`).
+
+        Nothing is published: each replica's own checks see the worker come
+        back, and its calibration is each replica's own.
+        """
+        if self._held is not None:
+            self._apply_held()
+        self._router.worker_up(worker)
+
     def worker_restarted(self, worker: WorkerId, now: float, *, clear_entries: bool = True) -> None:
         """The worker's engine is a new process with an empty cache: forget its entries.
 

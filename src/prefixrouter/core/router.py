@@ -460,6 +460,13 @@ class Router:
         """
         return self.index.demote_worker(worker, now)
 
+    def worker_up(self, worker: WorkerId) -> None:
+        """The worker answers again after an outage, the same process with its cache:
+        its entries stay as they are (demoted to speculative when it went down), and
+        its calibration, as old as the outage, restarts from the fleet's best
+        (:meth:`CostModel.restarted`)."""
+        self.cost.restarted(worker)
+
     def worker_restarted(self, worker: WorkerId, now: float, *, clear_entries: bool = True) -> None:
         """The worker's engine is a new process with an empty cache: forget its entries.
 

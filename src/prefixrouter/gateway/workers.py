@@ -37,7 +37,12 @@ new process: its ``process_start_time_seconds`` changed, or its prefix-cache
 counters (``vllm:prefix_cache_queries_total``) went backwards; the KV-event
 feed clears them on a sequence reset. An engine that reports neither (no
 ``/metrics``) keeps the speculative entries until they expire (the index's
-speculative TTL) or miss.
+speculative TTL) or miss. A worker back from being down (or from an
+outlier ejection, below) gets its calibration restarted from the fleet's
+best either way
+(:meth:`Dispatcher.worker_up`): its factor is as old as the outage, while the
+others kept learning, and one past the tie band above theirs would get no
+cold request until they queued.
 
 Routing reads prebuilt :class:`~prefixrouter.core.types.WorkerView` objects,
 one per worker, refreshed in place: the poller writes the engine figures, the
@@ -586,6 +591,9 @@ class WorkerRegistry:
             if w is None:
                 continue
             w.ejected = False
+            # Out of routing for the ejection: its calibration is as old, and
+            # probation needs requests to reach it.
+            self.dispatch.worker_up(w.id)
             log.info("worker %s back from ejection %d, on probation", w.id, t.ejections)
         if back:
             self._rebuild()
@@ -721,6 +729,10 @@ class WorkerRegistry:
         # A check sent before the worker went silent does not clear it: the
         # check the mark asked for (next) decides.
         if not w.healthy or (w.suspect and w.suspect_since <= started):
+            if not w.healthy:
+                # Back from an outage: its calibration is as old as the outage
+                # (a suspect one that passed at once was out for milliseconds).
+                self.dispatch.worker_up(w.id)
             w.healthy, w.suspect = True, False
             log.info("worker %s healthy again", w.id)
             self._rebuild()
