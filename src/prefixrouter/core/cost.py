@@ -56,9 +56,12 @@ identical engines 20% apart it left the new process outside the tie band of
 the best. A worker back from an outage (frozen, cut off: its health checks
 failed, and it is the same process with its cache) is in the same place, its
 factor as old as the outage, and gets the same optimism
-(:meth:`CostModel.restarted` through ``Router.worker_up``): seen live, an
-engine SIGSTOPped for 10 s came back with a factor 10% above the others',
-which had drifted down meanwhile, and no request reached it for 22 s. A
+(:meth:`CostModel.restarted` through ``Router.worker_up``). Seen live: an
+engine SIGSTOPped for 10 s got no request for 22 s after SIGCONT, and in a
+rerun that polled the factors, a frozen engine's stayed put while the
+others' moved between 0.42 and 0.65 within seconds, so it came back above
+the lowest by whatever they had drifted (past the tie band, it loses every
+cold tie). A
 worker never observed (a new one) starts from the profile's own
 speed (factor 1): the same optimism for every worker at a fleet's start
 reshuffled the first placements and moved whole simulated runs (llm-d's
