@@ -75,3 +75,32 @@ def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> Non
     done = _run(*args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_trace_s_seeds_are_its_windows() -> None:
+    lines = policy_diff.trace_lines()
+    assert policy_diff.trace_windows(3_000) == len(lines) // 3_000 >= 4
+    # Window 0 is the requests sim_results.py runs.
+    first = policy_diff.trace_window("mooncake-conversation", 0, 500)
+    built = policy_diff.build("mooncake-conversation", 0, 500)
+    assert [r.arrival for r in first.requests] == [r.arrival for r in built.requests]
+    # Window 2: the next requests of the file, their times from the first of them.
+    w2 = policy_diff.trace_window("mooncake-conversation", 2, 500)
+    assert len(w2.requests) == 500 and w2.requests[0].arrival == 0.0
+    rows = [policy_diff.orjson.loads(line) for line in lines[1_000:1_500]]
+    expected = [(r["timestamp"] - rows[0]["timestamp"]) / 1000 for r in rows]
+    assert [r.arrival for r in w2.requests] == pytest.approx(sorted(expected))
+    assert [r.prompt_tokens for r in w2.requests] == [r["input_length"] for r in rows]
+
+
+def test_seeds_past_the_trace_s_last_window_are_left_out_of_its_cells() -> None:
+    windows = policy_diff.trace_windows(3_000)
+    args = policy_diff.parse_args(
+        ["--scenarios", "mooncake-conversation,doc-qa", "--loads", "0.9", "--modes", "token",
+         "--kv-cells", "", "--seeds", ",".join(str(s) for s in range(windows + 2))]
+    )  # fmt: skip
+    seeds: dict[str, list[int]] = {}
+    for job in policy_diff.jobs(args):
+        seeds.setdefault(job.cell[0], []).append(job.seed)
+    assert sorted(seeds["mooncake-conversation"]) == list(range(windows))
+    assert sorted(seeds["doc-qa"]) == list(range(windows + 2))

@@ -33,11 +33,13 @@ from prefixrouter.core.policies.prefix_aware import (
     PrefixAwareParams,
     PrefixAwarePolicy,
     cache_pressure,
+    calibration_band,
     cold_pool_rule,
     cold_quota_filter,
     copy_room_filter,
     copy_rule,
     deepest_holders,
+    holder_band_rule,
     hot_prefix_rule,
     margin_limit,
     max_wait_rule,
@@ -450,6 +452,57 @@ def test_workers_holding_the_prefix_share_it_by_requests_in_flight() -> None:
     for w in (W0, W1):
         hold(strict, w, prompt)
     assert strict.route(request("s", prompt + tokens(2, 40)), ws, 1.0).worker_id == W0
+
+
+def test_a_holder_whose_first_token_comes_later_than_the_band_loses_to_the_best_holder() -> None:
+    r = Router()
+    calibrate(r, W0, 0.92)  # the band: the holders' calibrations 8.7 % apart
+    calibrate(r, W1, 1.0)
+    prompt = tokens(1, 3_000)
+    for w in (W0, W1):
+        hold(r, w, prompt)
+    ws = workers(2)
+    # w0 decodes a long-context batch, w1 (two fewer in flight) has 300
+    # tokens of prefill queued: with a 400-token answer the decode term
+    # makes their scores near-equal, though w1's first token is about twice
+    # as late (40 against 20 ms: within the warm margin, which kept it).
+    ws[0] = replace(ws[0], in_flight=32, decoding=32, context_tokens=90_000)
+    ws[1] = replace(ws[1], in_flight=30, decoding=29, pending_prefill_tokens=300)
+    d = r.route(request("s", prompt + tokens(2, 40), max_tokens=400), ws, 1.0)
+    w0, w1 = candidate(d, W0), candidate(d, W1)
+    assert w0.score < w1.score <= w0.score * 1.087  # type: ignore[attr-defined]
+    assert w1.terms.ttft_s > 1.9 * w0.terms.ttft_s  # type: ignore[attr-defined]
+    # The picker's holder (fewest in flight) would copy nothing by leaving,
+    # so no warm margin keeps it: the best holder takes the request.
+    assert d.worker_id == W0 and d.tier == "exact"
+    assert "beyond the calibration band of holder w0" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("picked_ttft", "band", "kept"),
+    [
+        (0.0495, 0.1, True),  # 0.0495 <= 0.045 * 1.1
+        (0.0500, 0.1, False),
+        (0.0450, 0.0, True),  # no band: no later than the best
+        (0.0451, 0.0, False),
+    ],
+)
+def test_holder_band_rule_keeps_the_picked_holder_within_the_band(
+    picked_ttft: float, band: float, kept: bool
+) -> None:
+    cs = [scored("w0", picked_ttft, decode=1.0), scored("w1", 0.045, decode=2.0)]
+    choice = holder_band_rule(cs, 0, 1, SHORT, band, 0.5)
+    assert choice.index == (0 if kept else 1) and not choice.abandoned
+    assert ("fewest in flight among holders" in choice.reason) is kept
+
+
+def test_calibration_band_is_the_scales_disagreement_capped() -> None:
+    cs = [scored("w0", 1.0, scale=0.9), scored("w1", 1.0, scale=1.0), scored("w2", 1.0, scale=1.5)]
+    assert calibration_band(cs, [0, 1], 0.2) == pytest.approx(1.0 / 0.9 - 1.0)
+    assert calibration_band(cs, [0, 1, 2], 0.2) == 0.2  # capped
+    assert calibration_band(cs, [1], 0.2) == 0.0  # one scale: nothing to disagree
+    agree = [scored("w0", 1.0), scored("w1", 2.0)]
+    assert calibration_band(agree, [0, 1], 0.2) == 0.0
 
 
 # ---------------------------------------------------------- rule 1: hot prefix
