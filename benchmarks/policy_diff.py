@@ -121,15 +121,20 @@ def trace_windows(limit: int) -> int:
     return len(trace_lines()) // limit
 
 
-def trace_window(name: str, seed: int, limit: int) -> Workload:
-    """Window ``seed`` of the bundled trace: ``limit`` requests from the ``seed * limit``-th,
-    their times counted from the first of them (window 0 is ``build``'s workload)."""
-    if seed == 0:
-        return build(name, seed, limit)
+def window_lines(seed: int, limit: int) -> bytes:
+    """Window ``seed`` of the bundled trace as a trace file: ``limit`` requests from the
+    ``seed * limit``-th, their times counted from the first of them."""
     rows = [orjson.loads(line) for line in trace_lines()[seed * limit : (seed + 1) * limit]]
     start = rows[0]["timestamp"]
-    data = b"\n".join(orjson.dumps({**r, "timestamp": r["timestamp"] - start}) for r in rows)
-    return load_mooncake(io.BytesIO(data), seed=seed, name=f"{name}-w{seed}")
+    return b"\n".join(orjson.dumps({**r, "timestamp": r["timestamp"] - start}) for r in rows)
+
+
+def trace_window(name: str, seed: int, limit: int) -> Workload:
+    """Window ``seed`` of the bundled trace (:func:`window_lines`); window 0 is ``build``'s
+    workload, request ids included, so its cell is the table's."""
+    if seed == 0:
+        return build(name, seed, limit)
+    return load_mooncake(io.BytesIO(window_lines(seed, limit)), seed=seed, name=f"{name}-w{seed}")
 
 
 def workload(job: Job) -> Workload:
@@ -165,10 +170,13 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     for item in filter(None, args.kv_cells.split(",")):
         scenario, _, blocks = item.partition(":")
         kv_cells.setdefault(scenario, []).append(int(blocks))
-    windows = trace_windows(shape.requests or args.mooncake_limit)
-    trace_seeds = [s for s in seeds if s < windows]
+    names = args.scenarios.split(",")
+    trace_seeds = seeds
+    if TRACES.intersection(names):
+        windows = trace_windows(shape.requests or args.mooncake_limit)
+        trace_seeds = [s for s in seeds if s < windows]
     out: list[Job] = []
-    for name in args.scenarios.split(","):
+    for name in names:
         for load in (float(x) for x in args.loads.split(",")):
             for mode in args.modes.split(","):
                 for kv in [None, *kv_cells.get(name, [])]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import subprocess
@@ -80,10 +81,12 @@ def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> Non
 def test_the_trace_s_seeds_are_its_windows() -> None:
     lines = policy_diff.trace_lines()
     assert policy_diff.trace_windows(3_000) == len(lines) // 3_000 >= 4
-    # Window 0 is the requests sim_results.py runs.
-    first = policy_diff.trace_window("mooncake-conversation", 0, 500)
+    # Cut by the windows' path, window 0 is the requests sim_results.py runs.
     built = policy_diff.build("mooncake-conversation", 0, 500)
-    assert [r.arrival for r in first.requests] == [r.arrival for r in built.requests]
+    cut = policy_diff.load_mooncake(io.BytesIO(policy_diff.window_lines(0, 500)))
+    assert [r.arrival for r in cut.requests] == [r.arrival for r in built.requests]
+    assert [r.segments for r in cut.requests] == [r.segments for r in built.requests]
+    assert policy_diff.trace_window("mooncake-conversation", 0, 500).requests == built.requests
     # Window 2: the next requests of the file, their times from the first of them.
     w2 = policy_diff.trace_window("mooncake-conversation", 2, 500)
     assert len(w2.requests) == 500 and w2.requests[0].arrival == 0.0
