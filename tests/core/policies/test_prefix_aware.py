@@ -570,21 +570,23 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     prefilled = route_under_demand(50.0, settled=False, first_token=True)
     assert prefilled.worker_id == W1 and "hot prefix" in prefilled.reason
     # Proactive copy: the request stays warm, the copy is the router's.
-    copied = route_under_demand(50.0, proactive=True)
+    copied = route_under_demand(50.0, proactive=True, queued_on_holder=6_000)
     assert copied.worker_id == W0 and copied.warm_up == W1
     assert "warming w1 with a prefill-only copy" in copied.reason
     # A longer queue on the holder: the request's first token comes no later
     # on the copy, cold prefill included, so it warms the copy itself (rule 5)
-    # and the router sends no copy of its own.
-    queued = route_under_demand(50.0, proactive=True, queued_on_holder=12_000)
+    # and the router sends no copy of its own, though its score is higher
+    # there (w1's long contexts decode slower): the rule compares first tokens.
+    queued = route_under_demand(50.0, proactive=True)
+    ttft = {c.worker_id: c.terms.ttft_s for c in queued.candidates if c.terms is not None}
     score = {c.worker_id: c.score for c in queued.candidates}
-    assert score[W1] <= score[W0]
+    assert ttft[W1] <= ttft[W0] and score[W1] > score[W0]
     assert queued.worker_id == W1 and queued.warm_up is None and "hot prefix" in queued.reason
     assert Router().policy.params.proactive_copy  # the default (decision_quality_notes.md)
 
 
 def _hot_copy_route(
-    *, suffix_tokens: int = 50, pending_on_holder: int = 9_000, pending_on_target: int = 0
+    *, suffix_tokens: int = 50, pending_on_holder: int = 6_000, pending_on_target: int = 0
 ) -> Decision:
     """An 8,000-token document asked 50 times a second, held (settled) only on
     w0, whose queue holds ``pending_on_holder`` tokens; w1 busy with other
@@ -638,6 +640,21 @@ def test_copy_rule_lets_the_request_pay_the_copy_when_that_costs_it_nothing() ->
     assert copy_rule([*cs[:1], scored("w1", 0.70), cs[2]], kept, copy) is copy  # a tie too
     assert copy_rule([cs[0], scored("w1", 0.71), cs[2]], kept, copy) is kept  # later: stays
     assert copy_rule(cs, Choice(1, "lowest"), copy).reason == "lowest"  # already there
+
+
+def test_copy_rule_compares_first_tokens_not_scores() -> None:
+    """A score adds the answer's weighted decode (seconds) to a first token of
+    tens of milliseconds: an idle copy target decodes faster, so its score can
+    be lower while its cold prefill makes the first token three times later.
+    The request then stays on the holder and the router's own copy warms the
+    target (templates at load 0.6: four such requests were the p99)."""
+    holder = scored("w0", 0.045, queue=0.01, decode=2.4, score=0.525)
+    target = scored("w1", 0.150, decode=1.6, score=0.470)  # lower score, later first token
+    kept = Choice(0, "fewest in flight among holders")
+    copy = Choice(1, "hot prefix: warming w1")
+    assert copy_rule([holder, target], kept, copy) is kept
+    sooner = scored("w1", 0.045, decode=1.6, score=0.365)  # no later: it makes the copy
+    assert copy_rule([holder, sooner], kept, copy) is copy
 
 
 def test_copy_room_filter_keeps_workers_with_room_for_the_copy() -> None:

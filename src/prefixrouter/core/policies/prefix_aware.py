@@ -55,7 +55,7 @@ pure function whose docstring states its rule:
    hot-prefix rule's verdict is set aside for a copy of the router's own
    (never into a worker with a prefill pending, whose first tokens it would
    delay), and :func:`copy_rule` sends the request itself to the copy when
-   its score is no higher there.
+   its first token comes no later there.
 
 With no warm worker the cold path (``_select_cold``) runs instead:
 :func:`cold_pool_rule`, then the picker among all workers for a prefix never
@@ -1099,27 +1099,35 @@ def holder_band_rule(
 
 def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) -> Choice:
     """Rule 5, the copy's own request (``proactive_copy``): the request warms the copy
-    itself when its score is no higher there, cold prefill included.
+    itself when its first token comes no later there, cold prefill included.
 
     ``copy`` is the hot-prefix rule's verdict, set aside so that rules 2-4
     could route the request as if no copy were due (``choice``). The copy
     is made either way; the question left is who pays its prefill. When
-    the copy target's score is no higher than the choice's, the request
-    loses nothing by paying it, and no prefill-only copy of the router's
-    own is needed: one prefill instead of two, and no request is kept on a
-    holder that the warm margin would keep only to avoid a copy that is
-    being made anyway. Under load this is the common case: the holders'
-    queues are what made the prefix hot (Mooncake at load 0.9: without
-    this rule the request stayed on a long holder queue, 985 -> 1,343 ms
-    mean with copies on; with it, 986 ms).
+    the request's predicted first token on the copy target is no later than
+    on the choice, it loses nothing by paying it, and no prefill-only copy
+    of the router's own is needed: one prefill instead of two, and no
+    request is kept on a holder that the warm margin would keep only to
+    avoid a copy that is being made anyway. Under load this is the common
+    case: the holders' queues are what made the prefix hot (Mooncake at
+    load 0.9: without this rule the request stayed on a long holder queue,
+    985 -> 1,343 ms mean with copies on; with it, 986 ms).
 
-    The score, not the first token alone: it counts the decode batch the
-    request joins. Comparing first tokens kept doc-qa's questions on holders
-    whose long-context batches were what made the document hot (load 0.9:
-    mean +8 to +9 %, seeds 0-3), for a templates p99 of -6 to -8 % (measured
-    together with the rule that sends no copy into a pending prefill).
+    The first token, not the score. A score adds the answer's weighted
+    decode (0.2 x seconds) to a first token of tens of milliseconds, so an
+    idle copy target, which decodes faster, often scores lower while its
+    cold prefill makes the first token three times later: at templates'
+    load 0.6, four user requests paid a form's copy at 89-156 ms beside
+    warm first tokens of 20-50 ms, and they set the p99 (now 9-11 % lower
+    over seeds 0-3). Comparing first tokens was tried before, when the warm
+    margin still judged holders against each other, and kept doc-qa's
+    questions on holders whose long-context batches were what made the
+    document hot (load 0.9 mean +8 to +9 %); beside :func:`holder_band_rule`
+    doc-qa 0.9 moves within noise over seeds 0-15
+    (``benchmarks/decision_quality_notes.md``).
     """
-    if copy.index != choice.index and scored[copy.index].score <= scored[choice.index].score:
+    c, h = scored[copy.index].terms, scored[choice.index].terms
+    if copy.index != choice.index and c is not None and h is not None and c.ttft_s <= h.ttft_s:
         return copy
     return choice
 
