@@ -569,7 +569,8 @@ def test_hot_prefix_warms_a_second_replica() -> None:
     # token came from w0: the first copy is prefilled, so the second is warmed.
     prefilled = route_under_demand(50.0, settled=False, first_token=True)
     assert prefilled.worker_id == W1 and "hot prefix" in prefilled.reason
-    # Proactive copy: the request stays warm, the copy is the router's.
+    # Proactive copy: the request stays warm (its first token sooner on the
+    # holder's shorter queue), the copy is the router's.
     copied = route_under_demand(50.0, proactive=True, queued_on_holder=6_000)
     assert copied.worker_id == W0 and copied.warm_up == W1
     assert "warming w1 with a prefill-only copy" in copied.reason

@@ -1119,7 +1119,7 @@ def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) ->
     cold prefill makes the first token three times later: at templates'
     load 0.6, four user requests paid a form's copy at 89-156 ms beside
     warm first tokens of 20-50 ms, and they set the p99 (now 9-11 % lower
-    over seeds 0-3). Comparing first tokens was tried before, when the warm
+    over seeds 0-3, 34 % over seeds 4-15). Comparing first tokens was tried before, when the warm
     margin still judged holders against each other, and kept doc-qa's
     questions on holders whose long-context batches were what made the
     document hot (load 0.9 mean +8 to +9 %); beside :func:`holder_band_rule`
