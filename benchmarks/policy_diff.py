@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gzip
-import io
 import json
 import math
 import os
@@ -65,7 +63,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -77,7 +74,7 @@ from prefixrouter.sim.profiles import get_profile
 from prefixrouter.sim.report import summarize, total_prefill_tokens
 from prefixrouter.sim.runner import plan
 from prefixrouter.sim.scenarios import SCENARIOS
-from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
+from prefixrouter.sim.traces import bundled_mooncake_path, count_requests, load_mooncake
 from prefixrouter.sim.workload import Workload
 
 TRACES = {"mooncake-conversation"}  # one request order whatever the seed: seeds are windows
@@ -110,31 +107,20 @@ class Job:
 
 
 @functools.cache
-def trace_lines() -> tuple[bytes, ...]:
-    """The bundled trace's request lines, in order."""
-    data = gzip.decompress(bundled_mooncake_path().read_bytes())
-    return tuple(line for line in data.split(b"\n") if line.strip())
-
-
 def trace_windows(limit: int) -> int:
     """How many whole windows of ``limit`` requests the bundled trace holds."""
-    return len(trace_lines()) // limit
-
-
-def window_lines(seed: int, limit: int) -> bytes:
-    """Window ``seed`` of the bundled trace as a trace file: ``limit`` requests from the
-    ``seed * limit``-th, their times counted from the first of them."""
-    rows = [orjson.loads(line) for line in trace_lines()[seed * limit : (seed + 1) * limit]]
-    start = rows[0]["timestamp"]
-    return b"\n".join(orjson.dumps({**r, "timestamp": r["timestamp"] - start}) for r in rows)
+    return count_requests(bundled_mooncake_path()) // limit
 
 
 def trace_window(name: str, seed: int, limit: int) -> Workload:
-    """Window ``seed`` of the bundled trace (:func:`window_lines`); window 0 is ``build``'s
+    """Window ``seed`` of the bundled trace: ``limit`` requests from the ``seed *
+    limit``-th, their times counted from the first of them. Window 0 is ``build``'s
     workload, request ids included, so its cell is the table's."""
     if seed == 0:
         return build(name, seed, limit)
-    return load_mooncake(io.BytesIO(window_lines(seed, limit)), seed=seed, name=f"{name}-w{seed}")
+    return load_mooncake(
+        bundled_mooncake_path(), start=seed * limit, limit=limit, seed=seed, name=f"{name}-w{seed}"
+    )
 
 
 def workload(job: Job) -> Workload:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import io
+import gzip
+import json
 import math
 import os
 import subprocess
@@ -79,18 +80,19 @@ def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> Non
 
 
 def test_the_trace_s_seeds_are_its_windows() -> None:
-    lines = policy_diff.trace_lines()
+    data = gzip.decompress(policy_diff.bundled_mooncake_path().read_bytes())
+    lines = [line for line in data.split(b"\n") if line.strip()]
     assert policy_diff.trace_windows(3_000) == len(lines) // 3_000 >= 4
-    # Cut by the windows' path, window 0 is the requests sim_results.py runs.
+    # Window 0 is the requests sim_results.py runs, and the windows' own path cuts it alike.
     built = policy_diff.build("mooncake-conversation", 0, 500)
-    cut = policy_diff.load_mooncake(io.BytesIO(policy_diff.window_lines(0, 500)))
+    assert policy_diff.trace_window("mooncake-conversation", 0, 500).requests == built.requests
+    cut = policy_diff.load_mooncake(policy_diff.bundled_mooncake_path(), start=0, limit=500)
     assert [r.arrival for r in cut.requests] == [r.arrival for r in built.requests]
     assert [r.segments for r in cut.requests] == [r.segments for r in built.requests]
-    assert policy_diff.trace_window("mooncake-conversation", 0, 500).requests == built.requests
     # Window 2: the next requests of the file, their times from the first of them.
     w2 = policy_diff.trace_window("mooncake-conversation", 2, 500)
     assert len(w2.requests) == 500 and w2.requests[0].arrival == 0.0
-    rows = [policy_diff.orjson.loads(line) for line in lines[1_000:1_500]]
+    rows = [json.loads(line) for line in lines[1_000:1_500]]
     expected = [(r["timestamp"] - rows[0]["timestamp"]) / 1000 for r in rows]
     assert [r.arrival for r in w2.requests] == pytest.approx(sorted(expected))
     assert [r.prompt_tokens for r in w2.requests] == [r["input_length"] for r in rows]

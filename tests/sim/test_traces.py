@@ -12,6 +12,7 @@ import pytest
 from prefixrouter.sim.traces import (
     TraceFormatError,
     bundled_mooncake_path,
+    count_requests,
     load_mooncake,
 )
 
@@ -77,6 +78,20 @@ def test_times_outputs_and_metadata(tmp_path: Path) -> None:
     assert wl.requests[0].first_user_offset == 512
     assert wl.scaled(10.0).requests[4].arrival == 3.0  # real times are not rescaled
     assert len(load_mooncake(path, limit=2).requests) == 2
+
+
+def test_a_window_replays_as_if_the_file_began_there(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "trace.jsonl", [*ROWS[:2], "", *ROWS[2:]]
+    )  # a blank line is no request
+    assert count_requests(path) == 5
+    whole = load_mooncake(path, seed=1).requests
+    window = load_mooncake(path, seed=1, start=2, limit=2).requests
+    assert [r.arrival for r in window] == [0.0, 0.0]  # 3.0 s into the file: its new start
+    assert [r.tokens().tobytes() for r in window] == [r.tokens().tobytes() for r in whole[2:4]]
+    assert [r.request_id for r in window] == [r.request_id for r in whole[2:4]]  # file lines
+    tail = load_mooncake(path, start=3).requests
+    assert [r.arrival for r in tail] == [0.0, 3.0]
 
 
 def test_unsorted_trace_is_sorted_by_arrival(tmp_path: Path) -> None:
@@ -180,7 +195,13 @@ def test_empty_and_corrupt_files(tmp_path: Path) -> None:
 
 def test_bad_arguments(tmp_path: Path) -> None:
     path = _write(tmp_path / "trace.jsonl", ROWS)
-    for kwargs in ({"limit": 0}, {"rate_scale": 0.0}, {"block_size": 0}, {"seed": -1}):
+    for kwargs in (
+        {"limit": 0},
+        {"start": -1},
+        {"rate_scale": 0.0},
+        {"block_size": 0},
+        {"seed": -1},
+    ):
         with pytest.raises(ValueError):
             load_mooncake(path, **kwargs)
 

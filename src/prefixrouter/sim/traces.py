@@ -67,6 +67,7 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "TraceFormatError",
     "bundled_mooncake_path",
+    "count_requests",
     "load_mooncake",
 ]
 
@@ -96,6 +97,7 @@ def load_mooncake(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     limit: int | None = None,
+    start: int = 0,
     rate_scale: float = 1.0,
     seed: int = 0,
     name: str | None = None,
@@ -107,7 +109,10 @@ def load_mooncake(
         path_or_file: A path, an :mod:`importlib.resources` file, or an open file
             (bytes or text); gzip is recognized by its magic bytes.
         block_size: The simulated engine's KV block size (not the trace's 512).
-        limit: Keep only the first ``limit`` requests of the file.
+        limit: Keep only the first ``limit`` requests of the file (after ``start``).
+        start: Skip the first ``start`` requests: the rest replay as if the file
+            began at the first kept one, their times counted from it (a window
+            of the trace; 0 keeps the file's own times).
         rate_scale: Replay speed: arrival = timestamp / 1000 / rate_scale, so
             ``rate_scale > 1`` compresses the trace (higher load).
         seed: Seeds the made-up token ids (the sharing structure never changes).
@@ -117,22 +122,25 @@ def load_mooncake(
     Raises:
         TraceFormatError: The file is not valid JSON Lines / gzip, or a line
             misses a field, has a wrong type or inconsistent lengths.
-        ValueError: A bad argument (``limit < 1``, ``rate_scale <= 0``, ...).
+        ValueError: A bad argument (``limit < 1``, ``start < 0``, ``rate_scale <= 0``, ...).
         OSError: The file cannot be read.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     if not (rate_scale > 0 and math.isfinite(rate_scale)):
         raise ValueError(f"rate_scale must be a positive finite number, got {rate_scale}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
 
     label, data = _read(path_or_file)
-    rows = _parse(label, data, limit)
+    rows = _parse(label, data, limit, start)
     if not rows:
         raise TraceFormatError(f"{label}: no requests in the trace")
+    origin = rows[0][1] if start else 0.0
     blocks = _expand_blocks(rows, seed)
 
     wl_name = name or _stem(label)
@@ -145,7 +153,7 @@ def load_mooncake(
         requests.append(
             SimRequest(
                 request_id=RequestId(f"{wl_name}-{lineno:05d}"),
-                arrival=ts * scale,
+                arrival=(ts - origin) * scale,
                 namespace=SIM_NAMESPACE,
                 segments=tuple(segments),
                 output_tokens=max(1, output_length),
@@ -199,10 +207,19 @@ def _read(src: TraceSource) -> tuple[str, bytes]:
 _Row = tuple[int, float, int, int, list[int]]  # line, timestamp ms, input, output, hash_ids
 
 
-def _parse(label: str, data: bytes, limit: int | None) -> list[_Row]:
+def count_requests(path_or_file: TraceSource) -> int:
+    """How many requests (non-blank lines) a Mooncake-format trace holds, none parsed."""
+    return sum(1 for line in _read(path_or_file)[1].split(b"\n") if line.strip())
+
+
+def _parse(label: str, data: bytes, limit: int | None, start: int = 0) -> list[_Row]:
     rows: list[_Row] = []
+    skip = start
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
+            continue
+        if skip:
+            skip -= 1
             continue
         where = f"{label}:{lineno}"
         try:

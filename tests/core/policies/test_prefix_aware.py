@@ -7,6 +7,7 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -288,6 +289,15 @@ def test_deepest_holders_are_the_warm_candidates_with_the_longest_prefix() -> No
     assert deepest_holders(cs, [0]) == (320, [0])
 
 
+def pick(
+    cs: list[CandidateScore], ws: list[WorkerView], indices: Sequence[int], cap: float,
+    best: int, salt: int = 0,
+) -> int:  # fmt: skip
+    """The picker as the policy calls it: its band is the candidates' calibration
+    disagreement, at most ``cap``."""
+    return tie_band_picker(cs, ws, indices, calibration_band(cs, indices, cap), best, salt)
+
+
 @pytest.mark.parametrize(
     ("scales", "band", "expected"),
     [
@@ -303,44 +313,44 @@ def test_tie_band_picker_takes_the_fewest_in_flight_among_near_equal(
 ) -> None:
     cs = [scored("w0", 1.0, scale=scales[0]), scored("w1", 1.05, scale=scales[1])]
     ws = [WorkerView(W0, in_flight=3), WorkerView(W1, in_flight=1)]
-    assert tie_band_picker(cs, ws, [0, 1], band, 0) == expected
-    assert tie_band_picker(cs, ws, [0], band, 0) == 0  # one candidate: itself
+    assert pick(cs, ws, [0, 1], band, 0) == expected
+    assert pick(cs, ws, [0], band, 0) == 0  # one candidate: itself
 
 
 def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
     cs = [scored("w0", 1.0), scored("w1", 1.04, scale=1.1), scored("w2", 1.02)]
     ws = workers(3, in_flight=2)
-    assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 0
+    assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 0
     ws[2] = replace(ws[2], in_flight=1)
-    assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0) == 2
+    assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2
 
 
 def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() -> None:
     cs = [scored(f"w{i}", 1.0 + i / 100, scale=1.0 + i / 20) for i in range(4)]
     ws = workers(4, in_flight=2)
     ws[3] = replace(ws[3], in_flight=0)
-    picks = {tie_band_picker(cs, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)}
+    picks = {pick(cs, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)}
     # A draw holding w3 (the fewest in flight) takes it, any other the lower
     # score of the two drawn: w0 or w1 (w2 loses every pair).
     assert picks == {0, 1, 3}
-    assert tie_band_picker(cs, ws, range(4), 0.1, 0) == 3  # no salt: the fewest in flight
+    assert pick(cs, ws, range(4), 0.1, 0) == 3  # no salt: the fewest in flight
     # Two near-equal or fewer: the salt changes nothing.
-    assert {tie_band_picker(cs, ws, [0, 1], 0.1, 0, salt) for salt in range(1, 65)} == {0}
+    assert {pick(cs, ws, [0, 1], 0.1, 0, salt) for salt in range(1, 65)} == {0}
     # Outside the band the salt changes nothing either.
     far = [scored("w0", 1.0, scale=1.05), *(scored(f"w{i}", 2.0) for i in (1, 2, 3))]
-    assert {tie_band_picker(far, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)} == {0}
+    assert {pick(far, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)} == {0}
 
 
 def test_tie_band_picker_with_a_salt_spreads_exact_ties_when_scales_agree() -> None:
     # An idle fleet whose calibrations agree: no band, every worker scores the same.
     cs = [scored(f"w{i}", 1.0) for i in range(8)]
     ws = workers(8)
-    assert tie_band_picker(cs, ws, range(8), 0.1, 0) == 0  # one router: the earliest
-    picks = [tie_band_picker(cs, ws, range(8), 0.1, 0, salt) for salt in range(1, 65)]
+    assert pick(cs, ws, range(8), 0.1, 0) == 0  # one router: the earliest
+    picks = [pick(cs, ws, range(8), 0.1, 0, salt) for salt in range(1, 65)]
     assert len(set(picks)) >= 6  # replicas draw over the tied workers
     # A worker that is better, however little, is not a tie: every replica takes it.
     cs[5] = scored("w5", 0.999)
-    assert {tie_band_picker(cs, ws, range(8), 0.1, 5, salt) for salt in range(1, 65)} == {5}
+    assert {pick(cs, ws, range(8), 0.1, 5, salt) for salt in range(1, 65)} == {5}
 
 
 def test_replicas_with_one_stale_view_spread_requests_one_router_does_not() -> None:

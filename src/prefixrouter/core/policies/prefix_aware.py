@@ -311,9 +311,8 @@ class PrefixAwarePolicy(Policy):
         # 3. Picker: among the eligible warm workers holding the deepest prefix.
         deepest, holders = deepest_holders(scored, warm_ok)
         salt = _request_salt(ctx)
-        picked = tie_band_picker(
-            scored, candidates, holders, p.tie_band_rel, _argmin(scored, holders), salt
-        )
+        band = calibration_band(scored, holders, p.tie_band_rel)
+        picked = tie_band_picker(scored, candidates, holders, band, _argmin(scored, holders), salt)
         # 4. The rules, in order; each may leave the picker's choice.
         picked_id = scored[picked].worker_id
         held = ctx.matches.get(picked_id)
@@ -371,7 +370,6 @@ class PrefixAwarePolicy(Policy):
             )  # fmt: skip
         if choice is None and best in holders:
             # No copy at stake: the best holds the deepest prefix too.
-            band = calibration_band(scored, holders, p.tie_band_rel)
             choice = holder_band_rule(scored, picked, best, cls, band, p.eviction_weight)
         if choice is None:
             pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
@@ -444,9 +442,9 @@ class PrefixAwarePolicy(Policy):
         hashes = ctx.blocks.hashes
         if not p.home_by_hash or not hashes or hashes[0] not in self._demand:
             # None is warm, so `best` is the best of all.
-            pick = tie_band_picker(
-                scored, candidates, range(len(scored)), p.tie_band_rel, best, _request_salt(ctx)
-            )
+            everyone = range(len(scored))
+            band = calibration_band(scored, everyone, p.tie_band_rel)
+            pick = tie_band_picker(scored, candidates, everyone, band, best, _request_salt(ctx))
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
                 reason = "no reusable prefix anywhere: fewest in flight among near-equal"
@@ -738,9 +736,10 @@ def tie_band_picker(
     Identical engines' predictions differ by their calibration (each learns
     its own scale from noisy observations, about 20% apart live), and a
     router that always takes the lowest prediction keeps feeding the worker
-    whose scale happens to be lowest until its queue shows. The tie band is
-    how far the candidates' calibration scales disagree, at most ``band``
-    (relative); among candidates whose scores are within it of the best, the
+    whose scale happens to be lowest until its queue shows. The tie band
+    ``band`` (relative) is how far the candidates' calibration scales
+    disagree (:func:`calibration_band`, which the caller computes once and
+    the rules read too); among candidates whose scores are within it of the best, the
     one with the fewest requests in flight wins, then the lowest score. With
     one candidate, or scales that agree, the lowest score wins.
 
@@ -760,7 +759,6 @@ def tie_band_picker(
     replica taking the earliest would send a burst that reaches several
     replicas at once to one worker.
     """
-    band = calibration_band(scored, indices, band)
     if band <= 0 and not salt:
         return best
     limit = scored[best].score * (1.0 + band)
@@ -1062,7 +1060,7 @@ def holder_band_rule(
     band: float,
     eviction_weight: float,
 ) -> Choice:
-    """Rule 4a, between holders: keep the picker's holder while its first token is within
+    """Rule 4b, between holders: keep the picker's holder while its first token is within
     the calibration band of the best's, when the best holds the deepest prefix too.
 
     The picker took ``picked``, the fewest in flight among the holders whose
@@ -1119,11 +1117,11 @@ def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) ->
     cold prefill makes the first token three times later: at templates'
     load 0.6, four user requests paid a form's copy at 89-156 ms beside
     warm first tokens of 20-50 ms, and they set the p99 (now 9-11 % lower
-    over seeds 0-3, 34 % over seeds 4-15). Comparing first tokens was tried before, when the warm
-    margin still judged holders against each other, and kept doc-qa's
-    questions on holders whose long-context batches were what made the
-    document hot (load 0.9 mean +8 to +9 %); beside :func:`holder_band_rule`
-    doc-qa 0.9 moves within noise over seeds 0-15
+    over seeds 0-3, 34 % over seeds 4-15). Comparing first tokens was tried
+    before, when the warm margin still judged holders against each other,
+    and kept doc-qa's questions on holders whose long-context batches were
+    what made the document hot (load 0.9 mean +8 to +9 %); beside
+    :func:`holder_band_rule` doc-qa 0.9 moves within noise over seeds 0-15
     (``benchmarks/decision_quality_notes.md``).
     """
     c, h = scored[copy.index].terms, scored[choice.index].terms
