@@ -1043,3 +1043,32 @@ def test_a_prefix_asked_for_slower_than_its_prefill_is_left_to_the_margin() -> N
     # request: the rule does not apply (the margin rule decides).
     _, reason = _second_request_for_a_prefix_being_prefilled(2.0)
     assert "prefill in progress" not in reason
+
+
+# ------------------------------------- rule 1a: every holder on its first prefill
+
+
+def test_every_holder_on_its_first_prefill_the_one_that_ends_first_takes_it() -> None:
+    # A shared 4,000-token prompt reached three workers 30 ms apart (a fleet
+    # starting on one system prompt); at 90 ms none has sent a first token
+    # and none is idle. The scores count each holder's whole queued prefill,
+    # so the worker that started last (the shortest prompt) scored lowest;
+    # the one whose prefill has run longest ends first.
+    def route_fourth(**params: object) -> tuple[WorkerId, str]:
+        r, ledger = Router(create_policy("prefix_aware", params)), InflightLedger()
+        prefix = tokens(7, 4_000)
+        for k, (w, tail) in enumerate(((W0, 400), (W1, 200), (W2, 40))):
+            t = 0.03 * k
+            rid = RequestId(f"r{k}")
+            prompt = [*prefix, *tokens(10 + k, tail)]
+            d = r.route(request(rid, prompt), [ledger.fill(WorkerView(w), t)], t)
+            r.on_routed(d, t)
+            ledger.on_routed(rid, w, len(prompt), len(prompt), 16, t)
+        views = [ledger.fill(WorkerView(w), 0.09) for w in (W0, W1, W2)]
+        d = r.route(request("q", [*prefix, *tokens(20, 40)]), views, 0.09)
+        return d.worker_id, d.reason
+
+    worker, reason = route_fourth()
+    assert worker == W0 and reason.startswith("every holder still on its first prefill")
+    worker, reason = route_fourth(wait_on_prefill=False)
+    assert worker == W2 and "first prefill" not in reason

@@ -40,7 +40,9 @@ pure function whose docstring states its rule:
    drawn per request, so replicas that share a stale view do not all pick
    the same worker; a prefix's rendezvous home stays the same everywhere).
 4. **rules**, in order, each of which may leave the picker's choice:
-   :func:`hot_prefix_rule` (warm another replica for a prefix in demand), then,
+   :func:`hot_prefix_rule` (warm another replica for a prefix in demand),
+   :func:`first_prefill_rule` (no worker idle and every holder still on its
+   first prefill of the prefix: the one whose prefill ends first), then,
    when the picker's choice is not the lowest score overall,
    :func:`max_wait_rule` (never queue too long for a warm cache, counting a
    wait for KV memory), :func:`no_room_rule` (no copy into caches with no
@@ -155,7 +157,9 @@ class PrefixAwareParams:
         wait_on_prefill: Judge a holder whose prefill of the prefix is still
             running, when the best worker is idle, by when its first token
             really comes (:func:`prefill_in_progress_rule`) instead of by the
-            warm margin.
+            warm margin; and when no worker is idle and every holder is still
+            on its first prefill of the prefix, take the one whose prefill
+            ends first (:func:`first_prefill_rule`).
         proactive_copy: When the hot-prefix rule calls for another replica,
             warm it with a prefill-only request of the router's own
             (``Selection.warm_up``) and route the request as if no copy were
@@ -315,11 +319,7 @@ class PrefixAwarePolicy(Policy):
         picked = tie_band_picker(scored, candidates, holders, band, _argmin(scored, holders), salt)
         # 4. The rules, in order; each may leave the picker's choice.
         picked_id = scored[picked].worker_id
-        held = ctx.matches.get(picked_id)
-        # The engine has it: confirmed, or a first token came from there.
-        settled = held is not None and (
-            held.source is not _SPECULATIVE or self._prefilled(ctx, picked_id, held.blocks)
-        )
+        settled = self._settled(ctx, picked_id)
 
         def room() -> list[int]:
             return copy_room_filter(
@@ -346,6 +346,15 @@ class PrefixAwarePolicy(Policy):
             # The router warms the copy itself; this request is routed by the
             # rules below as if no copy were due, then by the copy rule.
             copy, choice = choice, None
+        if (
+            choice is None
+            and p.wait_on_prefill
+            and len(holders) > 1
+            and not settled
+            and candidates[best].in_flight  # an idle best: prefill_in_progress_rule's case
+            and not any(self._settled(ctx, scored[i].worker_id) for i in holders)
+        ):
+            choice = first_prefill_rule(scored, candidates, holders, best)
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
         if choice is None:
@@ -552,6 +561,13 @@ class PrefixAwarePolicy(Policy):
             depth <<= 1
             if d is not None and worker not in d.prefilled:
                 d.prefilled = (*d.prefilled, worker)
+
+    def _settled(self, ctx: RoutingContext, worker: WorkerId) -> bool:
+        """Whether the engine has ``worker``'s match: confirmed, or a first token came from it."""
+        held = ctx.matches.get(worker)
+        return held is not None and (
+            held.source is not _SPECULATIVE or self._prefilled(ctx, worker, held.blocks)
+        )
 
     def _prefilled(self, ctx: RoutingContext, worker: WorkerId, blocks: int) -> bool:
         """Whether ``worker`` sent a first token for the prefix of ``blocks`` blocks."""
@@ -869,6 +885,54 @@ def hot_prefix_rule(
         f"{len(holders)} hold it; warming {scored[other].worker_id}"
     )
     return Choice(other, reason)
+
+
+def first_prefill_rule(
+    scored: Sequence[CandidateScore],
+    candidates: Sequence[WorkerView],
+    holders: Sequence[int],
+    best: int,
+) -> Choice | None:
+    """Rule 1a, every holder still on its first prefill of the prefix: the one that ends first.
+
+    Called when no holder of the deepest prefix has prefilled it yet (each
+    holds it speculatively, no first token came) and no worker is idle (an
+    idle one is :func:`prefill_in_progress_rule`'s case): a prefix sent to
+    several workers at once, as when a fleet starts on one shared system
+    prompt.
+    Every holder's queue then counts its whole pending prefill, so they tie
+    or differ by prompt length, and the lowest score is often the holder
+    that *started last*. Here each holder is judged by its first token less
+    the time its engine has been on the head of its queue
+    (``prefill_elapsed_s``, at most the queue wait), and the one whose
+    prefill ends first is taken, if its corrected first token is no later
+    than the best worker's. ``None`` otherwise (the other rules decide).
+
+    Crediting the elapsed prefill everywhere sent ever more requests onto a
+    holder whose prefill was running and lost on most scenarios
+    (``benchmarks/decision_quality_notes.md``); here it only orders holders
+    that are all in the same state, and the corrected first token must
+    still beat the best's uncorrected one. At system-prompt 0.9 (seed 0)
+    the ninth slowest request, the p99, had queued 162 ms behind the holder
+    that started last while the first had 50 ms left; now 86 ms.
+    """
+    pick, pick_ttft = -1, math.inf
+    for i in holders:
+        t = scored[i].terms
+        if t is None:
+            return None
+        elapsed = candidates[i].prefill_elapsed_s
+        ttft = t.ttft_s - (elapsed if elapsed < t.queue_wait_s else t.queue_wait_s)
+        if ttft < pick_ttft:
+            pick, pick_ttft = i, ttft
+    b = scored[best].terms
+    if b is None or pick_ttft > b.ttft_s:
+        return None
+    reason = (
+        f"every holder still on its first prefill: {scored[pick].worker_id} ends first, "
+        f"{pick_ttft * 1e3:.0f} ms"
+    )
+    return Choice(pick, reason)
 
 
 def max_wait_rule(
