@@ -38,6 +38,7 @@ routed = st.builds(
     predicted_cached_tokens=u32,
     max_tokens=u32,
     predicted_ttft_s=st.floats(allow_nan=False, allow_infinity=False),
+    speculative=st.booleans(),
 )
 facts: st.SearchStrategy[Fact] = st.one_of(
     routed,
@@ -87,9 +88,11 @@ def test_any_batch_round_trips_in_order_whatever_the_split(batch: list[Fact], bu
 def test_a_batch_of_one_namespace_writes_its_strings_once() -> None:
     one = encode_facts([_routed(0)])[0]
     ten = encode_facts([_routed(i) for i in range(10)])[0]
-    # Each further routing costs its fixed record, its hashes and its own request id only.
+    # Each further routing costs its fixed record (tag, nine string indices,
+    # block tokens, four counts, predicted TTFT, the speculative flag), its
+    # hashes and its own request id (length and three characters) only.
     per_fact = (len(ten) - len(one)) / 9
-    assert per_fact < 1 + 18 + 8 + 16 + 8 + 3 * 8 + 2 + 3, per_fact
+    assert per_fact < 1 + 18 + 8 + 16 + 8 + 1 + 3 * 8 + 2 + 3, per_fact
 
 
 def test_the_byte_budget_splits_a_batch_and_an_oversized_fact_goes_alone() -> None:

@@ -258,3 +258,24 @@ def test_a_restarted_engine_takes_the_fleets_best_calibration_here_and_at_peers(
     assert a.index_blocks(other) == 0
     assert relay(a, b) == [True]
     assert b.router.cost.scale(other) == pytest.approx(b.router.cost.scale(adm.worker), rel=1e-5)
+
+
+def test_a_shortfall_behind_a_running_prefill_costs_no_trust_here_or_at_peers() -> None:
+    # r2 is predicted warm on r1's worker from r1's routing alone (nothing
+    # confirmed it) and reuses nothing: r1 was still prefilling. The origin
+    # does not count that against the worker's cache; neither may a peer,
+    # which would otherwise score the worker cold and send the document
+    # elsewhere while the origin keeps it (replicas at no lag diverged so).
+    a, b = replica(), replica()
+    first = a.admit(request("r1", DOC), workers(2), 0.0)
+    second = a.admit(request("r2", [*DOC, *tokens(2, 16)]), workers(2), 0.01)
+    assert second.worker == first.worker and second.decision.predicted_cached_tokens > 0
+    assert second.decision.rests_on_speculative
+    a.complete(second, Outcome(0, 0.2), 0.3)
+    a.complete(first, Outcome(0, 0.2), 0.3)
+    facts = a.drain_facts()
+    routed = [f for f in facts if isinstance(f, RoutedFact)]
+    assert [f.speculative for f in routed] == [False, True]
+    assert all(b.apply_peer("a@1", f, 0.3) for f in facts)
+    assert a.router.index.unexplained_misses == b.router.index.unexplained_misses == 0
+    assert b.router.index.trust(first.worker, 0.3) == a.router.index.trust(first.worker, 0.3) == 1.0

@@ -33,7 +33,13 @@ What must match for a fair comparison, and how it is made to:
   step ends (checked). ``prefix_aware``'s prefill-in-progress rule reads
   the time since a worker's prefill started: milliseconds live,
   microseconds here, against predicted prefills of about 0.4 s, so it
-  gives the same verdicts. The KV room the engines report differs (a live
+  gives the same verdicts. Its ``first_prefill_rule`` is off in both
+  (``earliest_prefill``): it orders holders that are all still on their
+  first prefill by that time since each started, and the live requests go
+  out over a second of wall time (one at a time, each after the gateway's
+  admin view shows it routed) against the simulator's microseconds, so a
+  holder that started first has run its whole predicted prefill live and
+  almost none of it here. The KV room the engines report differs (a live
   engine's poll vs the model), but 20,000 blocks per worker leave it far from
   binding in both.
 
@@ -57,6 +63,7 @@ import orjson
 import pytest
 
 from prefixrouter.core import PrefixClass, RequestId, WorkerId
+from prefixrouter.core.policy import create_policy
 from prefixrouter.core.types import SpeedProfile
 from prefixrouter.harness.health import wait_healthy
 from prefixrouter.harness.ports import free_port
@@ -75,6 +82,8 @@ SLOTS = 256
 # Which prompt each request carries: a document (0, 1, 2) or a unique prompt (-1).
 PATTERN = [0, 1, 0, -1, -1, 0, 2, 1, -1, 0, 2, -1, 1, 0]
 POLICY = "prefix_aware"  # the gateway's default policy
+# Its defaults but the rule that reads wall time since a prefill started (docstring).
+POLICY_PARAMS: dict[str, Any] = {"earliest_prefill": False}
 
 
 def _workload() -> Workload:
@@ -113,7 +122,7 @@ def _simulated(wl: Workload) -> tuple[list[str], dict[str, int]]:
     sim = Simulation(
         wl,
         ClusterConfig(WORKERS, PROFILE, mode="text", decision_log=len(PATTERN), token_count=False),
-        POLICY,
+        create_policy(POLICY, POLICY_PARAMS),
     )
     run = sim.run()
     last_arrival = wl.requests[-1].arrival
@@ -126,7 +135,11 @@ def _simulated(wl: Workload) -> tuple[list[str], dict[str, int]]:
 
 
 def _index_after_admissions(wl: Workload) -> dict[str, int]:
-    sim = Simulation(wl, ClusterConfig(WORKERS, PROFILE, mode="text", token_count=False), POLICY)
+    sim = Simulation(
+        wl,
+        ClusterConfig(WORKERS, PROFILE, mode="text", token_count=False),
+        create_policy(POLICY, POLICY_PARAMS),
+    )
     for req in wl.requests:  # the arrivals alone, as the loop would run them first
         sim._arrive(req, req.arrival)
     return {f"w{i:02d}": sim.dispatch.index_blocks(WorkerId(f"w{i:02d}")) for i in range(WORKERS)}
@@ -163,6 +176,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     "server": {**ADMIN_CONFIG},
                     "proxy": {"first_byte_timeout_floor_s": None, "stall_timeout_s": None},
                     "routing": {"token_count": False},  # no observation (module docstring)
+                    "policy": {"name": POLICY, "params": POLICY_PARAMS},
                 }
             )
         )

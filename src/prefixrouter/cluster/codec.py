@@ -20,7 +20,7 @@ Layout (little-endian)::
       ROUTED   u16 request_id, u16 worker, u16 * 5 namespace fields, u16 model,
                u16 prefix_key, f64 block_tokens, u32 prompt_tokens,
                u32 predicted_cached_tokens, u32 max_tokens, f64 predicted_ttft_s,
-               u32 n_hashes, u64 * n_hashes
+               u8 speculative, u32 n_hashes, u64 * n_hashes
       FIRST    u16 request_id
       SETTLED  u16 request_id, u8 settlement, u32 actual_cached_tokens,
                u32 prompt_chars, u32 prompt_tokens, f64 ttft_s, u32 output_tokens
@@ -60,7 +60,7 @@ TAG_ROUTED, TAG_FIRST, TAG_SETTLED, TAG_WORKER, TAG_COUNTED = 1, 2, 3, 4, 5
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_ROUTED = struct.Struct("<B9HdIIIdI")
+_ROUTED = struct.Struct("<B9HdIIIdBI")
 _FIRST = struct.Struct("<BH")
 _SETTLED = struct.Struct("<BHBIIIdI")
 _WORKER = struct.Struct("<BHB")
@@ -127,6 +127,7 @@ class _Batch:
                 _u32(fact.predicted_cached_tokens),
                 _u32(fact.max_tokens),
                 fact.predicted_ttft_s,
+                fact.speculative,
                 len(fact.hashes),
             )
             hashes = array("Q", fact.hashes)
@@ -268,7 +269,7 @@ def _decode(view: memoryview) -> list[Fact]:
     for _ in range(n_facts):
         tag = view[pos]
         if tag == TAG_ROUTED:
-            (_, rid, worker, mr, tr, ad, tv, te, model, pk, bt, pt, pc, mt, ttft, nh) = (
+            (_, rid, worker, mr, tr, ad, tv, te, model, pk, bt, pt, pc, mt, ttft, spec, nh) = (
                 _ROUTED.unpack_from(view, pos)
             )
             pos += routed_size
@@ -295,6 +296,7 @@ def _decode(view: memoryview) -> list[Fact]:
                     pc,
                     mt,
                     ttft,
+                    spec != 0,
                 )
             )
         elif tag == TAG_FIRST:

@@ -28,10 +28,11 @@ import struct
 import time
 from dataclasses import dataclass
 
-VERSION = 4
+VERSION = 5
 """The wire version: 3 added the codec's ``COUNTED`` fact, 4 the answer's
-``output_tokens`` in ``SETTLED``. A replica refuses messages of another
-version (an older one would not decode the new layout)."""
+``output_tokens`` in ``SETTLED``, 5 ``speculative`` in ``ROUTED``. A replica
+refuses messages of another version (an older one would not decode the new
+layout)."""
 FACTS = 1
 HEARTBEAT = 2
 

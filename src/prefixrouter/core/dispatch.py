@@ -79,12 +79,14 @@ from prefixrouter.core.facts import (
     WorkerFact,
 )
 from prefixrouter.core.hashing import PromptBlocks
+from prefixrouter.core.index import WorkerMatch
 from prefixrouter.core.load import InflightLedger, WorkerLoad
 from prefixrouter.core.policy import CandidateScore, Outcome, Policy, RoutingContext
 from prefixrouter.core.router import Decision, Router, Steering
 from prefixrouter.core.types import (
     BlockHash,
     CacheNamespace,
+    EntrySource,
     RequestId,
     RoutingRequest,
     WorkerId,
@@ -127,6 +129,7 @@ def _routed_fact(decision: Decision) -> RoutedFact:
         predicted_cached_tokens=decision.predicted_cached_tokens,
         max_tokens=request.max_tokens,
         predicted_ttft_s=unscaled,
+        speculative=decision.rests_on_speculative,
     )
 
 
@@ -795,8 +798,15 @@ class Dispatcher:
         # The expected output from this replica's own estimate: it learns
         # from every replica's answers (SettledFact.output_tokens).
         output = router.output.expected(fact.max_tokens, fact.prefix_key)
+        # The origin's match on the worker, as far as settling the routing
+        # reads it: whether it rested on an unconfirmed entry (a shortfall is
+        # then no miss, on every replica as at the origin).
+        matches: dict[WorkerId, WorkerMatch] = {}
+        if fact.speculative:
+            held = int(fact.predicted_cached_tokens // fact.block_tokens)
+            matches[fact.worker] = WorkerMatch(held, 1.0, EntrySource.SPECULATIVE)
         ctx = RoutingContext(
-            request, blocks, {}, now, fact.prefix_key, router.cost, router.index, output
+            request, blocks, matches, now, fact.prefix_key, router.cost, router.index, output
         )
         # The chosen worker's record carries only the peer's uncalibrated
         # prediction (scale 1): on completion, Router.on_completed calibrates

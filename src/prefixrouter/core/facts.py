@@ -85,6 +85,11 @@ class RoutedFact:
             calibration divided out (0: the policy does not use the cost
             model). With the answer's TTFT it is the calibration sample a
             peer folds in, as the origin does.
+        speculative: The origin's prediction rested on an entry that only a
+            routing had placed there (no answer or engine event had confirmed
+            it): a shortfall at settlement is then a prefill still running,
+            not the worker's cache, and no replica may count it against the
+            worker's trust (:meth:`~prefixrouter.core.index.PrefixIndex.on_completed`).
     """
 
     request_id: RequestId
@@ -98,6 +103,7 @@ class RoutedFact:
     predicted_cached_tokens: int
     max_tokens: int
     predicted_ttft_s: float = 0.0
+    speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

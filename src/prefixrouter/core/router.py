@@ -116,6 +116,19 @@ class Decision:
         return None
 
     @property
+    def rests_on_speculative(self) -> bool:
+        """Whether the prediction rested on an entry that only a routing had placed.
+
+        No answer or engine event had confirmed the chosen worker's match
+        when the request was routed, so a shortfall at settlement is a
+        prefill still running there, not the worker's cache
+        (:meth:`PrefixIndex.on_completed`). A peer's routing carries its
+        origin's verdict (``RoutedFact.speculative``) as its context's match.
+        """
+        held = self.context.matches.get(self.worker_id)
+        return held is not None and held.source is EntrySource.SPECULATIVE
+
+    @property
     def predicted_ttft_s(self) -> float | None:
         """The cost model's TTFT for the chosen worker, if the policy used it."""
         c = self.chosen
@@ -417,9 +430,6 @@ class Router:
                 block_tokens = then
             else:
                 predicted = int(predicted * block_tokens / then)
-            # A prediction resting on our own unconfirmed routing: a shortfall
-            # is a prefill still running, not the worker's cache (the index's doc).
-            held = ctx.matches.get(decision.worker_id)
             miss = self.index.on_completed(
                 decision.worker_id,
                 ctx.blocks.hashes,
@@ -428,7 +438,7 @@ class Router:
                 outcome.actual_cached_tokens,
                 now,
                 decision.now,
-                speculative=held is not None and held.source is EntrySource.SPECULATIVE,
+                speculative=decision.rests_on_speculative,
             )
             self.output.observe(ctx.request.max_tokens, outcome.output_tokens, ctx.prefix_key)
             chosen = decision.chosen

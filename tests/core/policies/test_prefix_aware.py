@@ -1070,5 +1070,5 @@ def test_every_holder_on_its_first_prefill_the_one_that_ends_first_takes_it() ->
 
     worker, reason = route_fourth()
     assert worker == W0 and reason.startswith("every holder still on its first prefill")
-    worker, reason = route_fourth(wait_on_prefill=False)
+    worker, reason = route_fourth(earliest_prefill=False)
     assert worker == W2 and "first prefill" not in reason

@@ -157,9 +157,11 @@ class PrefixAwareParams:
         wait_on_prefill: Judge a holder whose prefill of the prefix is still
             running, when the best worker is idle, by when its first token
             really comes (:func:`prefill_in_progress_rule`) instead of by the
-            warm margin; and when no worker is idle and every holder is still
-            on its first prefill of the prefix, take the one whose prefill
-            ends first (:func:`first_prefill_rule`).
+            warm margin.
+        earliest_prefill: When no worker is idle and every holder of the
+            prefix is still on its first prefill of it, take the holder whose
+            prefill ends first (:func:`first_prefill_rule`), not the lowest
+            score (often the one that started last).
         proactive_copy: When the hot-prefix rule calls for another replica,
             warm it with a prefill-only request of the router's own
             (``Selection.warm_up``) and route the request as if no copy were
@@ -227,6 +229,7 @@ class PrefixAwareParams:
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
     wait_on_prefill: bool = True
+    earliest_prefill: bool = True
     proactive_copy: bool = True
     copy_budget_share: float = 0.25
     copy_budget_window_s: float = 10.0
@@ -348,7 +351,7 @@ class PrefixAwarePolicy(Policy):
             copy, choice = choice, None
         if (
             choice is None
-            and p.wait_on_prefill
+            and p.earliest_prefill
             and len(holders) > 1
             and not settled
             and candidates[best].in_flight  # an idle best: prefill_in_progress_rule's case
