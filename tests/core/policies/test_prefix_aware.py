@@ -1072,3 +1072,26 @@ def test_every_holder_on_its_first_prefill_the_one_that_ends_first_takes_it() ->
     assert worker == W0 and reason.startswith("every holder still on its first prefill")
     worker, reason = route_fourth(earliest_prefill=False)
     assert worker == W2 and "first prefill" not in reason
+
+
+def test_holders_of_a_short_shared_head_are_left_to_the_other_rules() -> None:
+    # Three 4,000-token prompts that share only a 64-token head (a chat
+    # template's first blocks) went to three workers 30 ms apart. Every
+    # worker "holds" the head and none has answered, but their queues hold
+    # other prompts: how long those have run says nothing of this request's
+    # first token, so the rule stays out of it (unless the share is 0).
+    def route_fourth(**params: object) -> str:
+        r, ledger = Router(create_policy("prefix_aware", params)), InflightLedger()
+        head = tokens(7, 64)
+        for k, w in enumerate((W0, W1, W2)):
+            t = 0.03 * k
+            rid = RequestId(f"r{k}")
+            prompt = [*head, *tokens(10 + k, 4_000)]
+            d = r.route(request(rid, prompt), [ledger.fill(WorkerView(w), t)], t)
+            r.on_routed(d, t)
+            ledger.on_routed(rid, w, len(prompt), len(prompt), 16, t)
+        views = [ledger.fill(WorkerView(w), 0.09) for w in (W0, W1, W2)]
+        return r.route(request("q", [*head, *tokens(20, 4_000)]), views, 0.09).reason
+
+    assert "first prefill" not in route_fourth()
+    assert route_fourth(earliest_prefill_min_share=0.0).startswith("every holder")
