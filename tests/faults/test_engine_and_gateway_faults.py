@@ -85,12 +85,22 @@ def test_a_failing_engine_is_ejected_answers_clean_errors_and_returns(
         assert all(o.status == 200 and "[DONE]" in o.error for o in errors)
     assert all(o.worker == rep.times.target for o in errors)
     # Outlier ejection: after 5 failures in a row the engine leaves routing
-    # (measured 0.4-0.7 s after the fault began; None would mean it still got
-    # traffic in the fault's last second), keeps 8 % of the fault's traffic
-    # (72 % without ejection) and comes back once its ejection ends: 5 s times
-    # its ejection count, which grows when the three scenarios hit the same
-    # engine (measured 1.7, 6.4 and 11.4 s after the heal; at most 15 s left).
-    assert rep.leave_s is not None and rep.leave_s < 2.5, rep.times.extra
+    # (None would mean it still got traffic in the fault's last second),
+    # keeps 8 % of the fault's traffic (72 % without ejection) and comes back
+    # once its ejection ends: 5 s times its ejection count, which grows when
+    # the three scenarios hit the same engine (measured 1.7, 6.4 and 11.4 s
+    # after the heal; at most 15 s left). Ejection is a count of answers, so
+    # the count is asserted: the requests sent to the engine during the
+    # fault are its five failures and those already on their way when the
+    # fifth came back. How soon that is (0.4-0.7 s after the fault began
+    # in most runs, 2.6 s in one of seven) is how much of the traffic the
+    # prefix rules give that engine then, not ejection.
+    assert rep.leave_s is not None, rep.times.extra
+    t = rep.times
+    sent_there = [
+        o for o in rep.outcomes if o.worker == t.target and t.t_fault <= o.t_send < t.t_ready
+    ]
+    assert len(sent_there) <= 2 * 5, (len(sent_there), t.extra)
     assert rep.times.extra["target_share"] < 0.5
     assert rep.return_s is not None and rep.return_s < 25.0
     after_heal_complete(rep)
