@@ -802,7 +802,7 @@ class Dispatcher:
         # reads it: whether it rested on an unconfirmed entry (a shortfall is
         # then no miss, on every replica as at the origin).
         matches: dict[WorkerId, WorkerMatch] = {}
-        if fact.speculative:
+        if fact.speculative and fact.block_tokens > 0:
             held = int(fact.predicted_cached_tokens // fact.block_tokens)
             matches[fact.worker] = WorkerMatch(held, 1.0, EntrySource.SPECULATIVE)
         ctx = RoutingContext(

@@ -1048,30 +1048,35 @@ def test_a_prefix_asked_for_slower_than_its_prefill_is_left_to_the_margin() -> N
 # ------------------------------------- rule 1a: every holder on its first prefill
 
 
+def _after_three_first_prefills(
+    shared: int, tails: tuple[int, int, int], tail: int, **params: object
+) -> Decision:
+    """Three prompts that share their first ``shared`` tokens, with tails of
+    ``tails`` tokens, reach W0, W1 and W2 30 ms apart; at 90 ms, before any
+    first token, a fourth with a ``tail``-token tail is routed."""
+    r, ledger = Router(create_policy("prefix_aware", params)), InflightLedger()
+    head = tokens(7, shared)
+    for k, (w, n) in enumerate(zip((W0, W1, W2), tails, strict=True)):
+        t = 0.03 * k
+        rid = RequestId(f"r{k}")
+        prompt = [*head, *tokens(10 + k, n)]
+        d = r.route(request(rid, prompt), [ledger.fill(WorkerView(w), t)], t)
+        r.on_routed(d, t)
+        ledger.on_routed(rid, w, len(prompt), len(prompt), 16, t)
+    views = [ledger.fill(WorkerView(w), 0.09) for w in (W0, W1, W2)]
+    return r.route(request("q", [*head, *tokens(20, tail)]), views, 0.09)
+
+
 def test_every_holder_on_its_first_prefill_the_one_that_ends_first_takes_it() -> None:
     # A shared 4,000-token prompt reached three workers 30 ms apart (a fleet
     # starting on one system prompt); at 90 ms none has sent a first token
     # and none is idle. The scores count each holder's whole queued prefill,
     # so the worker that started last (the shortest prompt) scored lowest;
     # the one whose prefill has run longest ends first.
-    def route_fourth(**params: object) -> tuple[WorkerId, str]:
-        r, ledger = Router(create_policy("prefix_aware", params)), InflightLedger()
-        prefix = tokens(7, 4_000)
-        for k, (w, tail) in enumerate(((W0, 400), (W1, 200), (W2, 40))):
-            t = 0.03 * k
-            rid = RequestId(f"r{k}")
-            prompt = [*prefix, *tokens(10 + k, tail)]
-            d = r.route(request(rid, prompt), [ledger.fill(WorkerView(w), t)], t)
-            r.on_routed(d, t)
-            ledger.on_routed(rid, w, len(prompt), len(prompt), 16, t)
-        views = [ledger.fill(WorkerView(w), 0.09) for w in (W0, W1, W2)]
-        d = r.route(request("q", [*prefix, *tokens(20, 40)]), views, 0.09)
-        return d.worker_id, d.reason
-
-    worker, reason = route_fourth()
-    assert worker == W0 and reason.startswith("every holder still on its first prefill")
-    worker, reason = route_fourth(earliest_prefill=False)
-    assert worker == W2 and "first prefill" not in reason
+    d = _after_three_first_prefills(4_000, (400, 200, 40), 40)
+    assert d.worker_id == W0 and d.reason.startswith("every holder still on its first prefill")
+    d = _after_three_first_prefills(4_000, (400, 200, 40), 40, earliest_prefill=False)
+    assert d.worker_id == W2 and "first prefill" not in d.reason
 
 
 def test_holders_of_a_short_shared_head_are_left_to_the_other_rules() -> None:
@@ -1080,18 +1085,7 @@ def test_holders_of_a_short_shared_head_are_left_to_the_other_rules() -> None:
     # worker "holds" the head and none has answered, but their queues hold
     # other prompts: how long those have run says nothing of this request's
     # first token, so the rule stays out of it (unless the share is 0).
-    def route_fourth(**params: object) -> str:
-        r, ledger = Router(create_policy("prefix_aware", params)), InflightLedger()
-        head = tokens(7, 64)
-        for k, w in enumerate((W0, W1, W2)):
-            t = 0.03 * k
-            rid = RequestId(f"r{k}")
-            prompt = [*head, *tokens(10 + k, 4_000)]
-            d = r.route(request(rid, prompt), [ledger.fill(WorkerView(w), t)], t)
-            r.on_routed(d, t)
-            ledger.on_routed(rid, w, len(prompt), len(prompt), 16, t)
-        views = [ledger.fill(WorkerView(w), 0.09) for w in (W0, W1, W2)]
-        return r.route(request("q", [*head, *tokens(20, 4_000)]), views, 0.09).reason
-
-    assert "first prefill" not in route_fourth()
-    assert route_fourth(earliest_prefill_min_share=0.0).startswith("every holder")
+    tails = (4_000, 4_000, 4_000)
+    assert "first prefill" not in _after_three_first_prefills(64, tails, 4_000).reason
+    d = _after_three_first_prefills(64, tails, 4_000, earliest_prefill_min_share=0.0)
+    assert d.reason.startswith("every holder")
