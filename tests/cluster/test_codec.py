@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,7 +35,7 @@ routed = st.builds(
     model=text,
     prefix_key=text,
     hashes=st.lists(st.integers(0, 2**64 - 1).map(BlockHash), max_size=50).map(tuple),
-    block_tokens=st.floats(allow_nan=False, allow_infinity=False),
+    block_tokens=st.floats(min_value=0.0, exclude_min=True, allow_infinity=False),
     prompt_tokens=u32,
     predicted_cached_tokens=u32,
     max_tokens=u32,
@@ -120,6 +122,16 @@ def test_trailing_bytes_and_unknown_tags_are_decode_errors() -> None:
     bad[-3] = 99  # the fact's tag
     with pytest.raises(DecodeError):
         decode_facts(bytes(bad))
+
+
+@pytest.mark.parametrize("block_tokens", [0.0, -16.0, float("nan"), float("inf")])
+def test_a_routing_whose_block_size_is_not_a_positive_number_is_a_decode_error(
+    block_tokens: float,
+) -> None:
+    # A peer settling that routing would divide the engine's cached tokens by it.
+    fact = dataclasses.replace(_routed(0), block_tokens=block_tokens)
+    with pytest.raises(DecodeError, match="block size"):
+        decode_facts(encode_facts([fact])[0])
 
 
 def test_the_envelope_round_trips_and_names_the_origin() -> None:

@@ -223,6 +223,7 @@ def decode_facts(data: bytes | memoryview) -> list[Fact]:
         raise DecodeError(f"bad facts message: {exc}") from None
 
 
+_INF = float("inf")
 _NAMESPACES: dict[tuple[str, ...], NamespaceFields] = {}
 _HASHES: dict[int, struct.Struct] = {}  # "<nQ" by n (block counts repeat: a small set)
 
@@ -273,6 +274,9 @@ def _decode(view: memoryview) -> list[Fact]:
                 _ROUTED.unpack_from(view, pos)
             )
             pos += routed_size
+            if not 0.0 < bt < _INF:
+                # A peer's settlement divides the engine's cached tokens by it.
+                raise ValueError(f"a routing's block size is {bt}, not a positive number")
             if pos + 8 * nh > len(view):
                 raise ValueError("block hashes run past the end")
             hashes = _hashes(nh).unpack_from(view, pos)
