@@ -800,9 +800,10 @@ class Dispatcher:
         output = router.output.expected(fact.max_tokens, fact.prefix_key)
         # The origin's match on the worker, as far as settling the routing
         # reads it: whether it rested on an unconfirmed entry (a shortfall is
-        # then no miss, on every replica as at the origin).
+        # then no miss, on every replica as at the origin). The codec refuses
+        # a routing whose block size is not a positive number.
         matches: dict[WorkerId, WorkerMatch] = {}
-        if fact.speculative and fact.block_tokens > 0:
+        if fact.speculative:
             held = int(fact.predicted_cached_tokens // fact.block_tokens)
             matches[fact.worker] = WorkerMatch(held, 1.0, EntrySource.SPECULATIVE)
         ctx = RoutingContext(
