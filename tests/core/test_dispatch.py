@@ -237,6 +237,67 @@ def test_text_mode_mirrors_in_character_chunk_blocks() -> None:
     assert token.index_capacity(W0) == 1000
 
 
+def test_a_running_requests_prompt_outlives_the_prompts_that_pass_it() -> None:
+    # The engine cannot evict a running request's blocks; the index keeps them
+    # too until the request ends, then forgets them by recency like any other.
+    d = dispatcher()
+    d.router.set_worker_capacity(W0, 30)
+    ws = workers(1)
+    long = d.admit(request("long", DOC, max_tokens=2000), ws, 0.0)
+    for i in range(5):  # 40 blocks pass through while it decodes
+        short = d.admit(request(f"s{i}", tokens(10 + i, 16 * 8)), ws, 1.0 + i)
+        d.complete(short, Outcome(0, 0.1), 1.5 + i)
+    assert d.router.index.match(long.blocks.hashes, 6.0)[W0].blocks == 20
+    assert d.router.index.pinned_blocks(W0) == 20
+    d.complete(long, Outcome(0, 0.1), 7.0)
+    assert d.router.index.pinned_blocks(W0) == 0
+    for i in range(5):
+        short = d.admit(request(f"t{i}", tokens(20 + i, 16 * 8)), ws, 8.0 + i)
+        d.complete(short, Outcome(0, 0.1), 8.5 + i)
+    assert d.router.index.match(long.blocks.hashes, 13.0) == {}
+
+
+def test_every_end_of_a_routing_releases_its_pins() -> None:
+    d = dispatcher()
+    index = d.router.index
+    ws = workers(2)
+
+    def pinned() -> int:
+        return index.pinned_blocks(W0) + index.pinned_blocks(W1)
+
+    adm = d.admit(request("a", DOC), ws, 0.0)
+    assert pinned() == 20
+    d.reject(adm, 0.1)
+    assert pinned() == 0
+    retry = d.retry(adm, ws, 0.2)
+    assert pinned() == 20
+    d.complete(retry, Outcome(0, 0.1), 0.3)
+    d.complete(retry, Outcome(0, 0.1), 0.4)  # settled once: released once
+    assert pinned() == 0
+    d.admit(request("b", DOC), ws, 0.5)
+    d.admit(request("c", tokens(2, 64)), ws, 0.5)
+    assert pinned() == 24
+    d.remove_worker(W0)
+    d.remove_worker(W1)
+    assert pinned() == 0
+    # A peer's routings: settled by its answer, by its going, by their age.
+    origin, peer = Dispatcher(Router("round_robin"), record_facts=True), dispatcher()
+    for i, settle in enumerate(("answer", "gone", "expire")):
+        sent = origin.admit(request(f"p{i}", DOC), ws, float(i))
+        for fact in origin.drain_facts():
+            peer.apply_peer("a@1", fact, float(i))
+        assert peer.router.index.pinned_blocks(sent.worker) == 20
+        if settle == "answer":
+            origin.complete(sent, Outcome(0, 0.1), float(i) + 0.5)
+            for fact in origin.drain_facts():
+                peer.apply_peer("a@1", fact, float(i) + 0.5)
+        elif settle == "gone":
+            peer.peer_gone("a@1")
+        else:
+            peer.peer_expire(before=float(i) + 1.0)
+        assert peer.router.index.pinned_blocks(sent.worker) == 0, settle
+
+
 # ---------------------------------------------------------------- worker and engine facts
 
 

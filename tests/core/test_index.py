@@ -62,6 +62,85 @@ def test_capacity_evicts_lru_tail_first() -> None:
     assert idx.match(d2, 1.0)[A].blocks == 4
 
 
+def test_eviction_passes_over_the_blocks_running_requests_pin() -> None:
+    # An engine cannot evict a running request's blocks: it evicts other
+    # cached blocks. The index's LRU, by touch time alone, would forget the
+    # running prompt first (touched when it was routed, the longest ago).
+    idx = PrefixIndex()
+    idx.set_capacity(A, 6)
+    running, x, y, z = chain(0, 2), chain(1, 2), chain(2, 2), chain(3, 2)
+    idx.pin(A, running)
+    idx.on_routed(A, running, 0.0)
+    idx.on_routed(A, x, 1.0)
+    idx.on_routed(A, y, 2.0)
+    idx.on_routed(A, z, 3.0)  # 8 > 6: x goes, not the older running prompt
+    assert idx.match(running, 3.0)[A].blocks == 2
+    assert idx.match(x, 3.0) == {} and idx.match(y, 3.0)[A].blocks == 2
+    assert idx.blocks_of(A) == 6 and len(idx) == 6 and idx.pinned_blocks(A) == 2
+    # The request ends: its blocks are the most recently freed, tail first.
+    idx.unpin(A, running)
+    assert idx.pinned_blocks(A) == 0
+    assert [b for b, _ in idx.entries(A)] == [*reversed(y), *reversed(z), *reversed(running)]
+    idx.on_routed(A, x, 4.0)  # now y, the least recently used, goes
+    assert idx.match(y, 4.0) == {} and idx.match(running, 4.0)[A].blocks == 2
+
+
+def test_two_pins_on_one_block_hold_it_until_both_are_released() -> None:
+    idx = PrefixIndex()
+    idx.set_capacity(A, 4)
+    doc = chain(0, 2)
+    idx.pin(A, doc)
+    idx.pin(A, doc)
+    idx.on_routed(A, doc, 0.0)
+    idx.unpin(A, doc)
+    idx.on_routed(A, chain(1, 2), 1.0)
+    idx.on_routed(A, chain(2, 2), 2.0)
+    assert idx.match(doc, 2.0)[A].blocks == 2  # one request still runs
+    idx.unpin(A, doc)
+    idx.on_routed(A, chain(3, 2), 3.0)
+    idx.on_routed(A, chain(4, 2), 4.0)
+    assert idx.match(doc, 4.0) == {}  # free again: evicted by recency
+    idx.unpin(A, doc)  # a release too many changes nothing
+    assert idx.pinned_blocks(A) == 0
+
+
+def test_when_pins_outgrow_the_capacity_the_oldest_pinned_blocks_go() -> None:
+    # The index stays bounded: with nothing else to evict, the oldest pinned go.
+    idx = PrefixIndex()
+    idx.set_capacity(A, 4)
+    a, b, c = chain(0, 2), chain(1, 2), chain(2, 2)
+    for t, doc in enumerate((a, b, c)):
+        idx.pin(A, doc)
+        idx.on_routed(A, doc, float(t))
+    assert idx.blocks_of(A) == 4 and len(idx) == 4
+    assert idx.match(a, 3.0) == {}
+    assert idx.match(b, 3.0)[A].blocks == 2 and idx.match(c, 3.0)[A].blocks == 2
+    idx.set_capacity(A, 3)  # shrinking takes the oldest pinned too, tail first
+    assert idx.match(b, 3.0)[A].blocks == 1 and idx.blocks_of(A) == 3
+    idx.remove_worker(A)
+    assert idx.pinned_blocks(A) == 0 and len(idx) == 0
+
+
+def test_a_set_aside_pinned_entry_is_matched_touched_and_withdrawn_like_any() -> None:
+    idx = PrefixIndex()
+    idx.set_capacity(A, 4)
+    doc, other = chain(0, 2), chain(1, 2)
+    idx.pin(A, doc)
+    placed = idx.on_routed(A, doc, 0.0)
+    idx.on_routed(A, other, 1.0)
+    idx.on_routed(A, chain(2, 1), 2.0)  # sets doc's pinned blocks aside, evicts other's tail
+    assert idx.match(doc, 2.0)[A].blocks == 2 and idx.match(other, 2.0)[A].blocks == 1
+    assert idx.entry(A, doc[0]) is not None and idx.blocks_of(A) == 4
+    assert idx.withdraw(A, placed) == 2  # the engine refused it after all
+    assert idx.match(doc, 2.0) == {} and idx.blocks_of(A) == 2
+    idx.pin(A, doc)  # routed again: a set-aside entry is touched back into the LRU
+    idx.on_routed(A, doc, 3.0)
+    idx.on_routed(A, chain(3, 3), 4.0)
+    assert idx.match(doc, 4.0)[A].blocks == 2 and idx.blocks_of(A) == 4
+    idx.on_routed(A, doc, 5.0)  # touched while set aside
+    assert [b for b, _ in idx.entries(A)][-2:] == [doc[1], doc[0]]
+
+
 def test_speculative_entries_expire_but_confirmed_do_not() -> None:
     idx = PrefixIndex(IndexParams(speculative_ttl_s=10.0))
     doc = chain(1, 4)
@@ -203,9 +282,21 @@ def test_one_million_unique_prompts_stay_under_the_global_cap() -> None:
 
 # ------------------------------------------------------------- properties
 
+
+def _pins_of(idx: PrefixIndex, worker: WorkerId) -> dict[BlockHash, int]:
+    """The worker's pins per block, counted and waiting, without counting the waiting in."""
+    pins = dict(idx._pins.get(worker, {}))
+    for chain_, n in idx._pins_waiting.get(worker, {}).items():
+        for h in chain_:
+            pins[h] = pins.get(h, 0) + n
+    return pins
+
+
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["route", "complete", "store", "remove", "clear", "withdraw", "demote"]),
+        st.sampled_from(
+            ["route", "complete", "store", "remove", "clear", "withdraw", "demote", "unpin"]
+        ),
         st.sampled_from([A, B, WorkerId("c")]),
         st.integers(0, 5),  # which document
         st.integers(0, 8),  # how many blocks
@@ -224,11 +315,19 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
         idx.set_capacity(w, capacity)
     t = 0.0
     routings: list[tuple[WorkerId, Placement]] = []
+    pinned: list[tuple[WorkerId, tuple[BlockHash, ...]]] = []  # requests running
     for op, w, d, n in script:
         t += 1.0
         blocks = docs[d][:n]
         if op == "route":
+            if d % 2:  # half the routings run on (pinned) until an "unpin"
+                idx.pin(w, blocks)
+                pinned.append((w, blocks))
             routings.append((w, idx.on_routed(w, blocks, t)))
+        elif op == "unpin":
+            if pinned:
+                idx.unpin(*pinned.pop(d % len(pinned)))
+            blocks = ()
         elif op == "withdraw":
             # the engine refused one of the routings made so far (each at most once)
             if routings:
@@ -260,6 +359,15 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
         assert idx.expiry_items <= 2 * speculative + 64
         for ww in (A, B, WorkerId("c")):
             assert idx.blocks_of(ww) <= capacity
+            # each entry is in the LRU or set aside, never both, and only a
+            # pinned one is set aside; the holders say exactly the same
+            lru, parked = idx._lru.get(ww, {}), idx._parked.get(ww, {})
+            assert not set(lru) & set(parked)
+            pins = _pins_of(idx, ww)
+            assert all(h in pins for h in parked)
+            assert {h for h, slot in idx._holders.items() if ww in slot} == set(lru) | set(parked)
+            running = {h for www, chain_ in pinned if www == ww for h in chain_}
+            assert set(pins) == running and all(n > 0 for n in pins.values())
         # the index never claims more than a worker was given, and the matched
         # depth is exactly the first block the worker does not hold
         for doc in docs:
@@ -531,7 +639,18 @@ class _Walk(PrefixIndex):
 few_ops = st.lists(
     st.tuples(
         st.sampled_from(
-            ["route", "complete", "store", "tail", "remove", "clear", "withdraw", "demote"]
+            [
+                "route",
+                "complete",
+                "store",
+                "tail",
+                "remove",
+                "clear",
+                "withdraw",
+                "demote",
+                "pin",
+                "unpin",
+            ]
         ),
         st.sampled_from([A, B]),
         st.integers(0, 1),
@@ -566,9 +685,20 @@ def test_shaped_chain_paths_change_the_index_as_the_block_by_block_walk(
             idx.set_capacity(w, capacity)
     t = 0.0
     routings: list[tuple[WorkerId, Placement, Placement]] = []
+    pinned: list[tuple[WorkerId, tuple[BlockHash, ...]]] = []
     for op, w, d, n in script:
         t += 1.0
-        if op == "withdraw":
+        if op == "pin":  # a request that runs on: its blocks set aside when met by eviction
+            pinned.append((w, docs[d][:n]))
+            for idx in (shaped, walk):
+                idx.pin(*pinned[-1])
+            op = "route"
+        if op == "unpin":
+            if pinned:
+                ww, blocks = pinned.pop(d % len(pinned))
+                for idx in (shaped, walk):
+                    idx.unpin(ww, blocks)
+        elif op == "withdraw":
             if routings:
                 ww, mine, theirs = routings.pop(d % len(routings))
                 assert shaped.withdraw(ww, mine) == walk.withdraw(ww, theirs)

@@ -570,7 +570,7 @@ class Dispatcher:
             self._record(fact)
 
     def _settle(self, admission: Admission) -> bool:
-        """Mark settled and release the ledger; False if nothing is to be fed back.
+        """Mark settled, release the ledger and the pins; False if nothing is to be fed back.
 
         Nothing is, for an admission settled already or one whose worker was
         removed since (its in-flight entry and index entries are gone: feeding
@@ -583,6 +583,7 @@ class Dispatcher:
         if self._ledger.worker_of(rid) != admission.worker:
             return False
         self._ledger.on_completed(rid)
+        self._router.on_settled(admission.decision)
         return True
 
     # ------------------------------------------------------------- capacity

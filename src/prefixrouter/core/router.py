@@ -369,10 +369,27 @@ class Router:
         return self._policy_of(decision).admit_warm_up(target, prefill_s, now)
 
     def on_routed(self, decision: Decision, now: float) -> None:
-        """The request was sent to ``decision.worker_id``."""
+        """The request was sent to ``decision.worker_id``.
+
+        Its blocks enter the index and stay pinned there (eviction passes
+        over them, as the engine cannot evict a running request's blocks)
+        until :meth:`on_settled`.
+        """
         ctx = decision.context
-        decision.placed = self.index.on_routed(decision.worker_id, ctx.blocks.hashes, now)
-        self._policy_of(decision).on_routed(ctx, decision.worker_id)
+        worker, hashes = decision.worker_id, ctx.blocks.hashes
+        # Pinned first: the eviction that makes room for them passes over them.
+        self.index.pin(worker, hashes)
+        decision.placed = self.index.on_routed(worker, hashes, now)
+        self._policy_of(decision).on_routed(ctx, worker)
+
+    def on_settled(self, decision: Decision) -> None:
+        """The request :meth:`on_routed` recorded has ended, however it ended: unpin its blocks.
+
+        Call exactly once per routing, before its feedback (:meth:`on_rejected`,
+        :meth:`on_completed`) if it has any; not after :meth:`remove_worker`
+        of its worker, which dropped its pins.
+        """
+        self.index.unpin(decision.worker_id, decision.context.blocks.hashes)
 
     def on_first_token(self, decision: Decision, now: float) -> None:
         """The engine sent the request's first token: its prompt is prefilled there.

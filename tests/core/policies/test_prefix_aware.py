@@ -40,6 +40,7 @@ from prefixrouter.core.policies.prefix_aware import (
     copy_room_filter,
     copy_rule,
     deepest_holders,
+    fleet_backlog,
     holder_band_rule,
     hot_prefix_rule,
     margin_limit,
@@ -47,6 +48,7 @@ from prefixrouter.core.policies.prefix_aware import (
     no_room_rule,
     rendezvous_home,
     score_candidates,
+    switch_externality,
     switch_score,
     tie_band_picker,
     warm_margin_rule,
@@ -721,6 +723,34 @@ def test_max_wait_rule_counts_a_wait_for_kv_memory_as_a_wait() -> None:
     assert choice.reason == "left warm w0: queue wait 5000 ms > max 4000 ms"
 
 
+def test_max_wait_rule_stays_when_the_copy_would_cost_the_queued_more_than_it_saves() -> None:
+    # Leaving saves this request 4.5 s, and adds 0.5 s of prefill (1.0 cold
+    # against 0.5 warm) ahead of the ten requests per worker waiting behind.
+    cs = [scored("w0", 5.5, queue=5.0), scored("w1", 1.0)]
+    assert switch_externality(cs[0].terms, cs[1].terms, 10.0) == pytest.approx(5.0)
+    assert max_wait_rule(cs, 0, 1, SHORT, 10.0) is None
+    assert max_wait_rule(cs, 0, 1, SHORT, 8.0) is not None  # 1.0 + 4.0 < 5.5
+
+
+def test_fleet_backlog_counts_the_requests_not_past_their_prefill() -> None:
+    ws = [
+        WorkerView(W0, in_flight=6, decoding=2),  # 4 queued or prefilling
+        WorkerView(W1, in_flight=3, decoding=3),  # all decoding
+        WorkerView(W2, in_flight=0),
+    ]
+    assert fleet_backlog(ws) == pytest.approx(4 / 3)
+    assert fleet_backlog([]) == 0.0
+
+
+def test_switch_externality_is_the_added_prefill_times_the_backlog() -> None:
+    warm_, cold = scored("w0", 1.2, queue=1.0).terms, scored("w1", 0.8).terms
+    # cold prefills 0.8 s where warm prefills 0.2 s: 0.6 s added
+    assert switch_externality(warm_, cold, 2.0) == pytest.approx(1.2)
+    assert switch_externality(warm_, cold, 0.0) == 0.0  # an idle fleet pays nothing
+    assert switch_externality(cold, warm_, 2.0) == 0.0  # no prefill added
+    assert switch_externality(None, cold, 2.0) == 0.0
+
+
 # -------------------------------------------------------- rule 3: no room for a copy
 
 
@@ -818,6 +848,16 @@ def test_warm_margin_rule_keeps_warm_within_the_margin(
     choice = warm_margin_rule(cs, 0, 1, SHORT, pressure, 0.5)
     assert choice.index == (0 if kept else 1) and not choice.abandoned
     assert ("warm within margin" in choice.reason) is kept
+
+
+def test_warm_margin_rule_counts_what_the_copy_costs_the_requests_queued() -> None:
+    # 1.31 s warm against 1.0 s cold is past the margin (1.30) on an idle
+    # fleet; with a backlog of one request per worker the cold side pays the
+    # 0.69 s of prefill it adds (1.0 s against the warm's 0.31 s).
+    cs = [scored("w0", 1.31, queue=1.0), scored("w1", 1.0)]
+    assert warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5).index == 1
+    kept = warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5, 1.0)
+    assert kept.index == 0 and "best cold w1 1690 ms" in kept.reason
 
 
 def test_warm_margin_rule_weighs_decode_by_the_switch_weight() -> None:

@@ -46,7 +46,9 @@ pure function whose docstring states its rule:
    prefill ends first), then,
    when the picker's choice is not the lowest score overall,
    :func:`max_wait_rule` (never queue too long for a warm cache, counting a
-   wait for KV memory), :func:`no_room_rule` (no copy into caches with no
+   wait for KV memory; with ``switch_backlog_weight`` set, leaving pays
+   :func:`switch_externality`, what the copy's prefill costs the requests
+   queued after it, as in the warm margin below), :func:`no_room_rule` (no copy into caches with no
    room, for a prefix one replica serves), :func:`prefill_in_progress_rule`
    (beside an idle worker, judge a holder whose prefill of the prefix is
    still running by when its first token really comes), then
@@ -101,6 +103,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from prefixrouter.core.bucket import TokenBucket
+from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.index import PrefixIndex
 from prefixrouter.core.policy import (
     CandidateScore,
@@ -152,6 +155,21 @@ class PrefixAwareParams:
             (the chance that the evicted blocks are asked for again).
         min_margin_share: Share of the warm margin kept even when the other
             worker's cache has room (a copy still costs memory and a prefill).
+        switch_backlog_weight: Weight of what leaving a warm worker costs the
+            requests after this one: the prefill the copy adds times the
+            fleet's backlog (requests per worker not past their prefill,
+            :func:`fleet_backlog`), on the cold side of the maximum wait and
+            the warm margin (:func:`switch_externality`). 0 judges a switch
+            by this request's first token alone, which under load trades
+            the fleet's throughput for one request: on the whole Mooncake
+            conversation trace at load 0.9 the copies' prefill kept the
+            queues growing (token mode, mean TTFT per thousand of its first
+            four thousand requests: 1.06, 1.61, 2.95, 4.83 s, against 0.87,
+            0.95, 1.61, 3.38 s with weight 1). Off by default: with weight 1
+            the live doc-qa bench (four engines, documents that need copies)
+            kept two engines at 61-65 requests and two at 14-20, 1.30-1.58 s
+            mean TTFT against 0.82 s: the fleet's mean backlog sat on the
+            holders, while the copy's target was idle and delayed no one.
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
@@ -235,6 +253,7 @@ class PrefixAwareParams:
     cold_reserved_share: float = 0.2
     eviction_weight: float = 0.5
     min_margin_share: float = 0.5
+    switch_backlog_weight: float = 0.0
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
     wait_on_prefill: bool = True
@@ -371,8 +390,10 @@ class PrefixAwarePolicy(Policy):
             choice = first_prefill_rule(scored, candidates, holders, best)
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
+        # The prefill a switch adds delays the requests that queue after it.
+        backlog = p.switch_backlog_weight * fleet_backlog(candidates)
         if choice is None:
-            choice = max_wait_rule(scored, picked, best, cls) or no_room_rule(
+            choice = max_wait_rule(scored, picked, best, cls, backlog) or no_room_rule(
                 scored,
                 picked,
                 best,
@@ -397,8 +418,9 @@ class PrefixAwarePolicy(Policy):
         if choice is None:
             pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
             choice = warm_margin_rule(
-                scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight
-            )
+                scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight,
+                backlog,
+            )  # fmt: skip
         if copy is not None:
             choice = copy_rule(scored, choice, copy)
         sel = _selection(scored, warm, deepest, choice, ctx.blocks.prompt_tokens, out)
@@ -952,7 +974,11 @@ def first_prefill_rule(
 
 
 def max_wait_rule(
-    scored: Sequence[CandidateScore], warm: int, best: int, cls: OutputClassParams
+    scored: Sequence[CandidateScore],
+    warm: int,
+    best: int,
+    cls: OutputClassParams,
+    backlog: float = 0.0,
 ) -> Choice | None:
     """Rule 2, maximum wait: leave the ``warm`` choice when its queue is past ``max_warm_wait_s``.
 
@@ -960,8 +986,10 @@ def max_wait_rule(
     ``max_warm_wait_s`` of queue; the ``best`` score is chosen instead, and
     the decision marked ``warm_abandoned``. Only when leaving actually avoids
     the wait (the best's queue is within it) and brings the first token
-    sooner: under overload every queue is long, and a copy would only add
-    prefill work. The wait counts the expected wait for KV memory
+    sooner, counting what the copy's added prefill costs the requests that
+    queue after it (:func:`switch_externality` of ``backlog``): under
+    overload every queue is long, and a copy would only add prefill work.
+    The wait counts the expected wait for KV memory
     (``memory_risk_s``) beside the queue: a warm worker whose memory is
     pinned by its running requests keeps a request waiting as surely as a
     long queue, where the cost model's queue term does not show it.
@@ -970,7 +998,11 @@ def max_wait_rule(
     assert w is not None and b is not None
     limit = cls.max_warm_wait_s
     w_wait, b_wait = w.queue_wait_s + w.memory_risk_s, b.queue_wait_s + b.memory_risk_s
-    if w_wait > limit and b_wait <= limit and b.ttft_s < w.ttft_s:
+    if (
+        w_wait > limit
+        and b_wait <= limit
+        and b.ttft_s + switch_externality(w, b, backlog) < w.ttft_s
+    ):
         reason = (
             f"left warm {scored[warm].worker_id}: queue wait {w_wait * 1e3:.0f} ms"
             f" > max {limit * 1e3:.0f} ms"
@@ -1100,6 +1132,7 @@ def warm_margin_rule(
     cls: OutputClassParams,
     pressure: float,
     eviction_weight: float,
+    backlog: float = 0.0,
 ) -> Choice:
     """Rule 4, warm margin: keep the ``warm`` choice while it is within a margin of the ``best``.
 
@@ -1113,11 +1146,14 @@ def warm_margin_rule(
     weighing decode does not widen it. ``pressure`` in [0, 1] is how full the
     best's cache would be (:func:`cache_pressure`, at least
     ``min_margin_share``): a copy into a cache with room evicts nothing.
+    The best's side also pays :func:`switch_externality` of ``backlog``.
     """
     w, b = scored[warm], scored[best]
     assert b.terms is not None
     warm_switch = switch_score(w, cls, eviction_weight)
-    cold_switch = switch_score(b, cls, eviction_weight)
+    cold_switch = switch_score(b, cls, eviction_weight) + switch_externality(
+        w.terms, b.terms, backlog
+    )
     limit = cold_switch + pressure * (b.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s)
     if warm_switch <= limit:
         reason = (
@@ -1208,6 +1244,34 @@ def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) ->
     if copy.index != choice.index and c is not None and h is not None and c.ttft_s <= h.ttft_s:
         return copy
     return choice
+
+
+def fleet_backlog(candidates: Sequence[WorkerView]) -> float:
+    """Requests per worker not past their prefill yet (queued or prefilling), fleet mean."""
+    if not candidates:
+        return 0.0
+    waiting = 0
+    for v in candidates:
+        n = v.in_flight - v.decoding
+        if n > 0:
+            waiting += n
+    return waiting / len(candidates)
+
+
+def switch_externality(warm: CostTerms | None, best: CostTerms | None, backlog: float) -> float:
+    """What leaving ``warm`` for ``best`` costs the requests after it, in seconds.
+
+    The switch adds prefill (``best``'s prefill beyond ``warm``'s) to the
+    fleet's work; in a queue, work added delays every request that queues
+    behind it before the backlog drains, about as many as are waiting per
+    worker now (``backlog``, :func:`fleet_backlog`). Nothing when the fleet
+    is idle; under load a copy must save this request more than it costs
+    the others.
+    """
+    if warm is None or best is None or backlog <= 0.0:
+        return 0.0
+    extra = best.prefill_s - warm.prefill_s
+    return extra * backlog if extra > 0.0 else 0.0
 
 
 def switch_score(c: CandidateScore, cls: OutputClassParams, eviction_weight: float) -> float:
