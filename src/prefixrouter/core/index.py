@@ -482,8 +482,9 @@ class PrefixIndex:
         not an entry: an entry removed meanwhile (a miss, an event, expiry)
         and added again is pinned too.
 
-        O(1): the pin waits, per chain, until an eviction on the worker needs
-        to know which blocks are pinned (:meth:`_count_pins`). Most requests
+        No Python step per block: the pin waits, per chain (a dict key; a
+        tuple is not copied), until an eviction on the worker needs to know
+        which blocks are pinned (:meth:`_count_pins`). Most requests
         end before one does (no cache pressure), and their pin and unpin
         cancel without a step per block; counted per block at once, they
         made a 2,048-block request's bookkeeping 1.5-1.7x as long

@@ -390,8 +390,10 @@ class PrefixAwarePolicy(Policy):
             choice = first_prefill_rule(scored, candidates, holders, best)
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
-        # The prefill a switch adds delays the requests that queue after it.
-        backlog = p.switch_backlog_weight * fleet_backlog(candidates)
+        # The prefill a switch adds delays the requests that queue after it
+        # (off by default: no pass over the candidates then).
+        weight = p.switch_backlog_weight
+        backlog = weight * fleet_backlog(candidates) if weight else 0.0
         if choice is None:
             choice = max_wait_rule(scored, picked, best, cls, backlog) or no_room_rule(
                 scored,
