@@ -229,6 +229,12 @@ class WorkerView:
     profile: SpeedProfile = field(default_factory=SpeedProfile)
 
     @property
+    def waiting(self) -> int:
+        """Requests sent and not past their first token yet (queued or prefilling)."""
+        n = self.in_flight - self.decoding
+        return n if n > 0 else 0
+
+    @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks held by running requests."""
         return self.kv_used_blocks / self.kv_capacity_blocks if self.kv_capacity_blocks else 1.0

@@ -40,7 +40,6 @@ from prefixrouter.core.policies.prefix_aware import (
     copy_room_filter,
     copy_rule,
     deepest_holders,
-    fleet_backlog,
     holder_band_rule,
     hot_prefix_rule,
     margin_limit,
@@ -724,31 +723,55 @@ def test_max_wait_rule_counts_a_wait_for_kv_memory_as_a_wait() -> None:
 
 
 def test_max_wait_rule_stays_when_the_copy_would_cost_the_queued_more_than_it_saves() -> None:
-    # Leaving saves this request 4.5 s, and adds 0.5 s of prefill (1.0 cold
-    # against 0.5 warm) ahead of the ten requests per worker waiting behind.
+    # Leaving saves this request 4.5 s, and puts 1.0 s of cold prefill before
+    # the five requests that will queue on w1 (the warm prefill of 0.5 s is
+    # spared before none): 5 s, weighed 1.
     cs = [scored("w0", 5.5, queue=5.0), scored("w1", 1.0)]
-    assert switch_externality(cs[0].terms, cs[1].terms, 10.0) == pytest.approx(5.0)
-    assert max_wait_rule(cs, 0, 1, SHORT, 10.0) is None
-    assert max_wait_rule(cs, 0, 1, SHORT, 8.0) is not None  # 1.0 + 4.0 < 5.5
+    external = switch_externality(cs[0].terms, cs[1].terms, 0, 5, 1.0)
+    assert external == pytest.approx(5.0)
+    assert max_wait_rule(cs, 0, 1, SHORT, external) is None
+    assert max_wait_rule(cs, 0, 1, SHORT, 4.0) is not None  # 1.0 + 4.0 < 5.5
 
 
-def test_fleet_backlog_counts_the_requests_not_past_their_prefill() -> None:
-    ws = [
-        WorkerView(W0, in_flight=6, decoding=2),  # 4 queued or prefilling
-        WorkerView(W1, in_flight=3, decoding=3),  # all decoding
-        WorkerView(W2, in_flight=0),
-    ]
-    assert fleet_backlog(ws) == pytest.approx(4 / 3)
-    assert fleet_backlog([]) == 0.0
+def test_waiting_counts_the_requests_not_past_their_first_token() -> None:
+    assert WorkerView(W0, in_flight=6, decoding=2).waiting == 4  # queued or prefilling
+    assert WorkerView(W1, in_flight=3, decoding=3).waiting == 0  # all decoding
+    # a view drawn between a first token and its completion never goes below 0
+    assert WorkerView(W2, in_flight=1, decoding=2).waiting == 0
 
 
-def test_switch_externality_is_the_added_prefill_times_the_backlog() -> None:
+def test_switch_externality_is_the_prefill_added_before_the_target_queue_less_the_spared() -> None:
     warm_, cold = scored("w0", 1.2, queue=1.0).terms, scored("w1", 0.8).terms
-    # cold prefills 0.8 s where warm prefills 0.2 s: 0.6 s added
-    assert switch_externality(warm_, cold, 2.0) == pytest.approx(1.2)
-    assert switch_externality(warm_, cold, 0.0) == 0.0  # an idle fleet pays nothing
-    assert switch_externality(cold, warm_, 2.0) == 0.0  # no prefill added
-    assert switch_externality(None, cold, 2.0) == 0.0
+    # cold prefills 0.8 s before 3 waiting; warm would prefill 0.2 s before 4
+    assert switch_externality(warm_, cold, 4, 3, 1.0) == pytest.approx(0.8 * 3 - 0.2 * 4)
+    assert switch_externality(warm_, cold, 4, 3, 10.0) == pytest.approx(16.0)  # weighed
+    assert switch_externality(warm_, cold, 0, 0, 10.0) == 0.0  # an idle target delays no one
+    assert switch_externality(warm_, cold, 20, 3, 10.0) == 0.0  # staying delays more
+    assert switch_externality(warm_, cold, 4, 3, 0.0) == 0.0  # off
+    assert switch_externality(None, cold, 4, 3, 1.0) == 0.0
+
+
+def test_a_warm_worker_past_the_max_wait_is_kept_when_the_copy_would_delay_a_busy_target() -> None:
+    # w0 holds the 8,000-token prompt behind a queue of about 10 s; w1 is
+    # cold. Idle, w1 takes the copy: no one queues behind it. With requests
+    # waiting on it (a short queue, within the maximum wait), the copy's
+    # prefill would delay each of the requests that follow them, and the
+    # request stays warm.
+    doc = tokens(1, 8_000)
+
+    def route(cold_waiting: int, weight: float = 10.0) -> tuple[WorkerId, bool, str]:
+        r = Router(PrefixAwarePolicy(PrefixAwareParams(switch_backlog_weight=weight)))
+        warm(r, W0, doc)
+        ws = workers(2)
+        ws[0] = replace(ws[0], in_flight=4, pending_prefill_tokens=200_000)
+        ws[1] = replace(ws[1], in_flight=cold_waiting, pending_prefill_tokens=200 * cold_waiting)
+        d = r.route(request("q", doc + tokens(5, 200)), ws, 1.0)
+        return d.worker_id, d.warm_abandoned, d.reason
+
+    assert route(0)[:2] == (W1, True)
+    worker, abandoned, reason = route(6)
+    assert (worker, abandoned) == (W0, False), reason
+    assert route(6, weight=0.0)[:2] == (W1, True)  # this request's first token alone
 
 
 # -------------------------------------------------------- rule 3: no room for a copy
@@ -851,13 +874,14 @@ def test_warm_margin_rule_keeps_warm_within_the_margin(
 
 
 def test_warm_margin_rule_counts_what_the_copy_costs_the_requests_queued() -> None:
-    # 1.31 s warm against 1.0 s cold is past the margin (1.30) on an idle
-    # fleet; with a backlog of one request per worker the cold side pays the
-    # 0.69 s of prefill it adds (1.0 s against the warm's 0.31 s).
+    # 1.31 s warm against 1.0 s cold is past the margin (1.30) when the copy
+    # delays no one; with one request to queue behind it on w1 the cold side
+    # pays the 1.0 s of prefill it adds, less the warm's 0.31 s spared before none.
     cs = [scored("w0", 1.31, queue=1.0), scored("w1", 1.0)]
     assert warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5).index == 1
-    kept = warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5, 1.0)
-    assert kept.index == 0 and "best cold w1 1690 ms" in kept.reason
+    external = switch_externality(cs[0].terms, cs[1].terms, 0, 1, 1.0)
+    kept = warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5, external)
+    assert kept.index == 0 and "best cold w1 2000 ms" in kept.reason
 
 
 def test_warm_margin_rule_weighs_decode_by_the_switch_weight() -> None:

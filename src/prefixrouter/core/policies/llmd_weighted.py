@@ -93,7 +93,7 @@ class LlmdWeighted(Policy):
         total_blocks = min(
             float(p.max_prefix_blocks), blocks.prompt_tokens / (blocks.block_tokens * step)
         )
-        queues = [max(0, w.in_flight - w.decoding) for w in candidates]
+        queues = [w.waiting for w in candidates]
         qmax, qmin = max(queues), min(queues)
         totals: list[float] = []
         scores: list[CandidateScore] = []

@@ -46,9 +46,9 @@ pure function whose docstring states its rule:
    prefill ends first), then,
    when the picker's choice is not the lowest score overall,
    :func:`max_wait_rule` (never queue too long for a warm cache, counting a
-   wait for KV memory; with ``switch_backlog_weight`` set, leaving pays
-   :func:`switch_externality`, what the copy's prefill costs the requests
-   queued after it, as in the warm margin below), :func:`no_room_rule` (no copy into caches with no
+   wait for KV memory; leaving pays :func:`switch_externality`, what the
+   copy's prefill costs the requests queued after it on the target, as in
+   the warm margin below), :func:`no_room_rule` (no copy into caches with no
    room, for a prefix one replica serves), :func:`prefill_in_progress_rule`
    (beside an idle worker, judge a holder whose prefill of the prefix is
    still running by when its first token really comes), then
@@ -156,20 +156,21 @@ class PrefixAwareParams:
         min_margin_share: Share of the warm margin kept even when the other
             worker's cache has room (a copy still costs memory and a prefill).
         switch_backlog_weight: Weight of what leaving a warm worker costs the
-            requests after this one: the prefill the copy adds times the
-            fleet's backlog (requests per worker not past their prefill,
-            :func:`fleet_backlog`), on the cold side of the maximum wait and
-            the warm margin (:func:`switch_externality`). 0 judges a switch
-            by this request's first token alone, which under load trades
-            the fleet's throughput for one request: on the whole Mooncake
+            requests queued after this one (:func:`switch_externality`: the
+            prefill it adds to the target's queue times the requests waiting
+            there, less the prefill it spares the warm worker's), on the cold
+            side of the maximum wait and the warm margin. 0 judges a switch
+            by this request's first token alone, which under load trades the
+            fleet's throughput for one request: on the whole Mooncake
             conversation trace at load 0.9 the copies' prefill kept the
             queues growing (token mode, mean TTFT per thousand of its first
-            four thousand requests: 1.06, 1.61, 2.95, 4.83 s, against 0.87,
-            0.95, 1.61, 3.38 s with weight 1). Off by default: with weight 1
-            the live doc-qa bench (four engines, documents that need copies)
-            kept two engines at 61-65 requests and two at 14-20, 1.30-1.58 s
-            mean TTFT against 0.82 s: the fleet's mean backlog sat on the
-            holders, while the copy's target was idle and delayed no one.
+            four thousand requests: 1.06, 1.61, 2.95, 4.83 s; with weight 1:
+            0.91, 1.08, 1.78, 3.19 s; 3: 0.90, 0.98, 1.66, 3.14 s; 10: 0.86,
+            0.95, 1.13, 2.43 s; 30: 0.88, 1.07, 1.44, 2.04 s). A request
+            delayed holds up the ones behind it in turn, so near saturation
+            one added prefill costs several times its length per request
+            waiting; 10 is where the trace stopped improving. An idle target
+            delays no one, so documents that need copies still get them.
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
@@ -253,7 +254,7 @@ class PrefixAwareParams:
     cold_reserved_share: float = 0.2
     eviction_weight: float = 0.5
     min_margin_share: float = 0.5
-    switch_backlog_weight: float = 0.0
+    switch_backlog_weight: float = 10.0
     home_by_hash: bool = True
     hot_prefix_utilization: float = 1.0
     wait_on_prefill: bool = True
@@ -390,12 +391,16 @@ class PrefixAwarePolicy(Policy):
             choice = first_prefill_rule(scored, candidates, holders, best)
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
-        # The prefill a switch adds delays the requests that queue after it
-        # (off by default: no pass over the candidates then).
-        weight = p.switch_backlog_weight
-        backlog = weight * fleet_backlog(candidates) if weight else 0.0
+        # The prefill a switch adds delays the requests that queue after it.
+        external = switch_externality(
+            scored[picked].terms,
+            scored[best].terms,
+            candidates[picked].waiting,
+            candidates[best].waiting,
+            p.switch_backlog_weight,
+        )
         if choice is None:
-            choice = max_wait_rule(scored, picked, best, cls, backlog) or no_room_rule(
+            choice = max_wait_rule(scored, picked, best, cls, external) or no_room_rule(
                 scored,
                 picked,
                 best,
@@ -421,7 +426,7 @@ class PrefixAwarePolicy(Policy):
             pressure = cache_pressure(ctx.index, scored[best].worker_id, len(ctx.blocks.hashes))
             choice = warm_margin_rule(
                 scored, picked, best, cls, max(p.min_margin_share, pressure), p.eviction_weight,
-                backlog,
+                external,
             )  # fmt: skip
         if copy is not None:
             choice = copy_rule(scored, choice, copy)
@@ -980,7 +985,7 @@ def max_wait_rule(
     warm: int,
     best: int,
     cls: OutputClassParams,
-    backlog: float = 0.0,
+    externality: float = 0.0,
 ) -> Choice | None:
     """Rule 2, maximum wait: leave the ``warm`` choice when its queue is past ``max_warm_wait_s``.
 
@@ -989,7 +994,7 @@ def max_wait_rule(
     the decision marked ``warm_abandoned``. Only when leaving actually avoids
     the wait (the best's queue is within it) and brings the first token
     sooner, counting what the copy's added prefill costs the requests that
-    queue after it (:func:`switch_externality` of ``backlog``): under
+    queue after it (``externality``, :func:`switch_externality`): under
     overload every queue is long, and a copy would only add prefill work.
     The wait counts the expected wait for KV memory
     (``memory_risk_s``) beside the queue: a warm worker whose memory is
@@ -1000,11 +1005,7 @@ def max_wait_rule(
     assert w is not None and b is not None
     limit = cls.max_warm_wait_s
     w_wait, b_wait = w.queue_wait_s + w.memory_risk_s, b.queue_wait_s + b.memory_risk_s
-    if (
-        w_wait > limit
-        and b_wait <= limit
-        and b.ttft_s + switch_externality(w, b, backlog) < w.ttft_s
-    ):
+    if w_wait > limit and b_wait <= limit and b.ttft_s + externality < w.ttft_s:
         reason = (
             f"left warm {scored[warm].worker_id}: queue wait {w_wait * 1e3:.0f} ms"
             f" > max {limit * 1e3:.0f} ms"
@@ -1134,7 +1135,7 @@ def warm_margin_rule(
     cls: OutputClassParams,
     pressure: float,
     eviction_weight: float,
-    backlog: float = 0.0,
+    externality: float = 0.0,
 ) -> Choice:
     """Rule 4, warm margin: keep the ``warm`` choice while it is within a margin of the ``best``.
 
@@ -1148,14 +1149,12 @@ def warm_margin_rule(
     weighing decode does not widen it. ``pressure`` in [0, 1] is how full the
     best's cache would be (:func:`cache_pressure`, at least
     ``min_margin_share``): a copy into a cache with room evicts nothing.
-    The best's side also pays :func:`switch_externality` of ``backlog``.
+    The best's side also pays ``externality`` (:func:`switch_externality`).
     """
     w, b = scored[warm], scored[best]
     assert b.terms is not None
     warm_switch = switch_score(w, cls, eviction_weight)
-    cold_switch = switch_score(b, cls, eviction_weight) + switch_externality(
-        w.terms, b.terms, backlog
-    )
+    cold_switch = switch_score(b, cls, eviction_weight) + externality
     limit = cold_switch + pressure * (b.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s)
     if warm_switch <= limit:
         reason = (
@@ -1248,32 +1247,36 @@ def copy_rule(scored: Sequence[CandidateScore], choice: Choice, copy: Choice) ->
     return choice
 
 
-def fleet_backlog(candidates: Sequence[WorkerView]) -> float:
-    """Requests per worker not past their prefill yet (queued or prefilling), fleet mean."""
-    if not candidates:
-        return 0.0
-    waiting = 0
-    for v in candidates:
-        n = v.in_flight - v.decoding
-        if n > 0:
-            waiting += n
-    return waiting / len(candidates)
+def switch_externality(
+    warm: CostTerms | None,
+    best: CostTerms | None,
+    warm_waiting: int,
+    best_waiting: int,
+    weight: float,
+) -> float:
+    """What leaving ``warm`` for ``best`` costs the requests queued after it, in seconds.
 
+    A prefill put into a worker's queue delays every request that joins
+    that queue before it drains: in steady state about as many as wait
+    there now (Little's law: the arrivals during the drain are the arrival
+    rate times the wait, which is the queue's length). Leaving puts
+    ``best``'s prefill (a copy: the whole uncached prompt) before the
+    requests that will queue on ``best`` (``best_waiting`` now, not yet past
+    their first token) and spares ``warm``'s (the suffix only) before
+    ``warm_waiting``'s successors. The difference times ``weight`` (a
+    delayed request holds up those behind it in turn, so near saturation
+    the cost compounds), nothing when it is negative.
 
-def switch_externality(warm: CostTerms | None, best: CostTerms | None, backlog: float) -> float:
-    """What leaving ``warm`` for ``best`` costs the requests after it, in seconds.
-
-    The switch adds prefill (``best``'s prefill beyond ``warm``'s) to the
-    fleet's work; in a queue, work added delays every request that queues
-    behind it before the backlog drains, about as many as are waiting per
-    worker now (``backlog``, :func:`fleet_backlog`). Nothing when the fleet
-    is idle; under load a copy must save this request more than it costs
-    the others.
+    An idle target delays no one: a copy into it costs only this request's
+    prefill, so a document that needs a second replica still gets one
+    while the fleet has room (an earlier form charged the fleet's mean
+    backlog to every copy, and live doc-qa kept its documents on the
+    holders whose queues made that backlog, 1.30-1.58 s against 0.82 s).
     """
-    if warm is None or best is None or backlog <= 0.0:
+    if warm is None or best is None or weight <= 0.0:
         return 0.0
-    extra = best.prefill_s - warm.prefill_s
-    return extra * backlog if extra > 0.0 else 0.0
+    added = best.prefill_s * best_waiting - warm.prefill_s * warm_waiting
+    return weight * added if added > 0.0 else 0.0
 
 
 def switch_score(c: CandidateScore, cls: OutputClassParams, eviction_weight: float) -> float:
