@@ -881,7 +881,8 @@ def test_warm_margin_rule_counts_what_the_copy_costs_the_requests_queued() -> No
     assert warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5).index == 1
     external = switch_externality(cs[0].terms, cs[1].terms, 0, 1, 1.0)
     kept = warm_margin_rule(cs, 0, 1, SHORT, 1.0, 0.5, external)
-    assert kept.index == 0 and "best cold w1 2000 ms" in kept.reason
+    assert kept.index == 0
+    assert "(best cold w1 2000 ms, 1000 ms of it the queue behind)" in kept.reason
 
 
 def test_warm_margin_rule_weighs_decode_by_the_switch_weight() -> None:

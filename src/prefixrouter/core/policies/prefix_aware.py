@@ -1157,9 +1157,12 @@ def warm_margin_rule(
     cold_switch = switch_score(b, cls, eviction_weight) + externality
     limit = cold_switch + pressure * (b.terms.ttft_s * cls.warm_margin_rel + cls.warm_margin_abs_s)
     if warm_switch <= limit:
+        # The decision log says how much of the cold side is the queue the
+        # copy would delay (the rest is the cold worker's own prediction).
+        queued = f", {externality * 1e3:.0f} ms of it the queue behind" if externality else ""
         reason = (
             f"warm within margin: {warm_switch * 1e3:.0f} ms <= "
-            f"{limit * 1e3:.0f} ms (best cold {b.worker_id} {cold_switch * 1e3:.0f} ms)"
+            f"{limit * 1e3:.0f} ms (best cold {b.worker_id} {cold_switch * 1e3:.0f} ms{queued})"
         )
         return Choice(warm, reason)
     reason = (
