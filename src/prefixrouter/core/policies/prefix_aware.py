@@ -391,15 +391,17 @@ class PrefixAwarePolicy(Policy):
             choice = first_prefill_rule(scored, candidates, holders, best)
         if choice is None and picked == best:  # the best score overall: nothing to weigh
             choice = Choice(picked, "lowest predicted cost")
-        # The prefill a switch adds delays the requests that queue after it.
-        external = switch_externality(
-            scored[picked].terms,
-            scored[best].terms,
-            candidates[picked].waiting,
-            candidates[best].waiting,
-            p.switch_backlog_weight,
-        )
         if choice is None:
+            # The prefill a switch adds delays the requests that queue after
+            # it: both rules that weigh a switch (the maximum wait here, the
+            # warm margin below, reached only through this branch) charge it.
+            external = switch_externality(
+                scored[picked].terms,
+                scored[best].terms,
+                candidates[picked].waiting,
+                candidates[best].waiting,
+                p.switch_backlog_weight,
+            )
             choice = max_wait_rule(scored, picked, best, cls, external) or no_room_rule(
                 scored,
                 picked,
