@@ -54,7 +54,7 @@ from prefixrouter.core.policies.prefix_aware import (
 )
 from prefixrouter.core.policy import CandidateScore
 from prefixrouter.core.router import replica_salt
-from tests.core.conftest import NS, hold, request, tokens, warm, workers
+from tests.core.conftest import NS, hold, request, send, tokens, warm, workers
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 SHORT = OutputClassParams(warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0)
@@ -772,6 +772,53 @@ def test_a_warm_worker_past_the_max_wait_is_kept_when_the_copy_would_delay_a_bus
     worker, abandoned, reason = route(6)
     assert (worker, abandoned) == (W0, False), reason
     assert route(6, weight=0.0)[:2] == (W1, True)  # this request's first token alone
+
+
+def test_switch_externality_counts_the_arrivals_during_the_copy_and_credits_the_prefix() -> None:
+    # The copy prefills 2 s on an idle w1; w0 would prefill 0.2 s behind 3 s of queue.
+    warm_, cold = scored("w0", 3.2, queue=3.0).terms, scored("w1", 2.0).terms
+    # 0.5 requests a second for other prefixes reach each worker: 1 arrives
+    # during the copy (0.1 during the warm prefill it spares), weighed 10.
+    assert switch_externality(warm_, cold, 0, 0, 10.0, other_rate=0.5) == pytest.approx(
+        10.0 * (2.0 * 0.5 * 2.0 - 0.2 * 0.5 * 0.2)
+    )
+    # The prefix's own requests arriving during w0's 3 s wait could use the
+    # copy instead: 0.4/s x 3^2 / 2 = 1.8 s saved, taken off the cost.
+    charged = switch_externality(warm_, cold, 0, 0, 10.0, other_rate=0.5, own_rate=0.4)
+    assert charged == pytest.approx(10.0 * (2.0 - 0.02) - 1.8)
+    # A hot prefix's copy pays for itself: never below 0.
+    assert switch_externality(warm_, cold, 0, 0, 10.0, other_rate=0.5, own_rate=10.0) == 0.0
+    assert switch_externality(warm_, cold, 0, 0, 0.0, other_rate=0.5) == 0.0  # off
+
+
+def test_a_long_copy_is_charged_the_fleet_traffic_it_delays_unless_its_prefix_makes_it() -> None:
+    # w0 holds a 30,000-token prompt behind about 12 s of queue; w1 is idle
+    # and cold. With no traffic in the last seconds the copy delays no one
+    # and the request leaves. With 10 requests a second for other prefixes,
+    # about 5 a second reach w1, and the copy's prefill of about 2 s would
+    # delay those arriving during it: it stays. When the prefix's own
+    # requests make that traffic (a hot document), they would use the copy:
+    # it leaves.
+    doc = tokens(1, 30_000)
+
+    def route(traffic: str) -> tuple[WorkerId, bool, str]:
+        r = Router(PrefixAwarePolicy())
+        warm(r, W0, doc)
+        ws = workers(2)
+        for i in range(60):
+            if traffic == "other prefixes":
+                send(r, request(f"o{i}", tokens(100 + i, 300)), ws, W1, i * 0.1)
+            elif traffic == "its own prefix":
+                send(r, request(f"d{i}", doc + tokens(500 + i, 50)), ws, W0, i * 0.1)
+        ws[0] = replace(ws[0], in_flight=4, pending_prefill_tokens=200_000)
+        d = r.route(request("q", doc + tokens(5, 200)), ws, 6.0)
+        return d.worker_id, d.warm_abandoned, d.reason
+
+    assert route("none")[:2] == (W1, True)
+    worker, abandoned, reason = route("other prefixes")
+    assert (worker, abandoned) == (W0, False), reason
+    assert "of it the queue behind" in reason
+    assert route("its own prefix")[:2] == (W1, True)
 
 
 # -------------------------------------------------------- rule 3: no room for a copy
