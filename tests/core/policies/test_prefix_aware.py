@@ -806,8 +806,10 @@ def test_a_long_copy_is_charged_the_fleet_traffic_it_delays_unless_its_prefix_ma
         warm(r, W0, doc)
         ws = workers(2)
         for i in range(60):
-            if traffic == "other prefixes":
-                send(r, request(f"o{i}", tokens(100 + i, 300)), ws, W1, i * 0.1)
+            if traffic.startswith("other prefixes"):
+                d = send(r, request(f"o{i}", tokens(100 + i, 300)), ws, W1, i * 0.1)
+                if traffic == "other prefixes, all refused":
+                    r.on_rejected(d, i * 0.1)  # the engine did no prefill: no arrival
             elif traffic == "its own prefix":
                 send(r, request(f"d{i}", doc + tokens(500 + i, 50)), ws, W0, i * 0.1)
         ws[0] = replace(ws[0], in_flight=4, pending_prefill_tokens=200_000)
@@ -819,6 +821,7 @@ def test_a_long_copy_is_charged_the_fleet_traffic_it_delays_unless_its_prefix_ma
     assert (worker, abandoned) == (W0, False), reason
     assert "of it the queue behind" in reason
     assert route("its own prefix")[:2] == (W1, True)
+    assert route("other prefixes, all refused")[:2] == (W1, True)
 
 
 # -------------------------------------------------------- rule 3: no room for a copy
