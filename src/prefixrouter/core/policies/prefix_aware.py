@@ -422,7 +422,8 @@ class PrefixAwarePolicy(Policy):
             # The prefill a switch adds delays the requests that queue after
             # it: both rules that weigh a switch (the maximum wait here, the
             # warm margin below, reached only through this branch) charge it.
-            own_rate = self._arrival_rate(ctx, scored[picked])[0]
+            arrival = self._arrival_rate(ctx, scored[picked])  # read again below
+            own_rate = arrival[0]
             per_worker = self._steady_rate(self._arrivals, ctx.now) / len(candidates)
             external = switch_externality(
                 scored[picked].terms,
@@ -442,6 +443,7 @@ class PrefixAwarePolicy(Policy):
                 lambda: demand()[1],
             )
         # Not when a copy is due: the copy rule below decides who makes it.
+        # (choice is None here only if it was above: ``arrival`` is set.)
         if (
             choice is None
             and copy is None
@@ -450,7 +452,7 @@ class PrefixAwarePolicy(Policy):
         ):
             choice = prefill_in_progress_rule(
                 scored, candidates[picked], picked, best, cls, p.eviction_weight,
-                *self._arrival_rate(ctx, scored[picked]),
+                *arrival,
             )  # fmt: skip
         if choice is None and best in holders:
             # No copy at stake: the best holds the deepest prefix too.
