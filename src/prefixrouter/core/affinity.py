@@ -13,8 +13,8 @@ it there is still the cache-aware choice a router would defend:
    last turn sent, so a worker that kept only the system prompt every session
    shares does not count) with at least ``min_confidence``; else ``evicted``;
 3. **the wait bound holds**: the cost model's predicted queue wait on the
-   worker is at most ``max_wait_s`` (the same bound the ``prefix_aware``
-   policy puts on warm preference, its ``max_warm_wait_s``); else ``overloaded``.
+   worker is at most ``max_wait_s`` (4 s by default; past it the policy,
+   which weighs the wait against a copy's prefill, decides); else ``overloaded``.
 
 When all three hold, :func:`hold_pin` returns the selection (tier
 ``affinity``) and the policy is not asked; otherwise the normal decision runs

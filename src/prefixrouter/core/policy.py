@@ -137,7 +137,8 @@ class Selection:
         reason: One human-readable sentence.
         predicted_cached_tokens: Tokens the policy expects the engine to reuse.
         candidates: Per-candidate figures, in candidate order.
-        warm_abandoned: A warm candidate existed but was left because of the wait limit.
+        warm_abandoned: A warm candidate existed but was left because its wait made it
+            too slow (beyond the warm margin, or past a maximum wait where one is set).
         warm_up: A worker the policy wants the prefix copied to by a prefill-only
             request of the router's own (:meth:`Dispatcher.warm_up`), while this
             request goes to ``worker_id``; None for none.

@@ -77,7 +77,7 @@ class Decision:
         prompt_tokens: Prompt length (estimated in text mode).
         candidates: Every candidate with its terms.
         filtered: worker -> the filter that removed it.
-        warm_abandoned: A warm worker was left because of the wait limit.
+        warm_abandoned: A warm worker was left because its wait made it too slow.
         now: Decision time.
         context: The routing context (hashes and matches), for feedback calls.
         placed: The speculative index entries :meth:`Router.on_routed` holds

@@ -821,8 +821,8 @@ class AffinityConfig(_Model):
         max_sessions: Pins kept; the least recently used session goes first.
         min_cached_share: Share of the session's last prompt the worker must
             still hold (per the index) for the pin to hold.
-        max_wait_s: Longest predicted queue wait on the pinned worker; the
-            default is the ``prefix_aware`` policy's ``max_warm_wait_s``.
+        max_wait_s: Longest predicted queue wait on the pinned worker; past
+            it the policy decides (it weighs the wait against a copy's prefill).
     """
 
     enabled: bool = True

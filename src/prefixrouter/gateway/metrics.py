@@ -23,7 +23,8 @@ Per request (updated once, when the request ends):
   was sent to (1: exact; 4: four times slower than predicted): the routing
   decisions are as good as these predictions;
 * ``prefixrouter_warm_abandoned_total{prefix_class}``: requests that left a
-  warm candidate because of the wait limit;
+  warm candidate because its wait made it too slow (beyond the warm margin,
+  or past a maximum wait where one is set);
 * ``prefixrouter_evicted_prefix_age_seconds{prefix_class}``: when a worker no longer holds a
   prefix it served before (a miss), the time since it last served it;
 * ``prefixrouter_retries_total{worker,status}``: attempts abandoned before
@@ -370,7 +371,7 @@ class GatewayMetrics:
         )
         self.warm_abandoned = _Counter(
             "prefixrouter_warm_abandoned",
-            "Requests that left a warm candidate because of the wait limit.",
+            "Requests that left a warm candidate because its wait made it too slow.",
             ("prefix_class",),
         )
         self.retries = _Counter(

@@ -16,7 +16,7 @@ For each run (one policy on one workload and fleet):
   ``eviction_mean_age_s`` how long they had been unused;
 * ``kv_wait_ms_total``: time requests waited for KV memory before admission;
 * ``load_imbalance``: max over mean of per-worker busy time (1 = perfectly even);
-* ``warm_abandoned``: requests that left a warm worker because of the wait limit;
+* ``warm_abandoned``: requests that left a warm worker because its wait made it too slow;
 * ``replicas`` (runs with several router replicas only): per replica, the
   requests it admitted, their cached share (cached over prompt tokens) and
   their TTFT mean and p99; the figures above are the pooled ones.

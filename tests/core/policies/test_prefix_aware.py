@@ -7,6 +7,7 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -883,23 +884,51 @@ def test_a_full_fleet_keeps_a_customer_on_its_warm_worker_the_margin_would_leave
 
 
 @pytest.mark.parametrize(
-    ("pending", "abandoned", "reason"),
+    ("pending", "max_wait", "reason"),
     [
-        (60_000, False, "beyond margin"),  # ~3 s queue: under the max wait, but too slow
-        (200_000, True, "max"),  # ~10 s queue: past the max wait for warm preference
+        (60_000, math.inf, "beyond margin"),  # ~3 s queue: too slow
+        (200_000, math.inf, "beyond margin"),  # ~10 s: no cap by default, the margin decides
+        (60_000, 4.0, "beyond margin"),  # under a cap of 4 s, but too slow
+        (200_000, 4.0, "max"),  # past the cap an operator set
     ],
 )
 def test_cold_wins_when_the_warm_queue_is_too_long(
-    pending: int, abandoned: bool, reason: str
+    pending: int, max_wait: float, reason: str
 ) -> None:
-    r = Router()
+    short = replace(PrefixAwareParams().short, max_warm_wait_s=max_wait)
+    r = Router(PrefixAwarePolicy(PrefixAwareParams(short=short)))
     doc = tokens(1, 8_000)
     warm(r, W0, doc)
     ws = workers(2)
     ws[0] = replace(ws[0], pending_prefill_tokens=pending)
     d = r.route(request("q", doc + tokens(5, 200)), ws, 1.0)
     assert d.worker_id == W1 and d.tier == "cold"
-    assert d.warm_abandoned is abandoned and reason in d.reason
+    assert d.warm_abandoned and reason in d.reason, d.reason
+
+
+def test_no_cap_by_default_a_warm_queue_within_the_margin_keeps_the_request() -> None:
+    # w0 holds the 8,000-token prompt behind about 4.2 s of queue; w1 is cold
+    # with about 3.4 s of its own. Within the warm margin of w1's first token
+    # (the copy's prefill on top of w1's queue: 4.35 s against 3.90 s, the
+    # margin 0.5 s) the request stays: the old 4 s cap would have sent it to
+    # w1, a copy whose prediction is no better by more than the margin, and
+    # under overload every queue is past any cap.
+    doc = tokens(1, 8_000)
+
+    def route(max_wait: float) -> tuple[WorkerId, bool, str]:
+        short = replace(PrefixAwareParams().short, max_warm_wait_s=max_wait)
+        r = Router(PrefixAwarePolicy(PrefixAwareParams(short=short, switch_backlog_weight=0.0)))
+        warm(r, W0, doc)
+        ws = workers(2)
+        ws[0] = replace(ws[0], in_flight=4, pending_prefill_tokens=78_000)
+        ws[1] = replace(ws[1], in_flight=4, pending_prefill_tokens=64_000)
+        d = r.route(request("q", doc + tokens(5, 200)), ws, 1.0)
+        return d.worker_id, d.warm_abandoned, d.reason
+
+    worker, abandoned, reason = route(math.inf)
+    assert (worker, abandoned) == (W0, False) and "warm within margin" in reason, reason
+    worker, abandoned, reason = route(4.0)
+    assert (worker, abandoned) == (W1, True) and "max" in reason, reason
 
 
 # --------------------------------------------------------- rule 3: warm margin
@@ -919,7 +948,8 @@ def test_warm_margin_rule_keeps_warm_within_the_margin(
 ) -> None:
     cs = [scored("w0", warm_ttft), scored("w1", 1.0)]
     choice = warm_margin_rule(cs, 0, 1, SHORT, pressure, 0.5)
-    assert choice.index == (0 if kept else 1) and not choice.abandoned
+    # Leaving the warm worker is marked: its wait made it too slow (a copy).
+    assert choice.index == (0 if kept else 1) and choice.abandoned is not kept
     assert ("warm within margin" in choice.reason) is kept
 
 

@@ -45,7 +45,8 @@ pure function whose docstring states its rule:
    first prefill of a prefix that is most of the prompt: the one whose
    prefill ends first), then,
    when the picker's choice is not the lowest score overall,
-   :func:`max_wait_rule` (never queue too long for a warm cache, counting a
+   :func:`max_wait_rule` (with a cap set, off by default: never queue too
+   long for a warm cache, counting a
    wait for KV memory; leaving pays :func:`switch_externality`, what the
    copy's prefill costs the requests queued after it on the target and
    those arriving while it runs, less what a second replica saves the
@@ -127,7 +128,21 @@ class OutputClassParams:
     Attributes:
         warm_margin_rel: Keep a warm worker while its score <= best * (1 + this) + abs.
         warm_margin_abs_s: The absolute part of that margin, seconds.
-        max_warm_wait_s: Never keep warm preference past this queue wait.
+        max_warm_wait_s: A cap on warm preference's queue wait, off by
+            default (infinite): set, a request leaves a warm worker whose
+            wait (queue and KV memory) is past it for a worker whose wait is
+            within it whenever that brings its first token sooner, counting
+            the switch's cost to the queue behind (:func:`max_wait_rule`),
+            the warm margin notwithstanding; and the hot-prefix rule warms no
+            worker whose queue is past it. It was 4 s (2 s for long
+            generations) until the switch's cost was priced: then it moved
+            only requests within the margin, whose predictions cannot tell
+            the two workers apart, each at the price of a copy, and under
+            overload every queue is past it (``llmd-customers`` at load 0.9,
+            mean TTFT over seeds 0-1: -5 % text, -8 % token without it; the
+            whole Mooncake conversation trace at 0.9: 1.22-1.23 -> 1.00-1.02
+            s; every other cell of the tables unchanged). An operator with a
+            queueing SLO sets it.
         decode_weight: Weight of the predicted decode time when ranking workers.
         switch_decode_weight: The same weight when a warm worker is compared
             with a cold one (leaving warm copies the prefix: a lasting cost
@@ -136,7 +151,7 @@ class OutputClassParams:
 
     warm_margin_rel: float = 0.25
     warm_margin_abs_s: float = 0.05
-    max_warm_wait_s: float = 4.0
+    max_warm_wait_s: float = math.inf
     decode_weight: float = 0.0
     switch_decode_weight: float = 0.0
 
@@ -244,14 +259,13 @@ class PrefixAwareParams:
 
     short: OutputClassParams = field(
         default_factory=lambda: OutputClassParams(
-            warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0, decode_weight=0.2
+            warm_margin_rel=0.25, warm_margin_abs_s=0.05, decode_weight=0.2
         )
     )
     long: OutputClassParams = field(
         default_factory=lambda: OutputClassParams(
             warm_margin_rel=0.1,
             warm_margin_abs_s=0.02,
-            max_warm_wait_s=2.0,
             decode_weight=1.0,
             switch_decode_weight=1.0,
         )
@@ -324,7 +338,7 @@ class Choice:
     Attributes:
         index: The chosen candidate's position in the candidate list.
         reason: One sentence for the decision record.
-        abandoned: Warm preference was given up for the maximum wait.
+        abandoned: Warm preference was given up: the warm worker's wait made it too slow.
     """
 
     index: int
@@ -937,7 +951,7 @@ def hot_prefix_rule(
     speculatively: its first prefill may still be running, and a second copy
     would pay the same prefill again meanwhile, so queueing behind the first
     is the cheaper wait), and not when that other worker's own queue is past
-    the maximum wait; ``demand`` is then not computed at all.
+    the maximum wait (when one is set); ``demand`` is then not computed at all.
     """
     if not settled:
         return None
@@ -1017,7 +1031,9 @@ def max_wait_rule(
 ) -> Choice | None:
     """Rule 2, maximum wait: leave the ``warm`` choice when its queue is past ``max_warm_wait_s``.
 
-    Warm preference never makes a request wait behind more than
+    Off by default (the cap is infinite; see ``OutputClassParams``): the warm
+    margin, with the switch's cost priced, decides. With a cap set, warm
+    preference never makes a request wait behind more than
     ``max_warm_wait_s`` of queue; the ``best`` score is chosen instead, and
     the decision marked ``warm_abandoned``. Only when leaving actually avoids
     the wait (the best's queue is within it) and brings the first token
@@ -1119,8 +1135,9 @@ def prefill_in_progress_rule(
     The warm margin is the price of a copy; an idle worker with room is
     charged none by :func:`cache_pressure`, and a copy into it costs no
     request a wait, so only the first token decides: the holder is kept if
-    its corrected score is no higher than the idle worker's. Otherwise
-    (``None``) the margin rule decides as before. Measured: at
+    its corrected score is no higher than the idle worker's, else the idle
+    worker is taken (marked ``warm_abandoned``); ``None`` where the rule
+    does not apply (then the margin rule decides). Measured: at
     system-prompt's start, requests 2-4 had queued behind the first prefill
     of the shared prompt and taken 150-180 ms while idle workers would have
     taken about 160 ms; the 99th percentile was one of them (153 ms, now
@@ -1153,7 +1170,7 @@ def prefill_in_progress_rule(
         f"idle {b.worker_id} {cold_s * 1e3:.0f} ms before warm {w.worker_id} "
         f"{warm_s * 1e3:.0f} ms (its prefill in progress)"
     )
-    return Choice(best, reason)
+    return Choice(best, reason, abandoned=True)
 
 
 def warm_margin_rule(
@@ -1178,6 +1195,7 @@ def warm_margin_rule(
     best's cache would be (:func:`cache_pressure`, at least
     ``min_margin_share``): a copy into a cache with room evicts nothing.
     The best's side also pays ``externality`` (:func:`switch_externality`).
+    Leaving is marked ``warm_abandoned``: the warm worker was too slow.
     """
     w, b = scored[warm], scored[best]
     assert b.terms is not None
@@ -1197,7 +1215,7 @@ def warm_margin_rule(
         f"warm {w.worker_id} predicted {warm_switch * 1e3:.0f} ms, "
         f"beyond margin of {b.worker_id} {cold_switch * 1e3:.0f} ms"
     )
-    return Choice(best, reason)
+    return Choice(best, reason, abandoned=True)
 
 
 def holder_band_rule(

@@ -361,7 +361,7 @@
       : `${fmt(d.actual_cached_tokens, 0)} tokens of ${fmt(d.prompt_tokens, 0)}`);
     row("predicted TTFT", d.predicted_ttft_ms === null ? "–" : fmt(d.predicted_ttft_ms) + " ms");
     row("actual TTFT", d.ttft_ms === null ? "not streamed" : fmt(d.ttft_ms) + " ms");
-    row("warm abandoned", d.warm_abandoned ? "yes: a warm worker was over the wait limit" : "no");
+    row("warm abandoned", d.warm_abandoned ? "yes: the warm worker's wait made it too slow (a copy)" : "no");
     row("status", `${d.status}${d.error ? " · " + d.error : ""}`);
     if (d.retried_from && d.retried_from.length) row("retried from", d.retried_from.join(", "));
     if (d.sampled_every > 1) row("sampling", `one of every ${d.sampled_every} decisions of its second`);
