@@ -1136,7 +1136,8 @@ def prefill_in_progress_rule(
     charged none by :func:`cache_pressure`, and a copy into it costs no
     request a wait, so only the first token decides: the holder is kept if
     its corrected score is no higher than the idle worker's, else the idle
-    worker is taken (marked ``warm_abandoned``); ``None`` where the rule
+    worker is taken (marked ``warm_abandoned`` when it holds less of the
+    prompt: a copy); ``None`` where the rule
     does not apply (then the margin rule decides). Measured: at
     system-prompt's start, requests 2-4 had queued behind the first prefill
     of the shared prompt and taken 150-180 ms while idle workers would have
@@ -1170,7 +1171,7 @@ def prefill_in_progress_rule(
         f"idle {b.worker_id} {cold_s * 1e3:.0f} ms before warm {w.worker_id} "
         f"{warm_s * 1e3:.0f} ms (its prefill in progress)"
     )
-    return Choice(best, reason, abandoned=True)
+    return Choice(best, reason, abandoned=b.matched_tokens < w.matched_tokens)
 
 
 def warm_margin_rule(
