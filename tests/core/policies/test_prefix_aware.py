@@ -7,7 +7,6 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -886,17 +885,19 @@ def test_a_full_fleet_keeps_a_customer_on_its_warm_worker_the_margin_would_leave
 @pytest.mark.parametrize(
     ("pending", "max_wait", "reason"),
     [
-        (60_000, math.inf, "beyond margin"),  # ~3 s queue: too slow
-        (200_000, math.inf, "beyond margin"),  # ~10 s: no cap by default, the margin decides
+        (60_000, None, "beyond margin"),  # ~3 s queue: too slow
+        (200_000, None, "beyond margin"),  # ~10 s: no cap by default, the margin decides
         (60_000, 4.0, "beyond margin"),  # under a cap of 4 s, but too slow
         (200_000, 4.0, "max"),  # past the cap an operator set
     ],
 )
 def test_cold_wins_when_the_warm_queue_is_too_long(
-    pending: int, max_wait: float, reason: str
+    pending: int, max_wait: float | None, reason: str
 ) -> None:
-    short = replace(PrefixAwareParams().short, max_warm_wait_s=max_wait)
-    r = Router(PrefixAwarePolicy(PrefixAwareParams(short=short)))
+    params = PrefixAwareParams()  # None: the default
+    if max_wait is not None:
+        params = replace(params, short=replace(params.short, max_warm_wait_s=max_wait))
+    r = Router(PrefixAwarePolicy(params))
     doc = tokens(1, 8_000)
     warm(r, W0, doc)
     ws = workers(2)
@@ -915,9 +916,11 @@ def test_no_cap_by_default_a_warm_queue_within_the_margin_keeps_the_request() ->
     # under overload every queue is past any cap.
     doc = tokens(1, 8_000)
 
-    def route(max_wait: float) -> tuple[WorkerId, bool, str]:
-        short = replace(PrefixAwareParams().short, max_warm_wait_s=max_wait)
-        r = Router(PrefixAwarePolicy(PrefixAwareParams(short=short, switch_backlog_weight=0.0)))
+    def route(max_wait: float | None) -> tuple[WorkerId, bool, str]:
+        params = PrefixAwareParams(switch_backlog_weight=0.0)  # the defaults otherwise
+        if max_wait is not None:
+            params = replace(params, short=replace(params.short, max_warm_wait_s=max_wait))
+        r = Router(PrefixAwarePolicy(params))
         warm(r, W0, doc)
         ws = workers(2)
         ws[0] = replace(ws[0], in_flight=4, pending_prefill_tokens=78_000)
@@ -925,7 +928,7 @@ def test_no_cap_by_default_a_warm_queue_within_the_margin_keeps_the_request() ->
         d = r.route(request("q", doc + tokens(5, 200)), ws, 1.0)
         return d.worker_id, d.warm_abandoned, d.reason
 
-    worker, abandoned, reason = route(math.inf)
+    worker, abandoned, reason = route(None)
     assert (worker, abandoned) == (W0, False) and "warm within margin" in reason, reason
     worker, abandoned, reason = route(4.0)
     assert (worker, abandoned) == (W1, True) and "max" in reason, reason

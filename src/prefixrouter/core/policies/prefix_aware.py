@@ -436,7 +436,7 @@ class PrefixAwarePolicy(Policy):
             # The prefill a switch adds delays the requests that queue after
             # it: both rules that weigh a switch (the maximum wait here, the
             # warm margin below, reached only through this branch) charge it.
-            arrival = self._arrival_rate(ctx, scored[picked])  # read again below
+            arrival = self._arrival_rate(ctx, scored[picked])  # reused below
             own_rate = arrival[0]
             per_worker = self._steady_rate(self._arrivals, ctx.now) / len(candidates)
             external = switch_externality(
