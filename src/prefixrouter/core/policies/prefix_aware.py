@@ -438,6 +438,12 @@ class PrefixAwarePolicy(Policy):
             # warm margin below, reached only through this branch) charge it.
             arrival = self._arrival_rate(ctx, scored[picked])  # reused below
             own_rate = arrival[0]
+            # Deliberately the fleet's rate per worker less the prefix's
+            # whole rate, not (fleet - own) / workers: a hot document's copy
+            # is then charged no drain while it brings most of the traffic.
+            # The per-worker share of the others' rate charged doc-qa's
+            # copies and kept documents on their holders' queues (load 0.9,
+            # seeds 0-3: 200 -> 300 ms; benchmarks/tried/).
             per_worker = self._steady_rate(self._arrivals, ctx.now) / len(candidates)
             external = switch_externality(
                 scored[picked].terms,
