@@ -431,7 +431,7 @@ class Dispatcher:
         router = self._router
         decision = router.route(request, views, now, blocks, steering)
         unseen = self._unseen
-        ahead = unseen.ahead(request.request_id, router.replica_salt, now)
+        ahead = unseen.ahead(request.request_id, router.replica_salt)
         if ahead:
             decision = self._route_behind(request, views, now, decision, ahead, steering)
         unseen.on_own(now)

@@ -26,31 +26,18 @@ nothing yet knows it too. Without peers, or with no lag, it is 0.
 
 **Standing behind them** (:meth:`UnseenPeers.ahead`). A routing is one of
 several made on one view; the ones before it that it does not see number
-``E`` on average (its place in a burst is not known to it). One router
-would have made them one after the other, each seeing the placements before
-it (water filling). Here each routing takes a random place in that
-sequence, drawn as the places of the last routings fell: each known routing
-counts the routings made before it that it did not see (each unseen pair
-toward the later of the two; two made at one instant, toward the one known
-last), and once every routing that could pair with it is known (twice the
-longest lag after it was made) its count joins a decayed histogram
-(``DECAY`` per routing, as ``E``). In bursts of ``m`` simultaneous requests
-the counts are ``0 .. m - 1``, so a place is uniform over the burst, and
-over bursts of several sizes each size weighs as many requests as it holds
-(a request is more often in a large burst than a burst is large); under
-steady traffic they spread about ``E`` as arrivals do. (A place uniform over
-``0 .. 2E`` was the rule before: on the Mooncake trace's bursts of 3 to 16,
-with ``E`` about 4.6, the sixteen requests of a large burst crowded into
-nine places; 16 replicas at 10 ms, 24 seeds: +43.7 % mean TTFT against one
-router, now +39.6 %.) Until a first count is final the place is uniform
-over ``0 .. 2E`` (``2E`` rounded up or down at random, in proportion). The
-draw comes from the request id and the replica's salt, so replicas draw
-differently and a run is reproducible: with ``s`` routings ahead of it, the
-dispatcher routes ``s`` stand-ins first, each placed in copies of the views
-as the ledger would place it (one more in flight, its uncached prefill and
-its prompt queued on the worker chosen for it; past :data:`MAX_REROUTES` of
-them, in that many groups, so a request costs a bounded number of
-routings), and routes the request itself on those views. Replicas that
+``E`` on average, anywhere from none to ``2E`` (its place in a burst is not
+known to it). One router would have made them one after the other, each
+seeing the placements before it (water filling). Here each routing takes a
+random place in that sequence, uniform over ``0 .. 2E`` (``2E`` rounded up
+or down at random, in proportion), drawn from the request id and the
+replica's salt, so replicas draw differently and a run is reproducible:
+with ``s`` routings ahead of it, the dispatcher routes ``s`` stand-ins
+first, each placed in copies of the views as the ledger would place it (one
+more in flight, its uncached prefill and its prompt queued on the worker
+chosen for it; past :data:`MAX_REROUTES` of them, in that many groups, so a
+request costs a bounded number of routings), and routes the request itself
+on those views. Replicas that
 share a stale view then spread as one router would have spread the burst,
 in expectation, instead of all taking its first place. The stand-ins are
 copies of this request, since the peers' requests are not known: a warm
@@ -63,7 +50,6 @@ Pure: times are arguments, randomness is a hash.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
 
 import xxhash
 
@@ -92,32 +78,13 @@ routing per group, not per stand-in, bounds the CPU at high rates, where
 _OWN = ""
 
 
-@dataclass(slots=True)
-class _Kept:
-    """A known routing in the window: when made, by whom, its lag, and how many
-    routings made before it it did not see (final twice the longest lag after
-    it was made, when every routing that could pair with it is known)."""
-
-    time: float
-    origin: str
-    lag: float
-    unseen: int
-
-
 class UnseenPeers:
     """The expected number of routings each routing does not see (module doc)."""
 
     def __init__(self) -> None:
-        # Known routings, sorted by time: when made, by whom, their lag, and
-        # how many routings made before them they did not see (so far).
+        # Known routings, sorted by time: when made, by whom, and their lag.
         self._times: list[float] = []
-        self._kept: list[_Kept] = []
-        # Decayed count of the settled routings by how many they did not
-        # see (the last bin: MAX_AHEAD or more): the distribution a place is
-        # drawn from (module doc).
-        self._unseen_counts = [0.0] * (MAX_AHEAD + 1)
-        self._weight = 1.0  # the next settled routing's weight in it
-        self._settled = 0  # how many of the kept routings (the oldest) are in it
+        self._kept: list[tuple[float, str, float]] = []
         self._pairs = 0.0  # decayed count of pairs in which one did not see the other
         self._routings = 0.0  # decayed count of routings
         self._lag = 0.0  # this replica's routings' lag to its peers: its peers' to it
@@ -142,80 +109,33 @@ class UnseenPeers:
     def _add(self, u: float, origin: str, lag: float, now: float) -> None:
         times, kept = self._times, self._kept
         reach = self._max_lag
-        pairs = 0
-        unseen = 0  # routings made before this one that it did not see
+        pairs = 0.0
         for i in range(bisect_left(times, u - reach), bisect_right(times, u + lag)):
-            k = kept[i]
-            if k.origin == origin:
+            t, other, other_lag = kept[i]
+            if other == origin:
                 continue
-            t = k.time
-            # Each pair counts once, toward the later routing, which did not
-            # see the earlier one (two made at one instant: toward the one
-            # known last).
-            if t == u or t < u < t + k.lag:
-                unseen += 1
-            elif u < t < u + lag:
-                k.unseen += 1
-            else:
-                continue
-            pairs += 1
+            if t == u:
+                pairs += 1.0  # made at one instant: the later of the two did not see the other
+            elif t < u < t + other_lag or u < t < u + lag:
+                pairs += 1.0
         keep = 1.0 - DECAY
         self._pairs = self._pairs * keep + pairs
         self._routings = self._routings * keep + 1.0
         at = bisect_right(times, u)
         times.insert(at, u)
-        kept.insert(at, _Kept(u, origin, lag, unseen))
+        kept.insert(at, (u, origin, lag))
         old = bisect_left(times, now - HORIZON_LAGS * reach) if reach > 0 else len(times) - 1
         old = max(old, len(times) - KEPT)
         if old > 0:
-            if old > self._settled:
-                self._settle(kept[self._settled : old])
-            self._settled = max(0, self._settled - old)
             del times[:old]
             del kept[:old]
 
-    def _settle(self, done: list[_Kept]) -> None:
-        """Routings whose counts are final: add them to the distribution places are drawn from.
-
-        Decayed as the estimate is (``DECAY`` per routing), by growing the
-        weight of each new one instead of shrinking every bin.
-        """
-        counts = self._unseen_counts
-        top = len(counts) - 1
-        weight = self._weight
-        for k in done:
-            weight /= 1.0 - DECAY
-            counts[k.unseen if k.unseen < top else top] += weight
-        if weight > 1e100:  # rescale long before floats overflow
-            for b in range(len(counts)):
-                counts[b] /= weight
-            weight = 1.0
-        self._weight = weight
-
-    def ahead(self, request_id: str, salt: int, now: float) -> int:
-        """Stand-ins to route ahead of this request routed at ``now`` (0 for one router:
-        ``salt`` 0), drawn from the settled counts (module doc)."""
+    def ahead(self, request_id: str, salt: int) -> int:
+        """Stand-ins to route ahead of this request (0 for one router: ``salt`` 0)."""
         span = 2.0 * self.expected
         if not salt or span <= 0.0:
             return 0
-        # Routings made more than twice the longest lag ago: every routing
-        # that could pair with them is known, so their counts are final.
-        final = bisect_left(self._times, now - 2.0 * self._max_lag)
-        if final > self._settled:
-            self._settle(self._kept[self._settled : final])
-            self._settled = final
         draw = xxhash.xxh3_64_intdigest(request_id.encode(), salt & 0xFFFF_FFFF_FFFF_FFFF)
-        counts = self._unseen_counts
-        total = sum(counts)
-        if total > 0.0:
-            # A place drawn as the settled routings' places fell.
-            target = (draw >> 11) / 2.0**53 * total
-            for place, weight in enumerate(counts):
-                target -= weight
-                if target < 0.0:
-                    return place
-            return MAX_AHEAD
-        # None has left the window yet: uniform over 0..2E.
         whole = int(span)
         if (draw & 0xFFFF_FFFF) / 2.0**32 < span - whole:  # round at random, in proportion
             whole += 1
