@@ -8,6 +8,8 @@ from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -15,7 +17,6 @@ import pin_oracle  # noqa: E402
 
 from prefixrouter.sim.cluster import ClusterConfig, Simulation  # noqa: E402
 from prefixrouter.sim.profiles import get_profile  # noqa: E402
-from prefixrouter.sim.report import lower_bound_prefill_tokens  # noqa: E402
 from prefixrouter.sim.runner import plan  # noqa: E402
 from prefixrouter.sim.scenarios import SCENARIOS  # noqa: E402
 from prefixrouter.sim.workload import SimRequest  # noqa: E402
@@ -41,18 +42,24 @@ def test_groups_go_heaviest_first_to_the_least_pinned_worker() -> None:
     assert pin_oracle.pin_groups(even, 2) == {"x": 0, "y": 1, "z": 0}
 
 
-def test_the_oracle_keeps_every_group_on_one_worker_and_never_beats_the_bound() -> None:
+def test_the_oracle_keeps_every_group_on_its_pinned_worker() -> None:
     workload = SCENARIOS["llmd-customers"].build(0, 120)
     p = plan(workload, get_profile("llama3-8b-h100"), [], load=0.6)
     pins = pin_oracle.pin_groups(p.workload.requests, p.workers)
     policy = pin_oracle.PinOracle({r.request_id: pins[r.group] for r in p.workload.requests})
-    run = Simulation(p.workload, ClusterConfig(p.workers, p.profile, p.kv_blocks), policy).run()
-    workers: dict[str, set[str]] = defaultdict(set)
+    sim = Simulation(p.workload, ClusterConfig(p.workers, p.profile, p.kv_blocks), policy)
+    run = sim.run()
+    served: dict[str, set[str]] = defaultdict(set)
     for rec in run.records:
-        workers[rec.group].add(rec.worker)
+        served[rec.group].add(rec.worker)
     assert len(run.records) == len(p.workload.requests)
-    assert all(len(w) == 1 for w in workers.values())
-    assert {next(iter(w)) for w in workers.values()} == {f"w{i:02d}" for i in set(pins.values())}
-    assert all(workers[g] == {f"w{pins[g]:02d}"} for g in workers)
-    prefill = sum(r.prompt_tokens - r.cached_tokens for r in run.records)
-    assert prefill >= lower_bound_prefill_tokens(p.workload)
+    assert served == {g: {sim.engines[i].worker_id} for g, i in pins.items()}
+    assert len(set(pins.values())) == p.workers  # the customers spread over every worker
+
+
+def test_a_pin_past_the_fleet_is_refused_not_moved() -> None:
+    workload = SCENARIOS["llmd-customers"].build(0, 20)
+    p = plan(workload, get_profile("llama3-8b-h100"), [], load=0.6)
+    policy = pin_oracle.PinOracle({r.request_id: p.workers for r in p.workload.requests})
+    with pytest.raises(ValueError, match="not among"):
+        Simulation(p.workload, ClusterConfig(p.workers, p.profile, p.kv_blocks), policy).run()
