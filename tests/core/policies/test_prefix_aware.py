@@ -42,6 +42,7 @@ from prefixrouter.core.policies.prefix_aware import (
     deepest_holders,
     holder_band_rule,
     hot_prefix_rule,
+    idle_copy_rule,
     margin_limit,
     max_wait_rule,
     no_room_rule,
@@ -54,9 +55,9 @@ from prefixrouter.core.policies.prefix_aware import (
 )
 from prefixrouter.core.policy import CandidateScore
 from prefixrouter.core.router import replica_salt
-from tests.core.conftest import NS, hold, request, send, tokens, warm, workers
+from tests.core.conftest import NS, hold, request, send, tokens, warm, with_loads, workers
 
-W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
+W0, W1, W2, W3 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2"), WorkerId("w3")
 SHORT = OutputClassParams(warm_margin_rel=0.25, warm_margin_abs_s=0.05, max_warm_wait_s=4.0)
 
 
@@ -680,6 +681,68 @@ def test_copy_room_filter_keeps_workers_with_room_for_the_copy() -> None:
     # a worker that reports no capacity is kept: nothing is known against it
     unknown = [ws[0], ws[1], WorkerView(W2)]
     assert copy_room_filter(unknown, cs, [0, 1, 2], [0], 8_000, 0.8) == [0, 1, 2]
+
+
+def no_share() -> float:
+    raise AssertionError("the traffic share must not be read")
+
+
+def test_idle_copy_rule_warms_an_idle_worker_while_the_holders_are_busy() -> None:
+    cs = [scored("w0", 0.10), scored("w1", 0.12), scored("w2", 0.30), scored("w3", 0.25)]
+    busy_two = with_loads(20, 20, 0, 0)
+    choice = idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], lambda: 1.0)
+    assert choice is not None and choice.index == 3 and not choice.abandoned
+    assert choice.reason == (
+        "hot prefix: 100% of the traffic, 4 of 4 workers' share, 2 hold it, all busy, "
+        "w3 idle; warming w3"
+    )
+    # Half the traffic is two workers' share, and two hold it.
+    assert idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], lambda: 0.5) is None
+    assert idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], lambda: 0.51) is not None
+    # An idle holder takes the prefix's next request: no copy, no share read.
+    assert idle_copy_rule(cs, with_loads(20, 0, 0, 0), [0, 1, 2, 3], [0, 1], no_share) is None
+
+
+def test_idle_copy_rule_copies_only_where_it_costs_nothing() -> None:
+    cs = [scored("w0", 0.10), scored("w1", 0.30, eviction=0.2), scored("w2", 0.25)]
+    busy = with_loads(20, 0, 1)
+    # w1 is idle but its copy would evict cached prefixes; w2 has a request in flight.
+    assert idle_copy_rule(cs, busy, [0, 1, 2], [0], no_share) is None
+    # A prefill pending is work in progress too (the copy would delay its first token).
+    pending = [busy[0], replace(busy[1], in_flight=0), replace(busy[2], in_flight=0)]
+    pending[2] = replace(pending[2], pending_prefill_tokens=500)
+    assert idle_copy_rule(cs, pending, [0, 1, 2], [0], no_share) is None
+    # Outside the room filter (``eligible``): not a target either.
+    assert idle_copy_rule(cs, with_loads(20, 0, 0), [0, 1], [0], no_share) is None
+    choice = idle_copy_rule(cs, with_loads(20, 0, 0), [0, 1, 2], [0], lambda: 1.0)
+    assert choice is not None and choice.index == 2
+
+
+def _shared_prompt_on_two_busy_workers(**params: object) -> Decision:
+    """A 2,000-token system prompt that every request shares, 7 requests a
+    second, settled on w0 and w1, each with 20 requests in flight, beside two
+    idle workers. Answers are short, so the demand read at the profile's speed
+    is one replica's (live, the engines decoded slower than the profile: the
+    two idle engines got no request for a whole run)."""
+    prompt = tokens(1, 2_000)
+    r = Router(create_policy("prefix_aware", params))
+    ws = with_loads(20, 20, 0, 0)
+    for i in range(140):
+        t = i / 7.0
+        d = r.route(request(f"s{i}", prompt + tokens(100 + i, 50), max_tokens=64), ws, t)
+        r.policy.on_routed(d.context, W0 if i % 2 else W1)
+    hold(r, W0, prompt, 20.0)
+    hold(r, W1, prompt, 20.0)
+    return r.route(request("x", prompt + tokens(7, 50), max_tokens=64), ws, 20.0)
+
+
+def test_a_prefix_all_traffic_shares_is_copied_to_an_idle_worker() -> None:
+    d = _shared_prompt_on_two_busy_workers()
+    assert d.worker_id in (W0, W1) and d.warm_up in (W2, W3)
+    assert "2 hold it, all busy" in d.reason and "with a prefill-only copy" in d.reason
+    # Without the rule the demand reads one replica: the idle workers stay idle.
+    off = _shared_prompt_on_two_busy_workers(idle_copy=False)
+    assert off.worker_id in (W0, W1) and off.warm_up is None
 
 
 # -------------------------------------------------------- rule 2: maximum wait

@@ -41,6 +41,9 @@ pure function whose docstring states its rule:
    the same worker; a prefix's rendezvous home stays the same everywhere).
 4. **rules**, in order, each of which may leave the picker's choice:
    :func:`hot_prefix_rule` (warm another replica for a prefix in demand),
+   :func:`idle_copy_rule` (a copy the router makes itself into an idle
+   worker, for a prefix whose busy holders are fewer than its share of the
+   traffic),
    :func:`first_prefill_rule` (no worker idle and every holder still on its
    first prefill of a prefix that is most of the prompt: the one whose
    prefill ends first), then,
@@ -108,6 +111,7 @@ import xxhash
 
 from prefixrouter.core.bucket import TokenBucket
 from prefixrouter.core.cost import CostTerms
+from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.index import PrefixIndex
 from prefixrouter.core.policy import (
     CandidateScore,
@@ -213,6 +217,12 @@ class PrefixAwareParams:
             pressure in token mode: the rule then piled a fleet's first
             documents onto one engine, 2.15x the oracle's mean TTFT against
             1.24x).
+        idle_copy: Warm an idle worker, whose copy evicts nothing, for a
+            prefix whose holders are all busy while it brings more than their
+            share of the routed requests (:func:`idle_copy_rule`); only with
+            a prefill-only copy (``proactive_copy``, a prefix of at least
+            ``copy_min_prefix_share`` of the prompt), so no user request pays
+            for it.
         proactive_copy: When the hot-prefix rule calls for another replica,
             warm it with a prefill-only request of the router's own
             (``Selection.warm_up``) and route the request as if no copy were
@@ -283,6 +293,7 @@ class PrefixAwareParams:
     earliest_prefill: bool = True
     earliest_prefill_min_share: float = 0.5
     proactive_copy: bool = True
+    idle_copy: bool = True
     copy_budget_share: float = 0.25
     copy_budget_window_s: float = 10.0
     copy_max_kv_share: float = 0.8
@@ -411,12 +422,21 @@ class PrefixAwarePolicy(Policy):
         choice = hot_prefix_rule(
             scored, eligible if roomy is None else roomy, holders, settled, cls, demand
         )
-        copy: Choice | None = None
-        if (
-            choice is not None
-            and p.proactive_copy
+        # A copy the router can make itself: no user request pays its prefill.
+        copyable = (
+            p.proactive_copy
             and scored[picked].matched_tokens >= p.copy_min_prefix_share * ctx.blocks.prompt_tokens
-        ):
+        )
+        if choice is None and copyable and roomy is not None and p.idle_copy:
+            tracked = _tracked_blocks(ctx.blocks, scored[picked].matched_tokens)
+            tracked_tokens = tracked * ctx.blocks.block_tokens
+            choice = idle_copy_rule(
+                scored, candidates, roomy,
+                [i for i in warm if scored[i].matched_tokens >= tracked_tokens],
+                lambda: self._traffic_share(ctx, tracked),
+            )  # fmt: skip
+        copy: Choice | None = None
+        if choice is not None and copyable:
             # The router warms the copy itself; this request is routed by the
             # rules below as if no copy were due, then by the copy rule.
             copy, choice = choice, None
@@ -497,7 +517,7 @@ class PrefixAwarePolicy(Policy):
             # would delay those users' first tokens by its own prefill. The
             # next request that calls for the copy asks again.
             sel.warm_up = scored[copy.index].worker_id
-            sel.reason = f"{sel.reason}; hot prefix: warming {sel.warm_up} with a prefill-only copy"
+            sel.reason = f"{sel.reason}; {copy.reason} with a prefill-only copy"
         return sel
 
     def _arrival_rate(self, ctx: RoutingContext, warm: CandidateScore) -> tuple[float, int]:
@@ -598,6 +618,16 @@ class PrefixAwarePolicy(Policy):
         service = prefill + output * per_token
         demand = rate * service
         return rate, math.ceil(demand / p.hot_prefix_utilization)
+
+    def _traffic_share(self, ctx: RoutingContext, tracked: int) -> float:
+        """The share of the routed requests that bring the tracked prefix of
+        ``tracked`` blocks (:func:`_tracked_blocks`), from the decayed counts
+        over ``demand_window_s``."""
+        fleet = self._steady_rate(self._arrivals, ctx.now)
+        if tracked <= 0 or fleet <= 0.0:
+            return 0.0
+        key = ctx.blocks.hashes[tracked - 1]
+        return min(1.0, self.prefix_rate(key, ctx.now) / fleet)
 
     # ------------------------------------------------------------------ hooks
 
@@ -976,6 +1006,73 @@ def hot_prefix_rule(
         f"{len(holders)} hold it; warming {scored[other].worker_id}"
     )
     return Choice(other, reason)
+
+
+def idle_copy_rule(
+    scored: Sequence[CandidateScore],
+    candidates: Sequence[WorkerView],
+    eligible: Sequence[int],
+    holders: Sequence[int],
+    traffic_share: Callable[[], float],
+) -> Choice | None:
+    """Rule 1b, idle capacity: warm an idle worker for a prefix whose holders are all busy
+    while it brings more than their share of the traffic.
+
+    The hot-prefix rule reads a prefix's demand in engine time at the
+    profile's speed; only the prefill part of that is calibrated (from first
+    tokens), so on engines whose decoding is slower than the profile says it
+    reads too few replicas. Live, four gateway replicas in front of four
+    engines, a system prompt that every request shares, load 0.8: the
+    demand read one replica, the first requests warmed two engines, and the
+    other two got no request for the whole run (mean TTFT 263-281 ms against
+    200-214 ms when all four were warm; ``benchmarks/replicas_notes.md``).
+    The share of the routed requests is a count, not a speed: a prefix that
+    brings share ``s`` of them needs ``ceil(s * workers)`` workers if no
+    worker is to carry more than an even share of the traffic. Counted that
+    way everywhere it copies where copies cost (the simulated table moved
+    both ways: ``benchmarks/tried/traffic_share_replicas.patch``), so here it
+    warms only a worker a copy costs nothing: idle (nothing in flight, no
+    prefill pending) and with room that the copy fills without evicting
+    anything, and only while every holder has requests in flight (an idle
+    holder takes the prefix's next request anyway). ``traffic_share()`` is
+    read only then.
+
+    ``holders`` are the warm workers that hold the prefix the share is
+    counted for: the deepest tracked prefix (1, 2, 4, ... blocks) within the
+    picked holder's match, which for a conversation is often the system
+    prompt every conversation shares, held by more workers than its
+    history. The caller applies the rule only where the router can make the
+    copy itself (``proactive_copy``, a prefix of at least
+    ``copy_min_prefix_share`` of the prompt): the request is then routed as
+    before and no user pays the copy's prefill.
+    """
+    if not holders or any(candidates[i].in_flight == 0 for i in holders):
+        return None
+    idle = [
+        i
+        for i in eligible
+        if i not in holders
+        and candidates[i].in_flight == 0
+        and candidates[i].pending_prefill_tokens == 0
+        and _evicts_nothing(scored[i])
+    ]
+    if not idle:
+        return None
+    share = traffic_share()
+    needed = math.ceil(share * len(candidates) - 1e-9)
+    if needed <= len(holders):
+        return None
+    other = _argmin(scored, idle)
+    idle_id = scored[other].worker_id
+    reason = (
+        f"hot prefix: {share:.0%} of the traffic, {needed} of {len(candidates)} workers' "
+        f"share, {len(holders)} hold it, all busy, {idle_id} idle; warming {idle_id}"
+    )
+    return Choice(other, reason)
+
+
+def _evicts_nothing(c: CandidateScore) -> bool:
+    return c.terms is not None and c.terms.eviction_s == 0.0
 
 
 def first_prefill_rule(
@@ -1457,10 +1554,21 @@ def _selection(
     return Selection(c.worker_id, "cold", choice.reason, 0, out, choice.abandoned)
 
 
+def _tracked_depth(blocks: int) -> int:
+    """The deepest tracked prefix (1, 2, 4, ... blocks) a prefix of ``blocks`` >= 1 covers."""
+    return 1 << (blocks.bit_length() - 1)
+
+
+def _tracked_blocks(blocks: PromptBlocks, matched_tokens: int) -> int:
+    """Blocks of the deepest tracked prefix within ``matched_tokens``; 0 below one block."""
+    depth = int(matched_tokens // blocks.block_tokens)
+    return 0 if depth <= 0 else _tracked_depth(depth)
+
+
 def _tracked_key(hashes: Sequence[int], blocks: int) -> int:
     """The demand table's key for a prefix of ``blocks`` blocks (``blocks`` >= 1): the
-    hash ending the deepest tracked prefix (1, 2, 4, ... blocks) it covers."""
-    return hashes[(1 << (blocks.bit_length() - 1)) - 1]
+    hash ending the deepest tracked prefix it covers."""
+    return hashes[_tracked_depth(blocks) - 1]
 
 
 def _request_salt(ctx: RoutingContext) -> int:
