@@ -688,45 +688,69 @@ def no_share() -> float:
 
 
 def test_idle_copy_rule_warms_an_idle_worker_while_the_holders_are_busy() -> None:
-    cs = [scored("w0", 0.10), scored("w1", 0.12), scored("w2", 0.30), scored("w3", 0.25)]
+    # A 4,000-token prefix on w0 and w1, 200-220 ms there; cold on the idle
+    # workers 300 and 250 ms, of which 205 ms is the prefix's prefill.
+    cs = [
+        scored("w0", 0.20, matched=4_000),
+        scored("w1", 0.22, matched=4_000),
+        scored("w2", 0.30),
+        scored("w3", 0.25),
+    ]
     busy_two = with_loads(20, 20, 0, 0)
-    choice = idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], lambda: 1.0)
+    choice = idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], 0, SHORT, lambda: 1.0)
     assert choice is not None and choice.index == 3 and not choice.abandoned
     assert choice.reason == (
         "hot prefix: 100% of the traffic, 4 of 4 workers' share, 2 hold it, all busy, "
         "w3 idle; warming w3"
     )
     # Half the traffic is two workers' share, and two hold it.
-    assert idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], lambda: 0.5) is None
-    assert idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], lambda: 0.51) is not None
+    assert idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], 0, SHORT, lambda: 0.5) is None
+    assert idle_copy_rule(cs, busy_two, [0, 1, 2, 3], [0, 1], 0, SHORT, lambda: 0.51) is not None
     # An idle holder takes the prefix's next request: no copy, no share read.
-    assert idle_copy_rule(cs, with_loads(20, 0, 0, 0), [0, 1, 2, 3], [0, 1], no_share) is None
+    idle_holder = with_loads(20, 0, 0, 0)
+    assert idle_copy_rule(cs, idle_holder, [0, 1, 2, 3], [0, 1], 0, SHORT, no_share) is None
+
+
+def test_idle_copy_rule_copies_only_a_prefix_whose_prefill_keeps_the_idle_worker_out() -> None:
+    """Warm, w3 would answer in 45 ms against the holders' 200: a copy pays.
+    A 500-token prefix (29 ms of prefill) leaves it at 221 ms, no better than
+    the holders: within the warm margin, so no copy."""
+    busy = with_loads(20, 20, 0, 0)
+    long_prefix = [scored("w0", 0.20, matched=4_000), scored("w1", 0.21), scored("w2", 0.3),
+                   scored("w3", 0.25)]  # fmt: skip
+    assert idle_copy_rule(long_prefix, busy, [0, 1, 2, 3], [0], 0, SHORT, lambda: 1.0)
+    short_prefix = [replace(long_prefix[0], matched_tokens=500), *long_prefix[1:]]
+    assert idle_copy_rule(short_prefix, busy, [0, 1, 2, 3], [0], 0, SHORT, no_share) is None
 
 
 def test_idle_copy_rule_copies_only_where_it_costs_nothing() -> None:
-    cs = [scored("w0", 0.10), scored("w1", 0.30, eviction=0.2), scored("w2", 0.25)]
+    cs = [scored("w0", 0.20, matched=4_000), scored("w1", 0.30, eviction=0.2), scored("w2", 0.25)]
     busy = with_loads(20, 0, 1)
     # w1 is idle but its copy would evict cached prefixes; w2 has a request in flight.
-    assert idle_copy_rule(cs, busy, [0, 1, 2], [0], no_share) is None
+    assert idle_copy_rule(cs, busy, [0, 1, 2], [0], 0, SHORT, no_share) is None
     # A prefill pending is work in progress too (the copy would delay its first token).
     pending = [busy[0], replace(busy[1], in_flight=0), replace(busy[2], in_flight=0)]
     pending[2] = replace(pending[2], pending_prefill_tokens=500)
-    assert idle_copy_rule(cs, pending, [0, 1, 2], [0], no_share) is None
+    assert idle_copy_rule(cs, pending, [0, 1, 2], [0], 0, SHORT, no_share) is None
     # Outside the room filter (``eligible``): not a target either.
-    assert idle_copy_rule(cs, with_loads(20, 0, 0), [0, 1], [0], no_share) is None
-    choice = idle_copy_rule(cs, with_loads(20, 0, 0), [0, 1, 2], [0], lambda: 1.0)
+    assert idle_copy_rule(cs, with_loads(20, 0, 0), [0, 1], [0], 0, SHORT, no_share) is None
+    choice = idle_copy_rule(cs, with_loads(20, 0, 0), [0, 1, 2], [0], 0, SHORT, lambda: 1.0)
     assert choice is not None and choice.index == 2
 
 
 def _shared_prompt_on_two_busy_workers(**params: object) -> Decision:
-    """A 2,000-token system prompt that every request shares, 7 requests a
-    second, settled on w0 and w1, each with 20 requests in flight, beside two
-    idle workers. Answers are short, so the demand read at the profile's speed
-    is one replica's (live, the engines decoded slower than the profile: the
-    two idle engines got no request for a whole run)."""
-    prompt = tokens(1, 2_000)
+    """A 4,000-token system prompt that every request shares, 7 requests a
+    second, settled on w0 and w1, each with 20 requests in flight and 1,500
+    tokens to prefill, beside two idle workers. Answers are short, so the
+    demand read at the profile's speed is one replica's (live, the engines
+    decoded slower than the profile: the two idle engines got no request for
+    a whole run)."""
+    prompt = tokens(1, 4_000)
     r = Router(create_policy("prefix_aware", params))
-    ws = with_loads(20, 20, 0, 0)
+    ws = [
+        replace(w, pending_prefill_tokens=1_500) if w.in_flight else w
+        for w in with_loads(20, 20, 0, 0)
+    ]
     for i in range(140):
         t = i / 7.0
         d = r.route(request(f"s{i}", prompt + tokens(100 + i, 50), max_tokens=64), ws, t)
