@@ -1085,7 +1085,7 @@ def idle_copy_rule(
     if holder_s - warm_s <= warm_s * cls.warm_margin_rel + cls.warm_margin_abs_s:
         return None  # warm, it would be nearly as good as a holder is now: not worth a copy
     share = traffic_share()
-    needed = math.ceil(share * len(candidates) - 1e-9)
+    needed = math.ceil(share * len(candidates) - 1e-9)  # exactly k workers' share needs k
     if needed <= len(holders):
         return None
     idle_id = scored[other].worker_id
@@ -1526,8 +1526,7 @@ def margin_limit(best: CandidateScore, cls: OutputClassParams, pressure: float) 
     predicted TTFT, not its whole score, so weighing decode time does not
     widen it; ``pressure`` in [0, 1] scales the whole margin.
     """
-    ttft = best.terms.ttft_s if best.terms is not None else best.score
-    return best.score + pressure * (ttft * cls.warm_margin_rel + cls.warm_margin_abs_s)
+    return best.score + pressure * (_ttft(best) * cls.warm_margin_rel + cls.warm_margin_abs_s)
 
 
 # ------------------------------------------------------------------ cold path
