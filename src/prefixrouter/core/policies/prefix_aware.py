@@ -1029,8 +1029,9 @@ def idle_copy_rule(
     reads too few replicas. Live, four gateway replicas in front of four
     engines, a system prompt that every request shares, load 0.8: the
     demand read one replica, the first requests warmed two engines, and the
-    other two got no request for the whole run (mean TTFT 263-281 ms against
-    200-214 ms when all four were warm; ``benchmarks/replicas_notes.md``).
+    other two got no request for the whole run (mean TTFT 266-281 ms against
+    203-214 ms where the four shared the load evenly;
+    ``benchmarks/decision_quality_notes.md``).
     The share of the routed requests is a count, not a speed: a prefix that
     brings share ``s`` of them needs ``ceil(s * workers)`` workers if no
     worker is to carry more than an even share of the traffic. Counted that
