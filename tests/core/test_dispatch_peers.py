@@ -43,16 +43,6 @@ def test_a_peers_routing_makes_the_document_warm_on_its_worker() -> None:
     assert b.load(adm.worker).in_flight == 2  # the peer's request counts in flight here
 
 
-def test_a_peers_routing_counts_as_sending_its_worker_a_request() -> None:
-    a, b = replica(), replica()
-    adm = a.admit(request("r1", DOC), workers(2), 0.0)
-    relay(a, b, now=0.01)  # heard 10 ms after
-    other = next(w for w in workers(2) if w.worker_id != adm.worker).worker_id
-    views = {w.worker_id: b.fill(w, 0.5) for w in workers(2)}
-    assert views[adm.worker].since_routed_s == pytest.approx(0.49)
-    assert views[other].since_routed_s == float("inf")
-
-
 def test_a_peers_completion_confirms_the_chain_and_ends_its_in_flight_count() -> None:
     a, b = replica(), replica()
     adm = a.admit(request("r1", DOC), workers(2), 0.0)

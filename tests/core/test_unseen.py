@@ -5,10 +5,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from prefixrouter.core import Dispatcher, Router, WorkerId
-from prefixrouter.core.cost import CostTerms
+from prefixrouter.core import Dispatcher, Router
 from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
-from tests.core.conftest import hold, request, tokens, workers
+from tests.core.conftest import request, tokens, workers
 
 LAG = 0.01
 
@@ -143,29 +142,3 @@ def test_many_stand_ins_cost_a_bounded_number_of_routings() -> None:
         aheads.append(adm.decision.reason)
         assert len(calls) <= 1 + MAX_REROUTES
     assert any(f"behind {n} unseen" in r for r in aheads for n in range(MAX_REROUTES + 1, 17))
-
-
-def test_a_stand_in_counts_as_a_request_just_sent_to_its_worker() -> None:
-    """A stand-in is placed as the ledger would place a routing: its worker was
-    sent a request just now, so among near-equal workers the request itself
-    goes to the one sent nothing for longest after it (the picker's tie-break)."""
-    d = Dispatcher(Router("prefix_aware", replica_salt=7))
-    w0, w1 = WorkerId("w0"), WorkerId("w1")
-    prompt = tokens(1, 3_000)
-    for w, factor in ((w0, 0.95), (w1, 1.0)):  # calibrations 5 % apart: the tie band
-        hold(d.router, w, prompt)
-        for _ in range(300):
-            d.router.cost.observe(w, CostTerms(0.0, 1.0, 0.0, 0.0, 0.0), factor)
-    # Both queue prefills already, so one more fully cached request barely
-    # moves w0's first token (211 against 222 ms): the two stay near-equal.
-    busy = {"in_flight": 6, "decoding": 4, "pending_prefill_tokens": 4_000}
-    views = workers(2)
-    views[0] = replace(views[0], since_routed_s=2.0, **busy)  # w0: sent nothing for longest
-    views[1] = replace(views[1], since_routed_s=1.0, **busy)
-    q = request("q", prompt)
-    first = d.router.route(q, views, 5.0)
-    assert first.worker_id == w0
-    behind = d._route_behind(q, views, 5.0, first, ahead=1)
-    assert behind.worker_id == w1 and "behind 1 unseen" in behind.reason
-    assert "least recently sent" in behind.reason
-    assert views[0].since_routed_s == 2.0  # the caller's views are left alone

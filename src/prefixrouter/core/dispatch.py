@@ -479,7 +479,6 @@ class Dispatcher:
             view.in_flight += n
             view.pending_prefill_tokens += n * max(0, prompt - decision.predicted_cached_tokens)
             view.queued_prompt_tokens += n * prompt
-            view.since_routed_s = 0.0  # sent just now, for the picker's tie-break
             decision = router.route(request, copies, now, blocks, steering)
         decision.reason += f" (behind {ahead} unseen peer routings)"
         return decision

@@ -12,17 +12,14 @@ token comes, though the engine has been working on the head of its prefill
 queue since it got there. The ledger keeps when that head started (the
 routing that found nothing pending, or the first token that ended the
 prefill ahead of it) and reports the time since as ``prefill_elapsed_s``
-(read by ``prefix_aware``'s prefill-in-progress rule). It also keeps when
-it last sent each worker a request, reported as ``since_routed_s`` (the
-picker's tie-break among near-equal workers). Times are the caller's
-clock, passed in.
+(read by ``prefix_aware``'s prefill-in-progress rule). Times are the
+caller's clock, passed in.
 
 Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from prefixrouter.core.types import RequestId, WorkerId, WorkerView
@@ -50,8 +47,6 @@ class WorkerLoad:
     # When the engine started on the head of the pending prefill (module
     # doc); meaningful only while pending_prefill_tokens > 0.
     prefill_since: float = 0.0
-    # When the router last sent this worker a request (-inf: never).
-    routed_at: float = -math.inf
     requests: set[RequestId] = field(default_factory=set)
 
 
@@ -92,8 +87,6 @@ class InflightLedger:
         if load.pending_prefill_tokens <= 0:
             load.prefill_since = now  # nothing ahead of it: the engine starts on it now
         load.in_flight += 1
-        if now > load.routed_at:
-            load.routed_at = now
         load.pending_prefill_tokens += uncached_tokens
         load.queued_prompt_tokens += prompt_tokens
         load.requests.add(request_id)
@@ -148,8 +141,6 @@ class InflightLedger:
         view.decode_tokens_remaining = load.decode_tokens_remaining
         view.context_tokens = load.context_tokens
         view.queued_prompt_tokens = load.queued_prompt_tokens
-        since = now - load.routed_at
-        view.since_routed_s = since if since > 0.0 else 0.0
         return view
 
     def drop_worker(self, worker: WorkerId) -> list[RequestId]:

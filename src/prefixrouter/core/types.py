@@ -12,7 +12,6 @@ whatever clock the driver (gateway or simulator) uses.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -203,9 +202,6 @@ class WorkerView:
         context_tokens: KV tokens held by running requests (attended by each decode step).
         queued_prompt_tokens: Prompt tokens of requests sent and not yet decoding:
             they join the decode batch as soon as their prefill ends.
-        since_routed_s: Seconds since the router last sent this worker a
-            request (its own, a copy of its own or, on a replica, a peer's
-            once heard); infinite when it never has.
         kv_capacity_blocks: Engine KV cache size in blocks.
         kv_used_blocks: Blocks in use by running requests (not reclaimable).
         block_size: Engine tokens per block.
@@ -226,7 +222,6 @@ class WorkerView:
     decode_tokens_remaining: int = 0
     context_tokens: int = 0
     queued_prompt_tokens: int = 0
-    since_routed_s: float = math.inf
     kv_capacity_blocks: int = 100_000
     kv_used_blocks: int = 0
     block_size: int = 16

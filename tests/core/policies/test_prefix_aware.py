@@ -7,7 +7,6 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -305,44 +304,38 @@ def pick(
     ("scales", "band", "expected"),
     [
         ((1.0, 1.0), 0.1, 0),  # scales agree: the lowest score wins
-        ((1.0, 1.08), 0.1, 1),  # 8% apart: w1 (5% slower, sent nothing for longer) ties and wins
+        ((1.0, 1.08), 0.1, 1),  # 8% apart: w1 (5% slower, fewer in flight) ties and wins
         ((1.0, 1.03), 0.1, 0),  # 3% apart: the band is 3%, w1 is outside it
         ((1.0, 1.5), 0.04, 0),  # the band is capped at 4%
         ((1.0, 1.5), 0.1, 1),
     ],
 )
-def test_tie_band_picker_takes_the_least_recently_sent_among_near_equal(
+def test_tie_band_picker_takes_the_fewest_in_flight_among_near_equal(
     scales: tuple[float, float], band: float, expected: int
 ) -> None:
     cs = [scored("w0", 1.0, scale=scales[0]), scored("w1", 1.05, scale=scales[1])]
-    # w1 has more in flight (decoding), but w0 was sent a request last.
-    ws = [WorkerView(W0, in_flight=1, since_routed_s=0.02),
-          WorkerView(W1, in_flight=3, since_routed_s=0.4)]  # fmt: skip
+    ws = [WorkerView(W0, in_flight=3), WorkerView(W1, in_flight=1)]
     assert pick(cs, ws, [0, 1], band, 0) == expected
     assert pick(cs, ws, [0], band, 0) == 0  # one candidate: itself
 
 
-def test_tie_band_picker_breaks_equal_times_since_sent_by_score() -> None:
+def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
     cs = [scored("w0", 1.0), scored("w1", 1.04, scale=1.1), scored("w2", 1.02)]
-    ws = workers(3, since_routed_s=0.1)
+    ws = workers(3, in_flight=2)
     assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 0
-    ws[2] = replace(ws[2], since_routed_s=0.3)
+    ws[2] = replace(ws[2], in_flight=1)
     assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2
-    # Never sent anything (a worker new to the router) counts as longest.
-    assert pick(cs, workers(3), [0, 1, 2], 0.1, 0) == 0  # all never: the lowest score
-    ws[1] = replace(ws[1], since_routed_s=math.inf)
-    assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 1
 
 
-def test_tie_band_picker_with_a_salt_takes_the_less_recently_sent_of_two_drawn() -> None:
+def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() -> None:
     cs = [scored(f"w{i}", 1.0 + i / 100, scale=1.0 + i / 20) for i in range(4)]
-    ws = workers(4, since_routed_s=0.05)
-    ws[3] = replace(ws[3], since_routed_s=0.5)
+    ws = workers(4, in_flight=2)
+    ws[3] = replace(ws[3], in_flight=0)
     picks = {pick(cs, ws, range(4), 0.1, 0, salt) for salt in range(1, 65)}
-    # A draw holding w3 (sent nothing for longest) takes it, any other the
-    # lower score of the two drawn: w0 or w1 (w2 loses every pair).
+    # A draw holding w3 (the fewest in flight) takes it, any other the lower
+    # score of the two drawn: w0 or w1 (w2 loses every pair).
     assert picks == {0, 1, 3}
-    assert pick(cs, ws, range(4), 0.1, 0) == 3  # no salt: the least recently sent
+    assert pick(cs, ws, range(4), 0.1, 0) == 3  # no salt: the fewest in flight
     # Two near-equal or fewer: the salt changes nothing.
     assert {pick(cs, ws, [0, 1], 0.1, 0, salt) for salt in range(1, 65)} == {0}
     # Outside the band the salt changes nothing either.
@@ -423,19 +416,19 @@ def test_replica_salt_of_an_id_is_stable_distinct_and_zero_for_none() -> None:
     assert replica_salt("gw-a") != 0
 
 
-def test_unseen_prefixes_spread_over_the_least_recently_sent_within_the_margin() -> None:
+def test_unseen_prefixes_spread_by_requests_in_flight_within_the_margin() -> None:
     r = Router()
     calibrate(r, W0, 0.92)  # identical engines whose calibrations disagree by ~9%
     calibrate(r, W1, 1.0)
     ws = workers(2)
-    # w0 was just sent three requests that have not started, but its
-    # optimistic calibration predicts it faster. A burst of unique prompts
-    # should still not pile onto w0.
-    ws[0] = replace(ws[0], in_flight=3, since_routed_s=0.01)
+    # w0 already has three requests that have not started, but its optimistic
+    # calibration predicts it faster. A burst of unique prompts should still
+    # not pile onto w0.
+    ws[0] = replace(ws[0], in_flight=3)
     near = r.route(request("u1", tokens(900, 2_000)), ws, 1.0)
     w0, w1 = candidate(near, W0), candidate(near, W1)
     assert w0.score < w1.score  # type: ignore[attr-defined]
-    assert near.worker_id == W1 and near.tier == "cold" and "least recently sent" in near.reason
+    assert near.worker_id == W1 and near.tier == "cold" and "fewest in flight" in near.reason
     # With calibrations that agree, predictions are trusted as they are: w0
     # queues three requests, w1 decodes some that are not ours, w0 predicts
     # faster and gets it.
@@ -449,7 +442,7 @@ def test_unseen_prefixes_spread_over_the_least_recently_sent_within_the_margin()
     assert far.worker_id == W0
 
 
-def test_workers_holding_the_prefix_share_it_by_time_since_sent() -> None:
+def test_workers_holding_the_prefix_share_it_by_requests_in_flight() -> None:
     r = Router()
     calibrate(r, W0, 0.92)
     calibrate(r, W1, 1.0)
@@ -458,9 +451,8 @@ def test_workers_holding_the_prefix_share_it_by_time_since_sent() -> None:
     for w in (W0, W1):
         hold(r, w, prompt)
     # Both hold the system prompt; w0's optimistic calibration predicts it
-    # faster although it was just sent three requests that wait there.
-    ws[0] = replace(ws[0], in_flight=3, since_routed_s=0.01)
-    ws[1] = replace(ws[1], since_routed_s=0.2)
+    # faster although three of our requests already wait there.
+    ws[0] = replace(ws[0], in_flight=3)
     d = r.route(request("s", prompt + tokens(2, 40)), ws, 1.0)
     w0, w1 = candidate(d, W0), candidate(d, W1)
     assert w0.score < w1.score  # type: ignore[attr-defined]
@@ -482,19 +474,17 @@ def test_a_holder_whose_first_token_comes_later_than_the_band_loses_to_the_best_
     for w in (W0, W1):
         hold(r, w, prompt)
     ws = workers(2)
-    # w0 decodes a long-context batch and was sent a request last, w1 has
-    # 300 tokens of prefill queued: with a 400-token answer the decode term
+    # w0 decodes a long-context batch, w1 (two fewer in flight) has 300
+    # tokens of prefill queued: with a 400-token answer the decode term
     # makes their scores near-equal, though w1's first token is about twice
     # as late (40 against 20 ms: within the warm margin, which kept it).
-    ws[0] = replace(ws[0], in_flight=32, decoding=32, context_tokens=90_000, since_routed_s=0.05)
-    ws[1] = replace(
-        ws[1], in_flight=30, decoding=29, pending_prefill_tokens=300, since_routed_s=0.5
-    )
+    ws[0] = replace(ws[0], in_flight=32, decoding=32, context_tokens=90_000)
+    ws[1] = replace(ws[1], in_flight=30, decoding=29, pending_prefill_tokens=300)
     d = r.route(request("s", prompt + tokens(2, 40), max_tokens=400), ws, 1.0)
     w0, w1 = candidate(d, W0), candidate(d, W1)
     assert w0.score < w1.score <= w0.score * 1.087  # type: ignore[attr-defined]
     assert w1.terms.ttft_s > 1.9 * w0.terms.ttft_s  # type: ignore[attr-defined]
-    # The picker's holder (least recently sent) would copy nothing by leaving,
+    # The picker's holder (fewest in flight) would copy nothing by leaving,
     # so no warm margin keeps it: the best holder takes the request.
     assert d.worker_id == W0 and d.tier == "exact"
     assert "beyond the calibration band of holder w0" in d.reason
@@ -515,7 +505,7 @@ def test_holder_band_rule_keeps_the_picked_holder_within_the_band(
     cs = [scored("w0", picked_ttft, decode=1.0), scored("w1", 0.045, decode=2.0)]
     choice = holder_band_rule(cs, 0, 1, SHORT, band, 0.5)
     assert choice.index == (0 if kept else 1) and not choice.abandoned
-    assert ("least recently sent among holders" in choice.reason) is kept
+    assert ("fewest in flight among holders" in choice.reason) is kept
 
 
 def test_calibration_band_is_the_scales_disagreement_capped() -> None:
@@ -673,7 +663,7 @@ def test_copy_rule_compares_first_tokens_not_scores() -> None:
     target (templates at load 0.6: four such requests were the p99)."""
     holder = scored("w0", 0.045, queue=0.01, decode=2.4, score=0.525)
     target = scored("w1", 0.150, decode=1.6, score=0.470)  # lower score, later first token
-    kept = Choice(0, "least recently sent among holders")
+    kept = Choice(0, "fewest in flight among holders")
     copy = Choice(1, "hot prefix: warming w1")
     assert copy_rule([holder, target], kept, copy) is kept
     sooner = scored("w1", 0.045, decode=1.6, score=0.365)  # no later: it makes the copy

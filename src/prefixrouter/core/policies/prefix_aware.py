@@ -35,9 +35,8 @@ pure function whose docstring states its rule:
    share of each worker's slots for requests that follow no cached prefix.
 3. **picker** (:func:`deepest_holders`, :func:`tie_band_picker`): the best
    of the warm workers holding the deepest prefix; scores within the tie band
-   count as equal, and among those the one sent a request least recently
-   wins (on a router replica, ``Router(replica_salt=)``, the less recently
-   sent of two of them
+   count as equal, and among those the fewest in flight wins (on a router
+   replica, ``Router(replica_salt=)``, the fewer in flight of two of them
    drawn per request, so replicas that share a stale view do not all pick
    the same worker; a prefix's rendezvous home stays the same everywhere).
 4. **rules**, in order, each of which may leave the picker's choice:
@@ -259,8 +258,7 @@ class PrefixAwareParams:
             what its running requests hold (see ``copy_room_filter``).
         tie_band_rel: Cap on the tie band: scores within the candidates'
             calibration disagreement (at most this share) of the best count as
-            equal, and among them the worker sent a request least
-            recently wins.
+            equal, and among them the fewest requests in flight wins.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
         reference_batch: Batch size assumed when estimating per-request decode service.
@@ -562,9 +560,8 @@ class PrefixAwarePolicy(Policy):
 
         A prefix never seen (or ``home_by_hash`` off): any worker is as good
         as its prediction, so the picker decides among all of them (a burst of
-        unique requests spreads over the workers sent nothing for longest). A
-        prefix seen before that no cache holds any more goes to its
-        :func:`rendezvous_home`.
+        unique requests spreads by requests in flight). A prefix seen before
+        that no cache holds any more goes to its :func:`rendezvous_home`.
         """
         p = self.params
         if p.cold_pool:
@@ -580,7 +577,7 @@ class PrefixAwarePolicy(Policy):
             pick = tie_band_picker(scored, candidates, everyone, band, best, _request_salt(ctx))
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
-                reason = "no reusable prefix anywhere: least recently sent among near-equal"
+                reason = "no reusable prefix anywhere: fewest in flight among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         home, near = rendezvous_home(scored, best, hashes[0], p.short)
         reason = f"no reusable prefix anywhere: its home among {near} within margin"
@@ -882,36 +879,20 @@ def tie_band_picker(
     whose scale happens to be lowest until its queue shows. The tie band
     ``band`` (relative) is how far the candidates' calibration scales
     disagree (:func:`calibration_band`, which the caller computes once and
-    the rules read too); among candidates whose scores are within it of the
-    best, the one the router sent a request to least recently
-    (``WorkerView.since_routed_s``, the longest) wins, then the lowest
-    score. With one candidate, or scales that agree, the lowest score wins.
-
-    Why the least recently sent, and not the fewest in flight (the rule
-    before): what delays a warm request's first token is another prefill
-    ahead of it on the engine, and the worker sent nothing for longest is
-    the one most likely done with its last prefill; requests in flight are
-    mostly decoding, and the fewest of them often sits on the worker that
-    took the last request too (its prefill still running, or its step
-    still long), so successive arrivals met on one engine. On
-    ``system-prompt`` (every worker warm) the fewest in flight lost to round
-    robin's even spacing, 41.9 against 41.5 ms mean TTFT at load 0.9 over
-    seeds 0-3 (queue wait 7.9 against 7.3 ms; 10 % of requests reached
-    their worker within 50 ms of the one before, against 0.4 %); the least
-    recently sent spaces the near-equal workers' arrivals as round robin
-    does (41.3 ms, 1.6 % within 50 ms) and keeps the scores' choice among
-    the rest (``benchmarks/decision_quality_notes.md``).
+    the rules read too); among candidates whose scores are within it of the best, the
+    one with the fewest requests in flight wins, then the lowest score. With
+    one candidate, or scales that agree, the lowest score wins.
 
     ``salt`` (this request's on this router replica, :func:`_request_salt`;
     0 for one router) is for replicas that route on one view until their
-    peers' routings reach them: sent to the least recently sent, every
-    request that reaches any of them within the lag goes to the same worker
-    (stale load information herds; Mitzenmacher, "How useful is old
-    information?", 2000). With a salt the least recently sent wins among two
-    of the near-equal candidates drawn by the salt's rendezvous hash (the
-    "power of two choices", which that paper shows keeps balancing on stale
-    loads), so replicas, and one replica's successive requests, spread over
-    the workers that count as equal. With two near-equal or fewer the salt
+    peers' routings reach them: sent to the fewest in flight, every request
+    that reaches any of them within the lag goes to the same worker (stale
+    load information herds; Mitzenmacher, "How useful is old information?",
+    2000). With a salt the fewest in flight wins among two of the near-equal
+    candidates drawn by the salt's rendezvous hash (the "power of two
+    choices", which that paper shows keeps balancing on stale loads), so
+    replicas, and one replica's successive requests, spread over the
+    workers that count as equal. With two near-equal or fewer the salt
     changes nothing. Scales that agree (no band) still leave exact ties
     (idle workers that no cache warms, as when a fleet starts): one router
     takes the earliest, a replica draws among them as above, since each
@@ -925,7 +906,7 @@ def tie_band_picker(
     if salt and len(near) > 2:
         # Two choices among the near-equal, drawn by the salt (see above).
         near = heapq.nlargest(2, near, key=lambda i: _rendezvous(salt, scored[i].worker_id))
-    return min(near, key=lambda i: (-candidates[i].since_routed_s, scored[i].score))
+    return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
 
 
 def calibration_band(scored: Sequence[CandidateScore], indices: Iterable[int], cap: float) -> float:
@@ -1394,7 +1375,7 @@ def holder_band_rule(
     """Rule 4b, between holders: keep the picker's holder while its first token is within
     the calibration band of the best's, when the best holds the deepest prefix too.
 
-    The picker took ``picked``, the least recently sent among the holders whose
+    The picker took ``picked``, the fewest in flight among the holders whose
     *scores* are within the tie band of the best. A score puts the expected
     answer's decode (weighed by ``decode_weight``) beside the first token: a
     few hundred tokens of answer are seconds of decode against tens of
@@ -1415,7 +1396,7 @@ def holder_band_rule(
     limit = best_switch * (1.0 + band)
     if picked_switch <= limit:
         reason = (
-            f"least recently sent among holders: {picked_switch * 1e3:.0f} ms <= "
+            f"fewest in flight among holders: {picked_switch * 1e3:.0f} ms <= "
             f"{limit * 1e3:.0f} ms (best holder {b.worker_id} {best_switch * 1e3:.0f} ms)"
         )
         return Choice(picked, reason)
