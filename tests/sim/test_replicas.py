@@ -28,8 +28,10 @@ def _records(run: SimRun) -> list[tuple[object, ...]]:
     return [tuple(getattr(r, f) for f in fields) for r in run.records]
 
 
-def _run(scenario: str, replicas: Replicas, requests: int | None = None) -> dict[str, object]:
-    workload = get_scenario(scenario).build(0, requests)
+def _run(
+    scenario: str, replicas: Replicas, requests: int | None = None, seed: int = 0
+) -> dict[str, object]:
+    workload = get_scenario(scenario).build(seed, requests)
     p = plan(workload, PROFILE, ["prefix_aware"], mode="text", replicas=replicas)
     (result,), _ = run_plan(p)
     return result
@@ -95,10 +97,23 @@ def test_config_refuses_bad_replica_settings() -> None:
 
 
 def test_sync_without_lag_keeps_one_routers_cached_share_on_doc_qa() -> None:
-    one = _share(_run("doc-qa", Replicas(1), requests=150))
+    """Replicas that hear every fact at once lose no cache to one another.
+
+    Not placement for placement: a replica draws two of the near-equal
+    workers by its salt (``tie_band_picker``), so on one seed replicas may
+    place a question or a document's copy elsewhere than one router (four
+    replicas lose 0.12 points on seed 2; a tie-break tried and not kept,
+    ``benchmarks/tried/tie_break_least_recently_sent.patch``, lost one more
+    40,000-token prefill, 0.66 points, with two on seed 0). The loss that
+    sync must not cause is systematic (a peer's routing counted against a
+    worker's trust lost 0.8 points on every seed), so the share is pooled
+    over four seeds.
+    """
+    seeds = range(4)
+    one = sum(_share(_run("doc-qa", Replicas(1), requests=150, seed=s)) for s in seeds)
     for n in (2, 4):
-        synced = _share(_run("doc-qa", Replicas(n, True, 0.0), requests=150))
-        assert synced == pytest.approx(one, abs=0.005)
+        synced = sum(_share(_run("doc-qa", Replicas(n, True, 0.0), 150, seed=s)) for s in seeds)
+        assert synced / len(seeds) == pytest.approx(one / len(seeds), abs=0.003)
 
 
 def _documents(n_docs: int = 10, requests: int = 200) -> Workload:
