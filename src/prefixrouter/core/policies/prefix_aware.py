@@ -629,7 +629,7 @@ class PrefixAwarePolicy(Policy):
         fleet = self._steady_rate(self._arrivals, ctx.now)
         if tracked <= 0 or fleet <= 0.0:
             return 0.0
-        key = ctx.blocks.hashes[tracked - 1]
+        key = _tracked_key(ctx.blocks.hashes, tracked)
         return min(1.0, self.prefix_rate(key, ctx.now) / fleet)
 
     # ------------------------------------------------------------------ hooks
@@ -1110,10 +1110,12 @@ def _small_copy(w: WorkerView, c: CandidateScore, prompt_tokens: int, max_share:
 
 
 def _ttft(c: CandidateScore) -> float:
+    """The candidate's predicted first token (its score when it has no cost terms)."""
     return c.terms.ttft_s if c.terms is not None else c.score
 
 
 def _evicts_nothing(c: CandidateScore) -> bool:
+    """Whether storing the prompt on the candidate evicts no cached block."""
     return c.terms is not None and c.terms.eviction_s == 0.0
 
 
