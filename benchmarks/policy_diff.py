@@ -75,7 +75,7 @@ from prefixrouter.sim.report import summarize, total_prefill_tokens
 from prefixrouter.sim.runner import plan
 from prefixrouter.sim.scenarios import SCENARIOS
 from prefixrouter.sim.traces import bundled_mooncake_path, count_requests, load_mooncake
-from prefixrouter.sim.workload import Workload
+from prefixrouter.sim.workload import Workload, arrival_cv
 
 TRACES = {"mooncake-conversation"}  # one request order whatever the seed: seeds are windows
 
@@ -86,11 +86,13 @@ Figures = dict[str, float]  # mean and p99 TTFT (ms), prefill tokens
 @dataclass(frozen=True)
 class Shape:
     """What every cell's workload and fleet are cut to (``--scale``, ``--workers``,
-    ``--requests``; 1, 0 and 0 keep the scenario's own)."""
+    ``--requests``; 1, 0 and 0 keep the scenario's own), and the scenarios' arrival
+    process (``--arrival``: poisson, gamma or gamma:CV; a trace keeps its own times)."""
 
     scale: float = 1.0
     workers: int = 0
     requests: int = 0
+    arrival: str = "poisson"
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ def workload(job: Job) -> Workload:
     if name in TRACES:
         w = trace_window(name, job.seed, shape.requests or job.mooncake_limit)
     else:
-        w = SCENARIOS[name].build(job.seed, shape.requests or None)
+        w = SCENARIOS[name].build(job.seed, shape.requests or None, shape.arrival)
     return w.lengths_scaled(shape.scale)
 
 
@@ -151,12 +153,12 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     """Every run the arguments ask for, the long scenarios first (two cores stay busy)."""
     params = json.loads(args.params)
     seeds = [int(s) for s in args.seeds.split(",")]
-    shape = Shape(args.scale, args.workers, args.requests)
+    shape = Shape(args.scale, args.workers, args.requests, args.arrival)
     kv_cells: dict[str, list[int]] = {}
     for item in filter(None, args.kv_cells.split(",")):
         scenario, _, blocks = item.partition(":")
         kv_cells.setdefault(scenario, []).append(int(blocks))
-    names = args.scenarios.split(",")
+    names = list(dict.fromkeys(args.scenarios.split(",")))  # each once, however often named
     trace_seeds = seeds
     if TRACES.intersection(names):
         windows = trace_windows(shape.requests or args.mooncake_limit)
@@ -197,6 +199,8 @@ def measure_with(src: str, args: argparse.Namespace) -> PerSeed:
                  "mooncake_limit", "processes", "client_max_tokens", "scale", "workers",
                  "requests"):  # fmt: skip
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.arrival != "poisson":  # only when asked: a checkout from before the option
+        argv += ["--arrival", args.arrival]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
     done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return {
@@ -256,7 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--against", metavar="SRC", help="another checkout's src, run side by side")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    ap.add_argument("--scenarios", default=",".join([*SCENARIOS, "mooncake-conversation"]))
+    # The registry holds the bundled trace's scenario already (TRACES names it).
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--loads", default="0.6,0.9")
     ap.add_argument("--modes", default="token,text")
     ap.add_argument("--kv-cells", default="doc-qa:30000",
@@ -271,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=0,
                     help="requests per cell (0: the scenario's own; the trace's: "
                          "--mooncake-limit)")  # fmt: skip
+    ap.add_argument("--arrival", default="poisson",
+                    help="the scenarios' arrival process: poisson, gamma or gamma:CV")  # fmt: skip
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--threshold", type=float, default=0.5, help="percent that counts as moved")
     ap.add_argument("--all", action="store_true", help="print every cell, moved or not")
@@ -284,6 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--params: {exc}")
     if not 0 < args.scale <= 1:
         ap.error(f"--scale: must be in (0, 1], got {args.scale:g}")
+    try:
+        arrival_cv(args.arrival)
+    except ValueError as exc:
+        ap.error(f"--arrival: {exc}")
     if args.workers < 0 or args.requests < 0:
         ap.error("--workers and --requests: 0 (the scenario's own) or more")
     known = {*SCENARIOS, *TRACES}

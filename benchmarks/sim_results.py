@@ -101,6 +101,12 @@ def _gain(ours: float, best: float) -> str:
     return f"{(1 - ours / best) * 100:+.0f}%"
 
 
+SEED_VERDICTS = (
+    Path(__file__).with_name("seed_verdict_results.md"),
+    Path(__file__).with_name("seed_verdict_bursty_results.md"),
+)
+"""The summary's verdict over several seeds (``benchmarks/seed_verdict.py``), Poisson
+arrivals and bursty ones, under it."""
 NOTES = Path(__file__).with_name("results_notes.md")
 TEXT_NOTES = Path(__file__).with_name("text_mode_notes.md")
 """Where text mode loses to token mode and why (written from these figures), appended."""
@@ -216,8 +222,10 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         "## Summary",
         "",
         "Token mode (the router hashes token ids, as the gateway's `routing.mode:",
-        "token`). Gain = how much lower prefixrouter's TTFT is than the best",
-        "baseline's (a different baseline may be best on mean and on p99).",
+        "token`), one seed: the tables below. Gain = how much lower prefixrouter's",
+        "TTFT is than the best baseline's (a different baseline may be best on mean",
+        "and on p99). One seed's p99 can turn on one request; the verdict over four",
+        "seeds, with its spread, follows the table.",
         "",
         "| scenario | load | ours mean | best baseline mean | gain | ours p99 | "
         "best baseline p99 | gain | prefill ×bound | TTFT floor mean |",
@@ -235,7 +243,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
             f"{_gain(v['ours_p99'], v['best_p99'])} | {v['prefill_x_bound']:.2f} | "
             f"{_ms(rep['ttft_floor_ms']['mean']) if 'ttft_floor_ms' in rep else 'n/a'} |"
         )
-    for notes in (NOTES, CLIENT_CAP):
+    for notes in (*SEED_VERDICTS, NOTES, CLIENT_CAP):
         if notes.exists():
             lines += ["", notes.read_text(encoding="utf-8").strip()]
     lines += mode_table(reports)

@@ -71,6 +71,7 @@ def test_a_shaped_cell_against_the_same_code_moves_nothing() -> None:
         (["--scale", "1.5"], "--scale: must be in (0, 1], got 1.5"),
         (["--workers", "-1"], "--workers and --requests"),
         (["--scenarios", "doc-qb"], "unknown scenario 'doc-qb'"),
+        (["--arrival", "burst"], "--arrival: unknown arrival process 'burst'"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> None:
@@ -109,3 +110,29 @@ def test_seeds_past_the_trace_s_last_window_are_left_out_of_its_cells() -> None:
         seeds.setdefault(job.cell[0], []).append(job.seed)
     assert sorted(seeds["mooncake-conversation"]) == list(range(windows))
     assert sorted(seeds["doc-qa"]) == list(range(windows + 2))
+
+
+def test_a_bursty_arrival_process_changes_the_times_not_the_requests() -> None:
+    def job(arrival: str) -> policy_diff.Job:
+        shape = policy_diff.Shape(requests=50, arrival=arrival)
+        return policy_diff.Job(("templates", 0.6, "token", None), 0, {}, 3000, 0, shape)
+
+    poisson = policy_diff.workload(job("poisson")).requests
+    bursty = policy_diff.workload(job("gamma:3")).requests
+    assert [[list(s) for s in r.segments] for r in poisson] == [
+        [list(s) for s in r.segments] for r in bursty
+    ]
+    assert [r.arrival for r in poisson] != [r.arrival for r in bursty]
+
+
+def test_every_cell_runs_once_with_the_trace_among_the_defaults() -> None:
+    # The registry holds the bundled trace's scenario: naming it again ran its
+    # cells (the slowest) twice.
+    args = policy_diff.parse_args(
+        ["--seeds", "0,1", "--scenarios", "gsp,mooncake-conversation,gsp"]
+    )
+    runs = [(job.cell, job.seed) for job in policy_diff.jobs(args)]
+    assert len(runs) == len(set(runs)) == 2 * 2 * 2 * 2  # scenarios x loads x modes x seeds
+    defaults = [(job.cell, job.seed) for job in policy_diff.jobs(policy_diff.parse_args([]))]
+    assert len(defaults) == len(set(defaults))
+    assert {cell[0] for cell, _ in defaults} >= {"mooncake-conversation", "doc-qa"}
