@@ -173,6 +173,14 @@ def markdown(
         "whose seed-mean is lowest; Δ is ours against it, ± the standard error of the",
         "per-seed differences; **ahead** / **behind** beyond two standard errors,",
         "else level; *seeds* counts those on which ours was the lower.",
+        *(
+            []
+            if arrival == "poisson"
+            else [
+                f"Arrivals: `{arrival}` (gamma gaps, `prefixrouter.sim.workload`: bursts and",
+                "lulls at the same mean rate); the trace keeps its own times.",
+            ]
+        ),
         "",
         "| scenario | load | ours mean | best baseline mean | Δ | verdict | seeds | ours p99 | "
         "best baseline p99 | Δ | verdict | seeds |",
@@ -300,6 +308,8 @@ def main() -> None:
         command = f"python benchmarks/seed_verdict.py --seeds {args.seeds}"
         if args.arrival != "poisson":
             command += f" --arrival {args.arrival}"
+        if args.scenarios != ",".join(SCENARIOS):
+            command += f" --scenarios {args.scenarios}"
         if args.json is not None:
             payload = {"command": command, "elapsed_s": elapsed, "arrival": arrival,
                        "cells": _encode(runs)}  # fmt: skip

@@ -225,7 +225,7 @@ def markdown(reports: list[dict[str, Any]], command: str, elapsed_s: float) -> s
         "token`), one seed: the tables below. Gain = how much lower prefixrouter's",
         "TTFT is than the best baseline's (a different baseline may be best on mean",
         "and on p99). One seed's p99 can turn on one request; the verdict over four",
-        "seeds, with its spread, follows the table.",
+        "seeds, with its spread, follows the table (Poisson arrivals, then bursty ones).",
         "",
         "| scenario | load | ours mean | best baseline mean | gain | ours p99 | "
         "best baseline p99 | gain | prefill ×bound | TTFT floor mean |",

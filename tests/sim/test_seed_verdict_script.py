@@ -60,6 +60,10 @@ def test_the_table_counts_each_verdict_and_the_twenty_percent_cells() -> None:
     assert "- mean: ahead on 2 cells, level on 1, behind on 0 (of 3)." in text
     # unique is a negative control: not counted among the shared-prefix cells.
     assert "20 % lower mean than the best baseline: 1 of 2 shared-prefix cells" in text
+    # Cells in the summary's order whatever order they ran in; bursts named.
+    assert text.index("| doc-qa |") < text.index("| rag |") < text.index("| unique |")
+    bursty = seed_verdict.markdown(runs, "python benchmarks/seed_verdict.py", 0.0, "gamma:2")
+    assert "### Over seeds 0-1, gamma:2 arrivals" in bursty and "Arrivals: `gamma:2`" in bursty
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
