@@ -54,6 +54,8 @@ from prefixrouter.sim.workload import arrival_cv
 
 OURS = "prefix_aware"
 FIGURES = ("mean", "p99")
+NEGATIVE_CONTROLS = frozenset({"unique", "templates-bad"})
+"""Scenarios with no prefix to reuse: not counted among the shared-prefix cells (issue 15)."""
 
 # scenario, load -> policy -> seed -> {"mean": ms, "p99": ms}
 Runs = dict[tuple[str, float], dict[str, dict[int, dict[str, float]]]]
@@ -198,7 +200,7 @@ def markdown(
             word = v.word if v.word == "level" else f"**{v.word}**"
             row += [_ms(v.change.after), f"{_ms(v.change.before)} ({v.baseline})",
                     v.change.label(), word, f"{v.seeds_lower}/{v.seeds}"]  # fmt: skip
-            if figure == "mean" and name not in ("unique", "templates-bad"):
+            if figure == "mean" and name not in NEGATIVE_CONTROLS:
                 shared += 1
                 twenty += v.change.pct <= -20.0
         lines.append("| " + " | ".join(row) + " |")
@@ -298,9 +300,15 @@ def main() -> None:
     args = parse_args()
     started = time.monotonic()
     if args.from_json is not None:
-        saved = orjson.loads(args.from_json.read_bytes())
-        runs, command, elapsed = _decode(saved["cells"]), saved["command"], saved["elapsed_s"]
-        arrival = str(saved.get("arrival", "poisson"))
+        try:
+            saved = orjson.loads(args.from_json.read_bytes())
+            runs, command, elapsed = _decode(saved["cells"]), saved["command"], saved["elapsed_s"]
+            arrival = str(saved.get("arrival", "poisson"))
+            if not runs or any(OURS not in cell for cell in runs.values()):
+                raise ValueError(f"no cells with {OURS}")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            what = f"{args.from_json} is not a saved run ({exc!r})"
+            raise SystemExit(f"--from-json: {what}") from None
     else:
         runs = measure(args)
         elapsed = time.monotonic() - started

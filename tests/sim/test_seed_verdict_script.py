@@ -114,3 +114,17 @@ def test_every_run_is_asked_for_once() -> None:
     assert {t.scenario for t in todo} >= {"mooncake-conversation", "templates"}
     # Every policy on every cell and seed: the verdict compares them all.
     assert {t.policy for t in todo} == set(policy_names())
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '{"cells": []}', '{"cells": 3, "command": 1, "elapsed_s": 0}',
+     '{"cells": [], "command": "x", "elapsed_s": 0}'],
+)  # fmt: skip
+def test_a_file_that_is_not_a_saved_run_is_refused_by_name(tmp_path: Path, content: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content, encoding="utf-8")
+    done = _run("--from-json", str(bad))
+    assert done.returncode == 1
+    assert f"--from-json: {bad} is not a saved run" in done.stderr
+    assert "Traceback" not in done.stderr
