@@ -66,7 +66,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from sim_results import PROFILE, build
+from sim_results import MOONCAKE_LIMIT, PROFILE, build
 
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cells", default="doc-qa:30000",
                     help="extra cells scenario:blocks, comma-separated ('' for none)")  # fmt: skip
     ap.add_argument("--params", default="{}", help="prefix_aware parameters, JSON, both sides")
-    ap.add_argument("--mooncake-limit", type=int, default=3000)
+    ap.add_argument("--mooncake-limit", type=int, default=MOONCAKE_LIMIT)
     ap.add_argument("--client-max-tokens", type=int, default=0,
                     help="max_tokens clients send, a cap (0: each answer's length)")  # fmt: skip
     ap.add_argument("--scale", type=float, default=1.0,

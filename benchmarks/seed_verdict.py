@@ -1,12 +1,13 @@
 """Ours against the best baseline over several seeds: the summary's verdict, with its spread.
 
 ``RESULTS.md``'s summary compares prefixrouter with the best of the peers'
-policies on one seed. A p99 of 800 requests is the eighth slowest, and on
-the scenarios whose tail is the first cold prefill of each prefix (six
-forms of `templates`, one prompt of `system-prompt`) the ninth slowest can
-be a warm request at a third of the eighth's time: one seed's p99 verdict
-can turn on one request (on `templates` 0.6, seed 0, llm-d's weighted
-scorers' p99 is 49 ms at rank 792 and 75 ms at rank 793). This runs every
+policies on one seed. A p99 of 800 requests is the ninth slowest (nearest
+rank 792), and on the scenarios whose tail is the first cold prefill of
+each prefix (six forms of `templates`, one prompt of `system-prompt`) the
+ninth slowest can be a warm request at two thirds of the eighth's time:
+one seed's p99 verdict can turn on one request (on `templates` 0.6, seed
+0, llm-d's weighted scorers' p99 is 49 ms at rank 792 and the next rank
+75 ms). This runs every
 policy on every scenario (the bundled Mooncake trace's first windows
 included) at each load and seed, token mode, and judges each cell over the
 seeds::
@@ -44,7 +45,7 @@ import orjson
 from policy_diff import TRACES, Change, Job, Shape, change, trace_windows, workload
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from sim_results import PROFILE
+from sim_results import MOONCAKE_LIMIT, PROFILE
 
 from prefixrouter.core.policy import policy_names
 from prefixrouter.sim.profiles import get_profile
@@ -158,7 +159,12 @@ def _ms(v: float) -> str:
 
 
 def markdown(
-    runs: Runs, command: str, elapsed_s: float, arrival: str = "poisson", plot_name: str = ""
+    runs: Runs,
+    command: str,
+    elapsed_s: float,
+    arrival: str = "poisson",
+    plot_name: str = "",
+    trace_requests: int = MOONCAKE_LIMIT,
 ) -> str:
     """The verdict table, one row per cell, and the counts under it."""
     seeds = sorted({s for cell in runs.values() for s in cell[OURS]})
@@ -170,7 +176,7 @@ def markdown(
         "",
         f"Produced by `{command}`{took}{plotted}.",
         "Token mode, every policy, the same requests per",
-        "seed (the trace's seeds are its windows of 3,000 requests). Each figure is",
+        f"seed (the trace's seeds are its windows of {trace_requests:,} requests). Each figure is",
         "the mean over the seeds of that figure; the best baseline is the peer policy",
         "whose seed-mean is lowest; Δ is ours against it, ± the standard error of the",
         "per-seed differences; **ahead** / **behind** beyond two standard errors,",
@@ -266,7 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))  # the trace's included
     ap.add_argument("--loads", default="0.6,0.9")
-    ap.add_argument("--mooncake-limit", type=int, default=3000)
+    ap.add_argument("--mooncake-limit", type=int, default=MOONCAKE_LIMIT)
     ap.add_argument("--arrival", default="poisson",
                     help="the scenarios' arrival process: poisson, gamma or gamma:CV "
                          "(the trace keeps its own times)")  # fmt: skip
@@ -304,6 +310,7 @@ def main() -> None:
             saved = orjson.loads(args.from_json.read_bytes())
             runs, command, elapsed = _decode(saved["cells"]), saved["command"], saved["elapsed_s"]
             arrival = str(saved.get("arrival", "poisson"))
+            trace_requests = int(saved.get("mooncake_limit", MOONCAKE_LIMIT))
             if not runs or any(OURS not in cell for cell in runs.values()):
                 raise ValueError(f"no cells with {OURS}")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -312,18 +319,20 @@ def main() -> None:
     else:
         runs = measure(args)
         elapsed = time.monotonic() - started
-        arrival = args.arrival
+        arrival, trace_requests = args.arrival, args.mooncake_limit
         command = f"python benchmarks/seed_verdict.py --seeds {args.seeds}"
         if args.arrival != "poisson":
             command += f" --arrival {args.arrival}"
         if args.scenarios != ",".join(SCENARIOS):
             command += f" --scenarios {args.scenarios}"
+        if args.mooncake_limit != MOONCAKE_LIMIT:
+            command += f" --mooncake-limit {args.mooncake_limit}"
         if args.json is not None:
             payload = {"command": command, "elapsed_s": elapsed, "arrival": arrival,
-                       "cells": _encode(runs)}  # fmt: skip
+                       "mooncake_limit": trace_requests, "cells": _encode(runs)}  # fmt: skip
             args.json.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2) + b"\n")
     plot_name = args.plot.name if args.plot is not None else ""
-    text = markdown(runs, command, elapsed, arrival, plot_name)
+    text = markdown(runs, command, elapsed, arrival, plot_name, trace_requests)
     if args.markdown is not None:
         args.markdown.write_text(text, encoding="utf-8")
     if args.plot is not None:

@@ -51,6 +51,8 @@ from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
 from prefixrouter.sim.workload import Workload
 
 PROFILE = "llama3-8b-h100"
+MOONCAKE_LIMIT = 3000
+"""Requests of the bundled trace the tables run (``--mooncake-limit``): its first window."""
 
 
 def build(name: str, seed: int, mooncake_limit: int) -> Workload:
@@ -285,7 +287,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks"))
     ap.add_argument("--loads", default="0.6,0.9")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--mooncake-limit", type=int, default=3000)
+    ap.add_argument("--mooncake-limit", type=int, default=MOONCAKE_LIMIT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default=",".join(MODES), help="routing modes to simulate")
     ap.add_argument(

@@ -64,6 +64,11 @@ def test_the_table_counts_each_verdict_and_the_twenty_percent_cells() -> None:
     assert text.index("| doc-qa |") < text.index("| rag |") < text.index("| unique |")
     bursty = seed_verdict.markdown(runs, "python benchmarks/seed_verdict.py", 0.0, "gamma:2")
     assert "### Over seeds 0-1, gamma:2 arrivals" in bursty and "Arrivals: `gamma:2`" in bursty
+    assert "its windows of 3,000 requests" in text
+    windows = seed_verdict.markdown(
+        runs, "python benchmarks/seed_verdict.py", 0.0, trace_requests=1000
+    )
+    assert "its windows of 1,000 requests" in windows
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
