@@ -7,6 +7,7 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -46,6 +47,7 @@ from prefixrouter.core.policies.prefix_aware import (
     margin_limit,
     max_wait_rule,
     no_room_rule,
+    profile_score,
     rendezvous_home,
     score_candidates,
     switch_externality,
@@ -327,6 +329,82 @@ def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
     assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2
 
 
+def test_tie_band_picker_ranks_a_one_offs_near_equal_on_the_profiles_scale() -> None:
+    # w1's score is the highest only because its calibration factor is: on the
+    # profile's scale (the score without the factor) it predicts the least.
+    cs = [scored("w0", 1.0), scored("w1", 1.04, scale=1.1), scored("w2", 1.02)]
+    assert [round(profile_score(c), 3) for c in cs] == [1.0, 0.945, 1.02]
+    ws = workers(3, in_flight=2)
+    ws[2] = replace(ws[2], in_flight=1)
+
+    def one_off(band: float, salt: int = 0) -> int:
+        return tie_band_picker(cs, ws, [0, 1, 2], band, 0, salt, one_off=True)
+
+    assert one_off(0.1) == 1  # fewer in flight does not outrank the profile's lower score
+    assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2  # not one-off: the fewest in flight
+    # Ties on the profile's scale go to the fewest in flight.
+    tied = [scored("w0", 1.0), scored("w1", 1.05, scale=1.05), scored("w2", 1.05, scale=1.05)]
+    assert tie_band_picker(tied, ws, [0, 1, 2], 0.1, 0, one_off=True) == 2
+    # Beyond the band the scales are told apart: the lowest score wins.
+    assert one_off(0.01) == 0
+    # A replica keeps the count: w0 and w1 have two in flight each, so the
+    # lower score wins (w0), not w1's lower profile.
+    assert tie_band_picker(cs, ws, [0, 1], 0.1, 0, 7, one_off=True) == 0
+
+
+def test_a_score_on_the_profiles_scale_is_its_terms_without_the_factor() -> None:
+    c = scored("w0", 0.2, decode=1.5, scale=1.25, score=0.2 + 0.2 * 1.5)
+    assert profile_score(c) == pytest.approx(0.5 / 1.25)
+    # Without terms (a policy that does not use the cost model) the score stays.
+    assert profile_score(CandidateScore(W0, score=0.7)) == 0.7
+
+
+def _near_equal_pair_after(
+    history: Sequence[tuple[str, array[int], WorkerId]], **params: object
+) -> WorkerId:
+    """Where a new question under a shared system prompt goes after ``history``.
+
+    Two workers hold the system prompt; w0's calibration is 8 % below w1's,
+    so their scores are near-equal. w0 has 1 request in flight and 100
+    tokens queued; w1 has 3 in flight and nothing queued: the fewest in
+    flight is w0, the lowest score on the profile's scale is w1.
+    """
+    r = Router(create_policy("prefix_aware", params))
+    calibrate(r, W0, 0.92)
+    calibrate(r, W1, 1.0)
+    for w in (W0, W1):
+        hold(r, w, SYSTEM_PROMPT)
+    ws = workers(2)
+    for k, (rid, toks, to) in enumerate(history):
+        send(r, request(rid, toks), ws, to, float(k))
+    ws[0] = replace(ws[0], in_flight=1, pending_prefill_tokens=100)
+    ws[1] = replace(ws[1], in_flight=3)
+    probe = r.route(request("probe", SYSTEM_PROMPT + tokens(999, 64)), ws, 50.0)
+    return probe.worker_id
+
+
+SYSTEM_PROMPT = tokens(1, 1_600)
+
+
+def test_one_off_questions_go_by_the_profile_session_starts_by_requests_in_flight() -> None:
+    questions = [(f"q{i}", SYSTEM_PROMPT + tokens(100 + i, 64), [W0, W1][i % 2]) for i in range(10)]
+    sessions = []
+    for i in range(10):
+        first = SYSTEM_PROMPT + tokens(100 + i, 64)
+        sessions.append((f"s{i}", first, [W0, W1][i % 2]))
+        sessions.append((f"s{i}-2", first + tokens(300 + i, 64), [W0, W1][i % 2]))
+    # Nobody comes back to a one-off question: only its own first token is at
+    # stake, and w1 gives the sooner one on the profile's scale.
+    assert _near_equal_pair_after(questions) == W1
+    # Every session's first turn was followed by a second: where a first turn
+    # goes, the rest follows, so the count in flight spreads them.
+    assert _near_equal_pair_after(sessions) == W0
+    # Nothing seen yet: the count in flight, as before the policy learned anything.
+    assert _near_equal_pair_after([]) == W0
+    # With the share at 0 every request is ranked by the count.
+    assert _near_equal_pair_after(questions, one_off_reuse_share=0.0) == W0
+
+
 def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() -> None:
     cs = [scored(f"w{i}", 1.0 + i / 100, scale=1.0 + i / 20) for i in range(4)]
     ws = workers(4, in_flight=2)
@@ -505,7 +583,7 @@ def test_holder_band_rule_keeps_the_picked_holder_within_the_band(
     cs = [scored("w0", picked_ttft, decode=1.0), scored("w1", 0.045, decode=2.0)]
     choice = holder_band_rule(cs, 0, 1, SHORT, band, 0.5)
     assert choice.index == (0 if kept else 1) and not choice.abandoned
-    assert ("fewest in flight among holders" in choice.reason) is kept
+    assert ("the picker's holder within the band" in choice.reason) is kept
 
 
 def test_calibration_band_is_the_scales_disagreement_capped() -> None:
@@ -663,7 +741,7 @@ def test_copy_rule_compares_first_tokens_not_scores() -> None:
     target (templates at load 0.6: four such requests were the p99)."""
     holder = scored("w0", 0.045, queue=0.01, decode=2.4, score=0.525)
     target = scored("w1", 0.150, decode=1.6, score=0.470)  # lower score, later first token
-    kept = Choice(0, "fewest in flight among holders")
+    kept = Choice(0, "the picker's holder within the band")
     copy = Choice(1, "hot prefix: warming w1")
     assert copy_rule([holder, target], kept, copy) is kept
     sooner = scored("w1", 0.045, decode=1.6, score=0.365)  # no later: it makes the copy

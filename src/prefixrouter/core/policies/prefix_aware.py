@@ -35,10 +35,12 @@ pure function whose docstring states its rule:
    share of each worker's slots for requests that follow no cached prefix.
 3. **picker** (:func:`deepest_holders`, :func:`tie_band_picker`): the best
    of the warm workers holding the deepest prefix; scores within the tie band
-   count as equal, and among those the fewest in flight wins (on a router
-   replica, ``Router(replica_salt=)``, the fewer in flight of two of them
-   drawn per request, so replicas that share a stale view do not all pick
-   the same worker; a prefix's rendezvous home stays the same everywhere).
+   count as equal, and among those the fewest in flight wins, or for
+   one-off traffic (what such requests bring is rarely reused later) the
+   lowest score on the profile's scale (on a router replica,
+   ``Router(replica_salt=)``, the fewer in flight of two of them drawn per
+   request, so replicas that share a stale view do not all pick the same
+   worker; a prefix's rendezvous home stays the same everywhere).
 4. **rules**, in order, each of which may leave the picker's choice:
    :func:`hot_prefix_rule` (warm another replica for a prefix in demand),
    :func:`idle_copy_rule` (a copy the router makes itself into an idle
@@ -258,7 +260,15 @@ class PrefixAwareParams:
             what its running requests hold (see ``copy_room_filter``).
         tie_band_rel: Cap on the tie band: scores within the candidates'
             calibration disagreement (at most this share) of the best count as
-            equal, and among them the fewest requests in flight wins.
+            equal, and among them the fewest requests in flight wins, or for
+            one-off traffic the lowest score on the profile's scale (see
+            ``one_off_reuse_share``).
+        one_off_reuse_share: A request is one-off when, of the requests that
+            brought new content after the same cached head, less than this
+            share had it reused by a later request (a session's next turn, a
+            document's next question); its near-equal are then ranked by the
+            profile's score, since only its own first token is at stake
+            (``tie_band_picker``). 0 ranks every request by requests in flight.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
         reference_batch: Batch size assumed when estimating per-request decode service.
@@ -301,6 +311,7 @@ class PrefixAwareParams:
     copy_max_kv_share: float = 0.8
     copy_min_prefix_share: float = 0.5
     tie_band_rel: float = 0.1
+    one_off_reuse_share: float = 0.5
     demand_window_s: float = 10.0
     burst_samples: int = 8
     reference_batch: int = 32
@@ -325,6 +336,7 @@ class _Demand:
     # Workers that sent a first token for a request of this prefix: its
     # prefill is done there, whatever the index still calls speculative.
     prefilled: tuple[WorkerId, ...] = ()
+    reuse: _Reuse | None = None
 
     def count(self, now: float, tau: float) -> None:
         """Add an arrival at ``now`` to the decayed count (time constant ``tau``)."""
@@ -342,6 +354,41 @@ class _Demand:
         self.rate = rate if rate > 0.0 else 0.0
         if t in self.recent:
             self.recent.remove(t)
+
+
+REUSE_MEMORY = 64.0
+"""Requests with new content a head's reuse share remembers (halved past it)."""
+
+
+@dataclass(slots=True)
+class _Reuse:
+    """How often the new content that followed one head was reused later.
+
+    A request's *head* is the deepest tracked prefix (1, 2, 4, ... blocks)
+    within its longest cached match, or none (the policy's root record); its
+    *new content* the blocks past that match. ``new`` counts the requests
+    that brought new content after this head, ``reused`` those whose new
+    content a later request matched; both are halved once ``new`` passes
+    :data:`REUSE_MEMORY`, so the share follows a change of traffic. Sessions
+    under one system prompt, and documents asked about more than once, have
+    a share near 1: where such a request goes, later ones follow. One-off
+    questions under a shared system prompt or template, and a document's
+    questions, have a share near 0.
+    """
+
+    new: float = 0.0
+    reused: float = 0.0
+
+    def started(self) -> None:
+        """One more request brought new content after this head."""
+        self.new += 1.0
+        if self.new > REUSE_MEMORY:
+            self.new *= 0.5
+            self.reused *= 0.5
+
+    def one_off(self, share: float) -> bool:
+        """Whether less than ``share`` of the new content was reused (no record: False)."""
+        return self.new > 0.0 and self.reused < share * self.new
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +423,10 @@ class PrefixAwarePolicy(Policy):
         self._copy_budget: dict[WorkerId, TokenBucket] = {}
         # Every routing of the fleet (peers' too), for the arrivals a copy delays.
         self._arrivals = _Demand(0.0, 0.0, deque(maxlen=0))
+        # New content not yet reused: its marking block hash -> the head's
+        # record (see _count_reuse); oldest first, for the bound.
+        self._unreused: dict[int, _Reuse] = {}
+        self._root_reuse = _Reuse()  # requests that matched nothing
 
     # ----------------------------------------------------------------- select
 
@@ -403,7 +454,9 @@ class PrefixAwarePolicy(Policy):
         deepest, holders = deepest_holders(scored, warm_ok)
         salt = _request_salt(ctx)
         band = calibration_band(scored, holders, p.tie_band_rel)
-        picked = tie_band_picker(scored, candidates, holders, band, _argmin(scored, holders), salt)
+        picked = tie_band_picker(
+            scored, candidates, holders, band, _argmin(scored, holders), salt, self._one_off(ctx)
+        )
         # 4. The rules, in order; each may leave the picker's choice.
         picked_id = scored[picked].worker_id
         settled = self._settled(ctx, picked_id)
@@ -574,10 +627,14 @@ class PrefixAwarePolicy(Policy):
             # None is warm, so `best` is the best of all.
             everyone = range(len(scored))
             band = calibration_band(scored, everyone, p.tie_band_rel)
-            pick = tie_band_picker(scored, candidates, everyone, band, best, _request_salt(ctx))
+            one_off = self._one_off(ctx)
+            pick = tie_band_picker(
+                scored, candidates, everyone, band, best, _request_salt(ctx), one_off
+            )
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
-                reason = "no reusable prefix anywhere: fewest in flight among near-equal"
+                among = "lowest on the profile's scale" if one_off else "fewest in flight"
+                reason = f"no reusable prefix anywhere: {among} among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         home, near = rendezvous_home(scored, best, hashes[0], p.short)
         reason = f"no reusable prefix anywhere: its home among {near} within margin"
@@ -671,6 +728,62 @@ class PrefixAwarePolicy(Policy):
                 d = demand[key] = _Demand(0.0, now, recent)
             d.count(now, tau)
             depth <<= 1
+        self._count_reuse(ctx)
+
+    def _count_reuse(self, ctx: RoutingContext) -> None:
+        """Count the earlier new content this request reuses, then its own.
+
+        Each request's new content (past its longest match) is marked by one
+        block hash: its first tracked depth past the match, or its last block
+        when its prompt ends first (a session's short turn). A later request
+        reuses it when its own match covers that block, which is checked at
+        the tracked depths within its match and at the match's last block
+        (the whole earlier prompt: a session's next turn): O(log n), no walk
+        over the blocks. A mark counts once and is forgotten; at most
+        ``max_tracked_prefixes`` are kept, the oldest dropped first (a mark
+        that old counts as not reused).
+        """
+        hashes = ctx.blocks.hashes
+        matched = _deepest_match(ctx)
+        unreused = self._unreused
+        if unreused and matched:
+            depth = 1
+            while depth <= matched:
+                reuse = unreused.pop(hashes[depth - 1], None)
+                if reuse is not None:
+                    reuse.reused += 1.0
+                depth <<= 1
+            reuse = unreused.pop(hashes[matched - 1], None)
+            if reuse is not None:
+                reuse.reused += 1.0
+        mark = _reuse_mark(hashes, matched)
+        if mark is None or mark in unreused:
+            return
+        head = self._head_reuse(ctx, matched)
+        if head is not None:
+            if len(unreused) >= self.params.max_tracked_prefixes:
+                unreused.pop(next(iter(unreused)))
+            unreused[mark] = head
+            head.started()
+
+    def _head_reuse(self, ctx: RoutingContext, matched: int) -> _Reuse | None:
+        """The reuse record of the head within ``matched`` blocks (None: its demand was dropped)."""
+        if matched <= 0:
+            return self._root_reuse
+        d = self._demand.get(_tracked_key(ctx.blocks.hashes, matched))
+        if d is None:
+            return None
+        if d.reuse is None:
+            d.reuse = _Reuse()
+        return d.reuse
+
+    def _one_off(self, ctx: RoutingContext) -> bool:
+        """Whether later requests rarely reuse what requests like this bring (:class:`_Reuse`)."""
+        share = self.params.one_off_reuse_share
+        if share <= 0.0:
+            return False
+        reuse = self._head_reuse(ctx, _deepest_match(ctx))
+        return reuse is not None and reuse.one_off(share)
 
     def on_first_token(self, ctx: RoutingContext, worker: WorkerId) -> None:
         # The prefill is done on `worker`: each tracked prefix of the request
@@ -711,6 +824,12 @@ class PrefixAwarePolicy(Policy):
         tau = self.params.demand_window_s
         t = ctx.now
         self._arrivals.uncount(t, tau)
+        # Its new content was never prefilled: nothing to reuse (the reuse of
+        # earlier content it counted stands: its user did come back to it).
+        mark = _reuse_mark(ctx.blocks.hashes, _deepest_match(ctx))
+        reuse = None if mark is None else self._unreused.pop(mark, None)
+        if reuse is not None:
+            reuse.new = reuse.new - 1.0 if reuse.new > 1.0 else 0.0
         demand = self._demand
         hashes = ctx.blocks.hashes
         n = len(hashes)
@@ -867,6 +986,7 @@ def tie_band_picker(
     band: float,
     best: int,
     salt: int = 0,
+    one_off: bool = False,
 ) -> int:
     """Picker: the best of ``indices``, where scores within a tie band of the best count as equal.
 
@@ -883,6 +1003,19 @@ def tie_band_picker(
     one with the fewest requests in flight wins, then the lowest score. With
     one candidate, or scales that agree, the lowest score wins.
 
+    The count in flight is the right key where later requests follow this
+    one (a session's first turn, a new document: the placement is kept, and
+    the count spreads the sessions and documents each worker carries). A
+    ``one_off`` request (``PrefixAwarePolicy._one_off``: what requests like it
+    bring is rarely reused) brings nothing later, so only its own first
+    token and answer are at stake: among the near-equal the lowest
+    :func:`profile_score` wins (the score without the calibration factor,
+    which within the band cannot be told apart: the workers' queued prefill,
+    decode batch and memory as the profile predicts them), then the fewest
+    in flight. Ranked by the count instead, a one-off often went to the
+    worker whose last prefill was still running, which had as many in
+    flight as a free one (``benchmarks/decision_quality_notes.md``).
+
     ``salt`` (this request's on this router replica, :func:`_request_salt`;
     0 for one router) is for replicas that route on one view until their
     peers' routings reach them: sent to the fewest in flight, every request
@@ -893,7 +1026,9 @@ def tie_band_picker(
     choices", which that paper shows keeps balancing on stale loads), so
     replicas, and one replica's successive requests, spread over the
     workers that count as equal. With two near-equal or fewer the salt
-    changes nothing. Scales that agree (no band) still leave exact ties
+    changes nothing. A replica ranks by the count even for a one-off: its
+    view lacks its peers' latest routings, so the count is what it knows,
+    and the classic two choices rank by it. Scales that agree (no band) still leave exact ties
     (idle workers that no cache warms, as when a fleet starts): one router
     takes the earliest, a replica draws among them as above, since each
     replica taking the earliest would send a burst that reaches several
@@ -906,7 +1041,32 @@ def tie_band_picker(
     if salt and len(near) > 2:
         # Two choices among the near-equal, drawn by the salt (see above).
         near = heapq.nlargest(2, near, key=lambda i: _rendezvous(salt, scored[i].worker_id))
+    elif one_off and not salt:
+        return min(
+            near, key=lambda i: (profile_score(scored[i]), candidates[i].in_flight, scored[i].score)
+        )
     return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
+
+
+PROFILE_SCORE_RESOLUTION_S = 1e-6
+"""Profile scores this close are equal: workers in one state differ only by the
+rounding of their factors (a microsecond is far below any prediction's difference)."""
+
+
+def profile_score(candidate: CandidateScore) -> float:
+    """A candidate's score without its worker's calibration factor: as the profile predicts it.
+
+    Every term of a score is the profile's prediction times the worker's
+    factor (``CostModel.predict``), so this puts candidates whose factors
+    cannot be told apart (:func:`tie_band_picker`) on one scale, to
+    :data:`PROFILE_SCORE_RESOLUTION_S` (workers in one state tie, and the
+    picker's next keys decide). A candidate without terms keeps its score.
+    """
+    t = candidate.terms
+    if t is None or t.scale <= 0.0:
+        return candidate.score
+    steps = round(candidate.score / t.scale / PROFILE_SCORE_RESOLUTION_S)
+    return steps * PROFILE_SCORE_RESOLUTION_S
 
 
 def calibration_band(scored: Sequence[CandidateScore], indices: Iterable[int], cap: float) -> float:
@@ -1377,8 +1537,9 @@ def holder_band_rule(
     """Rule 4b, between holders: keep the picker's holder while its first token is within
     the calibration band of the best's, when the best holds the deepest prefix too.
 
-    The picker took ``picked``, the fewest in flight among the holders whose
-    *scores* are within the tie band of the best. A score puts the expected
+    The picker took ``picked`` among the holders whose *scores* are within
+    the tie band of the best (the fewest in flight, or for a one-off the
+    lowest :func:`profile_score`). A score puts the expected
     answer's decode (weighed by ``decode_weight``) beside the first token: a
     few hundred tokens of answer are seconds of decode against tens of
     milliseconds of TTFT, so a band of 10 % of the score can span a first
@@ -1398,7 +1559,7 @@ def holder_band_rule(
     limit = best_switch * (1.0 + band)
     if picked_switch <= limit:
         reason = (
-            f"fewest in flight among holders: {picked_switch * 1e3:.0f} ms <= "
+            f"the picker's holder within the band: {picked_switch * 1e3:.0f} ms <= "
             f"{limit * 1e3:.0f} ms (best holder {b.worker_id} {best_switch * 1e3:.0f} ms)"
         )
         return Choice(picked, reason)
@@ -1612,6 +1773,26 @@ def _tracked_key(hashes: Sequence[int], blocks: int) -> int:
     """The demand table's key for a prefix of ``blocks`` blocks (``blocks`` >= 1): the
     hash ending the deepest tracked prefix it covers."""
     return hashes[_tracked_depth(blocks) - 1]
+
+
+def _deepest_match(ctx: RoutingContext) -> int:
+    """Blocks of the longest prefix any worker holds, at most the prompt's."""
+    n = len(ctx.blocks.hashes)
+    deepest = max((m.blocks for m in ctx.matches.values()), default=0)
+    return deepest if deepest < n else n
+
+
+def _reuse_mark(hashes: Sequence[int], matched: int) -> int | None:
+    """The block hash that marks new content past ``matched`` blocks (None: none).
+
+    The first tracked depth (1, 2, 4, ... blocks) past the match, or the last
+    block when the prompt ends before it (``PrefixAwarePolicy._count_reuse``).
+    """
+    n = len(hashes)
+    if n <= matched:
+        return None
+    first = 1 << matched.bit_length()
+    return hashes[first - 1 if first <= n else n - 1]
 
 
 def _request_salt(ctx: RoutingContext) -> int:
