@@ -25,7 +25,12 @@ standard error of the per-seed differences (paired: the same requests,
 standard errors, else *level*; and on how many seeds ours was the lower.
 Seeds of the trace are its windows of ``--mooncake-limit`` requests, as in
 ``policy_diff.py`` (one owner: its ``workload``). ``--from-json`` rewrites
-the markdown and plot from a saved run without simulating.
+the markdown and plot from a saved run without simulating. After a change
+to ``prefix_aware`` alone, ``--peers-from`` takes the peers' runs from a
+saved run (same arrivals, trace windows, cells and seeds; refused by name
+otherwise) and simulates only ours: a twelfth of the time. Use it only when
+nothing else the peers run on changed (the simulator, the profiles, the
+workloads): ``git log`` on those since the saved run says so.
 
 Deterministic (the simulator is); about 30 minutes for four seeds on two
 cores with ``--processes 2``.
@@ -97,15 +102,44 @@ def tasks(args: argparse.Namespace) -> list[Task]:
         for load in args.loads.split(",")
         for policy in policy_names()
         for seed in (trace_seeds if name in TRACES else seeds)
+        if args.peers_from is None or policy == OURS
     ]
     slow = {"llmd-customers", "mooncake-conversation"}
     return sorted(out, key=lambda t: t.scenario not in slow)
 
 
-def measure(args: argparse.Namespace) -> Runs:
-    """Every task's figures, in a process pool, with a progress bar."""
-    todo = tasks(args)
+def peer_runs(saved: dict[str, Any], args: argparse.Namespace) -> Runs:
+    """The peers' runs of every cell and seed ``args`` asks for, from a saved run.
+
+    Raises ValueError naming what does not match: the arrivals, the trace's
+    windows, or a cell, policy or seed the saved run lacks.
+    """
+    if saved.get("arrival", "poisson") != args.arrival:
+        raise ValueError(
+            f"its arrivals are {saved.get('arrival', 'poisson')!r}, not {args.arrival!r}"
+        )
+    if int(saved.get("mooncake_limit", MOONCAKE_LIMIT)) != args.mooncake_limit:
+        raise ValueError(f"its trace windows are {saved.get('mooncake_limit')} requests")
     runs: Runs = {}
+    have = _decode(saved["cells"])
+    peers = [p for p in policy_names() if p != OURS]
+    for task in tasks(args):
+        cell = (task.scenario, task.load)
+        got = have.get(cell, {})
+        for policy in peers:
+            figures = got.get(policy, {}).get(task.seed)
+            if figures is None:
+                what = f"{task.scenario} at {task.load}, seed {task.seed}"
+                raise ValueError(f"no {policy} run of {what}")
+            runs.setdefault(cell, {}).setdefault(policy, {})[task.seed] = figures
+    return runs
+
+
+def measure(args: argparse.Namespace, peers: Runs | None = None) -> Runs:
+    """Every task's figures, in a process pool, with a progress bar (``peers``: the
+    peer policies' runs, already known; only ours is simulated)."""
+    todo = tasks(args)
+    runs: Runs = {cell: dict(by) for cell, by in (peers or {}).items()}
     columns = (TextColumn("policy x scenario x load x seed"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())  # fmt: skip
     with Progress(*columns, console=Console(stderr=True)) as progress:
@@ -168,7 +202,12 @@ def markdown(
 ) -> str:
     """The verdict table, one row per cell, and the counts under it."""
     seeds = sorted({s for cell in runs.values() for s in cell[OURS]})
-    took = f" ({elapsed_s / 60:.0f} minutes on the 2-core development machine)" if elapsed_s else ""
+    minutes = round(elapsed_s / 60)
+    spent = f"{minutes} minute{'' if minutes == 1 else 's'} on the 2-core development machine"
+    took = f" ({spent})" if elapsed_s else ""
+    if took and "--peers-from" in command:
+        peers = "the peers' runs taken from a saved run of the same cells and seeds"
+        took = f" (ours: {spent}; {peers})"
     arrivals = "" if arrival == "poisson" else f", {arrival} arrivals"
     plotted = f"; plot: `results/{plot_name}`" if plot_name else ""
     lines = [
@@ -281,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--markdown", type=Path, help="write the verdict table here")
     ap.add_argument("--plot", type=Path, help="write the verdict plot (PNG) here")
     ap.add_argument("--from-json", type=Path, help="judge a saved run (no simulation)")
+    ap.add_argument("--peers-from", type=Path,
+                    help="the peers' runs from this saved run; simulate only ours")  # fmt: skip
     args = ap.parse_args(argv)
     known = {*SCENARIOS, *TRACES}
     for name in args.scenarios.split(","):
@@ -297,8 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--arrival: {exc}")
     if not seeds or min(seeds) < 0:
         ap.error("--seeds: one or more seeds, 0 or more")
-    if args.from_json is not None and not args.from_json.is_file():
-        ap.error(f"--from-json: no file {args.from_json}")
+    for flag, path in (("--from-json", args.from_json), ("--peers-from", args.peers_from)):
+        if path is not None and not path.is_file():
+            ap.error(f"{flag}: no file {path}")
     return args
 
 
@@ -317,7 +359,13 @@ def main() -> None:
             what = f"{args.from_json} is not a saved run ({exc!r})"
             raise SystemExit(f"--from-json: {what}") from None
     else:
-        runs = measure(args)
+        peers = None
+        if args.peers_from is not None:
+            try:
+                peers = peer_runs(orjson.loads(args.peers_from.read_bytes()), args)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise SystemExit(f"--peers-from: {args.peers_from}: {exc}") from None
+        runs = measure(args, peers)
         elapsed = time.monotonic() - started
         arrival, trace_requests = args.arrival, args.mooncake_limit
         command = f"python benchmarks/seed_verdict.py --seeds {args.seeds}"
@@ -327,6 +375,8 @@ def main() -> None:
             command += f" --scenarios {args.scenarios}"
         if args.mooncake_limit != MOONCAKE_LIMIT:
             command += f" --mooncake-limit {args.mooncake_limit}"
+        if args.peers_from is not None:
+            command += f" --peers-from {args.peers_from.name}"
         if args.json is not None:
             payload = {"command": command, "elapsed_s": elapsed, "arrival": arrival,
                        "mooncake_limit": trace_requests, "cells": _encode(runs)}  # fmt: skip

@@ -96,6 +96,24 @@ def test_a_run_and_its_saved_figures_give_the_same_table(tmp_path: Path) -> None
     )
     assert replay.returncode == 0, replay.stderr
     assert again.read_text(encoding="utf-8") == text
+    # Ours simulated again, the peers' runs taken from the saved one: the same verdict.
+    ours_only = tmp_path / "ours.md"
+    cell = ("--scenarios", "system-prompt", "--loads", "0.6", "--processes", "1")
+    redone = _run(*cell, "--seeds", "0,1", "--peers-from", str(saved), "--markdown", str(ours_only))
+    assert redone.returncode == 0, redone.stderr
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [line for line in ours_only.read_text().splitlines() if line.startswith("| ")] == rows
+    assert "--peers-from v.json" in ours_only.read_text()
+    # A seed, or arrivals, the saved run does not have: refused by name.
+    refusals = [
+        (("--seeds", "0,1,2"), "run of system-prompt at 0.6, seed 2"),
+        (("--seeds", "0,1", "--arrival", "gamma:2"), "its arrivals are 'poisson'"),
+    ]
+    for extra, message in refusals:
+        refused = _run(*cell, *extra, "--peers-from", str(saved))
+        assert refused.returncode == 1, refused.stderr
+        assert f"--peers-from: {saved}: " in refused.stderr and message in refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 @pytest.mark.parametrize(
@@ -105,6 +123,7 @@ def test_a_run_and_its_saved_figures_give_the_same_table(tmp_path: Path) -> None
         (["--arrival", "gamma:-1"], "--arrival: unknown arrival process 'gamma:-1'"),
         (["--seeds", "a"], "--seeds / --loads"),
         (["--from-json", "/nonexistent/v.json"], "--from-json: no file"),
+        (["--peers-from", "/nonexistent/v.json"], "--peers-from: no file"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> None:
