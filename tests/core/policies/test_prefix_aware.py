@@ -337,8 +337,8 @@ def test_tie_band_picker_ranks_a_one_offs_near_equal_on_the_profiles_scale() -> 
     ws = workers(3, in_flight=2)
     ws[2] = replace(ws[2], in_flight=1)
 
-    def one_off(band: float, salt: int = 0) -> int:
-        return tie_band_picker(cs, ws, [0, 1, 2], band, 0, salt, one_off=True)
+    def one_off(band: float) -> int:
+        return tie_band_picker(cs, ws, [0, 1, 2], band, 0, one_off=True)
 
     assert one_off(0.1) == 1  # fewer in flight does not outrank the profile's lower score
     assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2  # not one-off: the fewest in flight
@@ -360,14 +360,18 @@ def test_a_score_on_the_profiles_scale_is_its_terms_without_the_factor() -> None
 
 
 def _near_equal_pair_after(
-    history: Sequence[tuple[str, array[int], WorkerId]], **params: object
+    history: Sequence[tuple[str, array[int], WorkerId]],
+    *,
+    refused: frozenset[str] = frozenset(),
+    **params: object,
 ) -> WorkerId:
     """Where a new question under a shared system prompt goes after ``history``.
 
     Two workers hold the system prompt; w0's calibration is 8 % below w1's,
     so their scores are near-equal. w0 has 1 request in flight and 100
     tokens queued; w1 has 3 in flight and nothing queued: the fewest in
-    flight is w0, the lowest score on the profile's scale is w1.
+    flight is w0, the lowest score on the profile's scale is w1. ``refused``:
+    the ids of the requests of ``history`` that the engine refused.
     """
     r = Router(create_policy("prefix_aware", params))
     calibrate(r, W0, 0.92)
@@ -376,7 +380,9 @@ def _near_equal_pair_after(
         hold(r, w, SYSTEM_PROMPT)
     ws = workers(2)
     for k, (rid, toks, to) in enumerate(history):
-        send(r, request(rid, toks), ws, to, float(k))
+        sent = send(r, request(rid, toks), ws, to, float(k))
+        if rid in refused:
+            r.on_rejected(sent, float(k))
     ws[0] = replace(ws[0], in_flight=1, pending_prefill_tokens=100)
     ws[1] = replace(ws[1], in_flight=3)
     probe = r.route(request("probe", SYSTEM_PROMPT + tokens(999, 64)), ws, 50.0)
@@ -401,6 +407,20 @@ def test_one_off_questions_go_by_the_profile_session_starts_by_requests_in_fligh
     assert _near_equal_pair_after(sessions) == W0
     # Nothing seen yet: the count in flight, as before the policy learned anything.
     assert _near_equal_pair_after([]) == W0
+    # Questions the engine refused were never prefilled: they teach nothing.
+    # Three-turn sessions (20 of 30 turns' new content reused), then twelve
+    # refused one-off questions: counted, they would make the head one-off.
+    three_turns = []
+    for i in range(10):
+        turn = SYSTEM_PROMPT + tokens(100 + i, 64)
+        for t in range(3):
+            three_turns.append((f"s{i}-{t}", turn, [W0, W1][i % 2]))
+            turn = turn + tokens(300 + 10 * i + t, 64)
+    refused = [(f"r{i}", SYSTEM_PROMPT + tokens(700 + i, 64), W0) for i in range(12)]
+    ids = frozenset(rid for rid, _, _ in refused)
+    assert _near_equal_pair_after(three_turns) == W0
+    assert _near_equal_pair_after([*three_turns, *refused], refused=ids) == W0
+    assert _near_equal_pair_after([*three_turns, *refused]) == W1  # not refused: one-off
     # With the share at 0 every request is ranked by the count.
     assert _near_equal_pair_after(questions, one_off_reuse_share=0.0) == W0
 

@@ -759,21 +759,22 @@ class PrefixAwarePolicy(Policy):
         mark = _reuse_mark(hashes, matched)
         if mark is None or mark in unreused:
             return
-        head = self._head_reuse(ctx, matched)
+        head = self._head_reuse(ctx, matched, create=True)
         if head is not None:
             if len(unreused) >= self.params.max_tracked_prefixes:
                 unreused.pop(next(iter(unreused)))
             unreused[mark] = head
             head.started()
 
-    def _head_reuse(self, ctx: RoutingContext, matched: int) -> _Reuse | None:
-        """The reuse record of the head within ``matched`` blocks (None: its demand was dropped)."""
+    def _head_reuse(self, ctx: RoutingContext, matched: int, create: bool) -> _Reuse | None:
+        """The reuse record of the head within ``matched`` blocks, made if ``create``
+        (None: none yet, or the head's demand was dropped)."""
         if matched <= 0:
             return self._root_reuse
         d = self._demand.get(_tracked_key(ctx.blocks.hashes, matched))
         if d is None:
             return None
-        if d.reuse is None:
+        if d.reuse is None and create:
             d.reuse = _Reuse()
         return d.reuse
 
@@ -782,7 +783,8 @@ class PrefixAwarePolicy(Policy):
         share = self.params.one_off_reuse_share
         if share <= 0.0:
             return False
-        reuse = self._head_reuse(ctx, _deepest_match(ctx))
+        # Read only: a routing decision leaves the records as it found them.
+        reuse = self._head_reuse(ctx, _deepest_match(ctx), create=False)
         return reuse is not None and reuse.one_off(share)
 
     def on_first_token(self, ctx: RoutingContext, worker: WorkerId) -> None:
