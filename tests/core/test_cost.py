@@ -48,6 +48,35 @@ def test_memory_risk_when_kv_is_short() -> None:
     assert cm.predict(tight, 4_000, 0, 0.0, 100).memory_risk_s > 0
 
 
+def test_the_freed_memory_wait_counts_what_finishing_requests_free_not_the_prefix_they_share() -> (
+    None
+):
+    # 40 questions about one 20,000-token document (1,250 blocks, held by all
+    # of them) each hold 12 blocks of their own: finishing frees those 480
+    # blocks, not the document's. A request 240 blocks short waits for half
+    # of the running batch to drain, not a seventh (memory_risk's reading).
+    cm = CostModel()
+    needed = -(-(100 + 100) // 16)  # the new request's question and answer, in blocks
+    capacity = 1_800
+    used = capacity - needed + 240
+    tight = replace(W, decoding=40, decode_tokens_remaining=4_000, context_tokens=40 * 20_100,
+                    kv_capacity_blocks=capacity, kv_used_blocks=used,
+                    decoding_own_tokens=40 * 12 * 16)  # fmt: skip
+    drain = 100 * W.profile.decode_step_time(40, 40 * 20_100)  # 100 tokens left each
+    terms = cm.predict(tight, 20_100, 20_000, 1.0, 100)
+    assert terms.memory_risk_freed_s == pytest.approx(240 / 480 * drain)
+    assert terms.memory_risk_s == pytest.approx(240 / used * drain)  # unchanged, and in the TTFT
+    assert terms.ttft_s == pytest.approx(
+        terms.queue_wait_s + terms.prefill_s + terms.decode_impact_s + terms.memory_risk_s
+    )
+    # Without the ledger's count (a view no ledger filled) the used blocks stand in.
+    unknown = cm.predict(replace(tight, decoding_own_tokens=0), 20_100, 20_000, 1.0, 100)
+    assert unknown.memory_risk_freed_s == pytest.approx(unknown.memory_risk_s)
+    # With room there is no wait either way.
+    roomy = cm.predict(replace(tight, kv_used_blocks=100), 20_100, 20_000, 1.0, 100)
+    assert roomy.memory_risk_freed_s == roomy.memory_risk_s == 0.0
+
+
 def test_full_slots_add_a_wait() -> None:
     cm = CostModel()
     free = replace(W, max_slots=4, in_flight=3, decoding=3, decode_tokens_remaining=300)

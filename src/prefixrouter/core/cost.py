@@ -22,7 +22,7 @@ For a request of ``T`` prompt tokens of which worker ``w`` holds the first
   shortfall's share of the used blocks times the time the running batch takes
   to drain.
 
-Two further terms are not part of this request's TTFT; policies may weigh them:
+Three further terms are not part of this request's TTFT; policies may weigh them:
 
 * ``decode_s``: the expected time to generate ``O`` tokens on ``w`` with the
   batch it would join;
@@ -30,6 +30,20 @@ Two further terms are not part of this request's TTFT; policies may weigh them:
   prompt would evict from ``w``'s full cache (``evicted_tokens``, given by the
   caller from the prefix index). It is the price of copying a prefix: another
   request will likely have to recompute what was evicted.
+* ``memory_risk_freed_s``: the same head-of-line wait as ``memory_risk``,
+  with the shortfall counted against the blocks the running requests free as
+  they finish (``WorkerView.decoding_own_tokens``: their own uncached prompts
+  and outputs) instead of all used blocks. A prefix the readers share stays
+  held until the last of them ends, so on a worker whose KV holds documents
+  pinned by their readers the used blocks overstate what finishing frees
+  many times over (``memory_risk`` predicted waits of 5-8 s as 0.1-1 s in the
+  simulator). It is the better prediction of that wait, but used for every
+  choice it made the router leave a document's busy holder for a cold worker
+  more often, and each such copy evicts a context that is asked for again
+  (``benchmarks/tried/kv_admission_own_blocks.patch``); ``prefix_aware``
+  reads it only to rank the holders of one prefix among themselves, where
+  nothing is copied. Without the ledger's count (a view no ledger filled)
+  the used blocks stand in, as in ``memory_risk``.
 
 Calibration: each worker has a scale factor (start 1) applied to every time
 term. After each request the driver reports the observed TTFT; the factor
@@ -93,6 +107,7 @@ class CostTerms:
     decode_s: float
     eviction_s: float = 0.0
     scale: float = 1.0
+    memory_risk_freed_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -208,7 +223,7 @@ class CostModel:
             steps = 1
         impact = steps * decode_step
 
-        risk = 0.0
+        risk = freed_risk = 0.0
         block = w.block_size
         block = block if block > 1 else 1
         # Engines admit first come, first served and a request that does not
@@ -223,6 +238,11 @@ class CostModel:
             shortfall = min(1.0, (needed - free) / max(1, w.kv_used_blocks))
             drain = (w.decode_tokens_remaining / decoding) * decode_step
             risk = shortfall * drain
+            # What a finishing request frees is its own blocks; a prefix the
+            # running requests share is held until the last of them ends.
+            own = w.decoding_own_tokens // block
+            freed = own if own > 0 else w.kv_used_blocks
+            freed_risk = min(1.0, (needed - free) / max(1, freed)) * drain
 
         own_step = prof.decode_step_time(batch + 1, batch_context + prompt_tokens)
         decode = output_tokens * own_step
@@ -234,8 +254,9 @@ class CostModel:
         # By keyword: `scale` passed positionally once landed in a term slot,
         # which left calibration converging to the square root of the error.
         return CostTerms(
-            queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, scale=s
-        )
+            queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, scale=s,
+            memory_risk_freed_s=freed_risk * s,
+        )  # fmt: skip
 
     def observe(self, worker: WorkerId, predicted: CostTerms, observed_ttft_s: float) -> None:
         """Move the worker's scale toward what one request's TTFT showed.

@@ -44,6 +44,9 @@ class WorkerLoad:
     decode_tokens_remaining: int = 0
     context_tokens: int = 0
     queued_prompt_tokens: int = 0
+    # The decoding requests' own KV (uncached prompt and output): what their
+    # ends free; a prefix they share stays held until the last of them ends.
+    decoding_own_tokens: int = 0
     # When the engine started on the head of the pending prefill (module
     # doc); meaningful only while pending_prefill_tokens > 0.
     prefill_since: float = 0.0
@@ -112,6 +115,7 @@ class InflightLedger:
         load.decoding += 1
         load.decode_tokens_remaining += item.output_tokens
         load.context_tokens += item.prompt_tokens
+        load.decoding_own_tokens += item.uncached_tokens + item.output_tokens
 
     def on_completed(self, request_id: RequestId) -> None:
         """The request finished, failed or was cancelled: it no longer loads its worker."""
@@ -125,6 +129,7 @@ class InflightLedger:
             load.decoding -= 1
             load.decode_tokens_remaining -= item.output_tokens
             load.context_tokens -= item.prompt_tokens
+            load.decoding_own_tokens -= item.uncached_tokens + item.output_tokens
         else:
             load.pending_prefill_tokens -= item.uncached_tokens
             load.queued_prompt_tokens -= item.prompt_tokens
@@ -141,6 +146,7 @@ class InflightLedger:
         view.decode_tokens_remaining = load.decode_tokens_remaining
         view.context_tokens = load.context_tokens
         view.queued_prompt_tokens = load.queued_prompt_tokens
+        view.decoding_own_tokens = load.decoding_own_tokens
         return view
 
     def drop_worker(self, worker: WorkerId) -> list[RequestId]:

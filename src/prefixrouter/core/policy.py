@@ -120,6 +120,7 @@ class CandidateScore:
                 prefill_ms=round(t.prefill_s * 1e3, 3),
                 decode_impact_ms=round(t.decode_impact_s * 1e3, 3),
                 memory_risk_ms=round(t.memory_risk_s * 1e3, 3),
+                memory_risk_freed_ms=round(t.memory_risk_freed_s * 1e3, 3),
                 decode_ms=round(t.decode_s * 1e3, 3),
                 eviction_ms=round(t.eviction_s * 1e3, 3),
             )

@@ -202,6 +202,9 @@ class WorkerView:
         context_tokens: KV tokens held by running requests (attended by each decode step).
         queued_prompt_tokens: Prompt tokens of requests sent and not yet decoding:
             they join the decode batch as soon as their prefill ends.
+        decoding_own_tokens: KV tokens the decoding requests hold for
+            themselves alone (uncached prompt and output; a prefix they share
+            is not counted): what the engine frees as they finish.
         kv_capacity_blocks: Engine KV cache size in blocks.
         kv_used_blocks: Blocks in use by running requests (not reclaimable).
         block_size: Engine tokens per block.
@@ -222,6 +225,7 @@ class WorkerView:
     decode_tokens_remaining: int = 0
     context_tokens: int = 0
     queued_prompt_tokens: int = 0
+    decoding_own_tokens: int = 0
     kv_capacity_blocks: int = 100_000
     kv_used_blocks: int = 0
     block_size: int = 16

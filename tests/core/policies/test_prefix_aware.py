@@ -42,6 +42,7 @@ from prefixrouter.core.policies.prefix_aware import (
     copy_rule,
     deepest_holders,
     holder_band_rule,
+    holder_kv_wait_rank,
     hot_prefix_rule,
     idle_copy_rule,
     margin_limit,
@@ -586,6 +587,64 @@ def test_a_holder_whose_first_token_comes_later_than_the_band_loses_to_the_best_
     # so no warm margin keeps it: the best holder takes the request.
     assert d.worker_id == W0 and d.tier == "exact"
     assert "beyond the calibration band of holder w0" in d.reason
+
+
+def _memory(worker: str, score: float, risk: float, freed: float) -> CandidateScore:
+    """A holder whose head-of-line KV wait reads ``risk`` on all used blocks, ``freed`` on
+    the blocks finishing requests free."""
+    terms = CostTerms(0.0, 0.05, 0.0, risk, 0.0, memory_risk_freed_s=freed)
+    return CandidateScore(WorkerId(worker), 1_000, 1.0, terms, score)
+
+
+def test_holder_kv_wait_rank_adds_each_holders_excess_wait_beyond_the_least() -> None:
+    cs = [
+        _memory("w0", 0.30, 0.04, 0.16),  # excess 0.12
+        _memory("w1", 0.32, 0.00, 0.02),  # excess 0.02: the least
+        _memory("w2", 0.31, 0.00, 0.00),  # not a holder
+    ]
+    assert holder_kv_wait_rank(cs, [0, 1])
+    assert cs[0].score == pytest.approx(0.30 + 0.12 - 0.02)
+    assert cs[1].score == 0.32 and cs[2].score == 0.31  # the best holder keeps its score
+    assert cs[0].terms.memory_risk_s == 0.04  # type: ignore[union-attr]  # terms as predicted
+    # One holder, or holders whose waits read alike: nothing moves.
+    assert not holder_kv_wait_rank(cs, [2])
+    same = [_memory("w0", 0.3, 0.0, 0.1), _memory("w1", 0.4, 0.0, 0.1)]
+    assert not holder_kv_wait_rank(same, [0, 1])
+
+
+def _doc_on_a_full_and_a_roomy_worker(holders: Sequence[WorkerId], on: bool) -> Decision:
+    """A 20,000-token document held by ``holders``; w0's KV is full of it, pinned by its
+    40 readers (12 blocks each of their own), w1 has room and a longer queue."""
+    r = Router(create_policy("prefix_aware", {"holder_kv_wait": on}))
+    doc = tokens(1, 20_000)
+    for w in holders:
+        hold(r, w, doc)
+    readers = {"decoding": 40, "decode_tokens_remaining": 4_000, "context_tokens": 40 * 20_100,
+               "decoding_own_tokens": 40 * 12 * 16, "kv_capacity_blocks": 2_000}  # fmt: skip
+    full = WorkerView(W0, in_flight=50, pending_prefill_tokens=1_000, kv_used_blocks=1_900,
+                      queued_prompt_tokens=10 * 20_100, **readers)  # type: ignore[arg-type]  # fmt: skip
+    roomy = WorkerView(W1, in_flight=44, pending_prefill_tokens=4_000, kv_used_blocks=1_300,
+                       queued_prompt_tokens=4 * 20_100, **readers)  # type: ignore[arg-type]  # fmt: skip
+    return r.route(request("q", doc + tokens(2, 100), max_tokens=100), [full, roomy], 1.0)
+
+
+def test_between_holders_a_full_kv_waits_for_what_finishing_readers_free() -> None:
+    # All used blocks as the base read w0's wait for memory as 41 ms; its 40
+    # readers free only their own 480 blocks as they end (the document
+    # stays pinned), which reads it as 163 ms: w1's longer queue is sooner.
+    d = _doc_on_a_full_and_a_roomy_worker([W0, W1], on=True)
+    w0 = candidate(d, W0)
+    assert w0.terms.memory_risk_freed_s > 3 * w0.terms.memory_risk_s  # type: ignore[attr-defined]
+    assert d.worker_id == W1 and d.tier == "exact"
+    assert _doc_on_a_full_and_a_roomy_worker([W0, W1], on=False).worker_id == W0
+    # A sole holder is judged against the cold worker as before: leaving it
+    # would copy the document (each copy evicting one asked for again).
+    scores = []
+    for on in (True, False):
+        alone = _doc_on_a_full_and_a_roomy_worker([W0], on=on)
+        assert alone.worker_id == W0
+        scores.append(candidate(alone, W0).score)  # type: ignore[attr-defined]
+    assert scores[0] == scores[1]
 
 
 @pytest.mark.parametrize(

@@ -263,6 +263,11 @@ class PrefixAwareParams:
             equal, and among them the fewest requests in flight wins, or for
             one-off traffic the lowest score on the profile's scale (see
             ``one_off_reuse_share``).
+        holder_kv_wait: Between the holders of the deepest prefix, rank each
+            by its head-of-line KV wait counted on the blocks that finishing
+            requests free (:func:`holder_kv_wait_rank`), not on all used
+            blocks; nothing is copied between holders, so the better
+            prediction of that wait costs no copy.
         one_off_reuse_share: A request is one-off when, of the requests that
             brought new content after the same cached head, less than this
             share had it reused by a later request (a session's next turn, a
@@ -311,6 +316,7 @@ class PrefixAwareParams:
     copy_max_kv_share: float = 0.8
     copy_min_prefix_share: float = 0.5
     tie_band_rel: float = 0.1
+    holder_kv_wait: bool = True
     one_off_reuse_share: float = 0.5
     demand_window_s: float = 10.0
     burst_samples: int = 8
@@ -452,6 +458,9 @@ class PrefixAwarePolicy(Policy):
             return _selection(scored, warm, 0, Choice(best, reason), 0, out)
         # 3. Picker: among the eligible warm workers holding the deepest prefix.
         deepest, holders = deepest_holders(scored, warm_ok)
+        if p.holder_kv_wait and holder_kv_wait_rank(scored, holders):
+            best = _argmin(scored, eligible)
+            out = tuple(scored)
         salt = _request_salt(ctx)
         band = calibration_band(scored, holders, p.tie_band_rel)
         picked = tie_band_picker(
@@ -979,6 +988,49 @@ def deepest_holders(scored: Sequence[CandidateScore], warm: Sequence[int]) -> tu
     """
     deepest = max([scored[i].matched_tokens for i in warm])
     return deepest, [i for i in warm if scored[i].matched_tokens >= deepest]
+
+
+def holder_kv_wait_rank(scored: list[CandidateScore], holders: Sequence[int]) -> bool:
+    """Picker's input, between holders: a holder's score carries its head-of-line KV
+    wait as finishing requests free memory, beyond the least of the holders'.
+
+    The cost model's ``memory_risk`` (part of every score) counts the
+    shortfall of free KV blocks against all blocks in use. On a worker whose
+    cache holds documents pinned by their readers, finishing readers free only
+    their own blocks (question and answer), so the queue waits many times
+    longer than that (simulated doc-qa with bursts: 5-8 s predicted as
+    0.1-1 s, and a holder whose KV was full took every request of a burst,
+    the best-predicted each time). ``memory_risk_freed_s`` counts the
+    shortfall against the blocks the running requests free
+    (:class:`~prefixrouter.core.cost.CostModel`). Between holders of one
+    prefix nothing is copied, so each holder's score (``scored`` is changed
+    in place) gets the excess of that wait over ``memory_risk``, less the
+    least excess among the holders: the best holder keeps its score, so every
+    rule that weighs leaving the holders for a copy sees what it saw before
+    (the better wait used there made the router copy contexts under cache
+    pressure, each copy evicting one asked for again:
+    ``benchmarks/tried/kv_admission_own_blocks.patch``). Terms stay as the
+    model predicted them (calibration learns from them).
+
+    Returns:
+        Whether any score moved (the caller's best may then be another).
+    """
+    if len(holders) < 2:
+        return False
+    excess: list[float] = []
+    for i in holders:
+        t = scored[i].terms
+        gap = 0.0 if t is None else t.memory_risk_freed_s - t.memory_risk_s
+        excess.append(gap if gap > 0.0 else 0.0)
+    least = min(excess)
+    moved = False
+    for i, gap in zip(holders, excess, strict=True):
+        if gap > least:
+            c = scored[i]
+            score = c.score + gap - least
+            scored[i] = CandidateScore(c.worker_id, c.matched_tokens, c.confidence, c.terms, score)
+            moved = True
+    return moved
 
 
 def tie_band_picker(
