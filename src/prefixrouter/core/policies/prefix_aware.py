@@ -998,9 +998,9 @@ def holder_kv_wait_rank(scored: list[CandidateScore], holders: Sequence[int]) ->
     shortfall of free KV blocks against all blocks in use. On a worker whose
     cache holds documents pinned by their readers, finishing readers free only
     their own blocks (question and answer), so the queue waits many times
-    longer than that (simulated doc-qa with bursts: 5-8 s predicted as
-    0.1-1 s, and a holder whose KV was full took every request of a burst,
-    the best-predicted each time). ``memory_risk_freed_s`` counts the
+    longer than that (simulated doc-qa with bursts: 2-10 s predicted as
+    0.1-1.6 s, and a holder whose KV was full took every request of a
+    burst, the best-predicted each time). ``memory_risk_freed_s`` counts the
     shortfall against the blocks the running requests free
     (:class:`~prefixrouter.core.cost.CostModel`). Between holders of one
     prefix nothing is copied, so each holder's score (``scored`` is changed
