@@ -1005,12 +1005,15 @@ def holder_kv_wait_rank(scored: list[CandidateScore], holders: Sequence[int]) ->
     (:class:`~prefixrouter.core.cost.CostModel`). Between holders of one
     prefix nothing is copied, so each holder's score (``scored`` is changed
     in place) gets the excess of that wait over ``memory_risk``, less the
-    least excess among the holders: the best holder keeps its score, so every
-    rule that weighs leaving the holders for a copy sees what it saw before
-    (the better wait used there made the router copy contexts under cache
-    pressure, each copy evicting one asked for again:
-    ``benchmarks/tried/kv_admission_own_blocks.patch``). Terms stay as the
-    model predicted them (calibration learns from them).
+    least excess among the holders. The least burdened holder keeps its
+    score and no score falls, so the rules that weigh leaving the holders
+    for a copy see the holders at worst at that holder's own prediction: a
+    cold worker never gains against a holder that is not blocked (the
+    better wait used for every choice made the router copy contexts under
+    cache pressure, each copy evicting one asked for again:
+    ``benchmarks/tried/kv_admission_own_blocks.patch``). A sole holder is
+    left alone. Terms stay as the model predicted them (calibration learns
+    from them).
 
     Returns:
         Whether any score moved (the caller's best may then be another).
