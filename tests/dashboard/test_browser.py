@@ -142,9 +142,10 @@ def test_the_dashboard_shows_live_figures_and_explains_a_decision(
             candidates = explain.locator("[data-testid=candidates] tbody tr")
             expect(candidates).to_have_count(2)
             expect(explain.locator("tr.chosen")).to_have_count(1)
-            expect(explain.locator("[data-testid=candidates] thead")).to_contain_text(
-                "queue wait ms"
-            )
+            head = explain.locator("[data-testid=candidates] thead")
+            expect(head).to_contain_text("queue wait ms")
+            # The holders' KV wait on what finishing requests free (holder_kv_wait).
+            expect(head).to_contain_text("memory (freed) ms")
             expect(explain).to_contain_text("actual cached")
 
             shot = tmp_path / "dashboard.png"

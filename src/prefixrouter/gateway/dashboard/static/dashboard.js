@@ -343,7 +343,7 @@
   const TERMS = [
     ["predicted_ttft_ms", "TTFT"], ["queue_wait_ms", "queue wait"], ["prefill_ms", "prefill"],
     ["decode_impact_ms", "decode impact"], ["memory_risk_ms", "memory risk"],
-    ["decode_ms", "decode"], ["eviction_ms", "eviction"],
+    ["memory_risk_freed_ms", "memory (freed)"], ["decode_ms", "decode"], ["eviction_ms", "eviction"],
   ];
   function explain(d) {
     const box = $("explain");
