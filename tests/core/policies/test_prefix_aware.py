@@ -426,6 +426,22 @@ def test_one_off_questions_go_by_the_profile_session_starts_by_requests_in_fligh
     assert _near_equal_pair_after(questions, one_off_reuse_share=0.0) == W0
 
 
+def test_a_replica_names_the_count_it_ranked_a_one_offs_near_equal_by() -> None:
+    # Unique prompts nobody comes back to make every cold request one-off;
+    # one router then ranks the near-equal on the profile's scale, a replica
+    # by the fewer in flight of two drawn, and its reason must say so.
+    r = Router(replica_salt=replica_salt("r1"))
+    for w, factor in ((W0, 0.95), (W1, 0.97), (W2, 0.99), (W3, 1.0)):
+        calibrate(r, w, factor)
+    ws = workers(4)
+    for i in range(6):
+        send(r, request(f"u{i}", tokens(900 + i, 256)), ws, [W0, W1, W2, W3][i % 4], float(i))
+    ws = [replace(w, in_flight=n) for w, n in zip(ws, (3, 1, 2, 0), strict=True)]
+    reasons = {r.route(request(f"p{i}", tokens(800 + i, 256)), ws, 10.0).reason for i in range(12)}
+    drawn = {x for x in reasons if "among near-equal" in x}
+    assert drawn == {"no reusable prefix anywhere: fewest in flight among near-equal"}
+
+
 def test_tie_band_picker_with_a_salt_takes_the_fewer_in_flight_of_two_drawn() -> None:
     cs = [scored(f"w{i}", 1.0 + i / 100, scale=1.0 + i / 20) for i in range(4)]
     ws = workers(4, in_flight=2)
@@ -604,7 +620,7 @@ def test_holder_kv_wait_rank_adds_each_holders_excess_wait_beyond_the_least() ->
     ]
     assert holder_kv_wait_rank(cs, [0, 1])
     assert cs[0].score == pytest.approx(0.30 + 0.12 - 0.02)
-    assert cs[1].score == 0.32 and cs[2].score == 0.31  # the best holder keeps its score
+    assert cs[1].score == 0.32 and cs[2].score == 0.31  # the least burdened holder keeps its score
     assert cs[0].terms.memory_risk_s == 0.04  # type: ignore[union-attr]  # terms as predicted
     # One holder, or holders whose waits read alike: nothing moves.
     assert not holder_kv_wait_rank(cs, [2])

@@ -464,8 +464,9 @@ class PrefixAwarePolicy(Policy):
         salt = _request_salt(ctx)
         band = calibration_band(scored, holders, p.tie_band_rel)
         picked = tie_band_picker(
-            scored, candidates, holders, band, _argmin(scored, holders), salt, self._one_off(ctx)
-        )
+            scored, candidates, holders, band, _argmin(scored, holders), salt,
+            self._ranks_one_off(ctx, band, salt),
+        )  # fmt: skip
         # 4. The rules, in order; each may leave the picker's choice.
         picked_id = scored[picked].worker_id
         settled = self._settled(ctx, picked_id)
@@ -636,10 +637,9 @@ class PrefixAwarePolicy(Policy):
             # None is warm, so `best` is the best of all.
             everyone = range(len(scored))
             band = calibration_band(scored, everyone, p.tie_band_rel)
-            one_off = self._one_off(ctx)
-            pick = tie_band_picker(
-                scored, candidates, everyone, band, best, _request_salt(ctx), one_off
-            )
+            salt = _request_salt(ctx)
+            one_off = self._ranks_one_off(ctx, band, salt)
+            pick = tie_band_picker(scored, candidates, everyone, band, best, salt, one_off)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
                 among = "lowest on the profile's scale" if one_off else "fewest in flight"
@@ -786,6 +786,12 @@ class PrefixAwarePolicy(Policy):
         if d.reuse is None and create:
             d.reuse = _Reuse()
         return d.reuse
+
+    def _ranks_one_off(self, ctx: RoutingContext, band: float, salt: int) -> bool:
+        """Whether :func:`tie_band_picker` ranks this request's near-equal as a one-off's:
+        one router (no ``salt``: a replica keeps the count), a band to rank within,
+        and :meth:`_one_off`. The record is read only then (every request routes here)."""
+        return band > 0.0 and not salt and self._one_off(ctx)
 
     def _one_off(self, ctx: RoutingContext) -> bool:
         """Whether later requests rarely reuse what requests like this bring (:class:`_Reuse`)."""
