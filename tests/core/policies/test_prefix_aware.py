@@ -856,6 +856,52 @@ def test_copy_room_filter_keeps_workers_with_room_for_the_copy() -> None:
     assert copy_room_filter(unknown, cs, [0, 1, 2], [0], 8_000, 0.8) == [0, 1, 2]
 
 
+def test_copy_room_filter_beside_holders_keeps_a_worker_less_full_than_every_holder() -> None:
+    """The hot-prefix rule's reading: a copy past the share still has room when
+    the worker would be less full of pinned blocks than the least full holder,
+    where the request would otherwise wait for memory."""
+    ws = [
+        WorkerView(W0, kv_capacity_blocks=1_000, kv_used_blocks=960),  # holders: 96 %
+        WorkerView(W1, kv_capacity_blocks=1_000, kv_used_blocks=980),  # and 98 % pinned
+        WorkerView(W2, kv_capacity_blocks=1_000, kv_used_blocks=400),  # 900 < 960
+        WorkerView(W3, kv_capacity_blocks=1_000, kv_used_blocks=460),  # 960: no less full
+    ]
+    cs = [scored("w0", 1.0, matched=8_000), scored("w1", 1.0, matched=8_000),
+          scored("w2", 2.0), scored("w3", 2.0)]  # fmt: skip
+    assert copy_room_filter(ws, cs, [0, 1, 2, 3], [0, 1], 8_000, 0.8) == [0, 1]
+    beside = copy_room_filter(ws, cs, [0, 1, 2, 3], [0, 1], 8_000, 0.8, beside_holders=True)
+    assert beside == [0, 1, 2]
+    # Holders with room: the share alone decides, as without.
+    roomy = [replace(ws[0], kv_used_blocks=500), *ws[1:]]
+    kept = copy_room_filter(roomy, cs, [0, 1, 2, 3], [0, 1], 8_000, 0.8, beside_holders=True)
+    assert kept == [0, 1]
+
+
+def _hot_doc_on_holders_pinned_full(beside_holders: bool) -> Decision:
+    """An 8,000-token document asked 50 times a second, settled on w0, whose KV
+    its readers pin to 97 %; w1 is finishing another document's questions
+    (1,300 of 2,000 blocks pinned: 1,800 with the copy, past the 80 % share)."""
+    doc = tokens(1, 8_000)
+    params = {"proactive_copy": False, "copy_room_beside_holders": beside_holders}
+    r = Router(create_policy("prefix_aware", params))
+    warm(r, W0, doc)
+    full = WorkerView(W0, in_flight=40, decoding=38, kv_capacity_blocks=2_000,
+                      kv_used_blocks=1_940, pending_prefill_tokens=9_000)  # fmt: skip
+    busy = WorkerView(W1, in_flight=20, decoding=20, kv_capacity_blocks=2_000, kv_used_blocks=1_300)
+    for i in range(300):
+        d = r.route(request(f"h{i}", doc + tokens(100 + i, 50)), [full, busy], i / 50.0)
+        r.policy.on_routed(d.context, W0)
+    hold(r, W0, doc, 6.0)
+    return r.route(request("x", doc + tokens(7, 50)), [full, busy], 6.0)
+
+
+def test_hot_prefix_warms_a_worker_less_full_than_its_pinned_holders() -> None:
+    beside = _hot_doc_on_holders_pinned_full(True)
+    assert beside.worker_id == W1 and "hot prefix" in beside.reason
+    alone = _hot_doc_on_holders_pinned_full(False)
+    assert alone.worker_id == W0 and "hot prefix" not in alone.reason
+
+
 def no_share() -> float:
     raise AssertionError("the traffic share must not be read")
 

@@ -258,6 +258,11 @@ class PrefixAwareParams:
         copy_max_kv_share: The hot-prefix rule warms no worker whose KV cache
             would be fuller than this share with the copy's blocks on top of
             what its running requests hold (see ``copy_room_filter``).
+        copy_room_beside_holders: For the hot-prefix rule, a worker past
+            ``copy_max_kv_share`` with the copy still has room when it would
+            be less full of pinned blocks than the least full holder, where
+            the request goes without a copy (``copy_room_filter``); the
+            no-room rule keeps the absolute share.
         tie_band_rel: Cap on the tie band: scores within the candidates'
             calibration disagreement (at most this share) of the best count as
             equal, and among them the fewest requests in flight wins, or for
@@ -314,6 +319,7 @@ class PrefixAwareParams:
     copy_budget_share: float = 0.25
     copy_budget_window_s: float = 10.0
     copy_max_kv_share: float = 0.8
+    copy_room_beside_holders: bool = True
     copy_min_prefix_share: float = 0.5
     tie_band_rel: float = 0.1
     holder_kv_wait: bool = True
@@ -471,10 +477,11 @@ class PrefixAwarePolicy(Policy):
         picked_id = scored[picked].worker_id
         settled = self._settled(ctx, picked_id)
 
-        def room() -> list[int]:
+        def room(beside_holders: bool = False) -> list[int]:
             return copy_room_filter(
-                candidates, scored, eligible, holders, ctx.blocks.prompt_tokens, p.copy_max_kv_share
-            )
+                candidates, scored, eligible, holders, ctx.blocks.prompt_tokens,
+                p.copy_max_kv_share, beside_holders,
+            )  # fmt: skip
 
         # The room filter only where a rule reads it: the hot-prefix rule (a
         # settled copy; an unsettled one never warms another), and the no-room
@@ -484,9 +491,13 @@ class PrefixAwarePolicy(Policy):
         def demand() -> tuple[float, int]:
             return self._replicas_needed(ctx, candidates[picked], scored[picked], output)
 
-        choice = hot_prefix_rule(
-            scored, eligible if roomy is None else roomy, holders, settled, cls, demand
-        )
+        # The hot-prefix rule reads room beside the holders (a demanded copy
+        # less full than every holder beats waiting for memory on one).
+        if roomy is None:
+            hot_room: Sequence[int] = eligible
+        else:
+            hot_room = room(True) if p.copy_room_beside_holders else roomy
+        choice = hot_prefix_rule(scored, hot_room, holders, settled, cls, demand)
         # A copy the router can make itself: no user request pays its prefill.
         copyable = (
             p.proactive_copy
@@ -1163,6 +1174,7 @@ def copy_room_filter(
     holders: Sequence[int],
     prompt_tokens: int,
     max_share: float,
+    beside_holders: bool = False,
 ) -> list[int]:
     """Candidate filter for the hot-prefix and no-room rules: the workers with room for a copy.
 
@@ -1177,7 +1189,30 @@ def copy_room_filter(
     as vLLM's ``gpu_memory_utilization`` keeps headroom below the device's
     memory. The ``holders`` stay (the rule skips them anyway); a worker that
     reports no capacity is kept (nothing is known against it).
+
+    With ``beside_holders`` (the hot-prefix rule's call) the share is read
+    beside the holders: a worker past ``max_share`` with the copy is still
+    kept when it would be less full of pinned blocks than the least full
+    holder, since without a copy the request waits for memory there
+    instead. Past capacity the absolute share alone left a hot document's
+    demand on holders pinned full by two documents' readers while a worker
+    still finishing the previous document's questions was kept out
+    (simulated doc-qa at load 1.1, seed 1: three holders waited 1-4 s for
+    KV per request, the fourth worker got no request for 8 s; round robin's
+    four copies waited none). The no-room rule keeps the absolute share:
+    there the copy is not demanded, and reading it beside full holders made
+    the router copy customers' contexts under cache pressure
+    (``llmd-customers`` at 0.6, +5 % over seeds 0-3).
     """
+    # A holder's share of pinned blocks: where the request goes if no copy is made.
+    least = 0.0
+    if beside_holders:
+        shares = [
+            candidates[i].kv_used_blocks / candidates[i].kv_capacity_blocks
+            for i in holders
+            if candidates[i].kv_capacity_blocks > 0
+        ]
+        least = min(shares, default=0.0)
     kept: list[int] = []
     for i in eligible:
         w = candidates[i]
@@ -1185,7 +1220,8 @@ def copy_room_filter(
         if i in holders or capacity <= 0:
             kept.append(i)
             continue
-        if w.kv_used_blocks + _copy_blocks(w, scored[i], prompt_tokens) <= max_share * capacity:
+        after = w.kv_used_blocks + _copy_blocks(w, scored[i], prompt_tokens)
+        if after <= max_share * capacity or after < least * capacity:
             kept.append(i)
     return kept
 
