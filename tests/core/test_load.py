@@ -22,11 +22,17 @@ def test_ledger_tracks_prefill_then_decode_then_release() -> None:
     v = led.fill(WorkerView(A), 0.2)
     assert (v.pending_prefill_tokens, v.decoding, v.decode_tokens_remaining) == (100, 1, 50)
     assert v.context_tokens == 1000
-    # What r1's end frees: its uncached prompt and its answer (its cached
-    # 100 tokens are a prefix others may hold too).
-    assert v.decoding_own_tokens == 900 + 50
+    # What r1's end frees: it prefilled 900 of its 1,000 tokens itself, so
+    # its prompt is how a prefix entered the cache (readers may share it):
+    # its answer only.
+    assert v.decoding_own_tokens == 50
+    led.on_first_token(RequestId("r2"), 0.3)
+    v = led.fill(WorkerView(A), 0.3)
+    # r2 reused 900 cached tokens: its uncached tail and its answer are its own.
+    assert v.decoding_own_tokens == 50 + 100 + 20
     led.on_completed(RequestId("r1"))
-    led.on_completed(RequestId("r2"))  # failed before its first token
+    v = led.fill(WorkerView(A), 0.3)
+    assert v.decoding_own_tokens == 100 + 20
     led.on_completed(RequestId("r2"))  # and reported twice: ignored
     v = led.fill(WorkerView(A), 0.2)
     assert (v.in_flight, v.pending_prefill_tokens, v.decoding, v.context_tokens) == (0, 0, 0, 0)

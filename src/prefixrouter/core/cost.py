@@ -32,12 +32,13 @@ Three further terms are not part of this request's TTFT; policies may weigh them
   request will likely have to recompute what was evicted.
 * ``memory_risk_freed_s``: the same head-of-line wait as ``memory_risk``,
   with the shortfall counted against the blocks the running requests free as
-  they finish (``WorkerView.decoding_own_tokens``: their own uncached prompts
-  and outputs) instead of all used blocks. A prefix the readers share stays
-  held until the last of them ends, so on a worker whose KV holds documents
-  pinned by their readers the used blocks overstate what finishing frees
-  many times over (``memory_risk`` predicted waits of 2-10 s as 0.1-1.6 s in
-  the simulator). It is the better prediction of that wait, but used for every
+  they finish (``WorkerView.decoding_own_tokens``: their outputs and the
+  uncached tails of prompts they mostly reused) instead of all used
+  blocks. A prefix the readers share stays held until the last of them
+  ends, so on a worker whose KV holds documents pinned by their readers the
+  used blocks overstate what finishing frees many times over
+  (``memory_risk`` predicted waits of 2-10 s as 0.1-1.6 s in the
+  simulator). It is the better prediction of that wait, but used for every
   choice it made the router leave a document's busy holder for a cold worker
   more often, and each such copy evicts a context that is asked for again
   (``benchmarks/tried/kv_admission_own_blocks.patch``); ``prefix_aware``

@@ -203,8 +203,10 @@ class WorkerView:
         queued_prompt_tokens: Prompt tokens of requests sent and not yet decoding:
             they join the decode batch as soon as their prefill ends.
         decoding_own_tokens: KV tokens the decoding requests hold for
-            themselves alone (uncached prompt and output; a prefix they share
-            is not counted): what the engine frees as they finish.
+            themselves alone (output, and the uncached tail of a prompt mostly
+            reused; a prefix they share is not counted, nor a prompt a request
+            prefilled mostly itself, which its readers may share): what the
+            engine frees as they finish.
         kv_capacity_blocks: Engine KV cache size in blocks.
         kv_used_blocks: Blocks in use by running requests (not reclaimable).
         block_size: Engine tokens per block.
