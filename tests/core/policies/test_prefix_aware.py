@@ -898,6 +898,10 @@ def _hot_doc_on_holders_pinned_full(beside_holders: bool) -> Decision:
 def test_hot_prefix_warms_a_worker_less_full_than_its_pinned_holders() -> None:
     beside = _hot_doc_on_holders_pinned_full(True)
     assert beside.worker_id == W1 and "hot prefix" in beside.reason
+    # The record says why a worker past the share had room.
+    assert beside.reason.endswith(
+        "(room beside its holders: 90% pinned with the copy, the holders at least 97%)"
+    )
     alone = _hot_doc_on_holders_pinned_full(False)
     assert alone.worker_id == W0 and "hot prefix" not in alone.reason
 

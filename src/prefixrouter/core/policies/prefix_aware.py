@@ -498,6 +498,14 @@ class PrefixAwarePolicy(Policy):
         else:
             hot_room = room(True) if p.copy_room_beside_holders else roomy
         choice = hot_prefix_rule(scored, hot_room, holders, settled, cls, demand)
+        if choice is not None and roomy is not None and choice.index not in roomy:
+            choice = Choice(
+                choice.index,
+                f"{choice.reason} (room beside its holders: "
+                f"{_pinned_share(candidates, scored, choice.index, ctx.blocks.prompt_tokens):.0%}"
+                f" pinned with the copy, the holders at least "
+                f"{_least_holder_share(candidates, scored, holders):.0%})",
+            )
         # A copy the router can make itself: no user request pays its prefill.
         copyable = (
             p.proactive_copy
@@ -1204,24 +1212,14 @@ def copy_room_filter(
     the router copy customers' contexts under cache pressure
     (``llmd-customers`` at 0.6, +5 % over seeds 0-3).
     """
-    # A holder's share of pinned blocks: where the request goes if no copy is made.
-    least = 0.0
-    if beside_holders:
-        shares = [
-            candidates[i].kv_used_blocks / candidates[i].kv_capacity_blocks
-            for i in holders
-            if candidates[i].kv_capacity_blocks > 0
-        ]
-        least = min(shares, default=0.0)
+    least = _least_holder_share(candidates, scored, holders) if beside_holders else 0.0
     kept: list[int] = []
     for i in eligible:
-        w = candidates[i]
-        capacity = w.kv_capacity_blocks
-        if i in holders or capacity <= 0:
+        if i in holders or candidates[i].kv_capacity_blocks <= 0:
             kept.append(i)
             continue
-        after = w.kv_used_blocks + _copy_blocks(w, scored[i], prompt_tokens)
-        if after <= max_share * capacity or after < least * capacity:
+        share = _pinned_share(candidates, scored, i, prompt_tokens)
+        if share <= max_share or share < least:
             kept.append(i)
     return kept
 
@@ -1360,6 +1358,29 @@ def _copy_blocks(w: WorkerView, c: CandidateScore, prompt_tokens: int) -> int:
     """KV blocks a copy of the prompt would add to ``w`` (``c`` its score)."""
     block = w.block_size if w.block_size > 1 else 1
     return math.ceil(max(0, prompt_tokens - c.matched_tokens) / block)
+
+
+def _pinned_share(
+    candidates: Sequence[WorkerView], scored: Sequence[CandidateScore], i: int, prompt_tokens: int
+) -> float:
+    """Worker ``i``'s KV share pinned by its running requests, with a copy of a
+    ``prompt_tokens`` prompt on top (0: none); 0 if it reports no capacity."""
+    w = candidates[i]
+    if w.kv_capacity_blocks <= 0:
+        return 0.0
+    return (w.kv_used_blocks + _copy_blocks(w, scored[i], prompt_tokens)) / w.kv_capacity_blocks
+
+
+def _least_holder_share(
+    candidates: Sequence[WorkerView], scored: Sequence[CandidateScore], holders: Sequence[int]
+) -> float:
+    """The least KV share pinned on a holder that reports its capacity (0 if none
+    does): where the request waits for memory if no copy is made."""
+    return min(
+        (_pinned_share(candidates, scored, i, 0) for i in holders
+         if candidates[i].kv_capacity_blocks > 0),
+        default=0.0,
+    )  # fmt: skip
 
 
 def _small_copy(w: WorkerView, c: CandidateScore, prompt_tokens: int, max_share: float) -> bool:
