@@ -492,19 +492,22 @@ class PrefixAwarePolicy(Policy):
             return self._replicas_needed(ctx, candidates[picked], scored[picked], output)
 
         # The hot-prefix rule reads room beside the holders (a demanded copy
-        # less full than every holder beats waiting for memory on one).
-        if roomy is None:
-            hot_room: Sequence[int] = eligible
-        else:
-            hot_room = room(True) if p.copy_room_beside_holders else roomy
+        # less full than every holder beats waiting for memory on one). Only
+        # holders pinned past the share can let in a worker the share kept
+        # out, so the filter runs again only then (every request routes here).
+        hot_room: Sequence[int] = eligible if roomy is None else roomy
+        least = 0.0
+        if roomy is not None and p.copy_room_beside_holders:
+            least = _least_holder_share(candidates, scored, holders)
+            if least > p.copy_max_kv_share:
+                hot_room = room(True)
         choice = hot_prefix_rule(scored, hot_room, holders, settled, cls, demand)
         if choice is not None and roomy is not None and choice.index not in roomy:
             choice = Choice(
                 choice.index,
                 f"{choice.reason} (room beside its holders: "
                 f"{_pinned_share(candidates, scored, choice.index, ctx.blocks.prompt_tokens):.0%}"
-                f" pinned with the copy, the holders at least "
-                f"{_least_holder_share(candidates, scored, holders):.0%})",
+                f" pinned with the copy, the holders at least {least:.0%})",
             )
         # A copy the router can make itself: no user request pays its prefill.
         copyable = (
