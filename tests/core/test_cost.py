@@ -29,6 +29,7 @@ def test_terms_separate_and_sum_to_ttft() -> None:
     assert t.prefill_s == pytest.approx(w.profile.prefill_time(6_000, 2_000))
     assert t.decode_impact_s > 0 and t.memory_risk_s == 0
     assert t.ttft_s == pytest.approx(t.queue_wait_s + t.prefill_s + t.decode_impact_s)
+    assert t.step_s == pytest.approx(step)  # the grain of the first token, not a term of it
 
 
 def test_confidence_weighs_cached_prefill() -> None:

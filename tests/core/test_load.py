@@ -81,3 +81,17 @@ def test_the_ledger_times_the_prefill_in_progress_from_its_start() -> None:
     )
     assert led.fill(WorkerView(A), 3.25).prefill_elapsed_s == pytest.approx(0.25)
     assert led.fill(WorkerView(B), 3.25).prefill_elapsed_s == 0.0
+
+
+def test_time_since_routed_counts_from_the_last_request_sent() -> None:
+    led = InflightLedger()
+    assert led.fill(WorkerView(A), 5.0).since_routed_s == float("inf")  # never sent one
+    led.on_routed(RequestId("r1"), A, uncached_tokens=9, prompt_tokens=9, output_tokens=5, now=1.0)
+    assert led.fill(WorkerView(A), 1.5).since_routed_s == pytest.approx(0.5)
+    led.on_routed(RequestId("r2"), A, uncached_tokens=9, prompt_tokens=9, output_tokens=5, now=2.0)
+    # First tokens and completions are not sendings: the count stays from r2.
+    led.on_first_token(RequestId("r1"), 2.1)
+    led.on_completed(RequestId("r1"))
+    assert led.fill(WorkerView(A), 2.5).since_routed_s == pytest.approx(0.5)
+    assert led.fill(WorkerView(A), 1.9).since_routed_s == 0.0  # a clock behind: never negative
+    assert led.fill(WorkerView(B), 2.5).since_routed_s == float("inf")

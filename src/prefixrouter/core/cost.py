@@ -98,7 +98,10 @@ class CostTerms:
 
     A plain slots record, not frozen: several are built per request, and a
     frozen dataclass sets each field through ``object.__setattr__`` (about
-    twice as slow). Treat it as read-only.
+    twice as slow). Treat it as read-only. ``step_s`` is not a term of the
+    first token but its grain: one engine step of the batch the request
+    would join (a first token comes at the end of a step, and where in the
+    step in flight a request lands is unknown), scaled like the terms.
     """
 
     queue_wait_s: float
@@ -109,6 +112,7 @@ class CostTerms:
     eviction_s: float = 0.0
     scale: float = 1.0
     memory_risk_freed_s: float = 0.0
+    step_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -256,7 +260,7 @@ class CostModel:
         # which left calibration converging to the square root of the error.
         return CostTerms(
             queue * s, prefill * s, impact * s, risk * s, decode * s, eviction * s, scale=s,
-            memory_risk_freed_s=freed_risk * s,
+            memory_risk_freed_s=freed_risk * s, step_s=decode_step * s,
         )  # fmt: skip
 
     def observe(self, worker: WorkerId, predicted: CostTerms, observed_ttft_s: float) -> None:

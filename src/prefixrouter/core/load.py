@@ -12,14 +12,17 @@ token comes, though the engine has been working on the head of its prefill
 queue since it got there. The ledger keeps when that head started (the
 routing that found nothing pending, or the first token that ended the
 prefill ahead of it) and reports the time since as ``prefill_elapsed_s``
-(read by ``prefix_aware``'s prefill-in-progress rule). Times are the
-caller's clock, passed in.
+(read by ``prefix_aware``'s prefill-in-progress rule). It also keeps when
+it last sent each worker a request and reports the time since as
+``since_routed_s`` (read by ``prefix_aware``'s picker for one-off requests).
+Times are the caller's clock, passed in.
 
 Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from prefixrouter.core.types import RequestId, WorkerId, WorkerView
@@ -66,6 +69,8 @@ class WorkerLoad:
     # When the engine started on the head of the pending prefill (module
     # doc); meaningful only while pending_prefill_tokens > 0.
     prefill_since: float = 0.0
+    # When the router last sent this worker a request (-inf: never).
+    last_routed: float = -math.inf
     requests: set[RequestId] = field(default_factory=set)
 
 
@@ -105,6 +110,7 @@ class InflightLedger:
         load = self.load(worker)
         if load.pending_prefill_tokens <= 0:
             load.prefill_since = now  # nothing ahead of it: the engine starts on it now
+        load.last_routed = now
         load.in_flight += 1
         load.pending_prefill_tokens += uncached_tokens
         load.queued_prompt_tokens += prompt_tokens
@@ -158,6 +164,8 @@ class InflightLedger:
         view.pending_prefill_tokens = pending
         elapsed = now - load.prefill_since
         view.prefill_elapsed_s = elapsed if pending > 0 and elapsed > 0.0 else 0.0
+        since = now - load.last_routed
+        view.since_routed_s = since if since > 0.0 else 0.0  # a clock behind: not negative
         view.decoding = load.decoding
         view.decode_tokens_remaining = load.decode_tokens_remaining
         view.context_tokens = load.context_tokens

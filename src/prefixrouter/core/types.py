@@ -12,6 +12,7 @@ whatever clock the driver (gateway or simulator) uses.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -197,6 +198,8 @@ class WorkerView:
         pending_prefill_tokens: Uncached prompt tokens still to prefill (queued + running).
         prefill_elapsed_s: Seconds the engine has been on the head of that
             queue (0 when nothing is pending; see :mod:`prefixrouter.core.load`).
+        since_routed_s: Seconds since the router last sent it a request
+            (infinite when it never has; the ledger's, as ``in_flight``).
         decoding: Requests past their first token.
         decode_tokens_remaining: Expected output tokens still to generate, all requests.
         context_tokens: KV tokens held by running requests (attended by each decode step).
@@ -223,6 +226,7 @@ class WorkerView:
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     prefill_elapsed_s: float = 0.0
+    since_routed_s: float = math.inf
     decoding: int = 0
     decode_tokens_remaining: int = 0
     context_tokens: int = 0

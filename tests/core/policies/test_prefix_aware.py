@@ -7,6 +7,7 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import replace
@@ -48,7 +49,8 @@ from prefixrouter.core.policies.prefix_aware import (
     margin_limit,
     max_wait_rule,
     no_room_rule,
-    profile_score,
+    one_off_pick,
+    profile_first_token,
     rendezvous_home,
     score_candidates,
     switch_externality,
@@ -90,9 +92,11 @@ def scored(
     scale: float = 1.0,
     matched: int = 0,
     score: float | None = None,
+    step: float = 0.0,
 ) -> CandidateScore:
-    """A hand-built candidate: TTFT ``ttft`` of which ``queue`` is queue wait; score = TTFT."""
-    terms = CostTerms(queue, ttft - queue, 0.0, 0.0, decode, eviction, scale)
+    """A hand-built candidate: TTFT ``ttft`` of which ``queue`` is queue wait; score = TTFT;
+    ``step`` its engine step (``CostTerms.step_s``)."""
+    terms = CostTerms(queue, ttft - queue, 0.0, 0.0, decode, eviction, scale, step_s=step)
     return CandidateScore(WorkerId(worker), matched, 1.0, terms, ttft if score is None else score)
 
 
@@ -330,34 +334,43 @@ def test_tie_band_picker_breaks_equal_loads_by_score() -> None:
     assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2
 
 
-def test_tie_band_picker_ranks_a_one_offs_near_equal_on_the_profiles_scale() -> None:
+def test_one_off_pick_takes_the_least_recently_sent_whose_first_token_is_within_a_step() -> None:
     # w1's score is the highest only because its calibration factor is: on the
-    # profile's scale (the score without the factor) it predicts the least.
-    cs = [scored("w0", 1.0), scored("w1", 1.04, scale=1.1), scored("w2", 1.02)]
-    assert [round(profile_score(c), 3) for c in cs] == [1.0, 0.945, 1.02]
+    # profile's scale its first token is the earliest (0.945 s).
+    cs = [
+        scored("w0", 1.0, step=0.1),
+        scored("w1", 1.04, scale=1.1, step=0.11),
+        scored("w2", 1.02, step=0.1),
+    ]
+    assert [round(profile_first_token(c), 3) for c in cs] == [1.0, 0.945, 1.02]
     ws = workers(3, in_flight=2)
+    ws = [replace(w, since_routed_s=t) for w, t in zip(ws, (0.3, 0.1, 0.05), strict=True)]
     ws[2] = replace(ws[2], in_flight=1)
-
-    def one_off(band: float) -> int:
-        return tie_band_picker(cs, ws, [0, 1, 2], band, 0, one_off=True)
-
-    assert one_off(0.1) == 1  # fewer in flight does not outrank the profile's lower score
+    # Steps of 0.1 s: each first token spans 0.05 s either way, and w0's and
+    # w2's spans overlap the earliest's (0.945 + 0.05): the least recently
+    # sent of the three wins, w0, though w2 has fewer in flight.
+    assert one_off_pick(cs, ws, [0, 1, 2]) == 0
+    assert tie_band_picker(cs, ws, [0, 1, 2], 0.1, 0, one_off=True) == 0
     assert pick(cs, ws, [0, 1, 2], 0.1, 0) == 2  # not one-off: the fewest in flight
-    # Ties on the profile's scale go to the fewest in flight.
-    tied = [scored("w0", 1.0), scored("w1", 1.05, scale=1.05), scored("w2", 1.05, scale=1.05)]
-    assert tie_band_picker(tied, ws, [0, 1, 2], 0.1, 0, one_off=True) == 2
-    # Beyond the band the scales are told apart: the lowest score wins.
-    assert one_off(0.01) == 0
+    # Steps of 20 ms: w0 (55 ms later) and w2 are told apart from w1, which wins.
+    short = [replace(c, terms=replace(c.terms, step_s=0.02)) for c in cs if c.terms is not None]
+    assert one_off_pick(short, ws, [0, 1, 2]) == 1
+    # Sent as recently: the lowest score.
+    same = [replace(w, since_routed_s=0.2) for w in ws]
+    assert one_off_pick(cs, same, [0, 1, 2]) == 0
+    # Never sent a request (infinite) is the least recently sent.
+    ws[2] = replace(ws[2], since_routed_s=math.inf)
+    assert one_off_pick(cs, ws, [0, 1, 2]) == 2
     # A replica keeps the count: w0 and w1 have two in flight each, so the
-    # lower score wins (w0), not w1's lower profile.
+    # lower score wins (w0), whatever was sent when.
     assert tie_band_picker(cs, ws, [0, 1], 0.1, 0, 7, one_off=True) == 0
 
 
-def test_a_score_on_the_profiles_scale_is_its_terms_without_the_factor() -> None:
-    c = scored("w0", 0.2, decode=1.5, scale=1.25, score=0.2 + 0.2 * 1.5)
-    assert profile_score(c) == pytest.approx(0.5 / 1.25)
-    # Without terms (a policy that does not use the cost model) the score stays.
-    assert profile_score(CandidateScore(W0, score=0.7)) == 0.7
+def test_a_first_token_on_the_profiles_scale_is_its_terms_without_the_factor() -> None:
+    c = scored("w0", 0.25, decode=1.5, scale=1.25, score=0.25 + 0.2 * 1.5)
+    assert profile_first_token(c) == pytest.approx(0.25 / 1.25)
+    # Without terms (a policy that does not use the cost model) the score stands in.
+    assert profile_first_token(CandidateScore(W0, score=0.7)) == 0.7
 
 
 def _near_equal_pair_after(
@@ -369,10 +382,12 @@ def _near_equal_pair_after(
     """Where a new question under a shared system prompt goes after ``history``.
 
     Two workers hold the system prompt; w0's calibration is 8 % below w1's,
-    so their scores are near-equal. w0 has 1 request in flight and 100
-    tokens queued; w1 has 3 in flight and nothing queued: the fewest in
-    flight is w0, the lowest score on the profile's scale is w1. ``refused``:
-    the ids of the requests of ``history`` that the engine refused.
+    so their scores are near-equal. w0 has 1 request in flight, 100 tokens
+    queued and was sent it 10 ms ago; w1 has 3 in flight and was sent one a
+    second ago: the fewest in flight is w0; the one-off key's is w1 (its
+    first token the earlier on the profile's scale, and the less recently
+    sent). ``refused``: the ids of the requests of ``history`` that the
+    engine refused.
     """
     r = Router(create_policy("prefix_aware", params))
     calibrate(r, W0, 0.92)
@@ -384,8 +399,8 @@ def _near_equal_pair_after(
         sent = send(r, request(rid, toks), ws, to, float(k))
         if rid in refused:
             r.on_rejected(sent, float(k))
-    ws[0] = replace(ws[0], in_flight=1, pending_prefill_tokens=100)
-    ws[1] = replace(ws[1], in_flight=3)
+    ws[0] = replace(ws[0], in_flight=1, pending_prefill_tokens=100, since_routed_s=0.01)
+    ws[1] = replace(ws[1], in_flight=3, since_routed_s=1.0)
     probe = r.route(request("probe", SYSTEM_PROMPT + tokens(999, 64)), ws, 50.0)
     return probe.worker_id
 
@@ -393,7 +408,7 @@ def _near_equal_pair_after(
 SYSTEM_PROMPT = tokens(1, 1_600)
 
 
-def test_one_off_questions_go_by_the_profile_session_starts_by_requests_in_flight() -> None:
+def test_one_off_questions_go_by_when_last_sent_session_starts_by_requests_in_flight() -> None:
     questions = [(f"q{i}", SYSTEM_PROMPT + tokens(100 + i, 64), [W0, W1][i % 2]) for i in range(10)]
     sessions = []
     for i in range(10):
@@ -401,7 +416,7 @@ def test_one_off_questions_go_by_the_profile_session_starts_by_requests_in_fligh
         sessions.append((f"s{i}", first, [W0, W1][i % 2]))
         sessions.append((f"s{i}-2", first + tokens(300 + i, 64), [W0, W1][i % 2]))
     # Nobody comes back to a one-off question: only its own first token is at
-    # stake, and w1 gives the sooner one on the profile's scale.
+    # stake, and w1's comes sooner.
     assert _near_equal_pair_after(questions) == W1
     # Every session's first turn was followed by a second: where a first turn
     # goes, the rest follows, so the count in flight spreads them.
@@ -428,7 +443,7 @@ def test_one_off_questions_go_by_the_profile_session_starts_by_requests_in_fligh
 
 def test_a_replica_names_the_count_it_ranked_a_one_offs_near_equal_by() -> None:
     # Unique prompts nobody comes back to make every cold request one-off;
-    # one router then ranks the near-equal on the profile's scale, a replica
+    # one router then ranks the near-equal by their first tokens, a replica
     # by the fewer in flight of two drawn, and its reason must say so.
     r = Router(replica_salt=replica_salt("r1"))
     for w, factor in ((W0, 0.95), (W1, 0.97), (W2, 0.99), (W3, 1.0)):

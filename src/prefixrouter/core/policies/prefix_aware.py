@@ -37,7 +37,8 @@ pure function whose docstring states its rule:
    of the warm workers holding the deepest prefix; scores within the tie band
    count as equal, and among those the fewest in flight wins, or for
    one-off traffic (what such requests bring is rarely reused later) the
-   lowest score on the profile's scale (on a router replica,
+   least recently sent of those whose first token cannot be told from the
+   earliest's (on a router replica,
    ``Router(replica_salt=)``, the fewer in flight of two of them drawn per
    request, so replicas that share a stale view do not all pick the same
    worker; a prefix's rendezvous home stays the same everywhere).
@@ -266,7 +267,8 @@ class PrefixAwareParams:
         tie_band_rel: Cap on the tie band: scores within the candidates'
             calibration disagreement (at most this share) of the best count as
             equal, and among them the fewest requests in flight wins, or for
-            one-off traffic the lowest score on the profile's scale (see
+            one-off traffic the least recently sent of those whose first
+            token is within an engine step of the earliest (see
             ``one_off_reuse_share``).
         holder_kv_wait: Between the holders of the deepest prefix, rank each
             by its head-of-line KV wait counted on the blocks that finishing
@@ -276,9 +278,10 @@ class PrefixAwareParams:
         one_off_reuse_share: A request is one-off when, of the requests that
             brought new content after the same cached head, less than this
             share had it reused by a later request (a session's next turn, a
-            document's next question); its near-equal are then ranked by the
-            profile's score, since only its own first token is at stake
-            (``tie_band_picker``). 0 ranks every request by requests in flight.
+            document's next question); its near-equal are then ranked by
+            their first tokens and then by how recently each was sent a
+            request, since only its own first token is at stake
+            (``one_off_pick``). 0 ranks every request by requests in flight.
         demand_window_s: Time constant of the per-prefix request-rate estimate.
         burst_samples: Recent arrivals per prefix used to see a burst early.
         reference_batch: Batch size assumed when estimating per-request decode service.
@@ -664,7 +667,7 @@ class PrefixAwarePolicy(Policy):
             pick = tie_band_picker(scored, candidates, everyone, band, best, salt, one_off)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
-                among = "lowest on the profile's scale" if one_off else "fewest in flight"
+                among = "least recently sent" if one_off else "fewest in flight"
                 reason = f"no reusable prefix anywhere: {among} among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         home, near = rendezvous_home(scored, best, hashes[0], p.short)
@@ -1093,13 +1096,7 @@ def tie_band_picker(
     the count spreads the sessions and documents each worker carries). A
     ``one_off`` request (``PrefixAwarePolicy._one_off``: what requests like it
     bring is rarely reused) brings nothing later, so only its own first
-    token and answer are at stake: among the near-equal the lowest
-    :func:`profile_score` wins (the score without the calibration factor,
-    which within the band cannot be told apart: the workers' queued prefill,
-    decode batch and memory as the profile predicts them), then the fewest
-    in flight. Ranked by the count instead, a one-off often went to the
-    worker whose last prefill was still running, which had as many in
-    flight as a free one (``benchmarks/decision_quality_notes.md``).
+    token is at stake: :func:`one_off_pick` ranks its near-equal.
 
     ``salt`` (this request's on this router replica, :func:`_request_salt`;
     0 for one router) is for replicas that route on one view until their
@@ -1127,31 +1124,68 @@ def tie_band_picker(
         # Two choices among the near-equal, drawn by the salt (see above).
         near = heapq.nlargest(2, near, key=lambda i: _rendezvous(salt, scored[i].worker_id))
     elif one_off and not salt:
-        return min(
-            near, key=lambda i: (profile_score(scored[i]), candidates[i].in_flight, scored[i].score)
-        )
+        return one_off_pick(scored, candidates, near)
     return min(near, key=lambda i: (candidates[i].in_flight, scored[i].score))
 
 
-PROFILE_SCORE_RESOLUTION_S = 1e-6
-"""Profile scores this close are equal: workers in one state differ only by the
-rounding of their factors (a microsecond is far below any prediction's difference)."""
+def one_off_pick(
+    scored: Sequence[CandidateScore], candidates: Sequence[WorkerView], near: Sequence[int]
+) -> int:
+    """Picker's key for a one-off request's near-equal ``near`` (:func:`tie_band_picker`):
+    the least recently sent of the workers whose first token cannot be told
+    from the earliest, then the lowest score.
+
+    The calibration factors of the near-equal cannot be told apart, so each
+    first token is read on the profile's scale (:func:`profile_first_token`).
+    A first token comes at the end of an engine step, and where in the step
+    in flight a request lands is unknown: each prediction spans half a step
+    either way (``CostTerms.step_s``, the step of the batch it would join).
+    The workers whose span overlaps the earliest's are equal for this
+    request, and among them the one the router sent a request least
+    recently wins (``WorkerView.since_routed_s``). That spaces each worker's
+    arrivals as round robin does: a worker's stream of requests is then more
+    regular than the fleet's, and a regular stream queues less than a
+    random one of the same rate, which is where round robin led the
+    load-balancing scenarios (``system-prompt``, ``templates-bad``). A worker
+    whose first token is past the span keeps its place behind: a question to
+    a 40,000-token document on a worker decoding many of them is tens of
+    milliseconds later, a real difference, and spacing there lost
+    (``benchmarks/decision_quality_notes.md``). Ranked before by the lowest
+    score on the profile's scale, the decode that score weighs beside the
+    first token often outranked tens of milliseconds of queue.
+    """
+    lead = min(near, key=lambda i: profile_first_token(scored[i]))
+    lead_first = profile_first_token(scored[lead])
+    lead_half_step = _profile_step(scored[lead]) / 2.0
+    same = [
+        i
+        for i in near
+        if profile_first_token(scored[i]) - _profile_step(scored[i]) / 2.0
+        <= lead_first + lead_half_step
+    ]
+    return min(same, key=lambda i: (-candidates[i].since_routed_s, scored[i].score))
 
 
-def profile_score(candidate: CandidateScore) -> float:
-    """A candidate's score without its worker's calibration factor: as the profile predicts it.
+def profile_first_token(candidate: CandidateScore) -> float:
+    """A candidate's predicted first token without its worker's calibration factor.
 
-    Every term of a score is the profile's prediction times the worker's
-    factor (``CostModel.predict``), so this puts candidates whose factors
-    cannot be told apart (:func:`tie_band_picker`) on one scale, to
-    :data:`PROFILE_SCORE_RESOLUTION_S` (workers in one state tie, and the
-    picker's next keys decide). A candidate without terms keeps its score.
+    Every term is the profile's prediction times the worker's factor
+    (``CostModel.predict``), so this puts candidates whose factors cannot be
+    told apart (:func:`tie_band_picker`) on one scale. A candidate without
+    terms (a policy that does not use the cost model) reads its score.
     """
     t = candidate.terms
     if t is None or t.scale <= 0.0:
         return candidate.score
-    steps = round(candidate.score / t.scale / PROFILE_SCORE_RESOLUTION_S)
-    return steps * PROFILE_SCORE_RESOLUTION_S
+    return t.ttft_s / t.scale
+
+
+def _profile_step(candidate: CandidateScore) -> float:
+    """``CostTerms.step_s`` on the profile's scale (0 without terms)."""
+    t = candidate.terms
+    if t is None or t.scale <= 0.0:
+        return 0.0
+    return t.step_s / t.scale
 
 
 def calibration_band(scored: Sequence[CandidateScore], indices: Iterable[int], cap: float) -> float:
@@ -1661,8 +1695,8 @@ def holder_band_rule(
     the calibration band of the best's, when the best holds the deepest prefix too.
 
     The picker took ``picked`` among the holders whose *scores* are within
-    the tie band of the best (the fewest in flight, or for a one-off the
-    lowest :func:`profile_score`). A score puts the expected
+    the tie band of the best (the fewest in flight, or for a one-off
+    :func:`one_off_pick`'s key). A score puts the expected
     answer's decode (weighed by ``decode_weight``) beside the first token: a
     few hundred tokens of answer are seconds of decode against tens of
     milliseconds of TTFT, so a band of 10 % of the score can span a first
