@@ -667,7 +667,10 @@ class PrefixAwarePolicy(Policy):
             pick = tie_band_picker(scored, candidates, everyone, band, best, salt, one_off)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
-                among = "least recently sent" if one_off else "fewest in flight"
+                among = (
+                    "earliest first token, then least recently sent," if one_off
+                    else "fewest in flight"
+                )  # fmt: skip
                 reason = f"no reusable prefix anywhere: {among} among near-equal"
             return Selection(scored[pick].worker_id, "cold", reason, 0, out)
         home, near = rendezvous_home(scored, best, hashes[0], p.short)
@@ -1154,15 +1157,11 @@ def one_off_pick(
     score on the profile's scale, the decode that score weighs beside the
     first token often outranked tens of milliseconds of queue.
     """
-    lead = min(near, key=lambda i: profile_first_token(scored[i]))
-    lead_first = profile_first_token(scored[lead])
-    lead_half_step = _profile_step(scored[lead]) / 2.0
-    same = [
-        i
-        for i in near
-        if profile_first_token(scored[i]) - _profile_step(scored[i]) / 2.0
-        <= lead_first + lead_half_step
-    ]
+    # Each candidate's span on the profile's scale: (first token, half a step).
+    spans = {i: (profile_first_token(scored[i]), _profile_step(scored[i]) / 2.0) for i in near}
+    first, half = spans[min(near, key=lambda i: spans[i][0])]
+    latest = first + half  # the earliest's span ends here
+    same = [i for i, (f, h) in spans.items() if f - h <= latest]
     return min(same, key=lambda i: (-candidates[i].since_routed_s, scored[i].score))
 
 
