@@ -205,9 +205,10 @@ class PrefixAwareParams:
         home_by_hash: Send a prefix that no cache holds to its rendezvous-hash
             home among the workers within the margin of the best.
         new_home_emptiest: Send a prompt that matches nothing anywhere, when
-            the requests like it are followed (not one-off), to the emptiest
-            cache within the margin of the best, while every cache has room
-            for it (:func:`new_home_rule`); one router only.
+            later requests were seen to reuse what requests like it bring
+            (at least ``one_off_reuse_share`` of it), to the emptiest cache
+            within the margin of the best, while every cache has room for it
+            (:func:`new_home_rule`); one router only.
         hot_prefix_utilization: Per-replica load of one prefix above which it is hot.
         wait_on_prefill: Judge a holder whose prefill of the prefix is still
             running, when the best worker is idle, by when its first token
@@ -410,6 +411,10 @@ class _Reuse:
     def one_off(self, share: float) -> bool:
         """Whether less than ``share`` of the new content was reused (no record: False)."""
         return self.new > 0.0 and self.reused < share * self.new
+
+    def followed(self, share: float) -> bool:
+        """Whether at least ``share`` of the new content was reused (no record: False)."""
+        return self.new > 0.0 and self.reused >= share * self.new
 
 
 @dataclass(frozen=True, slots=True)
@@ -672,7 +677,7 @@ class PrefixAwarePolicy(Policy):
             band = calibration_band(scored, everyone, p.tie_band_rel)
             salt = _request_salt(ctx)
             one_off = self._ranks_one_off(ctx, band, salt)
-            if p.new_home_emptiest and not salt and not self._one_off(ctx):
+            if p.new_home_emptiest and not salt and self._followed(ctx):
                 home = new_home_rule(ctx.index, scored, candidates, best, p.short, len(hashes))
                 if home is not None:
                     held = ctx.index.blocks_of(scored[home].worker_id)
@@ -846,6 +851,13 @@ class PrefixAwarePolicy(Policy):
         # Read only: a routing decision leaves the records as it found them.
         reuse = self._head_reuse(ctx, _deepest_match(ctx), create=False)
         return reuse is not None and reuse.one_off(share)
+
+    def _followed(self, ctx: RoutingContext) -> bool:
+        """Whether later requests were seen to reuse what requests like this bring
+        (:class:`_Reuse`; no record yet: not known, False)."""
+        share = self.params.one_off_reuse_share
+        reuse = self._head_reuse(ctx, _deepest_match(ctx), create=False)
+        return share > 0.0 and reuse is not None and reuse.followed(share)
 
     def on_first_token(self, ctx: RoutingContext, worker: WorkerId) -> None:
         # The prefill is done on `worker`: each tracked prefix of the request
@@ -1900,9 +1912,10 @@ def new_home_rule(
 ) -> int | None:
     """Cold path, a new prefix that later requests will follow: the emptiest cache.
 
-    A prompt that matches nothing anywhere, of a kind whose new content is
-    reused (a new system prompt, document or session: ``_Reuse`` is not
-    one-off), makes a home that its later requests come back to. Where it
+    A prompt that matches nothing anywhere, of a kind whose new content
+    later requests were seen to reuse (a new system prompt, document or
+    session: ``_Reuse.followed``; before any such evidence, the picker
+    decides), makes a home that its later requests come back to. Where it
     goes decides the load those requests bring, not just this request's
     first token: placed by that first token (the least loaded worker at
     this instant), 64 such groups landed 6 to 11 on each of 8 workers
