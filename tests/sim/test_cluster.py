@@ -79,6 +79,31 @@ def test_same_seed_same_report_and_policies_see_the_same_requests() -> None:
     assert c["prompt_tokens"] == a["prompt_tokens"] and c["requests"] == a["requests"]
 
 
+def _homes_per_worker(params: dict[str, object]) -> list[int]:
+    """gsp at load 0.9 (seed 0): how many groups each worker was the first home of."""
+    from prefixrouter.sim.runner import plan
+
+    wl = get_scenario("gsp").build(0)
+    p = plan(wl, PROFILE, ["prefix_aware"], load=0.9, mode="token")
+    config = ClusterConfig(p.workers, p.profile, p.kv_blocks, mode=p.mode)
+    run = Simulation(p.workload, config, create_policy("prefix_aware", params)).run()
+    first: dict[str, str] = {}
+    for r in sorted(run.records, key=lambda r: r.arrival):
+        first.setdefault(r.group, r.worker)
+    return sorted(list(first.values()).count(f"w{w:02d}") for w in range(p.workers))
+
+
+def test_new_groups_spread_their_homes_evenly_over_the_workers() -> None:
+    # 64 groups of 16 prompts on 8 workers, everything fits: each group's
+    # first request makes the home its later requests follow. Placed by
+    # the emptiest cache (new_home_rule) every worker gets 7 to 9 groups;
+    # placed by that request's own first token they spread wider (6 to 10).
+    even = _homes_per_worker({})
+    assert sum(even) == 64 and max(even) - min(even) <= 2
+    by_first_token = _homes_per_worker({"new_home_emptiest": False})
+    assert max(by_first_token) - min(by_first_token) > max(even) - min(even)
+
+
 def test_block_size_mismatch_is_refused() -> None:
     wl = _doc_workload(1, 1, 64, 1.0)
     wl.block_size = 32
