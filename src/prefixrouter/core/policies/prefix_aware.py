@@ -75,8 +75,8 @@ With no warm worker the cold path (``_select_cold``) runs instead:
 :func:`cold_pool_rule`, then for a prefix never seen :func:`new_home_rule`
 (the emptiest cache, when later requests will follow this one) or the picker
 among all workers, or :func:`rendezvous_home` for one seen before that no
-cache holds any more. Under the cold quota, when every warm worker is out of room, the lowest
-score among the workers with room wins.
+cache holds any more. Under the cold quota, when every warm worker is out of
+room, the lowest score among the workers with room wins.
 
 Tiers (the one recorded is the chosen worker's):
 
