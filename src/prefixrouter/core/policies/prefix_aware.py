@@ -414,7 +414,7 @@ class _Reuse:
 
     def followed(self, share: float) -> bool:
         """Whether at least ``share`` of the new content was reused (no record: False)."""
-        return self.new > 0.0 and self.reused >= share * self.new
+        return self.new > 0.0 and not self.one_off(share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -673,11 +673,11 @@ class PrefixAwarePolicy(Policy):
         hashes = ctx.blocks.hashes
         if not p.home_by_hash or not hashes or hashes[0] not in self._demand:
             # None is warm, so `best` is the best of all.
-            everyone = range(len(scored))
-            band = calibration_band(scored, everyone, p.tie_band_rel)
             salt = _request_salt(ctx)
-            one_off = self._ranks_one_off(ctx, band, salt)
-            if p.new_home_emptiest and not salt and self._followed(ctx):
+            # One read of the reuse record serves both keys (a replica reads none).
+            reuse = None if salt else self._reuse_record(ctx)
+            share = p.one_off_reuse_share
+            if p.new_home_emptiest and reuse is not None and reuse.followed(share):
                 home = new_home_rule(ctx.index, scored, candidates, best, p.short, len(hashes))
                 if home is not None:
                     held = ctx.index.blocks_of(scored[home].worker_id)
@@ -686,6 +686,9 @@ class PrefixAwarePolicy(Policy):
                         f"within margin ({held} blocks)"
                     )
                     return Selection(scored[home].worker_id, "cold", reason, 0, out)
+            everyone = range(len(scored))
+            band = calibration_band(scored, everyone, p.tie_band_rel)
+            one_off = band > 0.0 and reuse is not None and reuse.one_off(share)
             pick = tie_band_picker(scored, candidates, everyone, band, best, salt, one_off)
             reason = "no reusable prefix anywhere: lowest predicted TTFT"
             if pick != best:
@@ -845,19 +848,16 @@ class PrefixAwarePolicy(Policy):
 
     def _one_off(self, ctx: RoutingContext) -> bool:
         """Whether later requests rarely reuse what requests like this bring (:class:`_Reuse`)."""
-        share = self.params.one_off_reuse_share
-        if share <= 0.0:
-            return False
-        # Read only: a routing decision leaves the records as it found them.
-        reuse = self._head_reuse(ctx, _deepest_match(ctx), create=False)
-        return reuse is not None and reuse.one_off(share)
+        reuse = self._reuse_record(ctx)
+        return reuse is not None and reuse.one_off(self.params.one_off_reuse_share)
 
-    def _followed(self, ctx: RoutingContext) -> bool:
-        """Whether later requests were seen to reuse what requests like this bring
-        (:class:`_Reuse`; no record yet: not known, False)."""
-        share = self.params.one_off_reuse_share
-        reuse = self._head_reuse(ctx, _deepest_match(ctx), create=False)
-        return share > 0.0 and reuse is not None and reuse.followed(share)
+    def _reuse_record(self, ctx: RoutingContext) -> _Reuse | None:
+        """The reuse record of this request's head, read only (a routing decision
+        leaves the records as it found them); None without one, or with
+        ``one_off_reuse_share`` 0 (no request is then one-off or followed)."""
+        if self.params.one_off_reuse_share <= 0.0:
+            return None
+        return self._head_reuse(ctx, _deepest_match(ctx), create=False)
 
     def on_first_token(self, ctx: RoutingContext, worker: WorkerId) -> None:
         # The prefill is done on `worker`: each tracked prefix of the request
