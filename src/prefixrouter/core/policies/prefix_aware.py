@@ -1919,7 +1919,7 @@ def new_home_rule(
     goes decides the load those requests bring, not just this request's
     first token: placed by that first token (the least loaded worker at
     this instant), 64 such groups landed 6 to 11 on each of 8 workers
-    (`gsp`), and the workers with more groups queued their warm requests
+    (``gsp``), and the workers with more groups queued their warm requests
     longer. Among the candidates within the (full) margin of the ``best``
     (the first-token price a placement that lasts may cost, as for a copy),
     the one whose cache holds the fewest blocks per the index wins, then
@@ -1931,7 +1931,7 @@ def new_home_rule(
     Only while every candidate's cache has room for the prompt
     (:func:`cache_pressure` below 1): once caches are full the index holds
     what recency left, not what homes bring, and the choice is the
-    picker's (placing by held blocks then moved `llmd-customers` by up to
+    picker's (placing by held blocks then moved ``llmd-customers`` by up to
     10 % either way over seeds). One router only: replicas see their
     peers' homes a lag late and would all pick the same emptiest cache.
 
