@@ -1,7 +1,8 @@
 """Routing policies, one module each; importing this package registers them all.
 
-Ours: ``prefix_aware`` (:mod:`.prefix_aware`). Cache-blind baselines:
-``round_robin``, ``least_loaded``. The peers' policies (PEERS.md) live beside them.
+Ours: ``prefix_aware`` (:mod:`.prefix_aware`, a package with a module per
+step). Cache-blind baselines: ``round_robin``, ``least_loaded``. The peers'
+policies (PEERS.md) live beside them.
 """
 
 from prefixrouter.core.policies import (
