@@ -1,6 +1,6 @@
 """The router's own rules, ahead of and around any policy: filters, the decision record, purity.
 
-The default policy's rules have their tests in ``tests/core/policies/test_prefix_aware.py``.
+The default policy's rules have their tests in ``tests/core/policies/prefix_aware/``.
 """
 
 from __future__ import annotations
