@@ -32,6 +32,12 @@ otherwise) and simulates only ours: a twelfth of the time. Use it only when
 nothing else the peers run on changed (the simulator, the profiles, the
 workloads): ``git log`` on those since the saved run says so.
 
+``--profile`` and ``--workers`` run the same verdict on another engine
+(``prefixrouter profiles``) or fleet size, the held-out checks: the
+policy's parameters were tuned on the default profile and each scenario's
+own fleet, so a rule that only fits those shows here
+(``seed_verdict_heldout_results.md``).
+
 Deterministic (the simulator is); about 30 minutes for four seeds on two
 cores with ``--processes 2``.
 """
@@ -77,13 +83,16 @@ class Task:
     seed: int
     mooncake_limit: int
     arrival: str = "poisson"
+    profile: str = PROFILE
+    workers: int = 0  # 0: the scenario's own fleet
 
 
 def run_task(task: Task) -> tuple[Task, dict[str, float]]:
     """One policy's mean and p99 TTFT on one cell and seed, as ``sim_results.py`` runs it."""
     job = Job((task.scenario, task.load, "token", None), task.seed, {}, task.mooncake_limit, 0,
               Shape(arrival=task.arrival))  # fmt: skip
-    p = plan(workload(job), get_profile(PROFILE), [task.policy], load=task.load, mode="token")
+    p = plan(workload(job), get_profile(task.profile), [task.policy], load=task.load,
+             mode="token", workers=task.workers or None)  # fmt: skip
     results, _ = run_plan(p)
     ttft = results[0]["ttft_ms"]
     return task, {"mean": float(ttft["mean"]), "p99": float(ttft["p99"])}
@@ -96,8 +105,9 @@ def tasks(args: argparse.Namespace) -> list[Task]:
     trace_seeds = seeds
     if TRACES.intersection(names):
         trace_seeds = [s for s in seeds if s < trace_windows(args.mooncake_limit)]
+    fleet = (args.profile, args.workers)
     out = [
-        Task(name, float(load), policy, seed, args.mooncake_limit, args.arrival)
+        Task(name, float(load), policy, seed, args.mooncake_limit, args.arrival, *fleet)
         for name in names
         for load in args.loads.split(",")
         for policy in policy_names()
@@ -120,6 +130,12 @@ def peer_runs(saved: dict[str, Any], args: argparse.Namespace) -> Runs:
         )
     if int(saved.get("mooncake_limit", MOONCAKE_LIMIT)) != args.mooncake_limit:
         raise ValueError(f"its trace windows are {saved.get('mooncake_limit')} requests")
+    if saved.get("profile", PROFILE) != args.profile:
+        raise ValueError(f"its engine profile is {saved.get('profile', PROFILE)!r}")
+    workers = int(saved.get("workers", 0))
+    if workers != args.workers:
+        fleet = f"{workers} workers" if workers else "each scenario's own"
+        raise ValueError(f"its fleet is {fleet}")
     runs: Runs = {}
     have = _decode(saved["cells"])
     peers = [p for p in policy_names() if p != OURS]
@@ -315,6 +331,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--arrival", default="poisson",
                     help="the scenarios' arrival process: poisson, gamma or gamma:CV "
                          "(the trace keeps its own times)")  # fmt: skip
+    ap.add_argument(
+        "--profile",
+        default=PROFILE,
+        help="engine profile (`prefixrouter profiles`): the fleet's speed and KV",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="every scenario's fleet size (0: each scenario's own)",
+    )
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write every run's figures here")
     ap.add_argument("--markdown", type=Path, help="write the verdict table here")
@@ -338,6 +365,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--arrival: {exc}")
     if not seeds or min(seeds) < 0:
         ap.error("--seeds: one or more seeds, 0 or more")
+    try:
+        get_profile(args.profile)
+    except KeyError as exc:
+        ap.error(f"--profile: {exc.args[0] if exc.args else args.profile}")
+    if args.workers < 0:
+        ap.error("--workers: 0 (each scenario's own) or more")
     for flag, path in (("--from-json", args.from_json), ("--peers-from", args.peers_from)):
         if path is not None and not path.is_file():
             ap.error(f"{flag}: no file {path}")
@@ -375,11 +408,16 @@ def main() -> None:
             command += f" --scenarios {args.scenarios}"
         if args.mooncake_limit != MOONCAKE_LIMIT:
             command += f" --mooncake-limit {args.mooncake_limit}"
+        if args.profile != PROFILE:
+            command += f" --profile {args.profile}"
+        if args.workers:
+            command += f" --workers {args.workers}"
         if args.peers_from is not None:
             command += f" --peers-from {args.peers_from.name}"
         if args.json is not None:
             payload = {"command": command, "elapsed_s": elapsed, "arrival": arrival,
-                       "mooncake_limit": trace_requests, "cells": _encode(runs)}  # fmt: skip
+                       "mooncake_limit": trace_requests, "profile": args.profile,
+                       "workers": args.workers, "cells": _encode(runs)}  # fmt: skip
             args.json.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2) + b"\n")
     plot_name = args.plot.name if args.plot is not None else ""
     text = markdown(runs, command, elapsed, arrival, plot_name, trace_requests)

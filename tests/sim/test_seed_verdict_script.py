@@ -108,7 +108,10 @@ def test_a_run_and_its_saved_figures_give_the_same_table(tmp_path: Path) -> None
     refusals = [
         (("--seeds", "0,1,2"), "run of system-prompt at 0.6, seed 2"),
         (("--seeds", "0,1", "--arrival", "gamma:2"), "its arrivals are 'poisson'"),
-    ]
+        (("--seeds", "0,1", "--profile", "llama3-70b-8xh100"),
+         "its engine profile is 'llama3-8b-h100'"),
+        (("--seeds", "0,1", "--workers", "4"), "its fleet is each scenario's own"),
+    ]  # fmt: skip
     for extra, message in refusals:
         refused = _run(*cell, *extra, "--peers-from", str(saved))
         assert refused.returncode == 1, refused.stderr
@@ -124,12 +127,29 @@ def test_a_run_and_its_saved_figures_give_the_same_table(tmp_path: Path) -> None
         (["--seeds", "a"], "--seeds / --loads"),
         (["--from-json", "/nonexistent/v.json"], "--from-json: no file"),
         (["--peers-from", "/nonexistent/v.json"], "--peers-from: no file"),
+        (["--profile", "h200"], "--profile: unknown engine profile 'h200'"),
+        (["--workers", "-1"], "--workers: 0 (each scenario's own) or more"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> None:
     done = _run(*args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_profile_and_the_fleet_reach_the_simulation() -> None:
+    """``--profile`` and ``--workers`` run the same requests on another engine and fleet."""
+
+    def figures(**fleet: object) -> dict[str, float]:
+        task = seed_verdict.Task("system-prompt", 0.6, "round_robin", 0, 3000, **fleet)  # type: ignore[arg-type]
+        return seed_verdict.run_task(task)[1]
+
+    default = figures()
+    assert figures(profile="llama3-8b-h100", workers=0) == default
+    # Slower engines at the same share of their capacity: a later first token.
+    assert figures(profile="llama3-70b-8xh100")["mean"] > default["mean"]
+    # Round robin over 2 workers instead of the scenario's 8: the same load, other figures.
+    assert figures(workers=2) != default
 
 
 def test_every_run_is_asked_for_once() -> None:
