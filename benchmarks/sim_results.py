@@ -106,9 +106,10 @@ def _gain(ours: float, best: float) -> str:
 SEED_VERDICTS = (
     Path(__file__).with_name("seed_verdict_results.md"),
     Path(__file__).with_name("seed_verdict_bursty_results.md"),
+    Path(__file__).with_name("seed_verdict_heldout_results.md"),
 )
 """The summary's verdict over several seeds (``benchmarks/seed_verdict.py``), Poisson
-arrivals and bursty ones, under it."""
+arrivals and bursty ones, and held out (another engine profile and fleet size), under it."""
 NOTES = Path(__file__).with_name("results_notes.md")
 TEXT_NOTES = Path(__file__).with_name("text_mode_notes.md")
 """Where text mode loses to token mode and why (written from these figures), appended."""
