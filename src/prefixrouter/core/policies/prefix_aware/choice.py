@@ -1,4 +1,12 @@
-"""What a rule returns, and the readings of candidate scores the rules share."""
+"""What a rule returns, and the readings of candidate scores the rules share.
+
+Every step returns a :class:`Choice` (a candidate's position and the
+sentence the decision record shows). The readings here are the ones more
+than one step takes: the lowest score among some candidates, a candidate's
+predicted first token, whether storing the prompt evicts anything, the
+score a warm worker and a cold one are compared by, how full a cache would
+be, and the highest score within the warm margin of the best.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""The cold path: where a request goes that no worker holds a prefix of."""
+"""The cold path: where a request goes that no worker holds a prefix of.
+
+In order: the configured cold pool (:func:`cold_pool_rule`); for a prefix
+never seen, the emptiest cache within the margin when later requests will
+follow it (:func:`new_home_rule`), else the picker among all workers; for a
+prefix seen before that no cache holds any more, its rendezvous home
+(:func:`rendezvous_home`), so evicted prefixes partition across caches.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,13 @@
-"""The rules that copy a prefix: hot prefix, idle capacity, and the copy itself."""
+"""The rules that copy a prefix: hot prefix, idle capacity, and the copy itself.
+
+A prefix gets another replica when its demand needs more than hold it
+(:func:`hot_prefix_rule`) or when its busy holders carry more than their
+share of the traffic beside an idle worker (:func:`idle_copy_rule`); only
+into workers with room for it (:func:`copy_room_filter`, read beside the
+holders' own pinned share). The router makes such a copy itself where it
+can (a prefill-only request), and :func:`copy_rule` sends the request that
+asked for it to the copy when its first token comes no later there.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,13 @@
-"""Step 3, the picker: the best of the warm workers holding the deepest prefix."""
+"""Step 3, the picker: the best of the warm workers holding the deepest prefix.
+
+Scores within the tie band of the lowest count as equal
+(:func:`tie_band_picker`, the band from the workers' calibration,
+:func:`calibration_band`); among those the fewest in flight wins, or for
+one-off traffic the least recently sent of those whose first token is
+within an engine step of the earliest (:func:`one_off_pick`). A router
+replica draws two of them by its salt (the rendezvous hash here) so
+replicas sharing a stale view do not all pick the same worker.
+"""
 
 from __future__ import annotations
 

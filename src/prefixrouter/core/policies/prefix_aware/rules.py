@@ -1,4 +1,14 @@
-"""Step 4, the rules that may leave the picker's warm choice for a better worker."""
+"""Step 4, the rules that may leave the picker's warm choice for a better worker.
+
+Each judges the warm worker the picker chose against the best score
+overall: every holder still on its first prefill (:func:`first_prefill_rule`),
+the maximum wait (:func:`max_wait_rule`, off by default), no room for a
+copy (:func:`no_room_rule`), a prefill in progress beside an idle worker
+(:func:`prefill_in_progress_rule`), then :func:`holder_band_rule` when the
+best holds the prefix too, else the warm margin (:func:`warm_margin_rule`).
+Leaving a warm worker copies its prefix; :func:`switch_externality` prices
+what that copy costs the requests around it.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""Steps 1 and 2: every candidate's score, and the cold quota's filter."""
+"""Steps 1 and 2: every candidate's score, and the cold quota's filter.
+
+:func:`score_candidates` predicts each candidate's cost terms and scores
+them (first token, plus the output class's weight of decode and the
+eviction a copy would cause), and says which are warm;
+:func:`cold_quota_filter` keeps warm traffic off each worker's last share of
+slots while another has room, so cold requests find one.
+"""
 
 from __future__ import annotations
 
