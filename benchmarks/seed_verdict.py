@@ -279,8 +279,9 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: Runs, path: Path) -> None:
-    """Ours against the best baseline per cell: mean and p99 change, two standard errors."""
+def plot(runs: Runs, path: Path, setting: str = "") -> None:
+    """Ours against the best baseline per cell: mean and p99 change, two standard errors
+    (``setting``: what differs from the default runs, in the title)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,10 +302,19 @@ def plot(runs: Runs, path: Path) -> None:
         ax.set_yticks(range(len(cells)), labels)
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle("prefix_aware against the best peer policy per cell, ± two standard errors")
+    title = "prefix_aware against the best peer policy per cell, ± two standard errors"
+    fig.suptitle(f"{title}\n({setting})" if setting else title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def setting(profile: str, workers: int, arrival: str) -> str:
+    """What a run's engines, fleet and arrivals are, where they are not the default ('')."""
+    parts = [f"profile {profile}"] if profile != PROFILE else []
+    parts += [f"{workers} workers per scenario"] if workers else []
+    parts += [f"{arrival} arrivals"] if arrival != "poisson" else []
+    return ", ".join(parts)
 
 
 def _encode(runs: Runs) -> list[dict[str, Any]]:
@@ -386,6 +396,7 @@ def main() -> None:
             runs, command, elapsed = _decode(saved["cells"]), saved["command"], saved["elapsed_s"]
             arrival = str(saved.get("arrival", "poisson"))
             trace_requests = int(saved.get("mooncake_limit", MOONCAKE_LIMIT))
+            profile, workers = str(saved.get("profile", PROFILE)), int(saved.get("workers", 0))
             if not runs or any(OURS not in cell for cell in runs.values()):
                 raise ValueError(f"no cells with {OURS}")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -401,6 +412,7 @@ def main() -> None:
         runs = measure(args, peers)
         elapsed = time.monotonic() - started
         arrival, trace_requests = args.arrival, args.mooncake_limit
+        profile, workers = args.profile, args.workers
         command = f"python benchmarks/seed_verdict.py --seeds {args.seeds}"
         if args.arrival != "poisson":
             command += f" --arrival {args.arrival}"
@@ -424,7 +436,7 @@ def main() -> None:
     if args.markdown is not None:
         args.markdown.write_text(text, encoding="utf-8")
     if args.plot is not None:
-        plot(runs, args.plot)
+        plot(runs, args.plot, setting(profile, workers, arrival))
     print(text)
 
 

@@ -152,6 +152,14 @@ def test_the_profile_and_the_fleet_reach_the_simulation() -> None:
     assert figures(workers=2) != default
 
 
+def test_the_plot_names_what_differs_from_the_default_runs() -> None:
+    assert seed_verdict.setting(seed_verdict.PROFILE, 0, "poisson") == ""
+    assert (
+        seed_verdict.setting("llama3-70b-8xh100", 8, "gamma:2")
+        == "profile llama3-70b-8xh100, 8 workers per scenario, gamma:2 arrivals"
+    )
+
+
 def test_every_run_is_asked_for_once() -> None:
     todo = seed_verdict.tasks(seed_verdict.parse_args(["--seeds", "0,1"]))
     assert len(todo) == len(set(todo))
