@@ -46,3 +46,21 @@ def after_heal_complete(rep: FaultReport) -> None:
     assert after, "no traffic after the fault"
     bad = [(o.tag, o.kind, o.error) for o in after if o.kind != "complete"]
     assert not bad, bad[:3]
+
+
+def touches(ff: FaultFleet, rep: FaultReport) -> list[tuple[float, str, list[str], str]]:
+    """The requests sent after the fault that went to its target or were retried away
+    from it, until traffic had to have left: seconds after the fault, the worker that
+    served, the workers retried from, the decision's reason (a failing test prints them)."""
+    t = rep.times
+    decisions = {str(d["request_id"]): d for d in run(ff.decisions())}
+    out = []
+    for o in rep.outcomes:
+        d = decisions.get(o.request_id or "")
+        if d is None or not t.t_fault <= o.t_send < t.t_left_until:
+            continue
+        tried = [str(w) for w in d.get("retried_from") or ()]
+        if d.get("selected_worker") == t.target or t.target in tried:
+            out.append((round(o.t_send - t.t_fault, 3), str(d.get("selected_worker")), tried,
+                        str(d.get("reason", ""))[:80]))  # fmt: skip
+    return sorted(out)

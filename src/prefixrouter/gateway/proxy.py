@@ -126,6 +126,11 @@ class Attempt:
         unreachable: The worker could not be reached (take it out of routing).
         suspect: The worker went silent (first-byte or stall timeout): out of
             routing until a health check passes.
+        broke: The connection to the worker broke mid-answer (a crashed or
+            killed engine does that to every stream it held): the worker is
+            checked at once, out of routing until the check passes, instead
+            of when the next request or poll reaches it; the failure still
+            counts toward outlier ejection.
         fallback: A refusal's own error response, answered if no other worker succeeds.
         no_prefill: The engine cannot have prefilled the prompt (it answered
             an error status, or the client left before the first byte): the
@@ -142,6 +147,7 @@ class Attempt:
     suspect: bool = False
     fallback: web.Response | None = None
     no_prefill: bool = False
+    broke: bool = False
 
 
 @dataclass(slots=True)
@@ -452,7 +458,7 @@ class Proxy:
         relay = SseRelay(strip_usage=not built.client_wants_usage)
         chunk = first
         upstream_error: str | None = None
-        stalled = False
+        stalled = broke = False
         try:
             while chunk:
                 data = relay.feed(chunk)
@@ -466,6 +472,7 @@ class Proxy:
                 except _UPSTREAM_ERRORS as exc:
                     upstream_error = _describe(exc)
                     stalled = isinstance(exc, StallTimeout)
+                    broke = isinstance(exc, ConnectionError)
                     break
             tail = relay.finish()
             if tail:
@@ -488,8 +495,9 @@ class Proxy:
         if upstream_error is not None:
             status = 504 if stalled else 502
             return False, Attempt(
-                out, status, usage=relay.usage, ttft_s=ttft, error=upstream_error, suspect=stalled
-            )
+                out, status, usage=relay.usage, ttft_s=ttft, error=upstream_error,
+                suspect=stalled, broke=broke,
+            )  # fmt: skip
         return True, Attempt(out, 200, ok=True, usage=relay.usage, ttft_s=ttft)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -521,6 +529,8 @@ class Proxy:
             att.status, att.ok, att.usage, att.ttft_s, att.error, att.suspect, att.no_prefill
         )
         self.st.registry.observe(worker, att.status, suspect=att.suspect)
+        if att.broke:
+            self.st.registry.mark_suspect(worker, att.error or "the stream broke")
         tried = retry.tried if retry is not None else ()
         self.flow.finish(built, adm, worker, served, t0, tried, steer)
 

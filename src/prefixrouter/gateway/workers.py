@@ -21,7 +21,8 @@ gets traffic within about that of answering again), and returns on the first
 success.
 
 **Suspect.** A request whose worker sent no first byte in time (or whose
-stream stalled) marks the worker *suspect* (:meth:`WorkerRegistry.mark_suspect`):
+stream stalled, or whose connection broke mid-answer, as every stream of a
+crashed engine does) marks the worker *suspect* (:meth:`WorkerRegistry.mark_suspect`):
 it leaves routing at once and its poller checks it at once. A passing check
 brings it back (a slow engine is back within milliseconds); a failing one
 counts as usual, so a frozen engine is marked down by its first check's
