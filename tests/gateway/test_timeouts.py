@@ -266,3 +266,41 @@ def test_every_worker_timing_out_is_a_504_not_a_502(stream: bool) -> None:
             assert log["status"] == 504 and log["attempts"] >= 1
 
     run(body)
+
+
+def test_a_stream_whose_connection_breaks_takes_its_worker_out_until_a_check_passes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A killed engine breaks every stream it held: its worker leaves routing then, not
+    when the next request routed there is refused, and returns when a check passes."""
+
+    async def body() -> None:
+        engines = [FakeEngine(die_after_chunks=2), FakeEngine()]
+        async with gateway_env(engines=engines, overrides=FAST) as env:
+            registry = env.state.registry
+            registry.workers[WorkerId("w1")].draining = True
+            registry._rebuild()
+            # The engine dies mid-answer; its health check hangs from now on.
+            engines[0].health_delay_s = 30.0
+            r = await env.chat(LONG, stream=True, max_tokens=6)
+            text = await r.text()
+            assert text.count('"content"') == 2 and '"error"' in text
+            w0 = _worker(env, "w0")
+            # The mark comes as the gateway settles the request (the client may
+            # read the end of the stream first).
+            await _until(lambda: w0.suspect, "w0 marked suspect", timeout_s=2.0)
+            assert not w0.view.healthy and "worker w0 suspect" in caplog.text
+            registry.workers[WorkerId("w1")].draining = False
+            registry._rebuild()
+            # w0 holds the prompt's prefix, but it is out of routing: the next
+            # request goes to w1 at its first attempt.
+            again = await env.chat(LONG + " again?", stream=True, max_tokens=6)
+            await again.read()
+            assert again.headers["X-Prefixrouter-Worker"] == "w1"
+            assert all(d["attempts"] == 1 for d in await _decisions(env))
+            # Alive after all (the connection broke, the engine did not): back.
+            engines[0].health_delay_s = 0.0
+            await _until(lambda: w0.healthy and not w0.suspect, "w0 back in routing")
+            assert w0.view.healthy
+
+    run(body)
