@@ -57,7 +57,7 @@ def touches(ff: FaultFleet, rep: FaultReport) -> list[tuple[float, str, list[str
     out = []
     for o in rep.outcomes:
         d = decisions.get(o.request_id or "")
-        if d is None or not t.t_fault <= o.t_send < t.t_left_until:
+        if d is None or not t.t_fault <= o.t_send < t.t_ready:
             continue
         tried = [str(w) for w in d.get("retried_from") or ()]
         if d.get("selected_worker") == t.target or t.target in tried:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
-import pytest
 
-from prefixrouter.harness.fault_scenarios import FaultTimes
 from prefixrouter.harness.faults import Outcome, Served, account, leave_s, read_served, return_s
 
 
@@ -84,18 +82,3 @@ def test_read_served_skips_a_line_cut_by_a_crash(tmp_path: Path) -> None:
     got = {s.rid: s for s in read_served({"e0": log, "e1": tmp_path / "missing"})}
     assert got["r1"] == Served("e0", "r1", "a", 1.0, 1.1, "done")
     assert got["r2"].how is None and got["r2"].t_first is None
-
-
-def test_traffic_leaving_a_restarted_engine_is_timed_until_its_restart() -> None:
-    """The gateway may find a restarted engine before the harness's poll does: a request
-    it sends there after the restart began is the return, not traffic that never left."""
-    outs = [_done(t, s, s + 0.1, f"r{t}") for t, s in (("a", 10.05), ("b", 12.2))]
-    decisions = [
-        {"request_id": "q-a", "selected_worker": "e1", "retried_from": ["e0"]},
-        {"request_id": "q-b", "selected_worker": "e0", "retried_from": []},
-    ]
-    times = FaultTimes("e0", t_fault=10.0, t_ready=12.5, restarted=True, t_restart=12.0)
-    assert leave_s(outs, decisions, "e0", times.t_fault, times.t_left_until) == pytest.approx(0.05)
-    assert leave_s(outs, decisions, "e0", times.t_fault, times.t_ready) is None
-    # Not restarted (thawed, healed): the window ends when the target is back.
-    assert FaultTimes("e0", t_fault=10.0, t_ready=12.5).t_left_until == 12.5

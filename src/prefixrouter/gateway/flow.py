@@ -89,6 +89,9 @@ class Served:
         suspect: The worker went silent after its first byte (mark it suspect).
         no_prefill: The engine cannot have prefilled the prompt: the routing is
             taken back (``Dispatcher.reject``).
+        broke: The connection to the worker broke after its first byte (mark
+            it suspect too; unlike a stall, the failure counts toward outlier
+            ejection).
     """
 
     status: int
@@ -98,6 +101,7 @@ class Served:
     error: str | None = None
     suspect: bool = False
     no_prefill: bool = False
+    broke: bool = False
 
 
 class RequestFlow:
@@ -329,7 +333,7 @@ class RequestFlow:
         dispatch = st.dispatch
         decision = adm.decision
         now = st.clock()
-        if served.suspect:  # the stream stalled after its first byte
+        if served.suspect or served.broke:  # the stream stalled or broke after its first byte
             st.registry.mark_suspect(worker, served.error or "stalled")
         prompt, cached = usage_figures(served.usage)
         ok = served.ok

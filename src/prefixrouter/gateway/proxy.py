@@ -526,11 +526,10 @@ class Proxy:
         steer: Steer,
     ) -> None:
         served = Served(
-            att.status, att.ok, att.usage, att.ttft_s, att.error, att.suspect, att.no_prefill
-        )
+            att.status, att.ok, att.usage, att.ttft_s, att.error, att.suspect, att.no_prefill,
+            att.broke,
+        )  # fmt: skip
         self.st.registry.observe(worker, att.status, suspect=att.suspect)
-        if att.broke:
-            self.st.registry.mark_suspect(worker, att.error or "the stream broke")
         tried = retry.tried if retry is not None else ()
         self.flow.finish(built, adm, worker, served, t0, tried, steer)
 

@@ -275,11 +275,6 @@ class FaultTimes:
         t_end: When the scenario's traffic ended (set by :func:`run_scenario`).
         restarted: The target was restarted or thawed: time the return to it.
         frozen: The target was stopped (``SIGSTOP``) from ``t_fault`` to ``t_ready``.
-        t_restart: When a new process for the target was started (None: not
-            restarted). Traffic leaving is timed until then, not until
-            ``t_ready``: the gateway's own health check may find the new
-            process before the harness's poll does and send it the next
-            request, which is the return, not traffic that never left.
         extra: Scenario-specific figures.
     """
 
@@ -289,13 +284,7 @@ class FaultTimes:
     t_end: float = 0.0
     restarted: bool = False
     frozen: bool = False
-    t_restart: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def t_left_until(self) -> float:
-        """The end of the window in which traffic must have left the target."""
-        return self.t_ready if self.t_restart is None else self.t_restart
 
 
 @dataclass
@@ -380,8 +369,7 @@ async def run_scenario(
     left: float | None = None
     back_s: float | None = None
     if times.target in ff.engines:
-        decisions = await ff.decisions()
-        left = leave_s(outcomes, decisions, times.target, times.t_fault, times.t_left_until)
+        left = leave_s(outcomes, await ff.decisions(), times.target, times.t_fault, times.t_ready)
         if times.restarted:
             back_s = return_s(outcomes, served, times.target, times.t_ready)
     return FaultReport(name, tally, times, left, back_s, outcomes)
@@ -398,9 +386,8 @@ async def engine_sigkill(ff: FaultFleet, load: OpenLoad) -> FaultTimes:
     t_fault = time.monotonic()
     ff.kill_engine(target)
     await traffic(load, t_fault, 20)
-    t_restart = time.monotonic()
     t_ready = await ff.restart_engine(target)
-    return FaultTimes(target, t_fault, t_ready, restarted=True, t_restart=t_restart)
+    return FaultTimes(target, t_fault, t_ready, restarted=True)
 
 
 def freeze(seconds: float = 10.0) -> Scenario:
