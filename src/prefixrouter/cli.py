@@ -277,6 +277,7 @@ def simulate(
     ] = False,
 ) -> None:
     """Simulate a workload on a fleet under every routing policy, side by side."""
+    from prefixrouter.core.dispatch import routing_mode
     from prefixrouter.sim.report import lower_bound_prefill_tokens, ttft_floor_ms
     from prefixrouter.sim.runner import Replicas, plan, run_plan
     from prefixrouter.sim.scenarios import SCENARIOS
@@ -286,8 +287,10 @@ def simulate(
         for name, spec in SCENARIOS.items():
             console.print(f"{name:<{width}}  {spec.summary}", highlight=False)
         return
-    if mode not in ("text", "token"):
-        raise fail(f"--mode: expected 'text' or 'token', got {mode!r}")
+    try:
+        routing = routing_mode(mode)
+    except ValueError:
+        raise fail(f"--mode: expected 'text' or 'token', got {mode!r}") from None
     if kv_events and mode != "token":
         raise fail(
             "--kv-events needs --mode token: engine KV events name token blocks, "
@@ -313,7 +316,7 @@ def simulate(
             load=load,
             rate=rate,
             kv_events=kv_events,
-            mode="text" if mode == "text" else "token",
+            mode=routing,
             replicas=Replicas(replicas, sync, sync_lag_ms / 1e3),
             token_count=token_count,
             client_max_tokens=client_max_tokens,

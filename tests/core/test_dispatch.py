@@ -22,7 +22,7 @@ from prefixrouter.core import (
     WorkerView,
     prefix_room_blocks,
 )
-from prefixrouter.core.dispatch import Admission
+from prefixrouter.core.dispatch import ROUTING_MODES, Admission, routing_mode
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.types import CacheNamespace
 from prefixrouter.errors import NoWorkerAvailable
@@ -30,6 +30,14 @@ from tests.core.conftest import request, tokens, workers
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
 DOC = tokens(1, 16 * 20)  # 20 blocks of 16 tokens
+
+
+def test_a_routing_mode_is_read_from_its_name_and_anything_else_is_refused_by_name() -> None:
+    assert [routing_mode(name) for name in ("text", "token")] == ["text", "token"]
+    assert set(ROUTING_MODES) == {"text", "token"}
+    for bad in ("chars", "Token", " text", ""):
+        with pytest.raises(ValueError, match=f"unknown routing mode {bad!r}: expected 'text' or"):
+            routing_mode(bad)
 
 
 def dispatcher(policy: str = "round_robin", **kw: Any) -> Dispatcher:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.errors import ConfigError
 
 HOST = "127.0.0.1"
@@ -53,7 +54,6 @@ PEERS_ENV = "PREFIXROUTER_PEERS_DIR"
 INSTALL_SCRIPT = "scripts/install_peers.sh"
 
 Kind = Literal["gateway", "sglang", "vllm", "oracle"]
-Mode = Literal["text", "token"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class RouterSpec:
     config: Path | None = None
     replicas: int = 1
     sync: bool = True
-    mode: Mode = "text"
+    mode: RoutingMode = "text"
 
     @property
     def ours(self) -> bool:

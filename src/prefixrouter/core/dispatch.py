@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 from prefixrouter.core.cost import CostTerms
 from prefixrouter.core.events import KvEvent
@@ -98,6 +98,20 @@ from prefixrouter.errors import NoWorkerAvailable
 RoutingMode = Literal["text", "token"]
 """How prompts are hashed: ``token`` (engine blocks of token ids) or ``text``
 (character chunks, tokens estimated)."""
+
+ROUTING_MODES: tuple[RoutingMode, ...] = get_args(RoutingMode)
+
+
+def routing_mode(name: str) -> RoutingMode:
+    """``name`` as a :data:`RoutingMode` (a command line's or a file's string).
+
+    Raises:
+        ValueError: ``name`` is not a mode; the message names it and the modes.
+    """
+    for mode in ROUTING_MODES:
+        if name == mode:
+            return mode
+    raise ValueError(f"unknown routing mode {name!r}: expected 'text' or 'token'")
 
 
 _PEER = "peer:"

@@ -60,6 +60,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.hashing import (
     DEFAULT_CHARS_PER_TOKEN,
     DEFAULT_CHUNK_CHARS,
@@ -368,7 +369,7 @@ class RoutingConfig(_Model):
         token_count_max_in_flight: Token counts out at once.
     """
 
-    mode: Literal["text", "token"] = "text"
+    mode: RoutingMode = "text"
     tokenizer: Path | None = None
     chunk_chars: PosInt = DEFAULT_CHUNK_CHARS
     block_size: PosInt | None = None
