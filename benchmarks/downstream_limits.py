@@ -202,13 +202,13 @@ async def phase_flood(port: int, flood: int) -> None:
             w.close()
         monitor[1].close()
     t0 = time.monotonic()
-    status: int | str = "never"
+    after: int | str = "never"
     while time.monotonic() - t0 < 20:
-        status = await _request(port, "GET", "/health")
-        if status == 200:
+        after = await _request(port, "GET", "/health")
+        if after == 200:
             break
         await asyncio.sleep(0.2)
-    print(f"  after closing them: /health {status} within {time.monotonic() - t0:.1f} s")
+    print(f"  after closing them: /health {after} within {time.monotonic() - t0:.1f} s")
 
 
 async def _post_loop(port: int, body: bytes, stop: float, done: list[int]) -> None:

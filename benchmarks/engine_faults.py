@@ -260,8 +260,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         restarted = await restart(gateway, procs, urls[1], ports[1], args.down_s)
         return {"freeze": frozen, "restart": restarted}
     finally:
-        for p in procs.values():
-            stop_process(p)
+        for proc in procs.values():
+            stop_process(proc)
 
 
 def main() -> None:

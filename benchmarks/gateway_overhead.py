@@ -168,17 +168,32 @@ def _stub_routing_core() -> Any:
     real = (Router.route, Router.on_routed, Router.on_completed)
     first: list[Decision] = []
 
-    def route_once(self: Router, request: Any, workers: Any, now: float, blocks: Any = None) -> Any:
+    def route_once(
+        self: Router,
+        request: Any,
+        workers: Any,
+        now: float,
+        blocks: Any = None,
+        steering: Any = None,
+    ) -> Decision:
         if not first:
-            first.append(real[0](self, request, workers, now, blocks))
+            first.append(real[0](self, request, workers, now, blocks, steering))
         return first[0]
+
+    def on_routed(self: Router, decision: Decision, now: float) -> None:
+        return None
+
+    def on_completed(
+        self: Router, decision: Decision, outcome: Any, now: float, block_tokens: Any = None
+    ) -> bool:
+        return False
 
     def undo() -> None:
         Router.route, Router.on_routed, Router.on_completed = real  # type: ignore[method-assign]
 
     Router.route = route_once  # type: ignore[method-assign]
-    Router.on_routed = lambda self, decision, now: None  # type: ignore[method-assign]
-    Router.on_completed = lambda self, decision, outcome, now: False  # type: ignore[method-assign]
+    Router.on_routed = on_routed  # type: ignore[method-assign]
+    Router.on_completed = on_completed  # type: ignore[method-assign]
     return undo
 
 
@@ -196,7 +211,9 @@ class _FakeUpstream:
     status = 200
     content_type = "application/json"
 
-    async def post(self, endpoint: Any, path: str, body: bytes) -> _FakeUpstream:
+    async def post(
+        self, endpoint: Any, path: str, body: bytes, first_byte_timeout_s: float | None = None
+    ) -> _FakeUpstream:
         return self
 
     async def read(self) -> bytes:
@@ -206,12 +223,18 @@ class _FakeUpstream:
         return None
 
 
-class _FakeRequest:
-    """What the handler reads of an aiohttp request (``--hot-loop``)."""
+class _FakeRequest(dict[Any, Any]):
+    """What the handler reads of an aiohttp request (``--hot-loop``): its headers,
+    body, method and path, and a mapping for what the handler keeps on it (as
+    ``web.Request`` is one)."""
+
+    method = "POST"
+    path = "/v1/chat/completions"
 
     def __init__(self, raw: bytes) -> None:
         from multidict import CIMultiDict, CIMultiDictProxy
 
+        super().__init__()
         self.raw = raw
         self.content_length = len(raw)
         self.headers = CIMultiDictProxy(CIMultiDict({"Content-Type": "application/json"}))
@@ -243,7 +266,7 @@ def hot_loop(n: int) -> dict[str, Any]:
                 try:
                     coro.send(None)
                 except StopIteration as done:
-                    assert done.value.status == 200
+                    assert done.value.status == 200, (done.value.status, done.value.body)
                 else:
                     raise RuntimeError("the handler waited on something")
 
@@ -270,7 +293,7 @@ def hot_loop(n: int) -> dict[str, Any]:
             )
             for b in _bodies()
         ]
-        router, clock = st.router, time.perf_counter
+        router, clock = st.dispatch.router, time.perf_counter
         best = {
             "route_us": 1e9,
             "text_hashing_us": 1e9,

@@ -89,12 +89,9 @@ def sizes(router: Router) -> dict[str, int]:
     """
     index = router.index
     demand = getattr(router.policy, "_demand", {})
-    spec = getattr(index, "speculative_entries", None)
-    if spec is None:  # a checkout without the counter: count them
-        spec = sum(1 for lru in index._lru.values() for e in lru.values() if e.source == 0)
     return {
         "entries": len(index),
-        "speculative": int(spec),
+        "speculative": index.speculative_entries,
         "heap": len(index._expiry),
         "demand": len(demand),
     }
@@ -124,7 +121,7 @@ def run(args: argparse.Namespace, on_step: Any = None) -> list[dict[str, Any]]:
     def complete_until(now: float) -> None:
         while pending and pending[0][0] <= now:
             t, admission = pending.popleft()
-            dispatch.first_token(admission)
+            dispatch.first_token(admission, t)
             dispatch.complete(admission, Outcome(0, 0.2, True), t)
             dispatch.observe_prompt_tokens(args.prompt_chars, admission.decision.prompt_tokens)
 

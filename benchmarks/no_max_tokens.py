@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from sim_results import PROFILE, build
 
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import NO_MAX_TOKENS, ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
@@ -44,7 +45,7 @@ from prefixrouter.stats import nearest_rank
 
 VARIANTS = ("exact", "default 256", "none")
 TRACE = "mooncake-conversation"
-Job = tuple[str, float, str, int, str]
+Job = tuple[str, float, RoutingMode, int, str]
 
 
 class DefaultCapSimulation(Simulation):

@@ -54,6 +54,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sim_results import PROFILE, build
 
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.policy import NoParams, Policy, RoutingContext, Selection
 from prefixrouter.core.types import WorkerView
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
@@ -64,7 +65,7 @@ from prefixrouter.sim.workload import SimRequest
 from prefixrouter.stats import nearest_rank
 
 ORACLE = "pin_oracle"
-Job = tuple[str, float, str, int, str, float]
+Job = tuple[str, float, RoutingMode, int, str, float]
 
 
 def pin_groups(requests: Iterable[SimRequest], workers: int) -> dict[str, int]:

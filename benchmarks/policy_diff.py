@@ -61,7 +61,7 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -77,9 +77,13 @@ from prefixrouter.sim.scenarios import SCENARIOS
 from prefixrouter.sim.traces import bundled_mooncake_path, count_requests, load_mooncake
 from prefixrouter.sim.workload import Workload, arrival_cv
 
+if TYPE_CHECKING:  # an annotation only: --against runs checkouts that may lack it
+    from prefixrouter.core.dispatch import RoutingMode
+
 TRACES = {"mooncake-conversation"}  # one request order whatever the seed: seeds are windows
 
-Cell = tuple[str, float, str, int | None]  # scenario, load, mode, KV blocks (None: default)
+# scenario, load, mode, KV blocks (None: default)
+Cell = tuple[str, float, "RoutingMode", int | None]
 Figures = dict[str, float]  # mean and p99 TTFT (ms), prefill tokens
 
 
@@ -142,7 +146,7 @@ def run_job(job: Job) -> tuple[Job, Figures]:
     p = plan(workload(job), get_profile(PROFILE), ["prefix_aware"], load=load, mode=mode,
              kv_blocks=kv, workers=job.shape.workers or None)  # fmt: skip
     # Only when set: a checkout from before the option runs the default (--against).
-    capped = {"client_max_tokens": cap} if cap else {}
+    capped: dict[str, Any] = {"client_max_tokens": cap} if cap else {}
     config = ClusterConfig(p.workers, p.profile, p.kv_blocks, mode=p.mode, **capped)
     s = summarize(Simulation(p.workload, config, create_policy("prefix_aware", params)).run())
     return job, {"mean": s["ttft_ms"]["mean"], "p99": s["ttft_ms"]["p99"],
@@ -166,7 +170,7 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     out: list[Job] = []
     for name in names:
         for load in (float(x) for x in args.loads.split(",")):
-            for mode in args.modes.split(","):
+            for mode in (cast("RoutingMode", m) for m in args.modes.split(",")):
                 for kv in [None, *kv_cells.get(name, [])]:
                     for seed in trace_seeds if name in TRACES else seeds:
                         out.append(Job((name, load, mode, kv), seed, params, args.mooncake_limit,
@@ -289,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--params: not JSON ({exc.msg} at column {exc.colno})")
     except (ValueError, TypeError) as exc:
         ap.error(f"--params: {exc}")
+    for mode in args.modes.split(","):
+        if mode not in ("token", "text"):
+            ap.error(f"--modes: unknown mode {mode!r}; known: token, text")
     if not 0 < args.scale <= 1:
         ap.error(f"--scale: must be in (0, 1], got {args.scale:g}")
     try:

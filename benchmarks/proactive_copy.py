@@ -35,6 +35,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_results import PROFILE, build
 
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
@@ -44,7 +45,7 @@ from prefixrouter.sim.runner import plan
 SCENARIOS = "doc-qa,system-prompt,templates,rag,multi-turn,hot-prefix,mooncake-conversation"
 TRACES = {"mooncake-conversation"}  # one request order whatever the seed
 
-Job = tuple[str, float, int | None, int, str]  # scenario, load, kv blocks, seed, mode
+Job = tuple[str, float, int | None, int, RoutingMode]  # scenario, load, kv blocks, seed, mode
 
 
 def run_cell(job: Job) -> tuple[Job, dict[bool, dict[str, Any]]]:

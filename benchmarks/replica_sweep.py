@@ -73,7 +73,7 @@ from prefixrouter.sim.report import cached_share
 from prefixrouter.sim.runner import Replicas, RunPlan, plan, run_plan
 from prefixrouter.sim.scenarios import SCENARIOS
 from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
-from prefixrouter.sim.workload import Workload
+from prefixrouter.sim.workload import SimRequest, Workload
 
 PROFILE = "llama3-8b-h100"
 POLICY = "prefix_aware"
@@ -123,7 +123,7 @@ def spread_ties(workload: Workload) -> Workload:
     times = sorted({r.arrival for r in reqs})
     nxt = {t: (times[i + 1] if i + 1 < len(times) else None) for i, t in enumerate(times)}
     step = (times[-1] - times[-2]) if len(times) > 1 else 1.0
-    out = []
+    out: list[SimRequest] = []
     i = 0
     while i < len(reqs):
         t = reqs[i].arrival
@@ -251,7 +251,7 @@ def is_target_run(run: dict[str, Any]) -> bool:
     """One router, or the target's replicas and lag with sync."""
     if run["routers"] == 1:
         return True
-    return run["sync"] and run["routers"] == TARGET_ROUTERS and run["lag_ms"] == TARGET_LAG_MS
+    return bool(run["sync"] and run["routers"] == TARGET_ROUTERS and run["lag_ms"] == TARGET_LAG_MS)
 
 
 def _run_order(run: dict[str, Any]) -> tuple[int, bool, float, int]:

@@ -31,11 +31,18 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from prefixrouter.core.policy import policy_names
 from prefixrouter.sim.plot import plot_report
@@ -79,7 +86,10 @@ def verdict(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-MODES = ("token", "text")
+if TYPE_CHECKING:  # an annotation only: policy_diff.py --against imports this module
+    from prefixrouter.core.dispatch import RoutingMode
+
+MODES: tuple[RoutingMode, ...] = ("token", "text")
 
 
 def stem(name: str, load: float, mode: str) -> str:
@@ -299,8 +309,8 @@ def main() -> None:
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     names = [n for n in args.scenarios.split(",") if n]
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
+    modes = [mode for mode in MODES if mode in args.modes.split(",")]
+    for m in filter(None, args.modes.split(",")):
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r}; known: {', '.join(MODES)}")
     policies = policy_names()
@@ -332,9 +342,11 @@ def main() -> None:
             for load, mode in ((x, m) for x in loads for m in modes):
                 p = plan(workload, profile, policies, load=load, mode=mode)
                 task = progress.add_task(f"{name} @ {load} {mode}", total=len(policies))
-                results, runs = run_plan(
-                    p, on_start=lambda _n, _t, task=task: progress.advance(task)
-                )
+
+                def advance(_name: str, _requests: int, task: TaskID = task) -> None:
+                    progress.advance(task)
+
+                results, runs = run_plan(p, on_start=advance)
                 report = {
                     "scenario": name,
                     "workers": p.workers,

@@ -387,7 +387,10 @@ def _p99(values: list[float]) -> float:
 
 def _ratios(rounds: dict[str, list[Phase]], base: str, gateway: bool) -> dict[str, Any]:
     """Each window kind's p99 over ``base``'s: pooled, and per round (min / median / max)."""
-    pick = (lambda p: p.gateway_ttft_s) if gateway else (lambda p: p.ttft_s)
+
+    def pick(p: Phase) -> list[float]:
+        return p.gateway_ttft_s if gateway else p.ttft_s
+
     pooled_base = _p99([v for p in rounds[base] for v in pick(p)])
     out: dict[str, Any] = {}
     for name, phases in rounds.items():
