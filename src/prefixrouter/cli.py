@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prefixrouter import __version__
-from prefixrouter.errors import PrefixRouterError
+from prefixrouter.errors import PrefixRouterError, unreadable
 
 app = typer.Typer(
     name="prefixrouter",
@@ -321,7 +321,9 @@ def simulate(
             token_count=token_count,
             client_max_tokens=client_max_tokens,
         )
-    except (PrefixRouterError, KeyError, ValueError, OSError) as exc:
+    except OSError as exc:  # the trace file
+        raise fail(unreadable(exc.filename, exc) if exc.filename else str(exc)) from None
+    except (PrefixRouterError, KeyError, ValueError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
 
     with Progress(

@@ -15,6 +15,12 @@ OpenAI-style JSON errors; nothing below them prints.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from os import PathLike
+
+
+def unreadable(path: str | PathLike[str], exc: OSError) -> str:
+    """The one-line message for a file that cannot be read: ``PATH: cannot read: WHY``."""
+    return f"{path}: cannot read: {exc.strerror or exc}"
 
 
 class PrefixRouterError(Exception):

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -30,14 +31,15 @@ def test_list_names_every_scenario_on_one_line_each() -> None:
     assert {ln.split()[0] for ln in lines} == set(SCENARIOS)
 
 
-def _simulate(tmp_path: Path, name: str) -> dict:  # type: ignore[type-arg]
+def _simulate(tmp_path: Path, name: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
     args = ["simulate", "--scenario", "gsp", "--requests", "120", "--workers", "4"]
     args += ["--load", "0.7", "--policies", "prefix_aware,round_robin", "--seed", "5"]
     args += ["--json", str(out)]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    return json.loads(out.read_text())
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 def test_json_report_schema_and_byte_identical_reruns(tmp_path: Path) -> None:
@@ -122,6 +124,16 @@ def test_malformed_trace_names_file_line_and_field(tmp_path: Path) -> None:
     assert res.exit_code == 2
     assert "t.jsonl:2" in res.output and "hash_ids" in res.output
     assert "Traceback" not in res.output
+
+
+def test_a_trace_that_cannot_be_read_is_named_with_the_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    res = runner.invoke(app, ["simulate", "--trace", str(missing), "--policies", "round_robin"])
+    assert res.exit_code == 2
+    # One line, as for a configuration file: the path, then why (no errno).
+    flat = " ".join(res.output.split())
+    assert f"{missing}: cannot read: No such file or directory" in flat, res.output
+    assert "Errno" not in flat and "Traceback" not in flat
 
 
 def test_console_script_runs(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ from prefixrouter.core.hashing import (
     DEFAULT_CHUNK_CHARS,
     DEFAULT_MAX_PROMPT_TOKENS,
 )
-from prefixrouter.errors import ConfigError, PrefixRouterError
+from prefixrouter.errors import ConfigError, PrefixRouterError, unreadable
 from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
 
 log = logging.getLogger("prefixrouter.gateway")
@@ -1078,7 +1078,7 @@ def load_config(path: Path | str) -> GatewayConfig:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(unreadable(path, exc)) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

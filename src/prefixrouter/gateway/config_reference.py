@@ -46,6 +46,7 @@ from pydantic_core import PydanticUndefined
 
 from prefixrouter.core.policies.prefix_aware import PrefixAwareParams
 from prefixrouter.core.policy import DEFAULT_POLICY
+from prefixrouter.errors import unreadable
 from prefixrouter.gateway.config import GatewayConfig
 
 COMMAND = "python -m prefixrouter.gateway.config_reference > docs/configuration.md"
@@ -348,7 +349,7 @@ def check(path: Path) -> str | None:
     try:
         have = path.read_text(encoding="utf-8")
     except OSError as exc:
-        return f"{path}: cannot read: {exc.strerror or exc}"
+        return unreadable(path, exc)
     if have == want:
         return None
     for i, (a, b) in enumerate(zip(have.splitlines(), want.splitlines(), strict=False), 1):
