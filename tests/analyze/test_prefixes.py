@@ -19,6 +19,7 @@ from prefixrouter.analyze import (
     load_encoder,
 )
 from prefixrouter.core.hashing import hash_text_blocks
+from prefixrouter.core.types import PrefixClass
 from prefixrouter.prompt import Fragment, PinnedSession, StableLayer, doc_qa_request, render_body
 
 SHARED_WORDS = [f"w{i}" for i in range(2000)]
@@ -163,9 +164,7 @@ def test_per_class_breakdown() -> None:
     assert set(explicit.by_class) == {"rag"}
 
 
-def _rag():  # type: ignore[no-untyped-def]
-    from prefixrouter.core.types import PrefixClass
-
+def _rag() -> PrefixClass:
     return PrefixClass.RAG
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -88,24 +90,34 @@ def test_peers_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monk
     assert default_peers_dir() == tmp_path
 
 
+class _CommandArgs(TypedDict):
+    """``router_command``'s arguments shared by every router in the test."""
+
+    port: int
+    workers: Sequence[str]
+    peers_dir: Path
+    prometheus_port: int
+    tokenizer_dir: Path | None
+
+
 def test_router_commands(tmp_path: Path) -> None:
     workers = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    kw = {"port": 9, "workers": workers, "peers_dir": tmp_path, "prometheus_port": 7,
-          "tokenizer_dir": tmp_path / "tok"}  # fmt: skip
-    ours = router_command(ROUTERS["prefix_aware"], **kw)  # type: ignore[arg-type]
+    kw: _CommandArgs = {"port": 9, "workers": workers, "peers_dir": tmp_path, "prometheus_port": 7,
+                        "tokenizer_dir": tmp_path / "tok"}  # fmt: skip
+    ours = router_command(ROUTERS["prefix_aware"], **kw)
     assert ours[1:3] == ["-m", "prefixrouter.gateway"] and ours.count("--worker") == 2
     assert "--cluster" not in ours
     replica = router_command(
         ROUTERS["prefix_aware"].replicated(2), **kw, cluster=("nats://127.0.0.1:4", "r1")
-    )  # type: ignore[arg-type]
+    )
     assert replica[replica.index("--cluster") + 1] == "nats://127.0.0.1:4"
     assert replica[replica.index("--replica-id") + 1] == "r1"
-    sg = router_command(ROUTERS["sglang-round_robin"], **kw)  # type: ignore[arg-type]
+    sg = router_command(ROUTERS["sglang-round_robin"], **kw)
     assert sg[0] == str(tmp_path / "sglang-router" / "bin" / "python")
     assert sg[sg.index("--policy") + 1] == "round_robin"
     assert sg[sg.index("--prometheus-port") + 1] == "7"
     assert sg[sg.index("--model-path") + 1] == str(tmp_path / "tok")
-    vr = router_command(ROUTERS["vllm-cache_aware"], **kw)  # type: ignore[arg-type]
+    vr = router_command(ROUTERS["vllm-cache_aware"], **kw)
     assert vr[0].endswith("vllm-router/bin/vllm-router")
     assert vr[vr.index("--worker-urls") + 1 : vr.index("--worker-urls") + 3] == workers
 

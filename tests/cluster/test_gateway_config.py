@@ -4,6 +4,8 @@ the fingerprint's fields. In-process gateways in front of fake engines; no NATS 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from prefixrouter.cluster.fingerprint import Fingerprint
@@ -42,7 +44,7 @@ def test_the_command_line_options_set_the_cluster_section() -> None:
 def test_the_fingerprint_covers_hashing_and_namespaces_and_hides_secrets() -> None:
     base = config_from_dict({"salt_secret": "topsecret", "tenants": {"t": {"cache_salt": "s1"}}})
     fp = Fingerprint.of(fingerprint_fields(base, ""))
-    changes = {
+    changes: dict[str, dict[str, Any]] = {
         "routing.chunk_chars": {"routing": {"chunk_chars": 128}},
         "routing.template_version": {"routing": {"template_version": "v2"}},
         "salt_secret": {"salt_secret": "other"},

@@ -96,9 +96,9 @@ def test_every_fact_is_applied_once_across_replay_switch_and_nats_restart() -> N
         apply_peer, apply_message = b.dispatcher.apply_peer, b._apply
 
         def recording_apply_peer(
-            origin: str, fact: Fact, now: float, at: float | None = None
+            origin: str, fact: Fact, now: float, routed_at: float | None = None
         ) -> bool:
-            ok = apply_peer(origin, fact, now, at)
+            ok = apply_peer(origin, fact, now, routed_at)
             if ok:
                 applied[_fact_id(fact)] += 1
             return ok

@@ -14,6 +14,7 @@ from prefixrouter.core import (
     Dispatcher,
     EntrySource,
     Outcome,
+    PromptBlocks,
     RequestId,
     Router,
     RoutingRequest,
@@ -49,9 +50,9 @@ def counting_hashes(d: Dispatcher) -> list[RoutingRequest]:
     hashed: list[RoutingRequest] = []
     blocks_for = d.router.blocks_for
 
-    def spy(req: RoutingRequest) -> Any:
-        hashed.append(req)
-        return blocks_for(req)
+    def spy(request: RoutingRequest) -> PromptBlocks:
+        hashed.append(request)
+        return blocks_for(request)
 
     d.router.blocks_for = spy  # type: ignore[method-assign]
     return hashed
@@ -403,7 +404,9 @@ def test_proactive_copies_stop_at_the_budget_and_resume_as_it_refills() -> None:
     last = admissions[-1]
     target = last.decision.warm_up
     assert target is not None
-    prefill_s = next(c.terms.prefill_s for c in last.decision.candidates if c.worker_id == target)
+    terms = next(c.terms for c in last.decision.candidates if c.worker_id == target)
+    assert terms is not None
+    prefill_s = terms.prefill_s
     assert 0 < prefill_s < 2.0
     views = [d.fill(v, last.decision.now) for v in workers(3)]
 

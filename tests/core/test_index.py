@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import example, given, settings
@@ -361,7 +362,8 @@ def test_index_invariants(script: list[tuple[str, WorkerId, int, int]], capacity
             assert idx.blocks_of(ww) <= capacity
             # each entry is in the LRU or set aside, never both, and only a
             # pinned one is set aside; the holders say exactly the same
-            lru, parked = idx._lru.get(ww, {}), idx._parked.get(ww, {})
+            lru: Mapping[BlockHash, object] = idx._lru.get(ww, {})
+            parked: Mapping[BlockHash, object] = idx._parked.get(ww, {})
             assert not set(lru) & set(parked)
             pins = _pins_of(idx, ww)
             assert all(h in pins for h in parked)

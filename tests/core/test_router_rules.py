@@ -69,7 +69,7 @@ def test_decision_record_names_everything() -> None:
     r = Router()
     doc = tokens(1, 3_000)
     warm(r, W0, doc)
-    d = r.route(request("q1", doc, prefix_class="document"), workers(2), 1.0)  # type: ignore[arg-type]
+    d = r.route(request("q1", doc, prefix_class="document"), workers(2), 1.0)
     rec = d.to_dict()
     assert rec["request_id"] == "q1" and rec["selected_worker"] == "w0"
     assert rec["namespace"] == NS.key and rec["tier"] == "exact" and rec["reason"]

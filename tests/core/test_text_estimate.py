@@ -26,7 +26,8 @@ from prefixrouter.core import (
     WorkerId,
     WorkerView,
 )
-from prefixrouter.core.hashing import BlockHash, anchor_depths
+from prefixrouter.core.hashing import anchor_depths
+from prefixrouter.core.types import BlockHash
 from prefixrouter.tokenization import Tokenizer, load_tokenizer
 
 NS = CacheNamespace("model-a")

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import replace
 
-from prefixrouter.core import Dispatcher, Router
+from prefixrouter.core import (
+    Decision,
+    Dispatcher,
+    PromptBlocks,
+    Router,
+    RoutingRequest,
+    WorkerView,
+)
+from prefixrouter.core.router import Steering
 from prefixrouter.core.unseen import MAX_REROUTES, UnseenPeers
 from tests.core.conftest import request, tokens, workers
 
@@ -130,9 +139,15 @@ def test_many_stand_ins_cost_a_bounded_number_of_routings() -> None:
             d.apply_peer(f"p{i}@1", fact, LAG, 0.0)
     real, calls = d.router.route, []
 
-    def counting(*args: object, **kw: object) -> object:
+    def counting(
+        request: RoutingRequest,
+        workers: Sequence[WorkerView],
+        now: float,
+        blocks: PromptBlocks | None = None,
+        steering: Steering | None = None,
+    ) -> Decision:
         calls.append(1)
-        return real(*args, **kw)  # type: ignore[arg-type]
+        return real(request, workers, now, blocks, steering)
 
     d.router.route = counting  # type: ignore[method-assign]
     aheads = []

@@ -10,6 +10,7 @@ the propagation lag of the facts ``a`` sent it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def test_each_replica_names_itself_on_its_decisions_its_peers_and_the_lag(
             assert st == 200
             for server, headers, peer in ((a, ha, "b"), (b, hb, "a")):
                 rid = headers["X-Request-Id"]
-                snap = await until(lambda u=server.url, i=rid: _listed(u, i), f"{rid} listed")
+                snap = await until(functools.partial(_listed, server.url, rid), f"{rid} listed")
                 assert snap["decision"]["replica"] == server.name
                 assert snap["gateway"]["replica"] == server.name
                 cluster = snap["cluster"]

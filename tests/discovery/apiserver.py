@@ -261,9 +261,9 @@ class FakeApiServer:
         self._watches.add(w)
         try:
             async with asyncio.timeout(float(query.get("timeoutSeconds") or 3600)):
-                while (event := await w.queue.get()) is not None:
-                    obj = {"kind": kind, "apiVersion": api_version, **event["object"]}
-                    await resp.write(orjson.dumps({"type": event["type"], "object": obj}) + b"\n")
+                while (queued := await w.queue.get()) is not None:
+                    obj = {"kind": kind, "apiVersion": api_version, **queued["object"]}
+                    await resp.write(orjson.dumps({"type": queued["type"], "object": obj}) + b"\n")
         except TimeoutError:
             pass  # the server ends a watch after timeoutSeconds
         finally:

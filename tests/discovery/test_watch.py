@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from prefixrouter.core.types import WorkerId
 from prefixrouter.discovery.kubernetes import DiscoveryError
 from prefixrouter.gateway.app import create_app
 from prefixrouter.gateway.config import config_from_dict
@@ -41,12 +43,12 @@ class Cluster:
 
     api: FakeApiServer
     engines: dict[str, FakeEngine]
-    client: TestClient
+    client: TestClient[web.Request, web.Application]
     recording: dict[str, Any]
 
     @property
     def state(self) -> GatewayState:
-        return self.client.app[STATE]  # type: ignore[index]
+        return self.client.app[STATE]
 
     def step(self, name: str, part: str = "watch") -> dict[str, Any]:
         return next(e for e in self.recording[part] if e["step"] == name)
@@ -133,10 +135,10 @@ async def cluster(
 
 ENDPOINT_IPS = ["127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14"]
 POD0, POD1, POD2, POD3 = (
-    "vllm-6d9c7b5f4-2kqzx",
-    "vllm-6d9c7b5f4-h8w4m",
-    "vllm-6d9c7b5f4-q5tnv",
-    "vllm-6d9c7b5f4-x9jrd",
+    WorkerId("vllm-6d9c7b5f4-2kqzx"),
+    WorkerId("vllm-6d9c7b5f4-h8w4m"),
+    WorkerId("vllm-6d9c7b5f4-q5tnv"),
+    WorkerId("vllm-6d9c7b5f4-x9jrd"),
 )
 
 

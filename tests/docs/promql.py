@@ -77,7 +77,7 @@ def parse(expr: str) -> Query:
             i = _labels(tokens, i + 2, q.grouping)
         elif tok == "label_values" and nxt == "(":
             # label_values(metric, label) or label_values(label)
-            args = []
+            args: list[str] = []
             j = i + 2
             while j < len(tokens) and tokens[j] != ")":
                 if tokens[j] == "{":

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from prefixrouter.gateway import config_reference as ref
 from prefixrouter.gateway.config import GatewayConfig, _Model
@@ -24,7 +24,7 @@ def test_every_key_of_the_model_is_in_the_reference() -> None:
     text = DOC.read_text(encoding="utf-8")
     rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| `")}
 
-    def keys(model: type[_Model]) -> set[str]:
+    def keys(model: type[BaseModel]) -> set[str]:
         out = {f"`{name}`" for name in model.model_fields}
         for field in model.model_fields.values():
             held = ref._model_of(field.annotation)

@@ -276,11 +276,11 @@ async def _pick(stub: Any, subset: list[str], content: str) -> pb.ProcessingResp
     first = await call.read()
     if first.WhichOneof("response") == "immediate_response":
         call.cancel()
-        return first  # type: ignore[no-any-return]
+        return first
     await call.write(messages[1])
     answer = await call.read()
     call.cancel()
-    return answer  # type: ignore[no-any-return]
+    return answer
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from prefixrouter.gateway.app import create_app
@@ -23,19 +24,21 @@ T = TypeVar("T")
 class Env:
     """A running gateway and its fake engines."""
 
-    client: TestClient
+    client: TestClient[web.Request, web.Application]
     engines: list[FakeEngine]
     servers: list[TestServer]
     config: GatewayConfig
 
     @property
     def state(self) -> GatewayState:
-        return self.client.app[STATE]  # type: ignore[index]
+        return self.client.app[STATE]
 
     def worker_ids(self) -> list[str]:
         return [w.id for w in self.config.workers]
 
-    async def chat(self, content: str, system: str = "You are helpful.", **kw: Any) -> Any:
+    async def chat(
+        self, content: str, system: str = "You are helpful.", **kw: Any
+    ) -> ClientResponse:
         body = {
             "model": "tiny",
             "messages": [
@@ -48,7 +51,7 @@ class Env:
         body.update(kw)
         return await self.client.post("/v1/chat/completions", json=body, headers=headers)
 
-    async def admin(self, method: str, path: str, **kw: Any) -> Any:
+    async def admin(self, method: str, path: str, **kw: Any) -> ClientResponse:
         """An admin API call with the admin key."""
         return await self.client.request(method, path, headers=ADMIN_HEADERS, **kw)
 

@@ -41,7 +41,7 @@ def run_on(loop: str, main: Callable[[], Awaitable[None]]) -> None:
         asyncio.run(bounded())
 
 
-ENGINE_ARGS = ("--profile", "tiny-cpu", "--time-scale", "20", "--model", "tiny")
+ENGINE_ARGS: tuple[str, ...] = ("--profile", "tiny-cpu", "--time-scale", "20", "--model", "tiny")
 ENGINE_ARGS += ("--kv-blocks", "8192")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -41,7 +42,7 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(data))
         return real(data)
 
-    monkeypatch.setattr(body_mod.orjson, "loads", spy)
+    monkeypatch.setattr("prefixrouter.gateway.body.orjson.loads", spy)
     return sizes
 
 
@@ -122,7 +123,7 @@ def test_the_sliced_path_is_taken_where_it_applies(monkeypatch: pytest.MonkeyPat
 def _random_body(rng: random.Random) -> bytes:
     """A body with a prompt of numbers, written with random whitespace and neighbours."""
     ints = [rng.choice([rng.randrange(200_000), -rng.randrange(10**6), 2**70]) for _ in range(40)]
-    prompt = ints[: rng.randrange(41)]
+    prompt: Sequence[float] = ints[: rng.randrange(41)]
     if rng.random() < 0.2:
         prompt = [x + 0.5 if i % 3 == 0 else x for i, x in enumerate(prompt)]
 

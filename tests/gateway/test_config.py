@@ -205,7 +205,7 @@ def test_a_speed_profile_for_every_worker_or_one_of_its_own() -> None:
     # The profile sets the predicted cold prefill of a 20,000-token prompt.
     doc = RoutingRequest(RequestId("r"), CacheNamespace("m"), text="word " * 16_000)
     adm = st.dispatch.admit(doc, st.registry.views(), 0.0)
-    predicted = {c.worker_id: c.terms.prefill_s for c in adm.decision.candidates if c.terms}
+    predicted = {str(c.worker_id): c.terms.prefill_s for c in adm.decision.candidates if c.terms}
     n = adm.decision.prompt_tokens
     assert n > 15_000
     assert predicted["big"] == pytest.approx(get_profile("llama3-8b-h100").speed.prefill_time(n))

@@ -218,7 +218,8 @@ def test_bad_input_over_http(cluster: Cluster) -> None:
     async def body() -> None:
         url = cluster.gateway + "/v1/chat/completions"
         async with aiohttp.ClientSession() as s:
-            cases = [
+            # (payload, status, error code, error param)
+            cases: list[tuple[bytes | dict[str, Any], int, str | None, str | None]] = [
                 (b"{oops", 400, "invalid_json", None),
                 ({"messages": [{"role": "user", "content": "x"}]}, 400, "missing_field", "model"),
                 (

@@ -9,6 +9,7 @@ and the server papers over what the server does. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import resource
 import threading
 from array import array
 from typing import Any
@@ -17,7 +18,6 @@ import orjson
 import pytest
 
 from prefixrouter.core.router import Router
-from prefixrouter.gateway import server as server_mod
 from prefixrouter.gateway.body import SLICE_BYTES
 from prefixrouter.gateway.config import LimitsConfig
 from prefixrouter.gateway.flow import OFF_LOOP_BODY_BYTES
@@ -156,14 +156,14 @@ async def _connections_past_the_cap_get_503_and_health_answers_once_they_close()
 
 def test_the_cap_fits_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     limits = LimitsConfig(max_connections=8192, fd_reserve=256)
-    res = server_mod.resource
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(res, "setrlimit", lambda _, value: calls.append(value))
+    # The server calls the same (stdlib) module: patched here is patched there.
+    monkeypatch.setattr(resource, "setrlimit", lambda _, value: calls.append(value))
     # Hard limit 1024: no raise possible; each connection may need an upstream one too.
-    monkeypatch.setattr(res, "getrlimit", lambda _: (1024, 1024))
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
     assert connection_cap(limits) == (1024 - 256) // 2
     # Room under the hard limit: the soft one is raised to fit the configured cap.
-    monkeypatch.setattr(res, "getrlimit", lambda _: (1024, 1 << 20))
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1 << 20))
     assert connection_cap(limits) == 8192
     assert calls[-1] == (2 * 8192 + 256, 1 << 20)
 

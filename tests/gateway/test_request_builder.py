@@ -27,7 +27,7 @@ from prefixrouter.prompt.classify import classify
 from prefixrouter.prompt.render import render_body
 from prefixrouter.tokenization import render_chat
 
-SYS = {"role": "system", "content": "You are a careful assistant."}
+SYS: dict[str, Any] = {"role": "system", "content": "You are a careful assistant."}
 
 
 def _builder(data: dict[str, Any] | None = None, tokenizer: Any = None) -> RequestBuilder:
@@ -41,7 +41,8 @@ def _build(body: Any, kind: str = CHAT, header: str | None = None, **kw: Any) ->
     return b.build(body, orjson.dumps(body), kind, lambda salt: scope, header)
 
 
-def _chat(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _chat(*messages: object, **extra: Any) -> dict[str, Any]:
+    """A chat body; its messages may be malformed on purpose (the bad-input cases)."""
     return {"model": "tiny", "messages": list(messages), **extra}
 
 
@@ -98,7 +99,10 @@ def test_unknown_prefix_class_header_is_a_bad_request() -> None:
 
 def test_text_mode_routes_the_text_the_engine_sees() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}}}]
-    msgs = [SYS, {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "bob"}]
+    msgs: list[dict[str, Any]] = [
+        SYS,
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "bob"},
+    ]
     rr = _build(_chat(*msgs, tools=tools)).routing
     swapped = [{"function": {"parameters": {"a": 2, "b": 1}, "name": "f"}, "type": "function"}]
     assert rr.text == _build(_chat(*msgs, tools=swapped)).routing.text  # canonical tool JSON
@@ -316,10 +320,11 @@ def test_one_render_per_request_with_the_linter_on(
     from prefixrouter.prompt import lint as lint_mod
     from prefixrouter.prompt import request as request_mod
     from prefixrouter.prompt.lint import LintObserver
+    from prefixrouter.prompt.render import render_chat as render_prompt
     from prefixrouter.tokenization import load_tokenizer
 
     renders: list[int] = []
-    real = request_mod.render_chat
+    real = render_prompt  # what request_mod.render_chat names
 
     def counted(*args: Any, **kw: Any) -> Any:
         renders.append(1)

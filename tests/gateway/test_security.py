@@ -29,7 +29,7 @@ from tests.gateway.helpers import Env, gateway_env, run
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~2,700 chars
 ALICE = {"Authorization": "Bearer k-alice"}
-TENANTS = {
+TENANTS: dict[str, Any] = {
     "api_keys": {"k-alice": "alice", "k-bob": "bob"},
     "tenants": {"alice": {"share_cache": False}},
 }

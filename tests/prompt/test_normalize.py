@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -113,8 +114,12 @@ def test_json_key_order_does_not_change_the_output() -> None:
 
 
 def test_messages_are_copied_not_mutated() -> None:
-    msgs = [{"role": "user", "content": "a  b"}, {"role": "x", "content": [{"type": "text",
-            "text": "c\r\n"}, {"type": "image_url", "image_url": {"url": "u"}}]}]  # fmt: skip
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": "a  b"},
+        {"role": "x", "content": [
+            {"type": "text", "text": "c\r\n"}, {"type": "image_url", "image_url": {"url": "u"}}
+        ]},
+    ]  # fmt: skip
     out = normalize_messages(msgs)
     assert out[0]["content"] == "a b" and out[1]["content"][0]["text"] == "c"
     assert msgs[0]["content"] == "a  b"

@@ -155,8 +155,8 @@ def test_events_make_predictions_exact_and_follow_evictions(cluster: Cluster) ->
             for seed in range(2, 6):
                 async with s.post(
                     engine.url + "/v1/chat/completions", json=chat(document(seed), "x")
-                ) as r:
-                    assert r.status == 200
+                ) as resp:
+                    assert resp.status == 200
         await wait_feeds(cluster, lambda st: st[worker]["removed_events"] >= 1)
         after = await ask(cluster, chat(doc, "And now?"))
         (rec,) = await decisions(cluster.gateway.url, [after])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import msgpack
 import pytest
 from pydantic import ValidationError
@@ -15,6 +18,7 @@ from prefixrouter.real_engines.kv_events import (
     EngineAllBlocksCleared,
     EngineBlockRemoved,
     EngineBlockStored,
+    EngineHash,
     EventTranslator,
     KvEventDecodeError,
     SeqStatus,
@@ -38,7 +42,9 @@ def seeds(lora: str | None, salt: str | None) -> int | None:
     return 99 if lora == "a1" else SEED
 
 
-def stored(hashes, parent, tokens, **kw):  # type: ignore[no-untyped-def]
+def stored(
+    hashes: Iterable[EngineHash], parent: EngineHash | None, tokens: Iterable[int], **kw: Any
+) -> EngineBlockStored:
     return EngineBlockStored(tuple(hashes), parent, tuple(tokens), BS, **kw)
 
 

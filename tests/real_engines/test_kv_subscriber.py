@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import msgpack
@@ -18,7 +18,7 @@ from prefixrouter.core.events import AllBlocksCleared
 from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
-from prefixrouter.core.types import EntrySource, WorkerId
+from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
 from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines.kv_events import END_SEQ
 from prefixrouter.real_engines.kv_subscriber import (
@@ -56,6 +56,7 @@ async def feed() -> AsyncIterator[tuple[KvEventSubscriber, zmq.asyncio.Socket, R
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
+    assert sub.endpoint is not None  # given above: this subscriber binds
     pub.connect(sub.endpoint)  # as vLLM does: the engine connects, the router binds
     # Slow joiner: probe with an unknown topic until the subscriber hears it.
     for _ in range(200):
@@ -397,7 +398,7 @@ async def replicas(
         await engine.close()
 
 
-def sources(router: Router, blocks: list[int]) -> list[EntrySource | None]:
+def sources(router: Router, blocks: Sequence[BlockHash]) -> list[EntrySource | None]:
     return [e.source if (e := router.index.entry(W, b)) is not None else None for b in blocks]
 
 
@@ -407,7 +408,7 @@ async def test_two_replicas_connected_to_one_bound_publisher_apply_the_same_even
         await engine.publish([store([3, 4], 2, TOKENS[8:]), store([21], None, OTHER[:4])])
         await engine.publish([["BlockRemoved", [21], None]])
         for router in routers:
-            await wait_for(lambda r=router: held(r) == 4)  # type: ignore[misc]
+            await wait_for(lambda r=router: held(r) == 4)
         for sub, router in zip(subs, routers, strict=True):
             stats = sub.feed(W).stats  # type: ignore[union-attr]
             assert (stats.messages, stats.stored, stats.removed, stats.gaps) == (3, 3, 1, 0)
@@ -455,7 +456,7 @@ async def test_a_gap_is_replayed_from_the_engine_in_connect_mode() -> None:
         await engine.publish([])
         for sub, router in zip(subs, routers, strict=True):
             stats = sub.feed(W).stats  # type: ignore[union-attr]
-            await wait_for(lambda s=stats: s.replayed == 1)  # type: ignore[misc]
+            await wait_for(lambda s=stats: s.replayed == 1)
             assert (stats.gaps, stats.last_seq) == (1, 2)
             # Blocks 1-2 were demoted at the gap; 3-4 came back through the replay.
             assert sources(router, OURS) == [EntrySource.SPECULATIVE] * 4

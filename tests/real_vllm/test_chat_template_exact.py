@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any, TypedDict
 
 import pytest
 
@@ -19,7 +20,7 @@ from tests.tokenization.test_chat_template import LLAMA3_LIKE, model_dir
 
 pytestmark = pytest.mark.vllm
 
-CASES = [
+CASES: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello there"}],
     [
         {"role": "system", "content": "  Policy: be exact.\n"},
@@ -28,7 +29,15 @@ CASES = [
         {"role": "user", "content": "And 5?"},
     ],
 ]
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+]
+
+
+class _Case(TypedDict):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
 
 SCRIPT = """
 import json, sys
@@ -47,7 +56,7 @@ print(json.dumps(out))
 def test_model_template_token_ids_match_transformers(tmp_path: Path) -> None:
     setup = ensure_vllm()
     folder = model_dir(tmp_path, {"chat_template": LLAMA3_LIKE, "bos_token": "<|endoftext|>"})
-    cases = [{"messages": m, "tools": t} for m in CASES for t in (None, TOOLS)]
+    cases: list[_Case] = [{"messages": m, "tools": t} for m in CASES for t in (None, TOOLS)]
     proc = subprocess.run(
         [str(setup.python), "-c", SCRIPT, str(folder), json.dumps(cases)],
         capture_output=True,

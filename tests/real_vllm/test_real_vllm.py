@@ -12,6 +12,7 @@ import contextlib
 import random
 import statistics
 import time
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from prefixrouter.core.router import Router
 from prefixrouter.core.types import CacheNamespace, WorkerId
 from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber
+from prefixrouter.real_engines.vllm_fleet import VllmEngine
 from tests.cluster.live import metric
 from tests.real_vllm.conftest import (
     BLOCK,
@@ -78,7 +80,7 @@ def test_b_evicted_blocks_are_no_longer_predicted(vllm: VllmCluster) -> None:
             await post_chat(url, chat(document(seed, 8000), "Fill?"))
 
         async def removed() -> bool:
-            return (await workers(gw))[worker]["kv_events"]["removed_events"] > before
+            return bool((await workers(gw))[worker]["kv_events"]["removed_events"] > before)
 
         await until(removed, 10, "BlockRemoved events")
         again = await post_chat(gw.url, chat(doc, "Again?"))
@@ -93,7 +95,7 @@ def test_b_evicted_blocks_are_no_longer_predicted(vllm: VllmCluster) -> None:
     asyncio.run(body())
 
 
-async def doc_qa(url: str, seeds: list[int], questions: int, gap_s: float) -> list[dict]:
+async def doc_qa(url: str, seeds: list[int], questions: int, gap_s: float) -> list[dict[str, Any]]:
     """Questions on each document, rounds in shuffled order, one request every ``gap_s``.
 
     Four 8,000-token documents on two engines whose pools hold 20,480 tokens
@@ -115,7 +117,9 @@ async def doc_qa(url: str, seeds: list[int], questions: int, gap_s: float) -> li
     return [{**r, "doc": s} for r, s in zip(await asyncio.gather(*tasks), asked, strict=True)]
 
 
-def print_placement(name: str, out: list[dict], records: list[dict] | None) -> None:
+def print_placement(
+    name: str, out: list[dict[str, Any]], records: list[dict[str, Any]] | None
+) -> None:
     """Per request, in arrival order: document, engine, cached tokens, and the decision.
 
     What a failing run needs to be read: where each document went, round by
@@ -198,7 +202,7 @@ def test_e_killed_engine_is_dropped_and_comes_back_cold(vllm: VllmCluster) -> No
     gw = vllm.gateway
     assert gw is not None
 
-    async def body() -> None:
+    async def body() -> VllmEngine:
         doc = document(501, 3000)
         first = await post_chat(gw.url, chat(doc, "Before?"))
         victim_id = first["worker"]

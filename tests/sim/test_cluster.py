@@ -7,6 +7,7 @@ from array import array
 import pytest
 
 from prefixrouter.core import PrefixClass, RequestId, WorkerId
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import NO_MAX_TOKENS, ClusterConfig, Simulation
 from prefixrouter.sim.profiles import get_profile
@@ -141,7 +142,9 @@ def test_proactive_copies_are_the_routers_own_requests_and_leave_the_ledger_drai
 
 
 @pytest.mark.parametrize("mode", ["token", "text"])
-def test_clients_that_send_a_cap_are_expected_to_decode_what_answers_decoded(mode: str) -> None:
+def test_clients_that_send_a_cap_are_expected_to_decode_what_answers_decoded(
+    mode: RoutingMode,
+) -> None:
     """Answers of 32 tokens under a cap of 2,048: the first requests are taken at the
     first guess (512), the later ones at what the answers decoded; exact clients at
     their word."""

@@ -17,6 +17,9 @@ SCRIPT = ROOT / "benchmarks" / "policy_diff.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import policy_diff  # noqa: E402
+from sim_results import build  # noqa: E402
+
+from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake  # noqa: E402
 
 
 def _figures(*means: float) -> dict[int, dict[str, float]]:
@@ -81,13 +84,13 @@ def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> Non
 
 
 def test_the_trace_s_seeds_are_its_windows() -> None:
-    data = gzip.decompress(policy_diff.bundled_mooncake_path().read_bytes())
+    data = gzip.decompress(bundled_mooncake_path().read_bytes())
     lines = [line for line in data.split(b"\n") if line.strip()]
     assert policy_diff.trace_windows(3_000) == len(lines) // 3_000 >= 4
     # Window 0 is the requests sim_results.py runs, and the windows' own path cuts it alike.
-    built = policy_diff.build("mooncake-conversation", 0, 500)
+    built = build("mooncake-conversation", 0, 500)
     assert policy_diff.trace_window("mooncake-conversation", 0, 500).requests == built.requests
-    cut = policy_diff.load_mooncake(policy_diff.bundled_mooncake_path(), start=0, limit=500)
+    cut = load_mooncake(bundled_mooncake_path(), start=0, limit=500)
     assert [r.arrival for r in cut.requests] == [r.arrival for r in built.requests]
     assert [r.segments for r in cut.requests] == [r.segments for r in built.requests]
     # Window 2: the next requests of the file, their times from the first of them.

@@ -38,7 +38,7 @@ def test_the_change_is_pooled_over_the_seeds_with_both_runs() -> None:
     seeds = sweep.over_seeds(runs)
     assert seeds is not None and seeds.seeds == 2
     assert seeds.pooled_pct == pytest.approx((310 / 300 - 1) * 100)
-    assert (seeds.low_pct, seeds.high_pct) == (pytest.approx(2.0), pytest.approx(6.0))
+    assert seeds.low_pct == pytest.approx(2.0) and seeds.high_pct == pytest.approx(6.0)
     assert seeds.se_pct == pytest.approx(2.0)
     assert sweep.over_seeds([_run(1, 100.0, 0)]) is None
 

@@ -6,12 +6,14 @@ import json
 import random
 from array import array
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from typer.testing import CliRunner
 
 from prefixrouter.cli import app
 from prefixrouter.core import PrefixClass, RequestId
+from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.sim.cluster import ClusterConfig, RequestRecord, SimRun, Simulation
 from prefixrouter.sim.profiles import get_profile
 from prefixrouter.sim.report import summarize
@@ -184,7 +186,7 @@ def _two_requests(gap: float) -> Workload:
 
 
 @pytest.mark.parametrize("mode", ["token", "text"])
-def test_a_replica_sees_its_peers_routing_only_after_the_lag(mode: str) -> None:
+def test_a_replica_sees_its_peers_routing_only_after_the_lag(mode: RoutingMode) -> None:
     workload = _two_requests(gap=0.005)
 
     def second(lag_s: float, sync: bool = True) -> int:
@@ -196,7 +198,8 @@ def test_a_replica_sees_its_peers_routing_only_after_the_lag(mode: str) -> None:
         first, later = run.records
         assert (first.router, later.router) == (0, 1)
         (decision,) = [d for d in run.decisions_logged if d["request_id"] == later.request_id]
-        seen = {c["worker"]: c["matched_tokens"] for c in decision["candidate_workers"]}
+        candidates = cast(list[dict[str, Any]], decision["candidate_workers"])
+        seen = {c["worker"]: c["matched_tokens"] for c in candidates}
         return int(seen[first.worker])
 
     # The fact arrives 1 ms after the routing, before the second request (5 ms):

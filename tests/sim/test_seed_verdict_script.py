@@ -14,6 +14,7 @@ SCRIPT = ROOT / "benchmarks" / "seed_verdict.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import seed_verdict  # noqa: E402
+from sim_results import PROFILE  # noqa: E402
 
 from prefixrouter.core.policy import policy_names  # noqa: E402
 
@@ -140,9 +141,12 @@ def test_bad_arguments_are_refused_by_name(args: list[str], message: str) -> Non
 def test_the_profile_and_the_fleet_reach_the_simulation() -> None:
     """``--profile`` and ``--workers`` run the same requests on another engine and fleet."""
 
-    def figures(**fleet: object) -> dict[str, float]:
-        task = seed_verdict.Task("system-prompt", 0.6, "round_robin", 0, 3000, **fleet)  # type: ignore[arg-type]
-        return seed_verdict.run_task(task)[1]
+    def figures(profile: str = PROFILE, workers: int = 0) -> dict[str, float]:
+        task = seed_verdict.Task(
+            "system-prompt", 0.6, "round_robin", 0, 3000, profile=profile, workers=workers
+        )
+        got: dict[str, float] = seed_verdict.run_task(task)[1]
+        return got
 
     default = figures()
     assert figures(profile="llama3-8b-h100", workers=0) == default
@@ -153,7 +157,7 @@ def test_the_profile_and_the_fleet_reach_the_simulation() -> None:
 
 
 def test_the_plot_names_what_differs_from_the_default_runs() -> None:
-    assert seed_verdict.setting(seed_verdict.PROFILE, 0, "poisson") == ""
+    assert seed_verdict.setting(PROFILE, 0, "poisson") == ""
     assert (
         seed_verdict.setting("llama3-70b-8xh100", 8, "gamma:2")
         == "profile llama3-70b-8xh100, 8 workers per scenario, gamma:2 arrivals"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ ROWS = [
 ]
 
 
-def _write(path: Path, rows: list[dict[str, object]] | list[str]) -> Path:
+def _write(path: Path, rows: Sequence[dict[str, object] | str]) -> Path:
     lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
     path.write_text("\n".join(lines) + "\n")
     return path

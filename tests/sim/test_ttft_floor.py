@@ -54,7 +54,7 @@ def test_no_policy_beats_the_floor_on_any_request(scenario: str) -> None:
     floor = dict(zip(ids, ttft_floor(p.workload, SPEED), strict=True))
     for policy in policies:
         run = Simulation(p.workload, ClusterConfig(p.workers, PROFILE, p.kv_blocks), policy).run()
-        slack = [r.ttft_s - floor[r.request_id] for r in run.records]
+        slack = [r.ttft_s - floor[RequestId(r.request_id)] for r in run.records]
         assert len(slack) == len(floor) and min(slack) >= -1e-9, (policy, min(slack))
 
 

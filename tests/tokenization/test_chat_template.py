@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,7 +121,7 @@ LOOPS_OVER_CONTENT = (
     "{% else %}{% for part in message['content'] %}<{{ part['type'] }}={{ part['text'] }}>"
     "{% endfor %}{% endif %};{% endfor %}"
 )
-AS_SENT = [
+AS_SENT: list[dict[str, Any]] = [
     {"role": "system", "content": None},
     {"role": "user", "content": [{"type": "text", "text": "a"}, "b", {"text": "c"}]},
     {
@@ -153,7 +154,7 @@ def test_messages_reach_the_template_as_vllm_sends_them() -> None:
         '[tool:"r1\\nr2"][assistant:"done"]'
     )
     # The caller's messages are left as they were.
-    assert AS_SENT[2]["tool_calls"][0]["function"]["arguments"] == '{"b": 1, "a": [2]}'  # type: ignore[index]
+    assert AS_SENT[2]["tool_calls"][0]["function"]["arguments"] == '{"b": 1, "a": [2]}'
     # The project's own ChatML (render_chat) and its Jinja twin agree on them.
     from prefixrouter.tokenization import CHAT_TEMPLATE_JINJA
 

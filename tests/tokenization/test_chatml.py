@@ -19,7 +19,7 @@ from prefixrouter.tokenization import CHAT_TEMPLATE_JINJA, ModelChatTemplate, re
 
 JINJA = ModelChatTemplate(CHAT_TEMPLATE_JINJA)
 
-_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+_text = st.text(st.characters(blacklist_categories=["Cs"]), max_size=40)
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | _text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),

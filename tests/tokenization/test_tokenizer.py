@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,7 +73,7 @@ def test_render_chat_plain_messages() -> None:
 
 
 def test_render_chat_parts_tool_calls_and_tools() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {
             "role": "assistant",

@@ -7,6 +7,8 @@ router on the default profile (the rule inside a real decision).
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from prefixrouter.core import (
     Router,
     WorkerId,
@@ -56,5 +58,5 @@ def scored(
     return CandidateScore(WorkerId(worker), matched, 1.0, terms, ttft if score is None else score)
 
 
-def never(*_: object) -> tuple[float, int]:
+def never(*_: object) -> NoReturn:
     raise AssertionError("demand must not be computed")
