@@ -52,6 +52,7 @@ from pathlib import Path
 
 import orjson
 
+from prefixrouter.gateway.config import LimitsConfig
 from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import stop_process
 from prefixrouter.stats import nearest_rank, percentile
@@ -338,6 +339,16 @@ def main() -> None:
         help="the engine's KV size in blocks, as configured (default: its metrics, 100,000)",
     )
     args = ap.parse_args()
+    extra = orjson.loads(Path(args.config).read_bytes()) if args.config else {}
+    reserve = extra.get("limits", {}).get("fd_reserve", LimitsConfig().fd_reserve)
+    if (args.gateway_fds - reserve) // 2 < args.clients + 1:
+        # The gateway keeps fd_reserve descriptors and two per connection:
+        # fewer would cap it below the clients this run sends.
+        ap.error(
+            f"--gateway-fds {args.gateway_fds}: the gateway keeps {reserve} (limits.fd_reserve) "
+            f"and two per connection, so it needs at least {reserve + 2 * (args.clients + 1)} "
+            f"for {args.clients} clients and a probe"
+        )
     if args.against:
         passed = [f"--clients={args.clients}", f"--body-mb={args.body_mb}"]
         passed += [f"--seconds={args.seconds}", f"--kv-blocks={args.kv_blocks}"]
@@ -369,8 +380,7 @@ def main() -> None:
             "metrics_poll": {"interval_s": 0.5},
             "health": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
         }
-        if args.config:
-            cfg.update(orjson.loads(Path(args.config).read_bytes()))
+        cfg.update(extra)
         with tempfile.NamedTemporaryFile("wb", suffix=".yaml", delete=False) as f:
             f.write(orjson.dumps(cfg))
         gw = subprocess.Popen(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import subprocess
+import sys
 import threading
 from array import array
 from typing import Any
@@ -166,6 +168,29 @@ def test_the_cap_fits_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1 << 20))
     assert connection_cap(limits) == 8192
     assert calls[-1] == (2 * 8192 + 256, 1 << 20)
+
+
+def test_a_gateway_short_of_descriptors_says_why_its_cap_is_low_and_what_to_change() -> None:
+    def few_descriptors() -> None:  # soft and hard: the gateway cannot raise its own
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    gw = subprocess.Popen(
+        [sys.executable, "-m", "prefixrouter.gateway", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=few_descriptors,
+    )
+    try:
+        assert gw.stdout is not None
+        assert "listening on" in gw.stdout.readline()
+    finally:
+        gw.terminate()
+        _, err = gw.communicate(timeout=30)
+    # 300 descriptors less the 256 kept back leave 22 connections of two descriptors each.
+    line = next(ln for ln in err.splitlines() if "max_connections" in ln)
+    assert "lowered to 22" in line and "(300)" in line and "fd_reserve (256)" in line, line
+    assert "ulimit -n" in line
 
 
 async def test_large_bodies_are_built_off_the_event_loop() -> None:

@@ -458,10 +458,15 @@ async def start_server(
     """
     cap = connection_cap(limits)
     if cap < limits.max_connections:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         log.warning(
-            "limits.max_connections %d lowered to %d: the file-descriptor limit allows no more",
+            "limits.max_connections %d lowered to %d: the file-descriptor limit (%d) less "
+            "limits.fd_reserve (%d) leaves two descriptors a connection for no more; raise "
+            "the limit (ulimit -n) or lower limits.fd_reserve",
             limits.max_connections,
             cap,
+            soft,
+            limits.fd_reserve,
         )
     runner = GatewayRunner(app, limits, cap, handler_cancellation=True, access_log=None)
     await runner.setup()
