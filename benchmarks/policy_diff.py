@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, cast
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from sim_results import MOONCAKE_LIMIT, PROFILE, build
+from sim_results import MODES, MOONCAKE_LIMIT, PROFILE, build
 
 from prefixrouter.core.policy import create_policy
 from prefixrouter.sim.cluster import ClusterConfig, Simulation
@@ -294,8 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, TypeError) as exc:
         ap.error(f"--params: {exc}")
     for mode in args.modes.split(","):
-        if mode not in ("token", "text"):
-            ap.error(f"--modes: unknown mode {mode!r}; known: token, text")
+        if mode not in MODES:
+            ap.error(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
     if not 0 < args.scale <= 1:
         ap.error(f"--scale: must be in (0, 1], got {args.scale:g}")
     try:

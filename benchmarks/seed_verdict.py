@@ -428,8 +428,8 @@ def main() -> None:
             command += f" --peers-from {args.peers_from.name}"
         if args.json is not None:
             payload = {"command": command, "elapsed_s": elapsed, "arrival": arrival,
-                       "mooncake_limit": trace_requests, "profile": args.profile,
-                       "workers": args.workers, "cells": _encode(runs)}  # fmt: skip
+                       "mooncake_limit": trace_requests, "profile": profile,
+                       "workers": workers, "cells": _encode(runs)}  # fmt: skip
             args.json.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2) + b"\n")
     plot_name = args.plot.name if args.plot is not None else ""
     text = markdown(runs, command, elapsed, arrival, plot_name, trace_requests)

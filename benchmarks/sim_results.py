@@ -309,10 +309,11 @@ def main() -> None:
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     names = [n for n in args.scenarios.split(",") if n]
-    modes = [mode for mode in MODES if mode in args.modes.split(",")]
-    for m in filter(None, args.modes.split(",")):
+    asked = [m for m in args.modes.split(",") if m]
+    for m in asked:
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r}; known: {', '.join(MODES)}")
+    modes = [mode for mode in MODES if mode in asked]
     policies = policy_names()
     profile = get_profile(PROFILE)
     out_dir = args.out / "results"

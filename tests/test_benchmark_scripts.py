@@ -49,7 +49,6 @@ def test_index_memory_routes_unique_prompts_and_the_router_stays_within_its_boun
         assert r["rss_mb"] > 0
     # The demand table is swept once it doubles past what the index holds.
     assert records[-1]["demand"] < records[-2]["demand"]
-    assert out["rss_max_over_min"] >= 1.0
 
 
 def test_gateway_overhead_hot_loop_times_the_handler_with_and_without_the_routing_core() -> None:

@@ -111,7 +111,8 @@ def routing_mode(name: str) -> RoutingMode:
     for mode in ROUTING_MODES:
         if name == mode:
             return mode
-    raise ValueError(f"unknown routing mode {name!r}: expected 'text' or 'token'")
+    known = " or ".join(repr(mode) for mode in ROUTING_MODES)
+    raise ValueError(f"unknown routing mode {name!r}: expected {known}")
 
 
 _PEER = "peer:"
