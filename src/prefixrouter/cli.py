@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
@@ -33,7 +33,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prefixrouter import __version__
-from prefixrouter.errors import PrefixRouterError, unreadable
+from prefixrouter.errors import PrefixRouterError, output_problem, unreadable, unwritable
+
+if TYPE_CHECKING:
+    from prefixrouter.sim.runner import RequestTooLarge
 
 app = typer.Typer(
     name="prefixrouter",
@@ -47,11 +50,21 @@ app = typer.Typer(
 console = Console(width=None if sys.stdout.isatty() else 170)
 err_console = Console(stderr=True)
 
+MAX_SEED = 2**64 - 1
+"""The largest --seed: the JSON report writes it as an unsigned 64-bit integer."""
+DEFAULT_SCENARIO = "doc-qa"
+
 
 def fail(message: str) -> typer.Exit:
     """Print one error line and return the exit to raise (status 2)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    # soft_wrap: one line whatever the terminal's width (a message is grepped, copied).
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
+
+
+def note(message: str) -> None:
+    """Print one note line on stderr: something the user asked for that has no effect."""
+    err_console.print(f"[bold yellow]note:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def _version(value: bool) -> None:
@@ -78,23 +91,17 @@ def _policy_list(spec: str) -> list[str]:
     if not names:
         raise fail("--policies: give 'all' or a comma-separated list of policy names")
     for name in names:
-        note = alias_note(name)
-        if note is not None:
-            err_console.print(f"[bold yellow]note:[/] --policies: {note}", highlight=False)
+        alias = alias_note(name)
+        if alias is not None:
+            note(f"--policies: {alias}")
     return [canonical_policy_name(n) for n in names]
 
 
 def _results_table(report: dict[str, Any]) -> Table:
-    from prefixrouter.sim.report import total_prefill_tokens
+    from prefixrouter.sim.report import arrival_text, total_prefill_tokens
 
     bound = report["lower_bound_prefill_tokens"]
-    title = f"{report['scenario']} · {report['workers']} workers · " + (
-        f"load {report['load']:.2f} ({report['rate_rps']:.2f} req/s)"
-        if report.get("load") is not None
-        else f"{report['rate_rps']:.2f} req/s"
-        if report.get("rate_rps")
-        else "trace arrival times"
-    )
+    title = f"{report['scenario']} · {report['workers']} workers · {arrival_text(report)}"
     if report.get("scale", 1) != 1:
         title += f" · lengths x{report['scale']:g}, {report['kv_blocks']} KV blocks"
     replicas = report.get("replicas")
@@ -185,7 +192,9 @@ def _replicas_table(report: dict[str, Any]) -> Table:
 
 @app.command()
 def simulate(
-    scenario: Annotated[str, typer.Option(help="Scenario name (see --list).")] = "doc-qa",
+    scenario: Annotated[
+        str | None, typer.Option(help="Scenario name (see --list; default doc-qa).")
+    ] = None,
     trace: Annotated[
         Path | None, typer.Option(help="Replay this trace file instead of a scenario.")
     ] = None,
@@ -219,7 +228,11 @@ def simulate(
         ),
     ] = 1.0,
     rate_scale: Annotated[
-        float, typer.Option(min=1e-6, help="Trace replay speed-up (2 = twice as fast).")
+        float,
+        typer.Option(
+            min=1e-6,
+            help="Trace replay speed-up (2 = twice as fast); traces only, without --load/--rate.",
+        ),
     ] = 1.0,
     arrival: Annotated[
         str, typer.Option(help="Arrival process: poisson, gamma or gamma:CV.")
@@ -269,7 +282,9 @@ def simulate(
             "send none.",
         ),
     ] = 0,
-    seed: Annotated[int, typer.Option(help="Seed of the workload generator.")] = 0,
+    seed: Annotated[
+        int, typer.Option(min=0, max=MAX_SEED, help="Seed of the workload generator.")
+    ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the results here.")] = None,
     list_: Annotated[
@@ -279,7 +294,7 @@ def simulate(
     """Simulate a workload on a fleet under every routing policy, side by side."""
     from prefixrouter.core.dispatch import routing_mode
     from prefixrouter.sim.report import lower_bound_prefill_tokens, ttft_floor_ms
-    from prefixrouter.sim.runner import Replicas, plan, run_plan
+    from prefixrouter.sim.runner import Replicas, RequestTooLarge, plan, run_plan
     from prefixrouter.sim.scenarios import SCENARIOS
 
     if list_:
@@ -296,9 +311,18 @@ def simulate(
             "--kv-events needs --mode token: engine KV events name token blocks, "
             "which text-mode hashes (character chunks) never match"
         )
+    _check_arrival_options(scenario, trace, trace_format, arrival, rate_scale, load, rate)
+    if replicas == 1 and (not sync or sync_lag_ms):
+        # A one-router cell of a replica sweep is run with the sweep's lag: note, not refuse.
+        note("--no-sync and --sync-lag-ms have no effect on one router (--replicas 1)")
+    if rate is not None and load is not None:
+        note(f"--rate {rate:g} overrides --load {load:g}")
+    for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
+        if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
+            raise fail(f"{option} {path}: {why}")
     try:
         workload = _load_workload(
-            scenario, trace, trace_format, requests, seed, arrival, rate_scale
+            scenario or DEFAULT_SCENARIO, trace, trace_format, requests, seed, arrival, rate_scale
         )
         if limit is not None:
             workload = workload.limited(limit)
@@ -323,6 +347,8 @@ def simulate(
         )
     except OSError as exc:  # the trace file
         raise fail(unreadable(exc.filename, exc) if exc.filename else str(exc)) from None
+    except RequestTooLarge as exc:
+        raise fail(_too_large(exc, trace, kv_blocks, profile, scale)) from None
     except (PrefixRouterError, KeyError, ValueError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
 
@@ -360,6 +386,14 @@ def simulate(
         **({"replicas": p.replicas.as_dict()} if replicas > 1 else {}),
         **({"client_max_tokens": client_max_tokens} if client_max_tokens else {}),
         **({"scale": scale} if scale != 1 else {}),
+        # The other options that change the results, each only when it is not the
+        # default, so that the reports of default runs keep their bytes.
+        **({"trace": str(trace)} if trace is not None else {}),
+        **({"arrival": arrival} if arrival != "poisson" else {}),
+        **({"rate_scale": rate_scale} if rate_scale != 1 else {}),
+        **({"token_count": False} if not token_count else {}),
+        **({"requests": requests} if requests is not None else {}),
+        **({"limit": limit} if limit is not None else {}),
         "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
         "ttft_floor_ms": ttft_floor_ms(p.workload, prof.speed),
         "results": results,
@@ -368,13 +402,19 @@ def simulate(
     if replicas > 1:
         console.print(_replicas_table(report))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        try:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as exc:  # checked before the run; a full disk still shows here
+            raise fail(f"--json {unwritable(json_out, exc)}") from None
         console.print(f"wrote {json_out}")
     if plot is not None:
         from prefixrouter.sim.plot import plot_report
 
-        plot_report(report, runs, plot)
+        try:
+            plot_report(report, runs, plot)
+        except OSError as exc:
+            raise fail(f"--plot {unwritable(plot, exc)}") from None
         console.print(f"wrote {plot}")
 
 
@@ -403,6 +443,61 @@ def _load_workload(
             bundled_mooncake_path(), limit=requests, rate_scale=rate_scale, seed=seed
         )
     return spec.build(seed, requests, arrival)
+
+
+def _check_arrival_options(
+    scenario: str | None,
+    trace: Path | None,
+    trace_format: str,
+    arrival: str,
+    rate_scale: float,
+    load: float | None,
+    rate: float | None,
+) -> None:
+    """Refuse arrival options that the chosen workload would silently ignore."""
+    if trace is not None and scenario is not None:
+        raise fail("--trace replaces the scenario: give --trace or --scenario, not both")
+    if trace is None and trace_format != "mooncake":
+        raise fail("--trace-format applies to --trace FILE, and none was given")
+    is_trace = trace is not None or scenario == "mooncake-conversation"
+    if is_trace and arrival != "poisson":
+        raise fail(
+            "--arrival: a trace replays its own arrival times (--rate-scale, --load or "
+            "--rate stretch them); --arrival applies to generated scenarios"
+        )
+    if rate_scale != 1.0:
+        if not is_trace:
+            raise fail(
+                "--rate-scale speeds up a trace replay (--trace or mooncake-conversation); "
+                "set a generated scenario's rate with --load or --rate"
+            )
+        if load is not None or rate is not None:
+            raise fail(
+                "--rate-scale has no effect with --load or --rate: they set the trace's "
+                "mean rate themselves; give one of them"
+            )
+
+
+def _too_large(
+    exc: RequestTooLarge, trace: Path | None, kv_blocks: int | None, profile: str, scale: float
+) -> str:
+    """The one-line message for a request that does not fit the KV cache, naming what to change."""
+    from prefixrouter.sim.traces import trace_line
+
+    req = exc.request
+    line = trace_line(req.request_id) if trace is not None else None
+    if line is not None:
+        scaled = f" (after --scale {scale:g})" if scale != 1 else ""
+        return (
+            f"{trace}:{line}: input_length {req.prompt_tokens:,} + output_length "
+            f"{req.output_tokens:,}{scaled} = {exc.needed_tokens:,} tokens, more than the KV "
+            f"cache holds ({exc.capacity_tokens:,}: {exc.kv_blocks:,} blocks of "
+            f"{exc.block_size}); see --kv-blocks and --profile"
+        )
+    if exc.source == "kv_blocks":
+        return f"--kv-blocks {kv_blocks}: {exc}"
+    where = f"--profile {profile}" if exc.source == "profile" else "the scenario's KV cache"
+    return f"{where}: {exc}; give more with --kv-blocks"
 
 
 @app.command("policies")

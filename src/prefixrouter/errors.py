@@ -9,18 +9,61 @@
     └── UnknownNameError (KeyError)   an unknown policy, scenario or profile name
 
 Callers at the edges (CLI, HTTP gateway) turn these into one-line messages or
-OpenAI-style JSON errors; nothing below them prints.
+OpenAI-style JSON errors; nothing below them prints. The messages for files
+live here too: :func:`unreadable`, :func:`unwritable`, and :func:`output_problem`,
+which commands run on their output paths before a long run.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from os import PathLike
+from pathlib import Path
 
 
 def unreadable(path: str | PathLike[str], exc: OSError) -> str:
     """The one-line message for a file that cannot be read: ``PATH: cannot read: WHY``."""
     return f"{path}: cannot read: {exc.strerror or exc}"
+
+
+def unwritable(path: str | PathLike[str], exc: OSError) -> str:
+    """The one-line message for a file that cannot be written: ``PATH: cannot write: WHY``."""
+    return f"{path}: cannot write: {exc.strerror or exc}"
+
+
+def output_problem(path: Path, *, suffix: str | None = None) -> str | None:
+    """Why ``path`` cannot be written as an output file, or None if it looks writable.
+
+    Commands check their ``--json`` / ``--plot`` paths with this before a long
+    run, so that a typo costs seconds, not the run. It creates nothing: the
+    missing folders are made only when the file is written. A write can still
+    fail (a full disk); callers catch :class:`OSError` there too.
+
+    Args:
+        path: The file to be written.
+        suffix: The extension the file must have (``".png"``), compared
+            case-insensitively; a writer that appends its own extension to a
+            name without one would otherwise write another file than the one named.
+    """
+    if path.is_dir():
+        return "is a directory"
+    if suffix is not None and path.suffix.lower() != suffix:
+        return f"expected a file name ending in {suffix}"
+    # The nearest existing folder above it must be a writable folder (the rest is made).
+    parent = path.parent
+    while not parent.exists():
+        if parent == parent.parent:
+            break
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        return f"{parent} is not a folder"
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            return "permission denied"
+    elif parent.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"permission denied in {parent}"
+    return None
 
 
 class PrefixRouterError(Exception):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import orjson
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -99,12 +100,148 @@ def test_cli_json_plot_and_hidden_field_verdict(tmp_path: Path) -> None:
 
 def test_cli_caps_the_error_lines_shown(tmp_path: Path) -> None:
     log = tmp_path / "bad.jsonl"
-    log.write_text("x\n" * (MAX_ERRORS_SHOWN + 5))
+    log.write_text("x\n" * (MAX_ERRORS_SHOWN + 5) + '{"prompt": "one usable line"}\n')
     res = runner.invoke(app, [str(log)])
     assert res.exit_code == 0
     assert res.stderr.count("invalid JSON") == MAX_ERRORS_SHOWN
     assert "5 more malformed lines skipped" in res.stderr
-    assert "No requests to analyze." in res.stdout
+    assert "requests" in res.stdout
+
+
+def test_cli_a_log_with_no_usable_line_is_an_error_that_says_why(tmp_path: Path) -> None:
+    log = tmp_path / "bad.jsonl"
+    log.write_text("x\n[1]\n" + '{"status": 200}\n')
+    res = runner.invoke(app, [str(log)])
+    assert res.exit_code == 2
+    assert f"error: {log}: no request in it: 3 lines skipped" in res.stderr
+    assert "the first, line 1: invalid JSON" in res.stderr
+    assert "verdict" not in res.stdout
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    res = runner.invoke(app, [str(empty)])
+    assert res.exit_code == 2 and "it is empty" in res.stderr
+
+
+def test_cli_a_damaged_gzip_names_the_file(tmp_path: Path) -> None:
+    import gzip
+
+    data = gzip.compress(
+        b"".join(orjson.dumps({"prompt": f"p{i} " * 200}) + b"\n" for i in range(50))
+    )
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    flipped = bytearray(data)
+    flipped[20:60] = bytes(b ^ 0xFF for b in flipped[20:60])
+    corrupt = tmp_path / "corrupt.jsonl.gz"
+    corrupt.write_bytes(bytes(flipped))
+    for log in (cut, corrupt):
+        res = runner.invoke(app, [str(log)])
+        assert res.exit_code == 2, res.output
+        assert f"error: {log}: cannot read: not a valid gzip file: " in res.stderr
+        assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_cli_refuses_output_paths_it_cannot_write_before_reading_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import prefixrouter.analyze.cli as analyze_cli
+
+    log = _unique_log(tmp_path / "u.jsonl", 3)
+    a_file = tmp_path / "a.json"
+    a_file.write_text("{}")
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the log was read before the output paths were checked")
+
+    monkeypatch.setattr(analyze_cli, "analyze_log", must_not_run)
+    cases = [
+        (
+            ["--json", str(a_file / "x.json")],
+            f"--json {a_file / 'x.json'}: {a_file} is not a folder",
+        ),
+        (["--json", str(tmp_path)], f"--json {tmp_path}: is a directory"),
+        (["--plot", str(tmp_path / "out.txt")], "expected a file name ending in .png"),
+        (["--plot", str(tmp_path)], f"--plot {tmp_path}: is a directory"),
+        (["--plot", str(tmp_path / "noext")], "expected a file name ending in .png"),
+    ]
+    for args, message in cases:
+        res = runner.invoke(app, [str(log), *args])
+        assert res.exit_code == 2, res.output
+        assert message in res.stderr
+    res = runner.invoke(app, [str(tmp_path)])
+    assert res.exit_code == 2 and f"{tmp_path}: is a directory" in res.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_cli_a_failed_write_is_one_line(tmp_path: Path) -> None:
+    res = runner.invoke(app, [str(_unique_log(tmp_path / "u.jsonl", 3)), "--json", "/dev/full"])
+    assert res.exit_code == 2
+    assert "error: --json /dev/full: cannot write: No space left on device" in res.stderr
+
+
+def test_kv_tokens_0_means_no_limit_in_help_table_and_verdict(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, [str(_doc_log(tmp_path / "d.jsonl")), "--kv-tokens", "0",
+                              "--json", str(out)], env={"COLUMNS": "200"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["reusable_tokens_kv"] is None and report["reusable_share_kv"] is None
+    assert all(c["reusable_share_kv"] is None for c in report["by_class"].values())
+    assert "no KV limit (--kv-tokens 0)" in res.stdout
+    assert "LRU 0 KV tokens" not in res.stdout
+    assert "(no KV limit given)" in report["verdict"] and report["pays"] is True
+    help_text = " ".join(runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout.split())
+    assert "0: no limit" in help_text
+
+
+def _decisions(path: Path, prompt_tokens: int, cached: int | None) -> Path:
+    """A gateway decision log (no bodies): 12 requests about one document, then 3 others."""
+    records = [
+        {
+            "request_id": f"r{i}", "namespace": "m||||",
+            "prefix_key": "k-doc" if i < 12 else f"k{i}",
+            "prefix_class": "document", "prompt_tokens": prompt_tokens,
+            **({"actual_cached_tokens": cached if 0 < i < 12 else 0} if cached is not None else {}),
+        }
+        for i in range(15)
+    ]  # fmt: skip
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return path
+
+
+def test_prefix_key_records_give_a_lower_bound_never_a_does_not_pay(tmp_path: Path) -> None:
+    # 30,000-token prompts: the keys see only their first 1,024 tokens (3% of each).
+    report, _ = analyze_log(_decisions(tmp_path / "big.jsonl", 30_000, 29_900))
+    assert report["key_only_unseen_tokens"] == 15 * (30_000 - 1024)
+    assert report["reusable_share_unlimited"] < 0.10 < report["reusable_share_unlimited_max"]
+    # The engines' counts decide: 11 of 15 requests served 29,900 tokens from cache.
+    assert report["observed_cached_share"] > 0.7
+    assert report["pays"] is True
+    assert "the engines report 73% of prompt tokens served from their cache" in report["verdict"]
+    assert "does not pay" not in report["verdict"]
+    # Without engine counts the log cannot tell, and says so with the range.
+    report, _ = analyze_log(_decisions(tmp_path / "nocounts.jsonl", 30_000, None))
+    assert report["pays"] is None and report["first_class"] is None
+    assert report["verdict"].startswith("This log cannot tell whether prefix-aware routing pays")
+    assert "at least 2.5%" in report["verdict"] and "up to 99.1% may" in report["verdict"]
+    assert "does not pay" not in report["verdict"]
+    # A lower bound that clears the bar says "at least".
+    report, _ = analyze_log(_decisions(tmp_path / "mid.jsonl", 3_000, None))
+    assert report["pays"] is True
+    assert report["verdict"].startswith("Prefix-aware routing pays for this traffic: at least")
+    # Prompts within the key's depth are measured exactly: no bound, the plain verdict.
+    report, _ = analyze_log(_decisions(tmp_path / "short.jsonl", 800, None))
+    assert report["key_only_unseen_tokens"] == 0
+    assert report["reusable_share_unlimited"] == report["reusable_share_unlimited_max"]
+    assert "at least" not in report["verdict"]
+
+
+def test_cli_table_marks_a_lower_bound(tmp_path: Path) -> None:
+    res = runner.invoke(app, [str(_decisions(tmp_path / "big.jsonl", 30_000, 29_900))],
+                        env={"COLUMNS": "200"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "at least 11,264 (2.5%)" in res.stdout
+    assert "tokens beyond the keys' first 1,024 (reuse unknown)" in res.stdout
 
 
 def test_cli_user_errors_exit_2(tmp_path: Path) -> None:

@@ -136,6 +136,156 @@ def test_a_trace_that_cannot_be_read_is_named_with_the_reason(tmp_path: Path) ->
     assert "Errno" not in flat and "Traceback" not in flat
 
 
+TINY = ["simulate", "--scenario", "doc-qa", "--requests", "20", "--policies", "round_robin"]
+
+
+def _no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any simulation run fail the test: the error must come before the run."""
+    import prefixrouter.sim.runner as sim_runner
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the simulation ran before the error")
+
+    monkeypatch.setattr(sim_runner, "run_plan", must_not_run)
+
+
+def _trace_line(input_length: int, output_length: int, timestamp: int = 0) -> str:
+    ids = list(range(-(-input_length // 512)))
+    return json.dumps({"timestamp": timestamp, "input_length": input_length,
+                       "output_length": output_length, "hash_ids": ids})  # fmt: skip
+
+
+def test_a_request_that_does_not_fit_the_kv_cache_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_run(monkeypatch)
+    res = runner.invoke(app, [*TINY, "--kv-blocks", "10"])
+    assert res.exit_code == 2, res.output
+    assert (
+        "error: --kv-blocks 10: request doc-qa-00000 needs 40,434 tokens (40,308 prompt + 126 "
+        "output), the KV cache holds 160 (10 blocks of 16)" in res.stderr
+    )
+    res = runner.invoke(app, ["simulate", "--scenario", "system-prompt", "--requests", "20",
+                              "--profile", "tiny-cpu", "--policies", "round_robin"])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "error: --profile tiny-cpu: request system-prompt-00000 needs" in res.stderr
+    assert "the KV cache holds 4,096 (256 blocks of 16); give more with --kv-blocks" in res.stderr
+    trace = tmp_path / "huge.jsonl"
+    trace.write_text(_trace_line(600, 5) + "\n" + _trace_line(600, 10**11) + "\n")
+    res = runner.invoke(app, ["simulate", "--trace", str(trace), "--policies", "round_robin"])
+    assert res.exit_code == 2, res.output
+    assert f"error: {trace}:2: input_length 600 + output_length 100,000,000,000 = " in res.stderr
+    assert "more than the KV cache holds" in res.stderr
+
+
+def test_plan_refuses_a_request_that_does_not_fit() -> None:
+    from prefixrouter.sim.profiles import get_profile
+    from prefixrouter.sim.runner import RequestTooLarge, plan
+
+    workload = get_scenario("doc-qa").build(0, 5)
+    with pytest.raises(RequestTooLarge) as err:
+        plan(workload, get_profile("llama3-8b-h100"), ["round_robin"], kv_blocks=10)
+    assert err.value.request.request_id == "doc-qa-00000" and err.value.source == "kv_blocks"
+    assert err.value.capacity_tokens == 160 < err.value.needed_tokens
+
+
+def test_output_paths_are_checked_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_run(monkeypatch)
+    a_file = tmp_path / "a1.json"
+    a_file.write_text("{}")
+    cases = [
+        (["--json", f"{a_file}/x.json"], f"--json {a_file}/x.json: {a_file} is not a folder"),
+        (["--json", str(tmp_path)], f"--json {tmp_path}: is a directory"),
+        (["--plot", str(tmp_path / "out.txt")], "expected a file name ending in .png"),
+        (["--plot", "."], "--plot .: is a directory"),
+        (["--plot", str(tmp_path / "plotnoext")], "expected a file name ending in .png"),
+    ]  # fmt: skip
+    for args, message in cases:
+        res = runner.invoke(app, [*TINY, *args])
+        assert res.exit_code == 2, res.output
+        assert message in res.stderr
+    res = runner.invoke(app, [*TINY, "--seed", str(2**64)])
+    assert res.exit_code == 2 and "--seed" in res.output
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failed_write_is_one_line() -> None:
+    res = runner.invoke(app, [*TINY, "--json", "/dev/full"])
+    assert res.exit_code == 2
+    assert "error: --json /dev/full: cannot write: No space left on device" in res.stderr
+
+
+def test_a_rate_overrides_the_load_and_the_report_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.figure
+
+    titles: list[str] = []
+
+    def savefig(fig: matplotlib.figure.Figure, path: object, **kwargs: object) -> None:
+        titles.append(fig.get_suptitle())
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    out, png = tmp_path / "rl.json", tmp_path / "rl.png"
+    res = runner.invoke(app, [*TINY, "--rate", "2", "--load", "0.9", "--json", str(out),
+                              "--plot", str(png)], env={"COLUMNS": "200"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "note: --rate 2 overrides --load 0.9" in res.stderr
+    report = json.loads(out.read_text())
+    assert report["load"] is None and report["rate_rps"] == 2.0
+    assert "doc-qa · 4 workers · 2.00 req/s" in res.stdout and "load 0.90" not in res.stdout
+    assert titles == ["doc-qa: 4 workers, 2.00 req/s"]
+    # The same run as --rate alone: nothing simulated changes.
+    alone = tmp_path / "r.json"
+    assert runner.invoke(app, [*TINY, "--rate", "2", "--json", str(alone)]).exit_code == 0
+    assert json.loads(alone.read_text()) == report
+
+
+def test_options_the_workload_would_ignore_are_refused_or_noted(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_trace_line(600, 5) + "\n")
+    for args, message in (
+        (["--trace", str(trace), "--scenario", "hot-prefix"], "give --trace or --scenario"),
+        (["--rate-scale", "5"], "--rate-scale speeds up a trace replay"),
+        (["--trace", str(trace), "--rate-scale", "2", "--load", "1"], "--rate-scale has no effect"),
+        (["--trace", str(trace), "--arrival", "gamma:2"], "a trace replays its own arrival times"),
+        (["--trace-format", "foo"], "--trace-format applies to --trace FILE"),
+    ):  # fmt: skip
+        res = runner.invoke(
+            app, ["simulate", "--requests", "20", "--policies", "round_robin", *args]
+        )
+        assert res.exit_code == 2, (args, res.output)
+        assert message in res.stderr, (args, res.stderr)
+    # One router has no peers to sync with: the run is the plain one, with a note.
+    for args in (["--no-sync"], ["--sync-lag-ms", "50"]):
+        res = runner.invoke(app, [*TINY, *args])
+        assert res.exit_code == 0, res.output
+        assert "note: --no-sync and --sync-lag-ms have no effect on one router" in res.stderr
+    assert "note:" not in runner.invoke(app, TINY).stderr
+
+
+def test_the_report_records_every_option_that_changes_the_results(tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    args = [*TINY, "--arrival", "gamma:3", "--no-token-count", "--limit", "15", "--json", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    report = json.loads(out.read_text())
+    assert report["arrival"] == "gamma:3" and report["token_count"] is False
+    assert report["requests"] == 20 and report["limit"] == 15
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_trace_line(600, 5) + "\n" + _trace_line(700, 5, timestamp=9) + "\n")
+    args = ["simulate", "--trace", str(trace), "--rate-scale", "2", "--policies", "round_robin"]
+    assert runner.invoke(app, [*args, "--json", str(out)]).exit_code == 0
+    report = json.loads(out.read_text())
+    assert report["trace"] == str(trace) and report["rate_scale"] == 2.0
+    # A default run's report keeps the keys it had.
+    args = ["simulate", "--policies", "round_robin", "--requests", "5", "--json", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    added = {"trace", "arrival", "rate_scale", "token_count", "limit"}
+    assert not added & set(json.loads(out.read_text()))
+
+
 def test_console_script_runs(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("prefixrouter")
     out = subprocess.run(

@@ -223,6 +223,48 @@ def test_cli_jsonl_template_and_errors(tmp_path: Path) -> None:
     assert runner.invoke(app, [str(notbody)]).exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("head", "kind"),
+    [
+        ("{{ now }}\n", "timestamp"),  # opens like a JSON object, is a template
+        ("{% if tools %}Tools.{% endif %}\nToday is {{ current_date }}.\n", "date"),
+        ("{user_id} asks:\n", "user_id"),
+    ],
+)
+def test_cli_lints_a_template_that_opens_with_a_brace(tmp_path: Path, head: str, kind: str) -> None:
+    tpl = tmp_path / "prompt.j2"
+    tpl.write_text(head + DOC + "\n{{ question }}\n")
+    res = runner.invoke(app, [str(tpl), "--json"])
+    assert res.exit_code == 1, res.output
+    assert [f["kind"] for f in json.loads(res.stdout)] == [kind]
+    assert "invalid JSON" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        # a body cut short: JSON lines, none of them a body
+        ('{"messages": [ {"role": "user", "content": "hi"} ', ": no request body in it: 1 line "
+         "skipped as malformed; the first, line 1: invalid JSON: unexpected end of data"),
+        ('{"a": 1}\n{"b"\n', ": no request body in it: 2 lines skipped as malformed; the first, "
+         "line 1: no 'messages' or 'prompt'"),
+        ("[1, 2, 3]", ": no request body in it: 3 items skipped as malformed; the first, item 0: "
+         "expected a JSON object, got int"),
+        ("[]", ": no request body in it: it is empty"),
+        ('[{"messages": [', ": line 1: invalid JSON: unexpected end of data"),
+    ],
+)  # fmt: skip
+def test_cli_a_json_file_with_no_body_is_an_error(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    f = tmp_path / "body.json"
+    f.write_text(content)
+    res = runner.invoke(app, [str(f)])
+    assert res.exit_code == 2, res.output
+    assert f"error: {f}{message}" in " ".join(res.stderr.split())
+    assert "no volatile fields" not in res.stdout
+
+
 def test_a_pasted_log_is_data_not_fields() -> None:
     log = "\n".join(f"2024-05-01T10:{i // 60:02d}:{i % 60:02d}Z GET /x/{i}" for i in range(300))
     body = _body("Summarize the log.", f"{log}\n\nWhat failed?")

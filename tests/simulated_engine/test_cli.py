@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -74,3 +75,13 @@ def test_configuration_errors_exit_2() -> None:
     assert res.exit_code == 2 and "unknown engine profile" in res.output
     res = runner.invoke(app, ["--port", "0", "--max-model-len", "999999"])
     assert res.exit_code == 2 and "max_model_len" in res.output
+
+
+def test_a_file_that_is_not_a_tokenizer_is_one_line(tmp_path: Path) -> None:
+    app = typer.Typer()
+    app.command()(engine)
+    not_json = tmp_path / "passwd"
+    not_json.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    res = CliRunner().invoke(app, ["--port", "0", "--tokenizer", str(not_json)])
+    assert res.exit_code == 2, res.output
+    assert f"error: {not_json}: not a tokenizers file" in " ".join(res.output.split())

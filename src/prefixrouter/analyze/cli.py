@@ -4,7 +4,9 @@ Prints a summary, the per-class breakdown, the top repeated prefixes, where
 near-identical requests diverge and the verdict; optionally writes the JSON
 report and a PNG. Malformed lines are reported on stderr as ``FILE:LINE:
 reason`` (the first :data:`MAX_ERRORS_SHOWN`, then a count) and skipped. Errors
-the user can fix (no such file, not a tokenizer) print one line and exit 2.
+the user can fix (no such file, a damaged ``.gz``, not a tokenizer, an output
+path that cannot be written, a log with no usable line) print one line and
+exit 2; the output paths are checked before the log is read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from rich.console import Console
 from rich.text import Text
 
 from prefixrouter.analyze import AnalyzeParams, analyze_log, format_error, load_encoder
+from prefixrouter.analyze.reader import SkippedLines
 from prefixrouter.analyze.report import plot_report, report_tables
+from prefixrouter.errors import output_problem, unreadable, unwritable
 
 MAX_ERRORS_SHOWN = 20
 
@@ -43,44 +47,63 @@ def analyze(
     ] = None,
     block_size: Annotated[int, typer.Option(min=1, help="Engine block size in tokens.")] = 16,
     kv_tokens: Annotated[
-        int, typer.Option(min=0, help="KV cache capacity in tokens, for the LRU estimate.")
+        int,
+        typer.Option(
+            min=0,
+            help="KV cache capacity in tokens, for the LRU estimate; 0: no limit (no LRU "
+            "estimate; the verdict uses the unlimited cache).",
+        ),
     ] = 500_000,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the analysis here.")] = None,
 ) -> None:
     """Analyze a request log: repeated prefixes, reusable prefill, hidden volatile fields."""
     if not log.is_file():
-        raise _fail(f"{log}: no such file")
+        raise _fail(f"{log}: {'is a directory' if log.is_dir() else 'no such file'}")
+    for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
+        if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
+            raise _fail(f"{option} {path}: {why}")
     try:
         encoder = load_encoder(tokenizer) if tokenizer is not None else None
     except (OSError, ValueError) as exc:
         raise _fail(f"--tokenizer: {exc}") from None
-    shown = 0
+    skipped = SkippedLines()
 
     def on_error(line: int, reason: str) -> None:
-        nonlocal shown
-        shown += 1
-        if shown <= MAX_ERRORS_SHOWN:
+        skipped(line, reason)
+        if skipped.count <= MAX_ERRORS_SHOWN:
             _err.print(format_error(log, line, reason), markup=False, soft_wrap=True)
 
     try:
         report, analysis = analyze_log(
             log, AnalyzeParams(block_size=block_size, kv_tokens=kv_tokens), encoder, on_error
         )
-    except OSError as exc:
-        raise _fail(f"{log}: {exc}") from None
-    if shown > MAX_ERRORS_SHOWN:
+    except OSError as exc:  # gzip.BadGzipFile too: a truncated or damaged .gz
+        raise _fail(unreadable(log, exc)) from None
+    if skipped.count > MAX_ERRORS_SHOWN:
         _err.print(
-            f"{log}: {shown - MAX_ERRORS_SHOWN:,} more malformed lines skipped", soft_wrap=True
+            f"{log}: {skipped.count - MAX_ERRORS_SHOWN:,} more malformed lines skipped",
+            soft_wrap=True,
+        )
+    if not report["requests"]:
+        raise _fail(
+            f"{log}: {skipped.none_usable('request')} (expected JSON lines of request bodies "
+            "or of the gateway's --decision-log records)"
         )
     for table in report_tables(report):
         _out.print(table)
     _out.print(f"[bold]verdict:[/] {report['verdict']}", highlight=False)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        try:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as exc:  # checked before the run; a full disk still shows here
+            raise _fail(f"--json {unwritable(json_out, exc)}") from None
         _out.print(f"wrote {json_out}", highlight=False)
     if plot is not None:
         hist = {b * block_size: n for b, n in analysis.shared_prefix_hist.items()}
-        plot_report(report, hist, plot)
+        try:
+            plot_report(report, hist, plot)
+        except OSError as exc:
+            raise _fail(f"--plot {unwritable(plot, exc)}") from None
         _out.print(f"wrote {plot}", highlight=False)

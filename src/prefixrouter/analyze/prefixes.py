@@ -436,6 +436,9 @@ class Analysis:
     observed_prompt_tokens: int
     observed_cached_tokens: int
     key_only_requests: int = 0
+    key_only_unseen_tokens: int = 0
+    """Prompt tokens of prefix-key records beyond the key's depth: whether they
+    repeat, the log cannot show, so reuse is a lower bound while this is > 0."""
     memory: dict[str, int] = field(default_factory=dict)
 
 
@@ -508,6 +511,7 @@ class PrefixAnalyzer:
         self.observed_prompt_tokens = 0
         self.observed_cached_tokens = 0
         self.key_only = 0
+        self.key_only_unseen = 0
 
     def feed(self, records: Iterable[LogRecord]) -> None:
         """Analyze records in order (tokenized in batches in token mode)."""
@@ -577,6 +581,8 @@ class PrefixAnalyzer:
             h = xxhash.xxh3_64_intdigest(j.to_bytes(4, "little"), h)
             chain.append(h)
         self.key_only += 1
+        # The key names the whole of a shorter prompt: only what lies beyond it is unseen.
+        self.key_only_unseen += max(0, tokens - p.prefix_key_tokens)
         known = self._account(rec, rec.prefix_class or PrefixClass.UNKNOWN, chain, tokens)
         if known and chain[known - 1] not in self._ends:
             self._add_end(chain[known - 1], f"prefix_key {key}")
@@ -652,6 +658,7 @@ class PrefixAnalyzer:
             observed_prompt_tokens=self.observed_prompt_tokens,
             observed_cached_tokens=self.observed_cached_tokens,
             key_only_requests=self.key_only,
+            key_only_unseen_tokens=self.key_only_unseen,
             memory={
                 "sampled_blocks": len(self.reuse),
                 "prefix_nodes": len(self.counter),

@@ -18,13 +18,17 @@ of:
 
 A line that is none of these (invalid JSON, not an object, a ``messages``
 that is not a list of objects, a body-less record without a prompt length) is
-reported through ``on_error(line, reason)`` and skipped; blank lines are
-skipped silently. Nothing here raises on bad input except for I/O errors.
+reported through ``on_error(line, reason)`` and skipped (:class:`SkippedLines`
+is such a handler: it keeps the count and the first reason, for the message
+when no line was usable); blank lines are skipped silently. Nothing here
+raises on bad input except for I/O errors and a damaged ``.gz``
+(:class:`gzip.BadGzipFile`, an :class:`OSError`).
 """
 
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +69,38 @@ class LogRecord:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     prefix_key: str | None = None
+
+
+@dataclass(slots=True)
+class SkippedLines:
+    """A tally of the lines (or array items) skipped as malformed; an ``on_error`` handler.
+
+    It keeps how many, and the first one's number and reason: a file none of
+    whose lines is usable is an error, and its message says why.
+
+    Attributes:
+        count: Lines skipped so far.
+        first: (line, reason) of the first one; None while none was skipped.
+    """
+
+    count: int = 0
+    first: tuple[int, str] | None = None
+
+    def __call__(self, line: int, reason: str) -> None:
+        if self.first is None:
+            self.first = (line, reason)
+        self.count += 1
+
+    def none_usable(self, what: str, unit: str = "line") -> str:
+        """Why a file gave no ``what``: ``no WHAT in it: N lines skipped; line L: REASON``."""
+        if self.first is None:
+            return f"no {what} in it: it is empty"
+        line, reason = self.first
+        units = unit if self.count == 1 else f"{unit}s"
+        return (
+            f"no {what} in it: {self.count:,} {units} skipped as malformed; "
+            f"the first, {unit} {line}: {reason}"
+        )
 
 
 def _int(value: Any) -> int | None:
@@ -176,8 +212,16 @@ def iter_records(path: Path, on_error: ErrorHandler | None = None) -> Iterator[L
         One :class:`LogRecord` per usable line, in file order.
 
     Raises:
-        OSError: The file cannot be opened or read.
+        OSError: The file cannot be opened or read (:class:`gzip.BadGzipFile`:
+            a ``.gz`` that is truncated or damaged).
     """
+    try:
+        yield from _iter_records(path, on_error)
+    except (EOFError, zlib.error) as exc:  # gzip's own errors for a cut or corrupt stream
+        raise gzip.BadGzipFile(f"not a valid gzip file: {exc}") from exc
+
+
+def _iter_records(path: Path, on_error: ErrorHandler | None) -> Iterator[LogRecord]:
     with _open(path) as fh:
         for number, raw in enumerate(fh, start=1):
             if not raw.strip():

@@ -4,10 +4,18 @@ The verdict answers two questions from the measured shares:
 
 * **Does prefix-aware routing pay?** Yes when the prefill an LRU cache of the
   given KV capacity would save is at least :data:`PAYS_SHARE` (10%) of all
-  prompt tokens (with ``kv_tokens=0``, the unlimited share decides). When the
-  unlimited share clears the bar but the LRU share does not, the hot prefixes
-  do not fit one cache: the verdict says so (prefix affinity spreads them over
-  the replicas' caches, but the fleet must hold them).
+  prompt tokens (with ``kv_tokens=0``, no limit: the unlimited share decides,
+  and the report's LRU figures are None). When the unlimited share clears the
+  bar but the LRU share does not, the hot prefixes do not fit one cache: the
+  verdict says so (prefix affinity spreads them over the replicas' caches, but
+  the fleet must hold them).
+* **Records with a prefix key only** (a gateway decision log) show reuse up
+  to the key's depth (``prefix_key_tokens``): the shares are lower bounds
+  while a prompt is longer (``key_only_unseen_tokens``). A lower bound that
+  clears the bar still decides; one that does not never concludes "does not
+  pay": the engines' own cached share (``actual_cached_tokens``) decides if
+  the records carry it and it clears the bar, else the verdict says the log
+  cannot tell (``pays`` None) and gives the range.
 * **Where to roll it out first?** On the prefix class with the most reusable
   tokens under the KV limit (system template, document, session, RAG).
 
@@ -46,14 +54,15 @@ def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0)
     bs = p.block_size
     hist_tokens = {blocks * bs: n for blocks, n in a.shared_prefix_hist.items()}
     total = sum(hist_tokens.values())
+    lru = p.kv_tokens > 0  # 0: no KV limit, so no LRU estimate (None in the report)
     by_class = {
         name: {
             "requests": s.requests,
             "prompt_tokens": s.prompt_tokens,
             "reusable_tokens_unlimited": round(s.reusable_unlimited),
             "reusable_share_unlimited": _share(s.reusable_unlimited, s.prompt_tokens),
-            "reusable_tokens_kv": round(s.reusable_kv),
-            "reusable_share_kv": _share(s.reusable_kv, s.prompt_tokens),
+            "reusable_tokens_kv": round(s.reusable_kv) if lru else None,
+            "reusable_share_kv": _share(s.reusable_kv, s.prompt_tokens) if lru else None,
         }
         for name, s in a.by_class.items()
     }
@@ -65,11 +74,17 @@ def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0)
         "requests": a.requests,
         "malformed_lines": malformed_lines,
         "key_only_requests": a.key_only_requests,
+        "prefix_key_tokens": p.prefix_key_tokens,
+        "key_only_unseen_tokens": a.key_only_unseen_tokens,
         "prompt_tokens": a.prompt_tokens,
         "reusable_tokens_unlimited": round(a.reusable_unlimited),
         "reusable_share_unlimited": _share(a.reusable_unlimited, a.prompt_tokens),
-        "reusable_tokens_kv": round(a.reusable_kv),
-        "reusable_share_kv": _share(a.reusable_kv, a.prompt_tokens),
+        # The most that can repeat: the lower bound plus every unseen token.
+        "reusable_share_unlimited_max": _share(
+            a.reusable_unlimited + a.key_only_unseen_tokens, a.prompt_tokens
+        ),
+        "reusable_tokens_kv": round(a.reusable_kv) if lru else None,
+        "reusable_share_kv": _share(a.reusable_kv, a.prompt_tokens) if lru else None,
         "shared_prefix_tokens": {
             "mean": round(sum(t * n for t, n in hist_tokens.items()) / total, 1) if total else 0.0,
             # The histogram counts every exact length, so these are the
@@ -114,8 +129,12 @@ def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0)
     return report
 
 
-def verdict(report: dict[str, Any]) -> tuple[str, bool, str | None]:
-    """(verdict sentence, whether prefix-aware routing pays, class to roll out first)."""
+def verdict(report: dict[str, Any]) -> tuple[str, bool | None, str | None]:
+    """(verdict sentence, whether prefix-aware routing pays, class to roll out first).
+
+    ``pays`` is None when the log cannot tell: its records carry only prefix
+    keys, the reuse they show is below the bar, and no engine count clears it.
+    """
     if not report["requests"]:
         return "No requests to analyze.", False, None
     su, sk, kv = (
@@ -132,14 +151,25 @@ def verdict(report: dict[str, Any]) -> tuple[str, bool, str | None]:
         return top if top is not None and classes[top][field] > 0 else None
 
     first = best(key)
-    kv_text = f"{sk:.0%} fit a {kv:,}-token KV cache under LRU" if kv else "no KV limit given"
+    # Prefix-key records show reuse only up to the key's depth: lower bounds.
+    unseen = report.get("key_only_unseen_tokens", 0)
+    least = "at least " if unseen else ""
+    keys_text = (
+        f"the log's records carry only prefix keys, which name each prompt's first "
+        f"{report.get('prefix_key_tokens', 0):,} tokens"
+    )
+    observed = report["observed_cached_share"]
+    kv_text = (
+        f"{least}{sk:.0%} fit a {kv:,}-token KV cache under LRU" if kv else "no KV limit given"
+    )
+    pays: bool | None
     if decisive >= PAYS_SHARE and first is not None:
         c = classes[first]
         share = c["reusable_share_kv" if kv else "reusable_share_unlimited"]
         text = (
-            f"Prefix-aware routing pays for this traffic: {su:.0%} of prompt tokens repeat an "
-            f"earlier prefix ({kv_text}). Roll it out first on {first} traffic: {share:.0%} of "
-            f"its prompt tokens are reusable ({c[key]:,} tokens)."
+            f"Prefix-aware routing pays for this traffic: {least}{su:.0%} of prompt tokens "
+            f"repeat an earlier prefix ({kv_text}). Roll it out first on {first} traffic: "
+            f"{least}{share:.0%} of its prompt tokens are reusable ({c[key]:,} tokens)."
         )
         if kv and sk < su / 2:
             text += (
@@ -147,13 +177,32 @@ def verdict(report: dict[str, Any]) -> tuple[str, bool, str | None]:
                 "replicas' caches."
             )
         pays = True
+    elif unseen and observed is not None and observed >= PAYS_SHARE:
+        # The lower bound says little; the engines counted what their caches served.
+        text = (
+            f"Prefix-aware routing pays for this traffic: the engines report {observed:.0%} of "
+            f"prompt tokens served from their cache. {keys_text[0].upper()}{keys_text[1:]}, "
+            f"so they show only a lower bound: at least {su:.1%} of prompt tokens repeat an "
+            f"earlier prefix ({kv_text})."
+        )
+        if first is not None:
+            text += f" By the keys, {first} traffic repeats the most: roll it out there first."
+        pays = True
     elif su >= PAYS_SHARE and (first := best("reusable_tokens_unlimited")) is not None:
         text = (
-            f"Prefix-aware routing pays only if the fleet's KV holds the hot prefixes: {su:.0%} "
-            f"of prompt tokens repeat, but {kv_text}. Give them room (prefix affinity spreads "
-            f"them over the replicas), then roll out on {first} traffic first."
+            f"Prefix-aware routing pays only if the fleet's KV holds the hot prefixes: "
+            f"{least}{su:.0%} of prompt tokens repeat, but {kv_text}. Give them room (prefix "
+            f"affinity spreads them over the replicas), then roll out on {first} traffic first."
         )
         pays = False
+    elif unseen:
+        text = (
+            f"This log cannot tell whether prefix-aware routing pays: {keys_text}. By them at "
+            f"least {su:.1%} of prompt tokens repeat an earlier prefix, and up to "
+            f"{report['reusable_share_unlimited_max']:.1%} may. Analyze a log of request "
+            f"bodies, or decision records with the engines' cached tokens, to decide."
+        )
+        pays, first = None, None
     else:
         text = (
             f"Prefix-aware routing does not pay for this traffic: only {su:.1%} of prompt tokens "
@@ -177,6 +226,9 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
     summary.add_column("measure")
     summary.add_column("value", justify="right")
     sp = report["shared_prefix_tokens"]
+    unseen = report.get("key_only_unseen_tokens", 0)
+    least = "at least " if unseen else ""  # prefix-key records: lower bounds (module doc)
+    kv = report["kv_tokens"]
     rows = [
         ("requests", f"{report['requests']:,}"),
         ("malformed lines skipped", f"{report['malformed_lines']:,}"),
@@ -184,16 +236,28 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
         ("prompt tokens", f"{report['prompt_tokens']:,}"),
         (
             "reusable, unlimited cache",
-            f"{report['reusable_tokens_unlimited']:,} ({report['reusable_share_unlimited']:.1%})",
+            f"{least}{report['reusable_tokens_unlimited']:,} "
+            f"({report['reusable_share_unlimited']:.1%})",
         ),
         (
-            f"reusable, LRU {report['kv_tokens']:,} KV tokens",
-            f"{report['reusable_tokens_kv']:,} ({report['reusable_share_kv']:.1%})",
+            (
+                f"reusable, LRU {kv:,} KV tokens",
+                f"{least}{report['reusable_tokens_kv']:,} ({report['reusable_share_kv']:.1%})",
+            )
+            if kv
+            else ("reusable, LRU", "no KV limit (--kv-tokens 0)")
         ),
         ("shared prefix p50 / p90 / max", f"{sp['p50']:,} / {sp['p90']:,} / {sp['max']:,}"),
     ]
     if report["key_only_requests"]:
         rows.append(("records with a prefix key only", f"{report['key_only_requests']:,}"))
+    if unseen:
+        rows.append(
+            (
+                f"tokens beyond the keys' first {report['prefix_key_tokens']:,} (reuse unknown)",
+                f"{unseen:,} ({unseen / report['prompt_tokens']:.1%})",
+            )
+        )
     if report["observed_cached_share"] is not None:
         rows.append(("engine-reported cached share", f"{report['observed_cached_share']:.1%}"))
     if report["sampling_rate"] < 1:
@@ -210,7 +274,7 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
             f"{c['requests']:,}",
             f"{c['prompt_tokens']:,}",
             f"{c['reusable_share_unlimited']:.1%}",
-            f"{c['reusable_share_kv']:.1%}",
+            f"{c['reusable_share_kv']:.1%}" if c["reusable_share_kv"] is not None else "-",
         )
 
     top = Table(title="top repeated prefixes", title_justify="left")
@@ -260,12 +324,16 @@ def plot_report(report: dict[str, Any], hist: dict[int, int], path: Path) -> Non
     unlimited = [report["reusable_share_unlimited"]] + [
         c["reusable_share_unlimited"] for c in report["by_class"].values()
     ]
-    kv = [report["reusable_share_kv"]] + [
-        c["reusable_share_kv"] for c in report["by_class"].values()
-    ]
     xs = range(len(names))
-    ax_cls.bar([x - 0.2 for x in xs], unlimited, width=0.4, label="unlimited cache")
-    ax_cls.bar([x + 0.2 for x in xs], kv, width=0.4, label=f"LRU, {report['kv_tokens']:,} tokens")
+    if report["kv_tokens"]:
+        kv = [report["reusable_share_kv"]] + [
+            c["reusable_share_kv"] for c in report["by_class"].values()
+        ]
+        ax_cls.bar([x - 0.2 for x in xs], unlimited, width=0.4, label="unlimited cache")
+        label = f"LRU, {report['kv_tokens']:,} tokens"
+        ax_cls.bar([x + 0.2 for x in xs], kv, width=0.4, label=label)
+    else:  # --kv-tokens 0: no limit, no LRU estimate
+        ax_cls.bar(list(xs), unlimited, width=0.6, label="unlimited cache (no KV limit)")
     ax_cls.set_xticks(list(xs), names)
     ax_cls.set_ylim(0, 1)
     ax_cls.set_ylabel("share of prompt tokens reusable")

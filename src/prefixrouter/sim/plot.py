@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixrouter.sim.cluster import SimRun
-from prefixrouter.sim.report import total_prefill_tokens
+from prefixrouter.sim.report import arrival_text, total_prefill_tokens
 
 
 def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> None:
@@ -59,9 +59,7 @@ def plot_report(report: dict[str, Any], runs: Sequence[SimRun], path: Path) -> N
     ax_bar.set_title("Prefill computed")
     ax_bar.invert_yaxis()
     ax_bar.legend(fontsize=8)
-    load = report.get("load")
-    where = f"load {load:.2f}" if load is not None else "trace times"
-    fig.suptitle(f"{report['scenario']}: {report['workers']} workers, {where}")
+    fig.suptitle(f"{report['scenario']}: {report['workers']} workers, {arrival_text(report)}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

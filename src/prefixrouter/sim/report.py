@@ -207,6 +207,16 @@ def total_prefill_tokens(summary: dict[str, Any]) -> int:
     return int(summary["prefill_tokens"]) + int(summary.get("warm_up_prefill_tokens", 0))
 
 
+def arrival_text(report: dict[str, Any]) -> str:
+    """How a simulate report's requests arrived, for titles: the load that applied
+    (with its rate), else the rate given (``--rate`` overrides a load), else the
+    trace's own times."""
+    load, rate = report.get("load"), report.get("rate_rps")
+    if load is not None:
+        return f"load {load:.2f} ({rate:.2f} req/s)"
+    return f"{rate:.2f} req/s" if rate else "trace arrival times"
+
+
 def cached_share(cached_tokens: int, prompt_tokens: int) -> float:
     """Cached over prompt tokens (0 when there were none), rounded to 4 decimals."""
     return round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0

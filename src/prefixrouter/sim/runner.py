@@ -27,13 +27,73 @@ from typing import Any
 
 from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.policy import create_policy
+from prefixrouter.errors import ConfigError
 from prefixrouter.sim.cluster import ClusterConfig, SimRun, Simulation
 from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.report import first_seen_prefill, summarize
 from prefixrouter.sim.text import TextRenderer
-from prefixrouter.sim.workload import Workload
+from prefixrouter.sim.workload import SimRequest, Workload
 
 REFERENCE_BATCH = 32
+
+
+class RequestTooLarge(ConfigError):
+    """A request whose prompt and output could never fit one engine's KV cache.
+
+    The engine model refuses such a request when it arrives (vLLM refuses it
+    at its API, via ``max_model_len``); :func:`plan` finds it before any
+    policy runs. The attributes let a caller name the option to change.
+
+    Attributes:
+        request: The first request of the workload that does not fit.
+        kv_blocks: The engines' KV cache in blocks.
+        block_size: Tokens per block.
+        source: Where ``kv_blocks`` came from: ``"kv_blocks"`` (the caller),
+            ``"scenario"`` (the workload's default) or ``"profile"``.
+    """
+
+    def __init__(
+        self, request: SimRequest, kv_blocks: int, block_size: int, source: str = "kv_blocks"
+    ) -> None:
+        self.request, self.kv_blocks, self.block_size = request, kv_blocks, block_size
+        self.source = source
+        super().__init__(
+            f"request {request.request_id} needs {self.needed_tokens:,} tokens "
+            f"({request.prompt_tokens:,} prompt + {request.output_tokens:,} output), "
+            f"the KV cache holds {self.capacity_tokens:,} ({kv_blocks:,} blocks of {block_size})"
+        )
+
+    @property
+    def needed_tokens(self) -> int:
+        """Prompt plus output tokens of the request."""
+        return self.request.prompt_tokens + self.request.output_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.kv_blocks * self.block_size
+
+
+def check_fits(workload: Workload, profile: EngineProfile, kv_blocks: int | None = None) -> None:
+    """Refuse a workload with a request that no engine's KV cache can hold.
+
+    The same test as :meth:`prefixrouter.sim.engine.EngineModel.submit`'s, so
+    that a run never stops halfway through on it. ``kv_blocks``: as
+    :func:`plan` takes it (None: the workload's default, else the profile's).
+
+    Raises:
+        RequestTooLarge: Naming the first such request.
+    """
+    if kv_blocks is not None:
+        blocks, source = kv_blocks, "kv_blocks"
+    elif workload.default_kv_blocks is not None:
+        blocks, source = workload.default_kv_blocks, "scenario"
+    else:
+        blocks, source = profile.kv_blocks, "profile"
+    bs = profile.block_size
+    for req in workload.requests:
+        if -(-(req.prompt_tokens + req.output_tokens) // bs) > blocks:
+            raise RequestTooLarge(req, blocks, bs, source)
 
 
 def capacity_rps(workload: Workload, profile: EngineProfile, workers: int) -> float:
@@ -83,7 +143,7 @@ class RunPlan:
     kv_blocks: int | None
     policies: Sequence[str]
     rate: float | None  # requests per second; None for fixed-time traces
-    load: float | None
+    load: float | None  # fraction of capacity; None when a rate was given or trace times
     kv_events: bool = False
     mode: RoutingMode = "token"
     replicas: Replicas = ONE_ROUTER
@@ -108,12 +168,18 @@ def plan(
 ) -> RunPlan:
     """Resolve defaults and the arrival rate; returns the plan with a scaled workload.
 
+    ``rate`` overrides ``load`` (the plan's ``load`` is then None).
     ``replicas`` does not change the rate: the load is the engines' (the
     same fleet, whatever number of routers spreads the traffic over it).
     ``token_count``: text mode's engine count of a new prefix
     (:attr:`~prefixrouter.sim.cluster.ClusterConfig.token_count`);
     ``client_max_tokens``: the cap clients send
     (:attr:`~prefixrouter.sim.cluster.ClusterConfig.client_max_tokens`).
+
+    Raises:
+        RequestTooLarge: A request does not fit the engines' KV cache.
+        ValueError: A bad argument.
+        KeyError: An unknown policy.
     """
     n = workers or workload.default_workers
     kv = kv_blocks if kv_blocks is not None else workload.default_kv_blocks
@@ -121,6 +187,9 @@ def plan(
     _config(n, profile, kv, kv_events, mode, replicas, token_count, client_max_tokens)
     for name in policies:
         create_policy(name)  # fail early, naming the policy
+    check_fits(workload, profile, kv_blocks)
+    if rate is not None:
+        load = None  # a rate overrides the load: the plan records what applies
     if workload.fixed_times:
         if load is None and rate is None:
             return RunPlan(

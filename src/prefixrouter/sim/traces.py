@@ -87,6 +87,17 @@ class TraceFormatError(ValueError):
     """A trace file is unreadable or a line breaks the format (file, line and field named)."""
 
 
+def trace_request_id(name: str, line: int) -> RequestId:
+    """The id of the request on 1-based ``line`` of a trace loaded as workload ``name``."""
+    return RequestId(f"{name}-{line:05d}")
+
+
+def trace_line(request_id: str) -> int | None:
+    """The trace line of a request :func:`load_mooncake` made (None: not such an id)."""
+    _, _, digits = request_id.rpartition("-")
+    return int(digits) if digits.isdigit() else None
+
+
 def bundled_mooncake_path() -> Traversable:
     """The Mooncake conversation trace shipped with the package (gzip JSON Lines)."""
     return resources.files("prefixrouter.sim").joinpath(_BUNDLED)
@@ -152,7 +163,7 @@ def load_mooncake(
         segments.append(blocks.partial(ids[-1], last))
         requests.append(
             SimRequest(
-                request_id=RequestId(f"{wl_name}-{lineno:05d}"),
+                request_id=trace_request_id(wl_name, lineno),
                 arrival=(ts - origin) * scale,
                 namespace=SIM_NAMESPACE,
                 segments=tuple(segments),

@@ -10,7 +10,8 @@ Once listening it prints one line on stderr::
     prefixrouter engine: serving 'tiny' on http://127.0.0.1:8001 (...)
 
 With ``--port 0`` the line carries the port the system chose. Configuration
-errors and a port already in use print one line and exit with status 2.
+errors (a ``--tokenizer`` that is not a tokenizer file included) and a port
+already in use print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def engine(
         )
         _run(serve(config, host, port))
     except (ConfigError, OSError, zmq.ZMQError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     except KeyboardInterrupt:  # pragma: no cover - the signal handler normally wins
         pass

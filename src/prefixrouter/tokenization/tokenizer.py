@@ -48,6 +48,7 @@ from typing import Any
 from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from prefixrouter.errors import ConfigError
 from prefixrouter.prompt.render import IM_END, IM_START, json_text
 from prefixrouter.tokenization.chat_template import ModelChatTemplate, find_chat_template
 from prefixrouter.tokenization.chatml import CHAT_TEMPLATE_JINJA, ChatTemplateError, render_chat
@@ -220,6 +221,12 @@ class Tokenizer:
     __slots__ = ("_tok", "eos_token_id", "path", "revision", "template")
 
     def __init__(self, path: Path, template: ModelChatTemplate | None = None) -> None:
+        """Load ``path``.
+
+        Raises:
+            OSError: The file cannot be read.
+            ConfigError: It is not a ``tokenizers`` JSON file.
+        """
         data = path.read_bytes()
         self.path = path
         self.template = template
@@ -228,7 +235,10 @@ class Tokenizer:
         if template is not None:
             digest.update(template.source.encode("utf-8"))
         self.revision = digest.hexdigest()[:16]
-        self._tok = _HfTokenizer.from_str(data.decode("utf-8"))
+        try:
+            self._tok = _HfTokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # the Rust side raises plain Exception; UnicodeDecodeError too
+            raise ConfigError(f"{path}: not a tokenizers file ({exc})") from None
         eos = self._tok.token_to_id(IM_END)
         self.eos_token_id: int = eos if eos is not None else 0
 
@@ -305,6 +315,10 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
 
     Returns:
         The shared :class:`Tokenizer` for that file.
+
+    Raises:
+        OSError: The file cannot be read.
+        ConfigError: It is not a ``tokenizers`` JSON file.
     """
     if path is None:
         file = tokenizer_path()
