@@ -154,6 +154,92 @@ def test_a_starting_replica_is_refused_by_an_older_live_peer_that_differs() -> N
     asyncio.run(body())
 
 
+def test_a_starting_replica_is_refused_by_a_live_older_replica_with_its_own_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body() -> None:
+        old = node("a")
+        await asyncio.sleep(0)  # a later epoch
+        new = node("a")
+        new.on_heartbeat(old.heartbeat_message(hello=False))
+        assert new.failed.is_set() and new.error is not None
+        assert f"live replica {old.origin} already uses the id 'a'" in new.error
+        assert new.status == "refused" and not new.ready
+        # The older one, running (past its check), logs the duplicate once, keeps
+        # running and answers the newcomer's hello at once (so it is refused fast).
+        old._checked = True
+        with caplog.at_level("ERROR", logger="prefixrouter.cluster"):
+            old.on_heartbeat(new.heartbeat_message(hello=True))
+            old.on_heartbeat(new.heartbeat_message(hello=False))
+        assert not old.failed.is_set() and old.error is None
+        assert old._heartbeat_now.is_set()
+        dup = [r for r in caplog.records if "uses this replica's id" in r.getMessage()]
+        assert len(dup) == 1 and new.origin in dup[0].getMessage()
+
+    asyncio.run(body())
+
+
+def test_a_refused_replica_says_it_once() -> None:
+    async def body() -> None:
+        a = node("a", {**FIELDS, "routing.block_size": "32"})
+        c = node("c", {**FIELDS, "routing.block_size": "64"})
+        await asyncio.sleep(0)
+        b = node("b")
+        b.on_heartbeat(a.heartbeat_message(hello=False))
+        first = b.error
+        b.on_heartbeat(c.heartbeat_message(hello=False))  # a second peer that differs
+        assert b.error == first and "'a'" in (first or "")
+        assert b._warned == set()  # no "its facts are dropped" line beside the refusal
+
+    asyncio.run(body())
+
+
+def test_a_message_of_another_release_is_ignored_and_counted_not_refused() -> None:
+    async def body() -> None:
+        b = node("b")
+        data = bytearray(peer_heartbeat("a", 1))
+        data[0] = envelope.VERSION - 1  # an older release's wire version
+        b.on_heartbeat(bytes(data))
+        _, facts, _ = peer_facts()
+        old = bytearray(message(facts, "a", 1, seq=1))
+        old[0] = envelope.VERSION - 1
+        b.on_facts(bytes(old), live=False)
+        assert b.stats.dropped == {"other_version": 2}
+        assert b.error is None and b.registry.live() == []
+
+    asyncio.run(body())
+
+
+def test_status_says_connecting_then_standalone_after_the_wait() -> None:
+    async def body() -> None:
+        opts = NodeOptions(LinkOptions("nats://127.0.0.1:1"), "b", ready_without_nats_s=30.0)
+        clock = Clock()
+        b = ClusterNode(
+            opts,
+            Dispatcher(Router("prefix_aware"), record_facts=True),
+            lambda w: True,
+            Fingerprint.of(FIELDS),
+            clock,
+        )
+        b._started = clock.now  # as start() records it (without connecting anywhere)
+        assert b.status == "connecting" and not b.ready
+        clock.now += 29.9
+        assert not b.ready
+        clock.now += 0.2
+        assert b.status == "standalone" and b.ready
+        never = ClusterNode(
+            NodeOptions(LinkOptions("nats://127.0.0.1:1"), "c"),  # None: wait for NATS
+            Dispatcher(Router("prefix_aware"), record_facts=True),
+            lambda w: True,
+            Fingerprint.of(FIELDS),
+            clock,
+        )
+        never._started = clock.now - 3600.0
+        assert never.status == "connecting" and not never.ready
+
+    asyncio.run(body())
+
+
 def test_a_compatible_heartbeat_makes_a_live_peer() -> None:
     async def body() -> None:
         a, b = node("a"), node("b")

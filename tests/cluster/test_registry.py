@@ -40,6 +40,19 @@ def test_a_newer_epoch_ends_the_older_life_and_the_older_is_stale_after() -> Non
     assert [p.origin for p in r.live()] == ["a@2"]
 
 
+def test_an_older_life_still_speaking_is_a_peer_again_once_the_newer_expires() -> None:
+    # Two processes under one id: the newer (2) was refused and exited; the older
+    # (1) kept running. Stale while 2 lives, a live peer again once 2's life expired.
+    r = reg()
+    r.admit(msg("a", 1), 0.0, WALL)
+    assert r.admit(msg("a", 2), 1.0, WALL).gone == ("a@1",)
+    assert r.admit(msg("a", 1), 2.0, WALL).drop == STALE_EPOCH
+    assert r.expire(5.5) == []  # 2 heard at 1.0: not silent for the TTL yet
+    assert r.expire(6.5) == ["a@2"]
+    assert r.admit(msg("a", 1), 7.0, WALL).drop is None
+    assert [p.origin for p in r.live()] == ["a@1"]
+
+
 def test_other_fingerprints_and_epoch_zero_are_dropped() -> None:
     r = reg()
     assert r.admit(msg("a", 1, fp=7), 0.0, WALL).drop == FINGERPRINT

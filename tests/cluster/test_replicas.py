@@ -15,8 +15,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trustme
+from nats import connect as nats_connect
 
 from prefixrouter.harness.health import wait_healthy
 from prefixrouter.harness.nats import NatsServer
@@ -83,6 +86,20 @@ async def _warm_through(a: Server, b: Server, text: str, **kw: str) -> None:
     rec = await decision(b.url, hb["X-Request-Id"])
     assert rec["predicted_cached_tokens"] > 500, rec
     assert cached(body) > 500
+
+
+async def _refused(nats: NatsServer, cfg: Path, replica: str) -> list[str]:
+    """Start a replica that must be refused: its stderr lines (exit status 2, no traceback)."""
+    cmd = [sys.executable, "-m", "prefixrouter.gateway", "--config", str(cfg)]
+    cmd += ["--port", "0", "--cluster", nats.url, "--replica-id", replica]
+    proc = await asyncio.to_thread(
+        subprocess.run, cmd, capture_output=True, timeout=60, check=False
+    )
+    err = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 2, err
+    assert not any("Traceback" in line for line in err)
+    assert [line for line in err if line.startswith("error:")] == [err[-1]]
+    return err
 
 
 def test_a_document_through_a_then_b_is_warm_on_as_worker(
@@ -232,16 +249,8 @@ def test_an_incompatible_replica_is_refused_with_the_field_named(
         cfg = write_config(tmp_path / "gw.yaml", engines)
         (a,) = await _start(fleet, cfg, nats, "a")
         other = write_config(tmp_path / "other.yaml", engines, routing={"chunk_chars": 128})
-        cmd = [sys.executable, "-m", "prefixrouter.gateway", "--config", str(other)]
-        cmd += ["--port", "0", "--cluster", nats.url, "--replica-id", "z"]
-        proc = await asyncio.to_thread(
-            subprocess.run, cmd, capture_output=True, timeout=60, check=False
-        )
-        err = proc.stderr.decode().strip().splitlines()
-        assert proc.returncode == 2, err
+        err = await _refused(nats, other, "z")
         assert "routing.chunk_chars" in err[-1] and "'a'" in err[-1]
-        assert not any("Traceback" in line for line in err)
-        assert [line for line in err if line.startswith("error:")] == [err[-1]]
         # a is not disturbed.
         status, _ = await get_status(a.url + "/ready")
         assert status == 200
@@ -301,5 +310,141 @@ def test_a_new_documents_token_count_reaches_the_peers_before_its_answer(
         assert await metric(b.url, "prefixrouter_token_counts_total") == 0  # B asked nothing
         status, _, _ = await first
         assert status == 200
+
+    _run(body())
+
+
+def test_a_second_replica_under_a_live_ones_id_is_refused_and_sharing_goes_on(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Two processes with one id would each end the other's life at every peer, which
+    then drops the older one's facts (for good, before the registry forgot epochs)."""
+
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        a, b = await _start(fleet, cfg, nats, "a", "b")
+        err = await _refused(nats, cfg, "a")
+        assert "already uses the id 'a'" in err[-1] and "--replica-id" in err[-1], err
+        # The newcomer heard a's heartbeat while it replayed and left before its
+        # hello: b never took it for a's new life. (Had both started within one
+        # check window, the older logs the duplicate, the newer is refused, and
+        # b takes the older's facts again once the newer's life has expired.)
+        _, ready_a = await get_status(a.url + "/ready")
+
+        async def a_is_bs_peer() -> bool:
+            _, ready_b = await get_status(b.url + "/ready")
+            return bool(ready_b["peers"] == [ready_a["replica"]])
+
+        await until(a_is_bs_peer, "b to keep a as its peer")
+        await _warm_through(a, b, doc(8))
+        stale = {"reason": "stale_epoch"}
+        assert await metric(b.url, "prefixrouter_cluster_facts_dropped_total", stale) == 0
+
+    _run(body())
+
+
+async def _stream_config(nats: NatsServer, name: str) -> tuple[float, list[str]]:
+    nc = await nats_connect(nats.url)
+    try:
+        info = await nc.jetstream().stream_info(name)
+        return info.config.max_age or 0.0, list(info.config.subjects or [])
+    finally:
+        await nc.close()
+
+
+def test_the_stream_is_the_clusters_a_replica_neither_cuts_nor_takes_it(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        cfg = write_config(tmp_path / "gw.yaml", engines)
+        (a,) = await _start(fleet, cfg, nats, "a")
+        assert await _stream_config(nats, "PREFIXROUTER_DEFAULT") == (
+            600.0,
+            ["prefixrouter.default.facts"],
+        )
+        # Other bounds: it joins, says so, and the stream keeps the cluster's bounds.
+        short = write_config(tmp_path / "short.yaml", engines, cluster={"max_age_s": 5})
+        (s,) = await _start(fleet, short, nats, "s")
+        assert await _stream_config(nats, "PREFIXROUTER_DEFAULT") == (
+            600.0,
+            ["prefixrouter.default.facts"],
+        )
+        assert "keeps max_age 600s" in s.log_tail(1_000_000)
+        # A cluster whose stream name is another cluster's ('DEFAULT' and 'default'
+        # name one stream): refused, and the stream still captures this cluster's facts.
+        other = write_config(tmp_path / "upper.yaml", engines, cluster={"name": "DEFAULT"})
+        err = await _refused(nats, other, "u")
+        assert "PREFIXROUTER_DEFAULT captures prefixrouter.default.facts" in err[-1], err
+        assert "cluster.stream" in err[-1]
+        assert (await _stream_config(nats, "PREFIXROUTER_DEFAULT"))[1] == [
+            "prefixrouter.default.facts"
+        ]
+        await _warm_through(a, s, doc(9))
+
+    _run(body())
+
+
+def test_without_jetstream_a_replica_says_so_once_and_is_ready_standalone_after_the_wait(
+    engines: list[Server], fleet: Fleet, tmp_path: Path
+) -> None:
+    async def body() -> None:
+        with NatsServer(jetstream=False) as core_only:
+            cfg = write_config(tmp_path / "gw.yaml", engines, cluster={"ready_without_nats_s": 2.0})
+            r = start_replica(fleet, cfg, core_only.url, "r")
+
+            async def status() -> tuple[int, dict[str, Any]] | None:
+                try:
+                    return await get_status(r.url + "/ready")
+                except OSError:
+                    return None
+
+            code, first = await until(status, "r to listen")
+            assert code == 503 and first["status"] in ("connecting", "replaying"), first
+
+            async def standalone() -> dict[str, Any] | None:
+                got = await status()
+                return got[1] if got is not None and got[0] == 200 else None
+
+            ready = await until(standalone, "r to be ready on its own view")
+            assert ready["status"] == "standalone" and ready["replayed"] is False
+            st, _, _ = await post(r.url, chat(doc(10) + " Q?"))
+            assert st == 200
+            lines = r.log_tail(1_000_000).splitlines()
+            said = [line for line in lines if "JetStream is not enabled" in line]
+            assert len(said) == 1 and "-js" in said[0], lines
+
+    _run(body())
+
+
+def test_with_tls_files_replicas_share_over_tls_and_a_plain_server_is_refused(
+    engines: list[Server], nats: NatsServer, fleet: Fleet, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_file, cert_file, key_file = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+
+    async def body() -> None:
+        with NatsServer(tls=(cert_file, key_file)) as secure:
+            cfg = write_config(
+                tmp_path / "tls.yaml", engines, cluster={"tls_ca_file": str(ca_file)}
+            )
+            a, b = await _start(fleet, cfg, secure, "a", "b")
+            await _warm_through(a, b, doc(11))
+            # Without the CA the server's certificate does not verify: said once, not ready.
+            plain = write_config(tmp_path / "no-ca.yaml", engines)
+            c = start_replica(fleet, plain, secure.url, "c")
+
+            async def said() -> bool:
+                return "CERTIFICATE_VERIFY_FAILED" in c.log_tail(1_000_000)
+
+            await until(said, "c to say why it cannot connect")
+            status, ready = await get_status(c.url + "/ready")
+            assert status == 503 and ready["status"] == "connecting", ready
+        # A replica that requires TLS is refused by a server that does not offer it.
+        err = await _refused(nats, cfg, "d")
+        assert "does not offer TLS" in err[-1], err
 
     _run(body())

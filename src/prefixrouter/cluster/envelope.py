@@ -28,11 +28,14 @@ import struct
 import time
 from dataclasses import dataclass
 
-VERSION = 5
+VERSION = 6
 """The wire version: 3 added the codec's ``COUNTED`` fact, 4 the answer's
-``output_tokens`` in ``SETTLED``, 5 ``speculative`` in ``ROUTED``. A replica
-refuses messages of another version (an older one would not decode the new
-layout)."""
+``output_tokens`` in ``SETTLED``, 5 ``speculative`` in ``ROUTED``, 6 changed the
+fingerprint's fields (the gateway's ``fingerprint_fields``). A replica ignores
+messages of another version (:class:`OtherVersion`: an older one would not
+decode the new layout, and fingerprints of two versions do not compare), so
+during a rolling upgrade the two versions route side by side without sharing,
+and no new replica is refused for an old one's fingerprint."""
 FACTS = 1
 HEARTBEAT = 2
 
@@ -42,6 +45,18 @@ _TAIL = _HEAD.size - 2  # where the replica id's length starts
 
 class EnvelopeError(ValueError):
     """A message without a well-formed envelope (or of an unknown version)."""
+
+
+class OtherVersion(EnvelopeError):
+    """A well-formed message of another wire version (a replica of another release).
+
+    Attributes:
+        version: Its version.
+    """
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"envelope version {version} (this replica speaks {VERSION})")
+        self.version = version
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +122,7 @@ def unpack(data: bytes) -> tuple[Envelope, memoryview]:
         raise EnvelopeError(f"message of {len(data)} bytes has no envelope")
     version, kind, epoch, fingerprint, sent, seq, n = _HEAD.unpack_from(data, 0)
     if version != VERSION:
-        raise EnvelopeError(f"envelope version {version} (this replica speaks {VERSION})")
+        raise OtherVersion(version)
     end = _HEAD.size + n
     if end > len(data):
         raise EnvelopeError("replica id runs past the end")

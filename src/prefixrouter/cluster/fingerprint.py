@@ -2,14 +2,14 @@
 
 A peer's routing names block hashes; they mean the same prefix here only if
 both replicas hash alike: the routing mode, chunk size or block size, the
-tokenizer, the template version, and the namespace inputs (which models and
-adapters, which tenants keep their cache apart, their salts and the secret
-the salts derive from, which API key names which tenant). The gateway lists
+tokenizer, the template version, and the namespace inputs (which model names
+are adapters, which tenants keep their cache apart, their salts and the
+secret the salts derive from). The gateway lists
 those fields as name -> canonical text (``gateway/cluster_link.py``); here
 each becomes a short SHA-256 digest, and the whole a 64-bit digest that every
 message's envelope carries.
 
-Secrets (salts, ``salt_secret``, API keys) are only ever digested: a field's
+Secrets (salts, ``salt_secret``) are only ever digested: a field's
 digest goes over the wire, never its value. Heartbeats carry the per-field
 digests, so a replica that differs from a live peer can name the field.
 """

@@ -60,8 +60,19 @@ A :class:`ClusterNode` sits between the replica's
   live peer heartbeats in that time; a starting replica's hello makes them
   answer at once) a starting replica compares its fingerprint with each live
   older peer's; a difference fails the node (:attr:`ClusterNode.error` names
-  the differing fields) and the gateway exits.
-* **Ready** once the stream is replayed and that check has passed.
+  the differing fields) and the gateway exits. So does a live older
+  replica heartbeating under this replica's own id: two processes with one id
+  would each end the other's life at every peer, which then drops the facts
+  of whichever is older. Heartbeats are never stored, so one heard is from a
+  process alive now (a restart's earlier life is silent); the older replica
+  logs the duplicate and keeps running. A stream that is another cluster's
+  fails the node too (:mod:`~prefixrouter.cluster.transport`).
+* **Ready** once the stream is replayed and that check has passed; or,
+  with ``ready_without_nats_s``, that long after the start if the stream
+  could not be replayed by then (NATS unreachable, JetStream off): the
+  replica routes on its own view and is ready (``standalone``), so replicas
+  restarted during a NATS outage still take traffic; it replays and joins
+  when NATS answers.
 
 Not thread-safe: everything runs on the gateway's event loop, as the
 dispatcher requires.
@@ -87,7 +98,13 @@ from prefixrouter.cluster.codec import (
     decode_facts,
     encode_facts,
 )
-from prefixrouter.cluster.envelope import FACTS, HEARTBEAT, Envelope, EnvelopeError
+from prefixrouter.cluster.envelope import (
+    FACTS,
+    HEARTBEAT,
+    Envelope,
+    EnvelopeError,
+    OtherVersion,
+)
 from prefixrouter.cluster.fingerprint import Fingerprint
 from prefixrouter.cluster.registry import SELF, PeerRegistry
 from prefixrouter.cluster.transport import LinkOptions, NatsLink
@@ -96,6 +113,11 @@ from prefixrouter.core.facts import RoutedFact, WorkerFact
 from prefixrouter.core.types import WorkerId
 
 log = logging.getLogger("prefixrouter.cluster")
+
+READY, CHECKING, REPLAYING, CONNECTING, STANDALONE, REFUSED = (
+    "ready", "checking", "replaying", "connecting", "standalone", "refused"
+)  # fmt: skip
+"""The values of :attr:`ClusterNode.status`."""
 
 QUIET_S = 0.05
 """A fact this long after the last publish goes at once (module doc: Publish);
@@ -121,6 +143,7 @@ class NodeOptions:
     max_message_bytes: int = DEFAULT_MAX_BYTES
     max_open_s: float = 900.0
     apply_within_s: float = 0.0
+    ready_without_nats_s: float | None = None
 
 
 @dataclass
@@ -201,7 +224,10 @@ class ClusterNode:
             options.replica_id, self.epoch, fingerprint.value, options.peer_ttl_s
         )
         self.stats = ClusterStats()
-        self.link = NatsLink(options.link, self.on_facts, self.on_heartbeat, self._on_connected)
+        self.link = NatsLink(
+            options.link, self.on_facts, self.on_heartbeat, self._on_connected, self._link_failed
+        )
+        self._started: float | None = None  # when start() ran (the standalone wait's origin)
         self.error: str | None = None
         self.failed = asyncio.Event()
         self._checked = False
@@ -229,8 +255,24 @@ class ClusterNode:
 
     @property
     def ready(self) -> bool:
-        """Replayed the stream and passed the compatibility check."""
-        return self._checked and self.link.replayed and self.error is None
+        """May take traffic (:attr:`status` ``ready`` or ``standalone``)."""
+        return self.status in (READY, STANDALONE)
+
+    @property
+    def status(self) -> str:
+        """Where the replica stands: ``ready`` (replayed, compatibility checked),
+        ``checking`` (replayed, the check's window open), ``replaying`` (NATS
+        reached, the stream not read yet), ``connecting`` (NATS not reached),
+        ``standalone`` (not replayed ``ready_without_nats_s`` after the start:
+        ready on its own view) or ``refused`` (:attr:`error`)."""
+        if self.error is not None:
+            return REFUSED
+        if self.link.replayed:
+            return READY if self._checked else CHECKING
+        wait = self.options.ready_without_nats_s
+        if wait is not None and self._started is not None and self.clock() - self._started >= wait:
+            return STANDALONE
+        return REPLAYING if self.link.reached else CONNECTING
 
     @property
     def connected(self) -> bool:
@@ -241,6 +283,7 @@ class ClusterNode:
     async def start(self) -> None:
         """Connect (in the background) and start publishing and heartbeating."""
         loop = asyncio.get_running_loop()
+        self._started = self.clock()
         await self.link.start()
         self._tasks = [
             loop.create_task(self._publisher(), name="cluster-publish"),
@@ -261,6 +304,18 @@ class ClusterNode:
                 await task
         self._tasks = []
         await self.link.close()
+
+    def _refuse(self, why: str) -> None:
+        """Fail the node: the gateway exits with :attr:`error` (one line, its own)."""
+        if self.error is None:
+            self.error = (
+                f"replica {self.options.replica_id!r} cannot join cluster "
+                f"{self.options.link.cluster!r}: {why}"
+            )
+            self.failed.set()
+
+    def _link_failed(self, why: str) -> None:
+        self._refuse(why)
 
     def _envelope(self, kind: int) -> Envelope:
         return Envelope(kind, self.options.replica_id, self.epoch, self.fingerprint.value, 0.0)
@@ -420,6 +475,9 @@ class ClusterNode:
             head, body = env_mod.unpack(data)
             if head.kind != FACTS:
                 raise EnvelopeError(f"kind {head.kind} on the facts subject")
+        except OtherVersion as exc:
+            self._other_version(exc)
+            return
         except EnvelopeError:
             st.drop("malformed")
             return
@@ -520,10 +578,17 @@ class ClusterNode:
             hello = bool(info.get("hello"))
             if head.kind != HEARTBEAT or not isinstance(fields, dict):
                 raise ValueError("not a heartbeat")
+        except OtherVersion as exc:
+            self._other_version(exc)
+            return
         except (EnvelopeError, ValueError, KeyError, TypeError):
             self.stats.drop("malformed")
             return
-        if head.replica == self.options.replica_id and head.epoch == self.epoch:
+        if head.replica == self.options.replica_id:
+            if head.epoch != self.epoch:
+                if hello:
+                    self._heartbeat_now.set()  # so the starting one hears this one at once
+                self._same_id(head)
             return
         if self._held and self.registry.ends_life(head):
             self.apply_held()  # a new epoch ends the old life after the facts heard before
@@ -536,24 +601,58 @@ class ClusterNode:
         for origin in verdict.gone:
             self._peer_gone(origin, "restarted under a new epoch")
 
+    def _other_version(self, exc: OtherVersion) -> None:
+        """A message of another release's wire format: dropped, counted, said once."""
+        self.stats.drop("other_version")
+        said = f"version {exc.version}"
+        if said not in self._warned:
+            self._warned.add(said)
+            log.warning(
+                "cluster: a peer speaks wire version %d, this replica %d (another release); "
+                "its messages are ignored until every replica runs one release",
+                exc.version,
+                env_mod.VERSION,
+            )
+
+    def _same_id(self, head: Envelope) -> None:
+        """Another live process heartbeats under this replica's id (module doc: Refuse)."""
+        self._refuse_or_say(
+            head,
+            f"live replica {head.origin} already uses the id {head.replica!r} (give each "
+            "replica its own: --replica-id or cluster.replica_id)",
+            logging.ERROR,
+            "cluster: another live replica uses this replica's id %r (%s, this one is %s); "
+            "peers drop the facts of the older of the two: give each replica its own id",
+            head.replica,
+            head.origin,
+            self.origin,
+        )
+
     def _incompatible(self, head: Envelope, fields: dict[str, str]) -> None:
         names = ", ".join(self.fingerprint.differing(fields)) or "fingerprint"
-        if not self._checked and head.epoch < self._start_epoch and self.error is None:
-            self.error = (
-                f"replica {self.options.replica_id!r} cannot join cluster "
-                f"{self.options.link.cluster!r}: its configuration differs from live peer "
-                f"{head.replica!r} in {names} (every replica must hash prompts alike)"
-            )
-            log.error("cluster: %s", self.error)
-            self.failed.set()
+        self._refuse_or_say(
+            head,
+            f"its configuration differs from live peer {head.replica!r} in {names} "
+            "(every replica must hash prompts alike)",
+            logging.WARNING,
+            "cluster: peer %s has a different configuration (%s); its facts are dropped",
+            head.origin,
+            names,
+        )
+
+    def _refuse_or_say(
+        self, head: Envelope, refusal: str, level: int, message: str, *args: object
+    ) -> None:
+        """What ``head``'s sender shows is wrong: a starting replica (its check's window
+        open) is refused for it if the sender is older; else it is logged once per
+        sender life. Nothing more once refused: the one line says it."""
+        if self.error is not None:
             return
-        if head.origin not in self._warned:
+        if not self._checked and head.epoch < self._start_epoch:
+            self._refuse(refusal)
+        elif head.origin not in self._warned:
             self._warned.add(head.origin)
-            log.warning(
-                "cluster: peer %s has a different configuration (%s); its facts are dropped",
-                head.origin,
-                names,
-            )
+            log.log(level, message, *args)
 
     async def _on_connected(self, up: bool) -> None:
         if up:

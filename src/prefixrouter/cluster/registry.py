@@ -24,6 +24,11 @@ milliseconds are far below any useful TTL.
 
 A peer silent for ``ttl_s`` is gone (:meth:`expire`); it is forgotten, so if
 it speaks again in the same epoch (a partition healed) it is a live peer again.
+So is its newest epoch: an older epoch still speaking after the newest fell
+silent is a live process too. That is two processes that shared one replica
+id (a misconfiguration the newer one is refused for,
+:mod:`~prefixrouter.cluster.node`); the older, which kept running, is a live
+peer again once the newer one's life has expired, not stale for ever.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ class PeerRegistry:
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self._peers: dict[str, Peer] = {}
-        # The newest epoch ever heard per replica id (outlives a TTL expiry).
+        # The newest epoch heard per replica id whose life has not expired.
         self._newest: dict[str, int] = {}
 
     def admit(self, env: Envelope, now: float, now_wall: float) -> Admitted:
@@ -123,6 +128,8 @@ class PeerRegistry:
         gone = [p for p in self._peers.values() if p.last_seen < cutoff]
         for p in gone:
             del self._peers[p.replica]
+            if self._newest.get(p.replica) == p.epoch:
+                del self._newest[p.replica]
         return [p.origin for p in gone]
 
     def live(self) -> list[Peer]:

@@ -23,6 +23,15 @@ Subjects, for a cluster named ``C``:
 * ``prefixrouter.C.heartbeat``: heartbeats, core NATS only (not stored: a
   replayed heartbeat would say nothing about who is alive now).
 
+**The stream is the cluster's, not a replica's.** The first replica to find
+no stream creates it with its bounds; a replica that finds it leaves it as
+it is. One whose bounds differ says so once (the stream's bounds hold: a
+replica configured with ``max_age_s: 5`` must not cut every peer's replay to
+five seconds), and one that finds the stream capturing another subject (a
+stream name two clusters share: ``cluster.stream``, or names that differ in
+case only) cannot use it: the link fails (:attr:`NatsLink.error`) and the
+gateway exits naming both.
+
 **The switch-over.** During a catch-up the live subscription is already
 subscribed and its messages are held back; when the catch-up has read its
 last message, the held ones are passed on, then live messages go straight
@@ -41,7 +50,12 @@ is away publishes are buffered by nats-py up to its pending limit, past which
 they are dropped and counted by the caller. A first connection that fails is
 retried the same way in the background. ``on_connected(bool)`` reports every
 change. A catch-up that fails (JetStream not answering) is retried every
-``reconnect_s`` while live messages are held.
+``reconnect_s`` while live messages are held; each kind of failure is logged
+once, not at every retry (a server without JetStream says so: start it with
+``-js``). A server that comes back without its store has lost the stream
+and, with it, what was published while it was away and not heard live: the
+link makes the stream again and peers that missed those facts count them
+(``missed``) and learn those placements from their own traffic.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ import contextlib
 import datetime
 import logging
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,6 +75,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -69,7 +85,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 log = logging.getLogger("prefixrouter.cluster")
 
@@ -89,6 +105,11 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024
 """nats-server's default ``max_payload``: the bound before the server's INFO tells it."""
 
 
+class LinkUnusable(Exception):
+    """What retrying cannot mend: the stream is another cluster's (module doc), or the
+    server does not offer the TLS this replica requires."""
+
+
 def stream_name(cluster: str) -> str:
     """The JetStream stream of ``cluster``'s facts (letters, digits, ``_`` and ``-``)."""
     return "PREFIXROUTER_" + re.sub(r"[^A-Za-z0-9_-]", "_", cluster).upper()
@@ -105,6 +126,9 @@ class LinkOptions:
     max_bytes: int = 256 * 1024 * 1024
     reconnect_s: float = 0.5
     fetch_timeout_s: float = 2.0
+    tls: ssl.SSLContext | None = None
+    """Set: the connection must be TLS, verified with this context (the gateway's
+    ``cluster.tls_*``); None: TLS where the server requires it, system CAs."""
 
     @property
     def facts_subject(self) -> str:
@@ -123,6 +147,8 @@ class NatsLink:
         on_facts: Called with each facts message, in each sender's order.
         on_heartbeat: Called with each heartbeat message.
         on_connected: Called with True on every (re)connection, False on every loss.
+        on_failed: Called once with :attr:`error` when the link cannot work
+            (retrying would not help: the stream is another cluster's).
     """
 
     def __init__(
@@ -131,11 +157,15 @@ class NatsLink:
         on_facts: OnMessage,
         on_heartbeat: Callable[[bytes], None],
         on_connected: Callable[[bool], Awaitable[None]],
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.options = options
         self._on_facts = on_facts
         self._on_heartbeat = on_heartbeat
         self._on_connected = on_connected
+        self._on_failed = on_failed
+        self.error: str | None = None
+        self._retry_said = ""  # the last retry warning logged (each said once)
         self._nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._catch_up_task: asyncio.Task[None] | None = None
@@ -149,6 +179,7 @@ class NatsLink:
         self.catch_ups = 0  # catch-ups completed (the first is the replay)
         self.caught_up_messages = 0  # messages the catch-ups read
         self.stream = options.stream or stream_name(options.cluster)
+        self._bounds_said = False  # the stream's other bounds logged
 
     @property
     def max_payload(self) -> int:
@@ -158,6 +189,12 @@ class NatsLink:
         return nc.max_payload if nc is not None and nc.max_payload > 0 else DEFAULT_MAX_PAYLOAD
 
     @property
+    def reached(self) -> bool:
+        """Connected to a NATS server now (the stream may not be read yet: :attr:`connected`)."""
+        nc = self._nc
+        return nc is not None and nc.is_connected
+
+    @property
     def live(self) -> bool:
         """Live messages go straight through (no catch-up under way)."""
         return not self._holding
@@ -165,6 +202,42 @@ class NatsLink:
     async def start(self) -> None:
         """Connect in the background (returns at once; see :attr:`connected`)."""
         self._task = asyncio.get_running_loop().create_task(self._connect(), name="nats-link")
+        self._task.add_done_callback(self._connect_ended)
+
+    def _connect_ended(self, task: asyncio.Task[None]) -> None:
+        # The connecting task retries what a retry can mend; anything else ends it,
+        # and a link that stopped connecting must not leave a replica unready in silence.
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        # The gateway exits with the one line the node makes of it.
+        if isinstance(exc, LinkUnusable):
+            self._fail(str(exc))
+        else:
+            self._fail(f"the NATS link stopped: {type(exc).__name__}: {exc}")
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+            if self._on_failed is not None:
+                self._on_failed(why)
+
+    def _retrying(self, what: str, exc: BaseException) -> None:
+        """Log a retry's cause once (until another cause, or a success, comes)."""
+        if isinstance(exc, ServiceUnavailableError | NoRespondersError):
+            why = (
+                f"JetStream is not enabled on the NATS server at {self.options.url} "
+                "(start nats-server with -js)"
+            )
+        else:
+            why = f"{what}: {str(exc) or type(exc).__name__}"
+        if why != self._retry_said:
+            self._retry_said = why
+            log.warning("cluster: %s; retrying every %.1f s", why, self.options.reconnect_s)
+        else:
+            log.debug("cluster: %s; retrying", why)
 
     async def close(self) -> None:
         """Stop connecting, drop the subscriptions and close the connection."""
@@ -172,7 +245,8 @@ class NatsLink:
         for task in (self._task, self._catch_up_task):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                # A task that failed was reported when it ended (_connect_ended).
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._task = self._catch_up_task = None
         nc, self._nc = self._nc, None
@@ -216,6 +290,7 @@ class NatsLink:
                     ping_interval=5,
                     max_outstanding_pings=2,
                     no_echo=True,  # never hear one's own messages live
+                    **({"tls": opts.tls} if opts.tls is not None else {}),
                     disconnected_cb=self._disconnected,
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
@@ -226,6 +301,14 @@ class NatsLink:
                 await self._error(exc)
                 await asyncio.sleep(opts.reconnect_s)
         self._nc = nc
+        # nats-py upgrades to TLS only when the server asks for it, whatever
+        # context it was given: a replica that requires TLS checks it got it.
+        if opts.tls is not None and not getattr(nc, "_server_info", {}).get("tls_required"):
+            await nc.close()
+            self._nc = None
+            raise LinkUnusable(
+                f"cluster.tls_* are set but the NATS server at {opts.url} does not offer TLS"
+            )
         # Subscribed before the catch-up reads the stream's last sequence, so
         # every message stored after that point is heard live.
         await nc.subscribe(opts.heartbeat_subject, cb=self._heartbeat)
@@ -236,14 +319,20 @@ class NatsLink:
                 await self._catch_up(nc)
                 break
             except (TimeoutError, NatsError) as exc:  # JetStream not up yet
-                log.warning("cluster: cannot read stream %s: %s; retrying", self.stream, exc)
+                self._retrying(f"cannot read stream {self.stream}", exc)
                 await asyncio.sleep(opts.reconnect_s)
         self.connected = True
         self._warned = False
+        self._retry_said = ""
         log.info("cluster: connected to NATS at %s (stream %s)", opts.url, self.stream)
         await self._on_connected(True)
 
     async def _ensure_stream(self, nc: Client) -> None:
+        """Create the stream, or take it as it is (module doc: the stream is the cluster's).
+
+        Raises:
+            LinkUnusable: It exists capturing another subject.
+        """
         opts = self.options
         js = nc.jetstream()
         config = StreamConfig(
@@ -255,10 +344,44 @@ class NatsLink:
             max_bytes=opts.max_bytes,
             storage=StorageType.FILE,
         )
-        try:
-            await js.add_stream(config)
-        except BadRequestError:  # exists with other bounds: take this replica's
-            await js.update_stream(config)
+        refused: BadRequestError | None = None
+        for _ in range(2):  # a peer may create it between the look and the add
+            try:
+                existing = (await js.stream_info(self.stream)).config
+            except NotFoundError:
+                try:
+                    await js.add_stream(config)
+                    return
+                except BadRequestError as exc:  # made meanwhile (look again), or refused
+                    refused = exc
+                    continue
+            self._take_existing(existing)
+            return
+        # Twice refused and still absent: another stream captures the subject.
+        why = refused.description if refused is not None else "refused"
+        raise LinkUnusable(
+            f"cannot create the JetStream stream {self.stream} for {opts.facts_subject}: {why} "
+            "(another stream captures this cluster's subject: set cluster.stream to its name)"
+        )
+
+    def _take_existing(self, existing: StreamConfig) -> None:
+        opts = self.options
+        subjects = list(existing.subjects or [])
+        if subjects != [opts.facts_subject]:
+            raise LinkUnusable(
+                f"the JetStream stream {self.stream} captures {', '.join(subjects) or 'nothing'}, "
+                f"not this cluster's {opts.facts_subject}: it is another cluster's (set "
+                "cluster.stream to a name of this cluster's own)"
+            )
+        age, size = existing.max_age or 0.0, existing.max_bytes or 0
+        if (abs(age - opts.max_age_s) > 1e-3 or size != opts.max_bytes) and not self._bounds_said:
+            self._bounds_said = True
+            log.warning(
+                "cluster: stream %s keeps max_age %gs and max_bytes %d, not this replica's "
+                "cluster.max_age_s %g and cluster.max_bytes %d (the stream is the cluster's: "
+                "change its bounds on the stream itself, e.g. `nats stream edit`)",
+                self.stream, age, size, opts.max_age_s, opts.max_bytes,
+            )  # fmt: skip
 
     # ------------------------------------------------------------- catch-up
 
@@ -329,9 +452,10 @@ class NatsLink:
                 return  # lost again: the next reconnection starts another
             try:
                 await self._catch_up(nc)
+                self._retry_said = ""
                 return
             except (TimeoutError, NatsError) as exc:
-                log.warning("cluster: cannot catch up on stream %s: %s; retrying", self.stream, exc)
+                self._retrying(f"cannot catch up on stream {self.stream}", exc)
                 await asyncio.sleep(self.options.reconnect_s)
 
     async def _live(self, msg: Msg) -> None:
@@ -369,8 +493,13 @@ class NatsLink:
         nc = self._nc
         if nc is not None:
             # A server that lost its store lost the stream: make it again.
-            with contextlib.suppress(NatsError, asyncio.TimeoutError, NotFoundError):
+            try:
                 await self._ensure_stream(nc)
+            except LinkUnusable as exc:  # another cluster made it meanwhile
+                self._fail(str(exc))
+                return
+            except (TimeoutError, NatsError):
+                pass  # the catch-up below retries until JetStream answers
             if self.replayed:
                 self._mark_lost()  # in case no disconnection was reported
                 if self._catch_up_task is not None:

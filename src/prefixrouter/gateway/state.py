@@ -13,6 +13,7 @@ process.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -29,7 +30,7 @@ from prefixrouter.core.router import Router, replica_salt
 from prefixrouter.core.types import WorkerId
 from prefixrouter.discovery.kubernetes import DiscoveryCollector
 from prefixrouter.gateway.access_log import AccessLog, RequestNote
-from prefixrouter.gateway.cluster_link import build_node
+from prefixrouter.gateway.cluster_link import build_node, replica_id
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.controls import TenantControls
 from prefixrouter.gateway.decision_log import DecisionLog
@@ -48,6 +49,8 @@ from prefixrouter.real_engines.kv_subscriber import KvEventCollector, KvEventSub
 from prefixrouter.stats import nearest_rank
 
 LAST_SERVED_MAX = 65_536
+
+log = logging.getLogger("prefixrouter.gateway")
 
 
 @dataclass(eq=False)
@@ -141,8 +144,12 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     )
     policy = create_policy(config.policy.name, config.policy.params)
     clustered = config.cluster.url is not None
-    # A replica breaks near-ties by its own salt (see Router's replica_salt).
-    salt = replica_salt(config.cluster.replica_id) if clustered else 0
+    if not clustered and config.cluster.replica_id:
+        log.warning("cluster.replica_id (--replica-id) is set but cluster.url (--cluster) is "
+                    "not: this gateway runs alone")  # fmt: skip
+    # A replica breaks near-ties by its own salt (see Router's replica_salt): the id it
+    # goes by, so replicas left to the default id (HOSTNAME:PORT) draw apart too.
+    salt = replica_salt(replica_id(config)) if clustered else 0
     router = Router(policy, hasher, prefix_key_tokens=r.prefix_key_tokens, replica_salt=salt)
     # A replica records what its peers must mirror; a lone gateway keeps no outbox.
     dispatch = Dispatcher(router, r.mode, record_facts=clustered)

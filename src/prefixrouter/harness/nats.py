@@ -68,10 +68,15 @@ class NatsServer:
         port: Its client port (picked free when 0).
         store: Its JetStream store directory (a temporary one when None,
             removed by :meth:`close`).
+        jetstream: Start it with JetStream (``-js``); False: core NATS only
+            (a server a replica cannot replay from).
+        tls: Its certificate and key (PEM files): clients must speak TLS.
     """
 
     port: int = 0
     store: Path | None = None
+    jetstream: bool = True
+    tls: tuple[Path, Path] | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False, repr=False)
     _own_store: tempfile.TemporaryDirectory[str] | None = field(
@@ -101,7 +106,11 @@ class NatsServer:
             return self
         if self._log is None:
             self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
-        cmd = [str(nats_server_binary()), "-js", "-sd", str(self.store)]
+        cmd = [str(nats_server_binary())]
+        if self.jetstream:
+            cmd += ["-js", "-sd", str(self.store)]
+        if self.tls is not None:
+            cmd += ["--tls", "--tlscert", str(self.tls[0]), "--tlskey", str(self.tls[1])]
         cmd += ["-p", str(self.port), "-a", HOST]
         self.process = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
