@@ -229,3 +229,61 @@ def test_an_unknown_speed_profile_is_an_error_naming_the_field_and_the_known_one
     assert cfg.policy.profile == "tiny-cpu"
     with pytest.raises(ConfigError, match="unknown engine profile"):
         build_config(None, None, 8080, "127.0.0.1", None, "prefix_aware", profile="nope")
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("http://", "has no host"),
+        ("https:///", "has no host"),
+        ("http://host:notaport", "is not a valid URL"),
+        ("http://127.0.0.1:99999", "is not a valid URL"),
+        ("http://[::1", "is not a valid URL"),
+        ("http:// spaces here", "without spaces"),
+        ("http://a:0", "port 0"),
+    ],
+)
+def test_a_bad_worker_url_is_one_line_naming_its_field(
+    tmp_path: Path, url: str, needle: str
+) -> None:
+    path = tmp_path / "u.yaml"
+    path.write_text(f'server: {{port: 0}}\nworkers:\n  - url: "{url}"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}:3: workers.0.url: {str(info.value).split(': ', 2)[2]}"
+    assert needle in str(info.value)
+    with pytest.raises(ConfigError, match=rf"command line: workers\.0\.url: .*{needle}"):
+        build_config(None, [url], 8080, "127.0.0.1", None, "prefix_aware")
+
+
+def test_config_errors_name_the_line_and_field_of_the_problem(tmp_path: Path) -> None:
+    def error(name: str, text: str | bytes) -> str:
+        path = tmp_path / name
+        if isinstance(text, str):
+            path.write_text(text, encoding="utf-8")
+        else:
+            path.write_bytes(text)
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        message = str(info.value)
+        assert "\n" not in message and "Traceback" not in message
+        return message.removeprefix(f"{path}")
+
+    dup = "workers:\n  - {url: 'http://a:1', id: a}\n  - {url: 'http://b:1', id: b}\n"
+    dup += "  - url: http://c:1\n\n\n    id: a\n"
+    assert error("dup.yaml", dup).startswith(":7: workers.2.id: duplicate worker id 'a'")
+    nested = "policy:\n  name: prefix_aware\n  params:\n    short:\n\n      bogus: 1\n"
+    assert error("nested.yaml", nested).startswith(
+        ":6: policy.params.short.bogus: unknown field 'bogus'"
+    )
+    assert error("binary.yaml", b"server: {}\n\xff\xfe bad") == ":2: not UTF-8 text (byte 11)"
+    for key in ("ключ", "abc\\r\\nX-Injected: 1"):
+        text = f'workers:\n  - url: http://a:1\n    api_key: "{key}"\n'
+        assert error("key.yaml", text).startswith(":3: workers.0.api_key: must be printable ASCII")
+    twice = "workers: []\nserver: {port: 1}\nworkers:\n  - url: http://a:1\n"
+    assert error("twice.yaml", twice).startswith(":3: workers: duplicate key (also on line 1")
+    inner = "server:\n  port: 1\n  host: 0.0.0.0\n  port: 2\n"
+    assert error("inner.yaml", inner).startswith(":4: server.port: duplicate key")
+    same = "workers:\n  - {url: 'http://a:1', id: x}\n  - {url: 'http://A:1/v1/', id: y}\n"
+    message = error("same.yaml", same)
+    assert message.startswith(":3: workers.1.url: ") and "'x'" in message and "'y'" in message

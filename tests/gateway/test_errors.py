@@ -147,3 +147,28 @@ async def test_wrong_method_is_405_with_allow_and_unknown_path_404() -> None:
     assert status == 405 and b"\r\nAllow: POST\r\n" in head
     status, body, _ = status_and_json(missing)
     assert status == 404 and body["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "code"),
+    [
+        ("/v1/chat/completions", 400, "invalid_body"),  # read: the error is the client's answer
+        ("/admin/workers", 403, "admin_api_disabled"),  # answered without reading the body
+    ],
+)
+async def test_a_body_that_is_not_its_content_encoding_logs_no_traceback(
+    path: str, status: int, code: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    body = b'{"model":"tiny","messages":[{"role":"user","content":"x"}]}'
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\n"
+    )
+    async with gateway({}) as (port, _):
+        got, data, _ = status_and_json(await _raw(port, head.encode() + CLOSE + body))
+        await asyncio.sleep(0.1)  # aiohttp's drain after the answer would log now
+    assert (got, data["error"]["code"]) == (status, code)
+    for record in caplog.records:
+        assert record.exc_info is None, record.getMessage()
+        assert "Unhandled exception" not in record.getMessage()

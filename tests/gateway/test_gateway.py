@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -12,6 +13,7 @@ import pytest
 
 from prefixrouter.core.types import WorkerId
 from prefixrouter.gateway.config import WorkerConfig
+from tests.admin_client import ADMIN_HEADERS
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import Env, gateway_env, run
 
@@ -145,8 +147,15 @@ def test_no_healthy_worker_is_503_with_retry_after() -> None:
             r = await env.chat("hi")
             assert r.status == 503 and r.headers["Retry-After"] == "1"
             assert _error(await r.json())["code"] == "no_healthy_worker"
+            # /health is liveness: the gateway is alive in an engine outage (a failing
+            # liveness probe would restart every gateway); the body says no worker is up.
             r = await env.client.get("/health")
-            assert r.status == 503
+            assert r.status == 200
+            assert await r.json() == {
+                "status": "no_healthy_worker",
+                "healthy_workers": 0,
+                "workers": 2,
+            }
             env.engines[1].healthy = True  # back after the backoff re-check
             for _ in range(100):
                 if env.state.registry.workers[WorkerId("w1")].healthy:
@@ -329,7 +338,9 @@ def test_admin_add_with_a_taken_kv_events_topic_is_409_and_changes_nothing() -> 
             url = str(env.servers[0].make_url(""))
 
             async def add(**worker: str) -> Any:
-                return await env.admin("POST", "/admin/workers", json={"url": url, **worker})
+                # A path of its own: one engine's URL under two ids is refused (409, url).
+                body = {"url": f"{url}/{worker['id']}", **worker}
+                return await env.admin("POST", "/admin/workers", json=body)
 
             r = await add(id="a", kv_events_topic="x")
             assert r.status == 201
@@ -386,7 +397,9 @@ def test_admin_add_with_kv_events_connect_checks_the_publisher() -> None:
             url = str(env.servers[0].make_url(""))
 
             async def add(**worker: str) -> Any:
-                return await env.admin("POST", "/admin/workers", json={"url": url, **worker})
+                # A path of its own: one engine's URL under two ids is refused (409, url).
+                body = {"url": f"{url}/{worker['id']}", **worker}
+                return await env.admin("POST", "/admin/workers", json=body)
 
             r = await add(id="a", kv_events_connect=taken)
             assert r.status == 409
@@ -405,7 +418,7 @@ def test_admin_add_with_kv_events_connect_checks_the_publisher() -> None:
                 "POST",
                 "/admin/workers",
                 json={
-                    "url": str(env.servers[0].make_url("")),
+                    "url": str(env.servers[0].make_url("c")),  # not w0's URL: that is a 409
                     "id": "c",
                     "kv_events_connect": taken,
                 },
@@ -636,5 +649,83 @@ def test_attempts_without_prefill_take_their_routing_back() -> None:
             assert index.blocks_of(WorkerId("w0")) == 0  # refused: nothing cached there
             assert index.blocks_of(WorkerId("w1")) == 0  # aborted before its first byte
             assert len(index) == 0 and index.speculative_entries == 0
+
+    run(body)
+
+
+def test_admin_add_with_a_bad_url_is_400_naming_url() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1) as env:
+            for url in (
+                "http://",
+                "https:///",
+                "http://host:notaport",
+                "http://127.0.0.1:99999",
+                "http://[::1",
+                "http:// spaces here",
+            ):
+                r = await env.admin("POST", "/admin/workers", json={"url": url, "id": "t1"})
+                assert r.status == 400, url
+                err = _error(await r.json())
+                assert err["param"] == "url" and err["message"].startswith("url: "), url
+            r = await env.admin(
+                "POST", "/admin/workers", json={"url": "http://a:1", "api_key": "abc\r\nX: 1"}
+            )
+            assert r.status == 400 and _error(await r.json())["param"] == "api_key"
+            # One engine under a second id: 409 naming both ids.
+            url = str(env.servers[0].make_url("")).rstrip("/") + "/v1"
+            r = await env.admin("POST", "/admin/workers", json={"url": url, "id": "again"})
+            assert r.status == 409
+            err = _error(await r.json())
+            assert err["param"] == "url" and "'w0'" in err["message"]
+            assert "'again'" in err["message"]
+            assert set(env.state.registry.workers) == {"w0"}
+
+    run(body)
+
+
+def test_admin_add_with_a_body_that_is_not_its_content_encoding_is_400() -> None:
+    async def body() -> None:
+        async with gateway_env(n=1) as env:
+            headers = {**ADMIN_HEADERS, "Content-Encoding": "gzip"}
+            r = await env.client.post(
+                "/admin/workers", data=b'{"url": "http://a:1"}', headers=headers
+            )
+            assert r.status == 400 and _error(await r.json())["code"] == "invalid_body"
+
+    run(body)
+
+
+def test_a_clients_sane_request_id_is_kept_in_the_answer_and_the_logs(tmp_path: Path) -> None:
+    access = tmp_path / "access.jsonl"
+    overrides = {"access_log": {"path": str(access), "flush_interval_s": 0.05}}
+
+    async def body() -> None:
+        async with gateway_env(n=2, overrides=overrides) as env:
+            mine = {"X-Request-Id": "my-id-123"}
+            # The same id twice at once: the router still routes each under its own.
+            first, second = await asyncio.gather(
+                env.chat(LONG, headers=mine), env.chat(LONG + "?", headers=mine)
+            )
+            assert first.status == second.status == 200
+            assert first.headers["X-Request-Id"] == second.headers["X-Request-Id"] == "my-id-123"
+            records = [d for d in await _decisions(env) if d.get("client_request_id")]
+            assert [d["client_request_id"] for d in records] == ["my-id-123"] * 2
+            assert len({d["request_id"] for d in records}) == 2
+            assert all(d["request_id"].startswith("pr-") for d in records)
+            for bad in ("has space", "x" * 129, "tab\tin", "ünï"):
+                r = await env.chat(LONG, headers={"X-Request-Id": bad})
+                assert r.status == 200 and r.headers["X-Request-Id"].startswith("pr-"), bad
+            r = await env.client.get("/health", headers={"X-Request-Id": "probe-1"})
+            assert r.headers["X-Request-Id"] == "probe-1"
+            r = await env.chat(LONG, model="nope", headers={"X-Request-Id": "bad-model-1"})
+            assert r.status == 404 and r.headers["X-Request-Id"] == "bad-model-1"
+            for _ in range(100):
+                lines = access.read_bytes().splitlines() if access.exists() else []
+                if len(lines) >= 8:
+                    break
+                await asyncio.sleep(0.05)
+        ids = [orjson.loads(x)["request_id"] for x in access.read_bytes().splitlines()]
+        assert ids.count("my-id-123") == 2 and "probe-1" in ids and "bad-model-1" in ids
 
     run(body)

@@ -109,3 +109,19 @@ def test_ttft_over_its_prediction_and_each_workers_speed_scale() -> None:
     assert s[("prefixrouter_ttft_prediction_ratio_count", (("decision", "cold"),))] == 1
     assert s[("prefixrouter_worker_speed_scale", (("worker", "w0"),))] == 2.5
     assert s[("prefixrouter_worker_speed_scale", (("worker", "w1"),))] == 1.0
+
+
+def test_negative_usage_never_decreases_a_counter() -> None:
+    m = GatewayMetrics(warm_fraction=0.75)
+    m.attach_live(lambda: [], lambda: 0)
+    m.usage("tiny", "default", "system", 100, 50, 50, None)
+    m.usage("tiny", "default", "system", -15, -30, -5, None)  # a buggy engine's figures
+    m.usage("tiny", "default", "system", 10, -30, 0, None)
+    s = _samples(m)
+    for name, value in s.items():
+        if name[0].endswith("_total"):
+            assert value >= 0, name
+    labels = (("kind", "cached"), ("model", "tiny"), ("pool", "default"), SYSTEM)
+    assert s[("prefixrouter_input_tokens_total", labels)] == 50
+    saved = (("model", "tiny"), SYSTEM)
+    assert s[("prefixrouter_prefill_tokens_saved_total", saved)] == 50

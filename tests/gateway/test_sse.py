@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from prefixrouter.gateway.sse import SseRelay, usage_figures
+from prefixrouter.gateway.sse import SseRelay, completion_tokens, usage_figures
 
 USAGE = {
     "prompt_tokens": 40,
@@ -59,3 +59,15 @@ def test_usage_figures_when_not_reported() -> None:
     assert usage_figures(None) == (None, None)
     assert usage_figures({"prompt_tokens": 3}) == (3, None)
     assert usage_figures({"prompt_tokens": 3, "prompt_tokens_details": None}) == (3, None)
+
+
+@pytest.mark.parametrize("bad", [-15, True, False, 1.5, "3", None])
+def test_usage_figures_that_are_not_counts_are_not_reported(bad: object) -> None:
+    # An engine's usage is untrusted: a negative or bool figure must not reach the counters.
+    usage = {"prompt_tokens": bad, "prompt_tokens_details": {"cached_tokens": bad}}
+    assert usage_figures(usage) == (None, None)
+    assert completion_tokens({"completion_tokens": bad}) == 0
+    assert usage_figures({"prompt_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}) == (
+        0,
+        0,
+    )

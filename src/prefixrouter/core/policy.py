@@ -218,6 +218,23 @@ def register(cls: P) -> P:
     return cls
 
 
+class ParamError(ConfigError):
+    """A bad policy parameter (:func:`params_from_mapping`).
+
+    The message is ``WHERE: PROBLEM``, as for any :class:`ConfigError`.
+
+    Attributes:
+        path: The parameter's keys from the top of the parameters
+            (``("short", "bogus")``), so a configuration file can name its line.
+        problem: What is wrong, without the ``WHERE:`` prefix.
+    """
+
+    def __init__(self, where: str, problem: str, path: tuple[str, ...]) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.problem = problem
+        self.path = path
+
+
 def params_from_mapping(
     params_cls: type[Any], raw: Mapping[str, Any], where: str, base: Any = None
 ) -> Any:
@@ -231,16 +248,24 @@ def params_from_mapping(
         raw: Field name -> value.
         where: Prefix for error messages (e.g. ``policy prefix_aware``).
         base: The instance whose values are the defaults (``params_cls()`` if None).
+
+    Raises:
+        ParamError: An unknown key or a value of the wrong type, with its key path.
     """
     fields = {f.name: f for f in dataclasses.fields(params_cls)}
     defaults = base if base is not None else params_cls()
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{where}: unknown field {key!r}; known: {', '.join(sorted(fields))}")
+            known = ", ".join(sorted(fields))
+            raise ParamError(where, f"unknown field {key!r}; known: {known}", (str(key),))
         default = getattr(defaults, key)
         if dataclasses.is_dataclass(default) and isinstance(value, Mapping):
-            values[key] = params_from_mapping(type(default), value, f"{where}.{key}", default)
+            try:
+                values[key] = params_from_mapping(type(default), value, f"{where}.{key}", default)
+            except ParamError as exc:
+                exc.path = (key, *exc.path)
+                raise
         elif default is None or (isinstance(default, bool) and isinstance(value, bool)):
             values[key] = value
         elif (
@@ -254,9 +279,8 @@ def params_from_mapping(
         ) or (isinstance(default, str) and isinstance(value, str)):
             values[key] = value
         else:
-            raise ConfigError(
-                f"{where}: field {key!r} must be {type(default).__name__}, got {value!r}"
-            )
+            problem = f"field {key!r} must be {type(default).__name__}, got {value!r}"
+            raise ParamError(where, problem, (key,))
     return dataclasses.replace(defaults, **values)
 
 

@@ -7,7 +7,8 @@ and refusals included, in the order requests end. The fields are stable
 
     ts            arrival, Unix seconds (float, microseconds)
     end_ts        end of the response, Unix seconds
-    request_id    the X-Request-Id the client got
+    request_id    the X-Request-Id the client got: its own when it sent a
+                  sane one (:func:`client_request_id`), else the gateway's
     method, path  the request line (path without the query string)
     status        the HTTP status; for a stream that broke after its first
                   byte the status the gateway recorded (502, 504), 499 when
@@ -197,6 +198,25 @@ class AccessLog:
             self._file = None
 
 
+MAX_REQUEST_ID_CHARS = 128
+"""The longest client ``X-Request-Id`` the gateway keeps."""
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's ``X-Request-Id`` if it is a sane token, else None (the gateway makes one).
+
+    Sane: 1 to :data:`MAX_REQUEST_ID_CHARS` printable ASCII characters, no
+    space. Kept, the client's id is echoed in the response and written in the
+    logs, so a request can be followed end to end; anything else (a long or
+    binary value, one that would split a log line) is not echoed anywhere.
+    The router still routes under an id of the gateway's own, unique per
+    request (a client may send the same id twice); the decision log has both.
+    """
+    if value and len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value):
+        return value
+    return None
+
+
 NOTE = web.RequestKey("prefixrouter_note", RequestNote)
 """Where a request keeps its :class:`RequestNote`."""
 
@@ -218,14 +238,17 @@ def note_requests(
 ) -> Middleware:
     """The middleware: a note per request, ``done(note)`` at its end.
 
-    A response that carries no ``X-Request-Id`` yet (anything but a completion
-    the proxy routed) gets a fresh one, so every line's id is one a client saw
-    (where the response was not already sent).
+    A request's id is the client's own ``X-Request-Id`` when it is sane
+    (:func:`client_request_id`), else a fresh one; a response that carries no
+    ``X-Request-Id`` yet (anything but a completion the proxy routed) gets
+    it, so every line's id is one a client saw (where the response was not
+    already sent).
     """
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         note = RequestNote(time.time(), request.method, request.path, clock())
+        note.request_id = client_request_id(request.headers.get("X-Request-Id"))
         request[NOTE] = note
         try:
             resp = await handler(request)
@@ -244,8 +267,8 @@ def note_requests(
                 note.status = resp.status
             if note.request_id is None:
                 note.request_id = resp.headers.get("X-Request-Id") or new_request_id()
-                if not resp.prepared:
-                    resp.headers["X-Request-Id"] = note.request_id
+            if not resp.prepared and "X-Request-Id" not in resp.headers:
+                resp.headers["X-Request-Id"] = note.request_id
             return resp
         finally:
             note.end_ts = time.time()

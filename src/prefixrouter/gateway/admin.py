@@ -4,7 +4,8 @@
   in-flight requests, last engine figures, the view the router reads).
 * ``POST /admin/workers``: add a worker; the body is a worker entry of the
   configuration (``{"url": ..., "id": ..., "kind": ...}``), validated the same
-  way (400 naming the field, 409 for an existing id or a ``kv_events_topic``
+  way (400 naming the field, 409 for an existing id, a ``url`` that reaches
+  another worker's engine, or a ``kv_events_topic``
   or ``kv_events_connect`` another worker has; 400 for ``kv_events_connect``
   on a gateway started without KV events, which has no socket to connect).
   Answers after the first health check, with the worker's state.
@@ -34,6 +35,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from prefixrouter.core.types import WorkerId
@@ -106,7 +109,15 @@ class Admin:
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
-        """``GET /health``: 200 while at least one worker can take requests, else 503."""
+        """``GET /health``: liveness: 200 while the process serves, whatever the engines' state.
+
+        An engine outage must not fail it: a liveness probe that failed then
+        would have every gateway restarted, which brings no engine back and
+        drops the requests in flight. The body says whether a worker can take
+        requests (``status``: ``ok`` or ``no_healthy_worker``, with
+        ``healthy_workers`` and ``workers``); meanwhile requests get 503 with
+        ``Retry-After``. Readiness is ``/ready``.
+        """
         reg = self.st.registry
         healthy = sum(1 for w in reg.workers.values() if w.healthy and w.ready and not w.draining)
         body = {
@@ -114,7 +125,7 @@ class Admin:
             "healthy_workers": healthy,
             "workers": len(reg.workers),
         }
-        return _json(body, 200 if healthy else 503)
+        return _json(body)
 
     async def ready(self, request: web.Request) -> web.Response:
         """``GET /ready``: 200 once this gateway may take traffic, else 503.
@@ -122,13 +133,16 @@ class Admin:
         A lone gateway is ready once started. A cluster replica is ready once it
         has replayed its peers' facts up to where the stream stood when it
         started, and its configuration was found compatible with the live
-        peers': before, it would route documents its peers hold cold.
+        peers': before, it would route documents its peers hold cold. One that
+        cannot replay (NATS unreachable) is ready on its own view after
+        ``cluster.ready_without_nats_s``. ``status`` says which
+        (:attr:`ClusterNode.status <prefixrouter.cluster.node.ClusterNode.status>`).
         """
         node = self.st.cluster
         if node is None:
             return _json({"status": "ready"})
         body = {
-            "status": "ready" if node.ready else "replaying",
+            "status": node.status,
             "replica": node.origin,
             "connected": node.connected,
             "replayed": node.link.replayed,
@@ -163,6 +177,10 @@ class Admin:
                 body = orjson.loads(await request.read())
             except orjson.JSONDecodeError as exc:
                 raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+            except (HttpProcessingError, RequestPayloadError) as exc:  # gzip that is not gzip
+                raise BadRequest(
+                    f"malformed request body ({type(exc).__name__})", code="invalid_body"
+                ) from None
             try:
                 wc = WorkerConfig.model_validate(body)
             except ValidationError as exc:
@@ -172,6 +190,13 @@ class Admin:
                 raise BadRequest(f"{field}: {msg}", param=field) from None
             if WorkerId(wc.id) in self.st.registry.workers:
                 raise Conflict(f"worker {wc.id!r} exists", param="id")
+            if (owner := self.st.registry.engine_owner(wc.url)) is not None:
+                # One engine counted as two workers: twice its capacity, its cache index split.
+                raise Conflict(
+                    f"url: worker {owner!r} has the same engine ({wc.url}); "
+                    f"remove it before adding it as {wc.id!r}",
+                    param="url",
+                )
             topic = wc.kv_events_topic
             if topic is not None and (owner := self.st.registry.topic_owner(topic)) is not None:
                 raise Conflict(
@@ -194,7 +219,11 @@ class Admin:
             try:
                 w = await self.st.registry.add(wc)
             except ValueError as exc:
-                raise BadRequest(str(exc), param="kv_events_connect") from None
+                # The message starts with the field it is about ("kv_events_connect: ...");
+                # the URL and headers were checked by WorkerConfig, so none fails here.
+                field, sep, _ = str(exc).partition(":")
+                param = field if sep and field in WorkerConfig.model_fields else None
+                raise BadRequest(str(exc), param=param) from None
         except GatewayError as exc:
             return error_response(exc)
         return _json(w.to_dict(0), 201)

@@ -85,8 +85,14 @@ async def background(app: web.Application) -> AsyncIterator[None]:
     per-worker health/metrics pollers; the decision-log flusher; the KV-event
     subscriber; for a cluster replica, its node; endpoint discovery. The
     gateway and the endpoint picker (:mod:`prefixrouter.epp`) both run it.
+
+    Raises:
+        ConfigError: The decision log's file cannot be opened for append.
     """
     st = app[STATE]
+    # First, before anything is started: a decision log that cannot be written
+    # stops the start with one line (ConfigError), not every record later.
+    st.decisions.open()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
     st.session = aiohttp.ClientSession(connector=connector)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")

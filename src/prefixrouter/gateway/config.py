@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -87,6 +88,31 @@ ENGINE_PATHS: dict[str, tuple[str, str]] = {
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FieldAt(ValueError):
+    """A validator's error about a field below the one it validates.
+
+    A model-level validator's errors are located at the model itself, so a
+    duplicate in a list would be reported at the document's first line; one
+    that raises this names the field (``("workers", 2, "id")``, relative to
+    the model) and :func:`config_from_dict` reports it at that field's line.
+    """
+
+    def __init__(self, message: str, loc: tuple[str | int, ...]) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def engine_key(url: str) -> tuple[str, str, int, str]:
+    """What identifies the engine a worker URL reaches: scheme, host, port, path.
+
+    Case and an explicit default port do not matter: ``HTTP://Host`` and
+    ``http://host:80`` are the same engine. ``url`` is a validated worker URL.
+    """
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/")
 
 
 def known_profile(name: str) -> str:
@@ -153,14 +179,44 @@ class WorkerConfig(_Model):
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
+        # Everything upstream.Endpoint.from_url reads is checked here: a URL
+        # that passes cannot fail later, at startup or in the admin API, with
+        # a traceback or an error that names another field.
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        if not (value.isascii() and value.isprintable()) or " " in value:
+            # It goes into the request line and the Host header as it is.
+            raise ValueError(
+                "must be printable ASCII without spaces (a host name in its xn-- form)"
+            )
         value = value.rstrip("/")
         if value.endswith("/v1"):
             value = value[:-3]
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError as exc:  # a port not from 0 to 65535, an unclosed "[IPv6"
+            raise ValueError(f"is not a valid URL: {exc}") from None
         # A path prefix is allowed (an engine behind a reverse proxy); a host is not optional.
-        if not value.split("://", 1)[1].split("/", 1)[0]:
+        if not parts.hostname:
             raise ValueError("has no host")
+        if port == 0:
+            raise ValueError("port 0 cannot be connected to: give a port from 1 to 65535")
+        if "@" in parts.netloc:
+            raise ValueError("must not hold user:password@ (set the worker's api_key)")
+        if parts.query or parts.fragment or "?" in value or "#" in value:
+            raise ValueError(
+                "must not have a query or fragment (only http[s]://HOST[:PORT][/PATH])"
+            )
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: str | None) -> str | None:
+        # Sent in a header block encoded as latin-1: anything else would fail
+        # at the first request, and a CR or LF would end the header early.
+        if value is not None and not (value.isascii() and value.isprintable()):
+            raise ValueError("must be printable ASCII (it is sent in a header)")
         return value
 
     @field_validator("profile")
@@ -326,10 +382,12 @@ class PolicyConfig(_Model):
 
     @model_validator(mode="after")
     def _check_policy(self) -> PolicyConfig:
-        from prefixrouter.core.policy import create_policy
+        from prefixrouter.core.policy import ParamError, create_policy
 
         try:
             create_policy(self.name, self.params)
+        except ParamError as exc:  # named at its own key: policy.params.short.bogus
+            raise FieldAt(exc.problem, ("params", *exc.path)) from None
         except PrefixRouterError as exc:
             raise ValueError(str(exc)) from None
         return self
@@ -646,6 +704,20 @@ class ClusterConfig(_Model):
             replica next routes or reads its routing state (no decision misses
             one), or at most this long after the first was heard; 0 = each
             message as it arrives (one cold wakeup per message).
+        ready_without_nats_s: A replica that could not replay the stream this
+            long after it started (NATS unreachable, JetStream off) answers
+            ``/ready`` 200 with status ``standalone`` and routes on its own
+            view, so replicas restarted during a NATS outage still take
+            traffic; it replays and joins when NATS answers. None = 503 until
+            it has replayed, however long that takes.
+        tls_ca_file: PEM file of the CA that signed the NATS server's
+            certificate; set (or with a client certificate), the connection
+            must be TLS: a server that does not offer it is refused. None =
+            TLS only where the server requires it, verified against the
+            system's CA certificates.
+        tls_cert_file: This replica's client certificate (PEM), for a server
+            that verifies clients (``nats-server --tlsverify``).
+        tls_key_file: Its private key (PEM); None = in ``tls_cert_file``.
     """
 
     url: str | None = None
@@ -659,12 +731,41 @@ class ClusterConfig(_Model):
     batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.002
     max_batch_window_s: Annotated[float, Field(gt=0, le=1.0)] = 0.004
     apply_within_s: Annotated[float, Field(ge=0, le=10.0)] = 0.5
+    ready_without_nats_s: Annotated[float, Field(ge=0)] | None = 30.0
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("nats://", "tls://")):
-            raise ValueError("must be a NATS address: nats://HOST:PORT")
+        if value is None:
+            return value
+        wrong = "must be a NATS address: nats://HOST:PORT"
+        parts = urlsplit(value)
+        if parts.scheme == "tls":  # nats-py would connect in plain text to a plain server
+            raise ValueError(
+                "tls:// is not supported: use nats://HOST:PORT (the connection is TLS when "
+                "the server requires it; cluster.tls_ca_file makes TLS required)"
+            )
+        if parts.scheme != "nats":
+            raise ValueError(wrong)
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or out of range
+            raise ValueError(f"{wrong} (port {parts.netloc.rpartition(':')[2]!r})") from None
+        if not parts.hostname:
+            raise ValueError(f"{wrong} (no host)")
+        if port == 0 or parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(wrong)
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _check_stream(cls, value: str) -> str:
+        # NATS refuses these in a stream name (it is a subject token and a directory).
+        if value and (any(c in value for c in ".*> /\\") or not value.isprintable()):
+            raise ValueError("must not hold '.', '*', '>', spaces, slashes or control characters")
         return value
 
     @field_validator("name")
@@ -673,6 +774,12 @@ class ClusterConfig(_Model):
         if not value or not all(c.isalnum() or c in "_-" for c in value):
             raise ValueError("must be letters, digits, '_' or '-' (it names NATS subjects)")
         return value
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> ClusterConfig:
+        if self.tls_key_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_key_file needs tls_cert_file (the certificate it is the key of)")
+        return self
 
     @model_validator(mode="after")
     def _ttl_above_heartbeat(self) -> ClusterConfig:
@@ -996,24 +1103,42 @@ class GatewayConfig(_Model):
 
     @model_validator(mode="after")
     def _unique_worker_ids(self) -> GatewayConfig:
-        seen: set[str] = set()
-        for w in self.workers:
-            if w.id in seen:
-                raise ValueError(f"workers: duplicate worker id {w.id!r}")
-            seen.add(w.id)
-        topics: set[str | None] = set()
-        for w in self.workers:
-            if w.kv_events_topic in topics:
-                raise ValueError(f"workers: duplicate kv_events_topic {w.kv_events_topic!r}")
-            topics.add(w.kv_events_topic)
-        publishers: set[str] = set()
-        for w in self.workers:
+        # Each error names the second worker's own field (FieldAt), so the
+        # message points at the line of the duplicate, not at the document.
+        ids: dict[str, int] = {}
+        for i, w in enumerate(self.workers):
+            if (first := ids.setdefault(w.id, i)) != i:
+                raise FieldAt(
+                    f"duplicate worker id {w.id!r} (also workers.{first}.id)", ("workers", i, "id")
+                )
+        topics: dict[str | None, int] = {}
+        for i, w in enumerate(self.workers):
+            if (first := topics.setdefault(w.kv_events_topic, i)) != i:
+                raise FieldAt(
+                    f"duplicate kv_events_topic {w.kv_events_topic!r} (also worker "
+                    f"{self.workers[first].id!r}'s)",
+                    ("workers", i, "kv_events_topic"),
+                )
+        publishers: dict[str, int] = {}
+        for i, w in enumerate(self.workers):
             if w.kv_events_connect is None:
                 continue
-            if w.kv_events_connect in publishers:
+            if (first := publishers.setdefault(w.kv_events_connect, i)) != i:
                 # Two connections to one PUB socket would deliver each message twice.
-                raise ValueError(f"workers: duplicate kv_events_connect {w.kv_events_connect!r}")
-            publishers.add(w.kv_events_connect)
+                raise FieldAt(
+                    f"duplicate kv_events_connect {w.kv_events_connect!r} (also worker "
+                    f"{self.workers[first].id!r}'s)",
+                    ("workers", i, "kv_events_connect"),
+                )
+        engines: dict[tuple[str, str, int, str], int] = {}
+        for i, w in enumerate(self.workers):
+            if (first := engines.setdefault(engine_key(w.url), i)) != i:
+                # One engine counted as two workers: twice its capacity, its cache index split.
+                raise FieldAt(
+                    f"workers {self.workers[first].id!r} and {w.id!r} have the same engine "
+                    f"({w.url}): one engine must be one worker",
+                    ("workers", i, "url"),
+                )
         return self
 
     @property
@@ -1059,6 +1184,9 @@ def config_from_dict(
         lines = []
         for err in exc.errors():
             loc = tuple(err["loc"])
+            cause = err.get("ctx", {}).get("error")
+            if isinstance(cause, FieldAt):
+                loc += cause.loc
             field = ".".join(str(p) for p in loc) or "(top level)"
             line = _line_of(node, loc)
             where = f"{source}:{line}" if line else source
@@ -1079,6 +1207,9 @@ def load_config(path: Path | str) -> GatewayConfig:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(unreadable(path, exc)) from None
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -1087,7 +1218,46 @@ def load_config(path: Path | str) -> GatewayConfig:
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    duplicate = _duplicate_key(node)
+    if duplicate is not None:
+        line, field, first = duplicate
+        raise ConfigError(
+            f"{path}:{line}: {field}: duplicate key (also on line {first}; "
+            "YAML would silently keep only the last)"
+        )
     return config_from_dict(data, str(path), node)
+
+
+def _duplicate_key(
+    node: yaml.Node | None, path: tuple[str, ...] = (), seen: set[int] | None = None
+) -> tuple[int, str, int] | None:
+    """The first key a YAML mapping repeats: (its line, its dotted field, the first one's line).
+
+    PyYAML keeps a repeated key's last value without a word, so a second
+    ``workers:`` section would quietly replace the first.
+    """
+    seen = set() if seen is None else seen
+    if node is None or id(node) in seen:  # an alias reuses a node: walk it once
+        return None
+    seen.add(id(node))
+    children: list[tuple[yaml.Node, tuple[str, ...]]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.value == "<<":  # a merge key
+                continue
+            line = key.start_mark.line + 1
+            if key.value in lines:
+                return line, ".".join((*path, key.value)), lines[key.value]
+            lines[key.value] = line
+            children.append((value, (*path, key.value)))
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(item, (*path, str(i))) for i, item in enumerate(node.value)]
+    for child, child_path in children:
+        found = _duplicate_key(child, child_path, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:

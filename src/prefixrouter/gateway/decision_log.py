@@ -21,7 +21,10 @@ wall-clock end time (Unix seconds), ``time`` the decision time on the
 gateway's monotonic clock. ``namespace`` is the cache namespace key: a
 client's own ``cache_salt`` appears in it only as a keyed digest (see
 :mod:`prefixrouter.gateway.tenancy`), so the log never holds the salt, and
-``tenant`` is the tenant the API key named. The records are read through
+``tenant`` is the tenant the API key named. ``client_request_id`` (present
+only then) is the client's own ``X-Request-Id``, which the response echoes
+and the access log writes; ``request_id`` stays the gateway's, unique per
+request. The records are read through
 ``/admin/decisions``, which needs the admin key.
 
 The hot path only appends a small :class:`LogEntry` to a bounded deque (and to
@@ -35,11 +38,19 @@ chat body), and keeping a thousand of those alive for the ring made every
 request allocate cold memory and made the cyclic collector rescan them.
 Records are complete only at the end of a request, so the file is in
 completion order.
+
+The file is opened for append when the gateway starts (:meth:`DecisionLog.open`):
+a path that cannot be written (a folder, no permission) stops the start with
+one line naming it. A write that fails later (a full disk, a file removed
+from under it) never stops the flusher: the batch is dropped and counted in
+:attr:`DecisionLog.dropped`, one warning says so, and the next batches try
+again (reopening the file).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -50,8 +61,15 @@ from typing import IO, Any
 import orjson
 
 from prefixrouter.core.router import Decision
+from prefixrouter.errors import ConfigError, unwritable
 
 log = logging.getLogger("prefixrouter.gateway")
+
+MAX_PENDING = 100_000
+"""Records waiting for the file at most; past it new ones are dropped (and counted).
+
+The flusher empties the list every ``flush_interval_s``, so only a flusher
+that is not running fills it: the bound keeps that from growing the process."""
 
 
 @dataclass(slots=True)
@@ -71,6 +89,9 @@ class RequestOutcome:
         stream: The client asked for a stream.
         error: What went wrong, if anything.
         ts: Wall-clock time at the end (Unix seconds).
+        client_request_id: The client's own ``X-Request-Id`` (None: it sent
+            none, or none the gateway keeps): the id the access log and the
+            client have, where ``request_id`` is the router's.
     """
 
     model: str
@@ -85,6 +106,7 @@ class RequestOutcome:
     stream: bool
     error: str | None = None
     ts: float = 0.0
+    client_request_id: str | None = None
 
 
 class LogEntry:
@@ -182,6 +204,8 @@ def render(entry: LogEntry) -> dict[str, Any]:
     }
     if entry.affinity:  # a session pin held ("hit") or why it broke
         out["affinity"] = entry.affinity
+    if outcome.client_request_id is not None:  # the id the client and the access log have
+        out["client_request_id"] = outcome.client_request_id
     return out
 
 
@@ -200,9 +224,31 @@ class DecisionLog:
         self._ring: deque[LogEntry] = deque(maxlen=ring_size)
         self._pending: list[LogEntry] = []
         self._file: IO[bytes] | None = None
+        self._failing = False
         self.written = 0
+        self.dropped = 0
+        """Records that could not be written to the file (module docstring)."""
         self.recorded = 0
         """Records kept since start (the dashboard's count of decisions made)."""
+
+    def open(self) -> None:
+        """Open the file for append now (the gateway's startup); nothing without a path.
+
+        Raises:
+            ConfigError: It cannot be opened for append; the message names
+                ``decision_log.path``, the path and why.
+        """
+        if self.path is None or self._file is not None:
+            return
+        try:
+            self._file = self._open()
+        except OSError as exc:
+            raise ConfigError(f"decision_log.path: {unwritable(self.path, exc)}") from None
+
+    def _open(self) -> IO[bytes]:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return self.path.open("ab")
 
     def record(self, decision: Decision, outcome: RequestOutcome) -> None:
         """Keep one finished request (cheap: no serialization here)."""
@@ -210,7 +256,10 @@ class DecisionLog:
         self._ring.append(entry)
         self.recorded += 1
         if self.path is not None:
-            self._pending.append(entry)
+            if len(self._pending) < MAX_PENDING:
+                self._pending.append(entry)
+            else:
+                self.dropped += 1
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` records, oldest first."""
@@ -229,13 +278,14 @@ class DecisionLog:
         return out
 
     def flush(self) -> int:
-        """Write pending records to the file; returns how many."""
+        """Write pending records to the file; returns how many.
+
+        Never raises :class:`OSError`: a batch that cannot be written is
+        dropped and counted (module docstring).
+        """
         if not self._pending or self.path is None:
             return 0
         batch, self._pending = self._pending, []
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("ab")
         lines = []
         for e in batch:
             try:
@@ -244,8 +294,29 @@ class DecisionLog:
                 # One record that cannot be written (a string that is not
                 # UTF-8) must not cost the others, nor stop the flusher.
                 log.warning("decision log: dropped a record that is not JSON-serializable")
-        self._file.write(b"".join(lines))
-        self._file.flush()
+        try:
+            if self._file is None:
+                self._file = self._open()
+            self._file.write(b"".join(lines))
+            self._file.flush()
+        except OSError as exc:
+            self.dropped += len(lines)
+            self._close_file()  # reopened by the next batch: the file may come back
+            if not self._failing:  # once per outage, not once per batch
+                self._failing = True
+                log.warning(
+                    "decision log: cannot write %s: %s; records are dropped until it can be",
+                    self.path,
+                    exc.strerror or exc,
+                )
+            return 0
+        if self._failing:
+            self._failing = False
+            log.warning(
+                "decision log: writing %s again (%d records dropped so far)",
+                self.path,
+                self.dropped,
+            )
         self.written += len(lines)
         return len(lines)
 
@@ -254,13 +325,23 @@ class DecisionLog:
         try:
             while True:
                 await asyncio.sleep(self.flush_interval_s)
-                self.flush()
+                try:
+                    self.flush()
+                except Exception:  # a bug in one batch must not stop the flusher for good
+                    log.exception("decision log: flush failed")
         finally:
             self.close()
 
     def close(self) -> None:
-        """Flush and close the file."""
-        self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Flush and close the file; never raises (it runs on the shutdown path)."""
+        try:
+            self.flush()
+        except Exception:  # the cleanup after it must run
+            log.exception("decision log: flush failed")
+        self._close_file()
+
+    def _close_file(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # it flushes its buffer: may fail as the write did
+                file.close()

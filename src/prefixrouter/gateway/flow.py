@@ -425,6 +425,7 @@ class RequestFlow:
                 stream=built.stream,
                 error=error,
                 ts=time.time(),
+                client_request_id=built.client_id,
             ),
         )
 

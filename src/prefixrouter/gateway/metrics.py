@@ -504,11 +504,16 @@ class GatewayMetrics:
         predicted_ttft_s: float | None = None,
         decision: str = "",
     ) -> None:
-        """What the engine reported for a successful request (``decision``: its tier)."""
+        """What the engine reported for a successful request (``decision``: its tier).
+
+        Negative figures count as 0: a counter must never go down (``rate()``
+        reads a decrease as a reset), whatever a caller passes.
+        """
+        prompt_tokens, cached_tokens = max(0, prompt_tokens), max(0, cached_tokens)
         cached = min(cached_tokens, prompt_tokens) if prompt_tokens else cached_tokens
         self.input_tokens.inc((model, pool, "cached", cls), cached)
-        self.input_tokens.inc((model, pool, "uncached", cls), max(0, prompt_tokens - cached))
-        self.predicted_cached.inc((model, pool, cls), predicted_cached)
+        self.input_tokens.inc((model, pool, "uncached", cls), prompt_tokens - cached)
+        self.predicted_cached.inc((model, pool, cls), max(0, predicted_cached))
         if cached:
             self.saved.inc((model, cls), cached)
         self.prediction_error.observe((), abs(predicted_cached - cached_tokens))

@@ -224,8 +224,9 @@ class Proxy:
             st.metrics.request_done("", "none", 500)
             note.error = "internal_error"
             return error_response(exc)
-        rid = built.routing.request_id
         built.note = note
+        built.client_id = note.request_id  # the middleware's: the client's own id, if sane
+        rid = built.reply_id
         note.request_id, note.stream = rid, built.stream
         try:
             try:
@@ -367,7 +368,7 @@ class Proxy:
             return _failed(exc)
         status = resp.status
         ctype = resp.content_type or JSON
-        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
+        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
         if status == 200:
             try:
                 usage = answer_usage(orjson.loads(body))
@@ -412,7 +413,7 @@ class Proxy:
             )
         except _UPSTREAM_ERRORS as exc:
             return _failed(exc)
-        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.routing.request_id}
+        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
         done = False
         try:
             if resp.status != 200:
@@ -548,7 +549,7 @@ class Proxy:
         :meth:`RequestFlow.no_worker_error` (403 or 503).
         """
         why = str(no_worker)
-        hdrs = {"X-Request-Id": str(built.routing.request_id)}
+        hdrs = {"X-Request-Id": built.reply_id}
         refusal = retry.last_refusal if retry is not None else None
         resp: web.Response
         if refusal is not None and refusal.fallback is not None:

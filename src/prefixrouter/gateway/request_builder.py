@@ -65,6 +65,8 @@ class BuiltRequest:
         blocks: The prompt's block hashes, when hashed with the parse (large
             bodies, off the event loop); None: ``Router.route`` hashes it.
         note: The request's access-log note, filled in as it is served.
+        client_id: The client's own ``X-Request-Id``, when sane
+            (:func:`~prefixrouter.gateway.access_log.client_request_id`).
     """
 
     routing: RoutingRequest
@@ -78,6 +80,16 @@ class BuiltRequest:
     prompt: RenderedPrompt | None = None
     blocks: PromptBlocks | None = None
     note: RequestNote | None = None
+    client_id: str | None = None
+
+    @property
+    def reply_id(self) -> str:
+        """The id the client gets in ``X-Request-Id``: its own if it sent one, else the router's.
+
+        The router's id (``routing.request_id``) stays the gateway's own,
+        unique per request: the load ledger and the replicas key on it.
+        """
+        return self.client_id or self.routing.request_id
 
     def cache_salt_on(self, takes_salt: bool) -> str | None:
         """The ``cache_salt`` to send to a worker (``takes_salt``: it takes one); None for none."""

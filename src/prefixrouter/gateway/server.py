@@ -42,6 +42,7 @@ import asyncio
 import logging
 import os
 import resource
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -269,6 +270,14 @@ class GatewayProtocol(RequestHandler):
             # The first bytes of a new request on a kept-alive connection.
             self._head_deadline = self._loop.time() + self._limits.header_timeout_s
             self._arm(self._head_deadline)
+        if self._body is not None and self._body.exception() is not None:
+            # A body that is not what its headers say (Content-Encoding: gzip
+            # that is not gzip): the parser stops there, so the connection
+            # closes after the answer. Draining it (lingering) would meet the
+            # error again and log it as an unhandled exception with a traceback
+            # of some 35 lines, which any client could add to the log at will.
+            self._body = None
+            self._lingering_time = 0.0
 
     # ------------------------------------------------------------------ deadlines
 
@@ -475,8 +484,13 @@ async def start_server(
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        # asyncio's message repeats the address; the errno's own text does not.
-        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        if isinstance(exc, socket.gaierror):
+            # getaddrinfo's errno is an EAI_* code, which os.strerror reads as
+            # "Unknown error -2": say what it means.
+            why = f"not a valid address or a host name that resolves ({exc.strerror})"
+        else:
+            # asyncio's message repeats the address; the errno's own text does not.
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
         raise ListenError(f"cannot listen on {host}:{port}: {why}") from None
     bound = port
     sockets = getattr(site._server, "sockets", None)

@@ -121,20 +121,29 @@ def answer_usage(data: Any) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+def token_count(value: Any) -> int | None:
+    """``value`` if it is a count of tokens (an integer >= 0), else None.
+
+    An engine's usage is untrusted input: a negative figure, a bool (an
+    ``int`` to Python: ``True`` would count as 1) or a float counted as a
+    token figure would make the Prometheus counters fed from it go down,
+    which ``rate()`` reads as a reset. Such a figure is treated as not reported.
+    """
+    return value if type(value) is int and value >= 0 else None
+
+
 def completion_tokens(usage: dict[str, Any] | None) -> int:
-    """``usage.completion_tokens`` (0: not reported): what the answer decoded."""
-    n = usage.get("completion_tokens") if usage else None
-    return n if isinstance(n, int) and n > 0 else 0
+    """``usage.completion_tokens`` (0: not reported, or not a count): what the answer decoded."""
+    return (token_count(usage.get("completion_tokens")) or 0) if usage else 0
 
 
 def usage_figures(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, cached_tokens)`` from an OpenAI usage object (None: not reported)."""
+    """``(prompt_tokens, cached_tokens)`` from an OpenAI usage object.
+
+    None for a figure not reported or not a count (:func:`token_count`).
+    """
     if not usage:
         return None, None
-    prompt = usage.get("prompt_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (
-        prompt if isinstance(prompt, int) else None,
-        cached if isinstance(cached, int) else None,
-    )
+    return token_count(usage.get("prompt_tokens")), token_count(cached)

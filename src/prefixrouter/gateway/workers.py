@@ -92,7 +92,7 @@ import zmq
 from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.outlier import OutlierDetector, OutlierPolicy, Transition
 from prefixrouter.core.types import WorkerId, WorkerView
-from prefixrouter.gateway.config import GatewayConfig, WorkerConfig
+from prefixrouter.gateway.config import GatewayConfig, WorkerConfig, engine_key
 from prefixrouter.gateway.metrics import WorkerGauges
 from prefixrouter.gateway.upstream import Endpoint
 from prefixrouter.prometheus import samples
@@ -382,6 +382,14 @@ class WorkerRegistry:
             for feed in self.events.feeds():
                 if feed.publisher == publisher:
                     return feed.worker_id
+        return None
+
+    def engine_owner(self, url: str) -> WorkerId | None:
+        """The worker whose URL reaches the same engine as ``url`` (:func:`.config.engine_key`)."""
+        key = engine_key(url)
+        for w in self.workers.values():
+            if engine_key(w.config.url) == key:
+                return w.id
         return None
 
     def _add(self, wc: WorkerConfig, ready: bool = True) -> Worker:
