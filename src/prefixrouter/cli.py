@@ -173,17 +173,20 @@ def _replicas_table(report: dict[str, Any]) -> Table:
         table.add_column(col, justify="left" if col == "policy" else "right")
 
     def spread(values: list[float], fmt: Any) -> str:
-        return f"({fmt(min(values))} - {fmt(max(values))})"
+        return f"({fmt(min(values))} - {fmt(max(values))})" if values else "(-)"
 
     for r in report["results"]:
         reps = r["replicas"]
+        # A replica that routed nothing has no share or TTFT (its JSON zeros are not
+        # figures): out of the ranges, still in the requests' range.
+        served = [x for x in reps if x["requests"]]
         share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
         pct = "{:.1%}".format
         table.add_row(
             r["policy"],
-            f"{share:.1%} {spread([x['cached_share'] for x in reps], pct)}",
-            f"{_ms(r['ttft_ms']['mean'])} {spread([x['ttft_ms']['mean'] for x in reps], _ms)}",
-            f"{_ms(r['ttft_ms']['p99'])} {spread([x['ttft_ms']['p99'] for x in reps], _ms)}",
+            f"{share:.1%} {spread([x['cached_share'] for x in served], pct)}",
+            f"{_ms(r['ttft_ms']['mean'])} {spread([x['ttft_ms']['mean'] for x in served], _ms)}",
+            f"{_ms(r['ttft_ms']['p99'])} {spread([x['ttft_ms']['p99'] for x in served], _ms)}",
             spread([x["requests"] for x in reps], str),
             style="bold" if r["policy"] == "prefix_aware" else None,
         )

@@ -85,6 +85,17 @@ def test_cli_several_replicas_report_pooled_and_per_replica_figures(tmp_path: Pa
     assert result["ttft_ms"]["mean"] == pytest.approx(pooled, abs=0.01)
 
 
+def test_cli_ranges_over_replicas_leave_out_those_that_routed_nothing() -> None:
+    # 5 requests over 8 replicas: three route nothing, and have no TTFT of 0 ms.
+    args = ["simulate", "--scenario", "doc-qa", "--requests", "5", "--policies", "prefix_aware"]
+    res = runner.invoke(app, [*args, "--replicas", "8"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    row = next(
+        line for line in res.output.splitlines() if "prefix_aware" in line and "(0 - 1)" in line
+    )
+    assert "(0 ms" not in row, row  # (a 0.0 % share can be real: a replica's cold request)
+
+
 def test_cli_refuses_a_negative_lag_with_one_line() -> None:
     res = runner.invoke(app, ["simulate", "--replicas", "2", "--sync-lag-ms", "-1"])
     assert res.exit_code == 2
