@@ -125,3 +125,38 @@ async def test_a_pick_tells_the_flow_the_requests_path_for_the_routers_own_copy(
         assert ex.picked is not None
         ex.close()
     assert paths == ["/v1/completions", "/v1/chat/completions"]
+
+
+async def _headers_only(st: GatewayState, headers: dict[str, str]) -> pb.ProcessingResponse:
+    """The answer to request headers that end the request (no body follows)."""
+    msg = ext_proc_headers(headers)
+    msg.end_of_stream = True
+    (answer,) = await Exchange(st, RequestFlow(st)).on(pb.ProcessingRequest(request_headers=msg))
+    return answer
+
+
+async def test_the_path_is_read_as_the_engine_reads_it_and_keys_hold_on_every_other_path() -> None:
+    # Before: '/v1/chat/%63ompletions' matched no API path, went through without the
+    # key check, and the engine (which decodes the path) served it as a chat completion.
+    st = _state(require_api_key=True, api_keys={"sk-a": "a"})
+    (encoded,) = await Exchange(st, RequestFlow(st)).on(
+        pb.ProcessingRequest(request_headers=ext_proc_headers({":path": "/v1/chat/%63ompletions"}))
+    )
+    assert encoded.immediate_response.status.code == 401
+    # An engine's own endpoint: the gateway's key rule too; the model list stays open.
+    tokenize = {":method": "POST", ":path": "/tokenize"}
+    assert (await _headers_only(st, tokenize)).immediate_response.status.code == 401
+    keyed = await _headers_only(st, {**tokenize, "authorization": "Bearer sk-a"})
+    assert protocol.DESTINATION in {
+        h.header.key for h in keyed.request_headers.response.header_mutation.set_headers
+    }
+    for models in ("/v1/models", "/v1/models/tiny"):
+        listed = await _headers_only(st, {":method": "GET", ":path": models})
+        assert not listed.HasField("immediate_response"), models
+
+
+async def test_a_completion_request_without_a_body_gets_the_gateways_400() -> None:
+    st = _state()
+    answer = await _headers_only(st, {":path": "/v1/chat/completions"})
+    assert answer.immediate_response.status.code == 400
+    assert orjson.loads(answer.immediate_response.body)["error"]["code"] == "invalid_json"

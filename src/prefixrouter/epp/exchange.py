@@ -6,8 +6,14 @@ headers and the response body. An :class:`Exchange` answers each message:
 
 1. **request headers**: the key is checked and the declared length bounded
    from the headers alone (401/413 as an ImmediateResponse at once, as the
-   gateway refuses them before reading a body). A request without a body
-   (``GET /v1/models``) is sent to the least-loaded ready worker. With a
+   gateway refuses them before reading a body). The path is read as the
+   engine will read it, percent-escapes decoded (:func:`api_path`): else
+   ``/v1/chat/%63ompletions`` would pass as "another path", unchecked, and
+   the engine would serve it as a chat completion. A request for another
+   path (``GET /v1/models``, an engine's own endpoints) is sent to the
+   least-loaded ready worker, with the key checked where keys are in force
+   (only the model list is open, as the gateway's); a completion request
+   without a body is answered as the gateway answers an empty body. With a
    ``BUFFERED`` body Envoy waits for this answer before sending the body,
    so it is answered at once (no change); in ``FULL_DUPLEX_STREAMED`` mode
    the body follows without waiting and the answer is held until the pick;
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -60,6 +67,8 @@ from prefixrouter.gateway.workers import Worker
 log = logging.getLogger("prefixrouter.epp")
 
 KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+OPEN_PATHS = ("/v1/models",)
+"""Paths that need no key (the gateway answers them without one): these and below."""
 CLIENT_GONE = 499
 _JSON = {"content-type": "application/json"}
 _UNARY_USAGE_MAX = 4 * 1024 * 1024
@@ -114,7 +123,7 @@ class Exchange:
             self.full_duplex_request = cfg.request_body_mode == protocol.FULL_DUPLEX
             self.full_duplex_response = cfg.response_body_mode == protocol.FULL_DUPLEX
         if which == "request_headers":
-            return self._request_headers(req)
+            return await self._request_headers(req)
         if which == "request_body":
             return await self._request_body(req.request_body)
         if which == "response_headers":
@@ -129,13 +138,18 @@ class Exchange:
 
     # ------------------------------------------------------------------ request
 
-    def _request_headers(self, req: pb.ProcessingRequest) -> Responses:
+    async def _request_headers(self, req: pb.ProcessingRequest) -> Responses:
         self.st.requests_seen += 1
         self.headers = h = protocol.read_headers(req.request_headers)
         self.subset = protocol.subset_hint(req)
-        path = h.get(":path", "").split("?", 1)[0]
+        path = api_path(h.get(":path", ""))
         self.kind = KINDS.get(path) if h.get(":method", "POST") == "POST" else None
         self.path = path
+        if self.kind is None and not _open(path):
+            try:  # an engine's own endpoint: no routing, but the gateway's key rule
+                self.st.tenancy.check_key(h.get("authorization"))
+            except GatewayError as exc:
+                return [self._refuse(exc)]
         if self.kind is not None:
             length = h.get("content-length")
             try:
@@ -148,9 +162,11 @@ class Exchange:
                 self.ticket = self.st.controls.acquire(tenant, h.get(PRIORITY_HEADER.lower()))
             except GatewayError as exc:
                 return [self._refuse(exc)]
-        if req.request_headers.end_of_stream or self.kind is None:
-            # Another path (or no body): nothing to route by; its body, if any, goes as it is.
+        if self.kind is None:
+            # Another path: nothing to route by; its body, if any, goes as it is.
             return self._pass_through()
+        if req.request_headers.end_of_stream:
+            return await self._pick(b"")  # no body: the gateway's answer to an empty one
         if self.full_duplex_request:
             return []  # answered with the pick, once the body is in
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
@@ -416,6 +432,16 @@ class Exchange:
     def _release(self, built: BuiltRequest) -> None:
         if built.blocks is not None:  # parsed on the parse thread: a large body
             self.flow.release(built)
+
+
+def api_path(raw: str) -> str:
+    """The API path of ``:path`` as an engine's HTTP server routes it: the query cut,
+    percent-escapes decoded (``/v1/chat/%63ompletions`` is ``/v1/chat/completions``)."""
+    return unquote(raw.split("?", 1)[0])
+
+
+def _open(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPEN_PATHS)
 
 
 def _continue_body() -> pb.ProcessingResponse:
