@@ -121,6 +121,17 @@ def test_an_unwritable_decision_log_is_refused_at_startup_in_one_line(tmp_path: 
         assert "Traceback" not in result.output
 
 
+def test_an_unwritable_access_log_is_refused_at_startup_in_one_line(tmp_path: Path) -> None:
+    for path in (tmp_path, tmp_path / "file" / "a.jsonl"):  # a folder; under a file
+        (tmp_path / "file").write_text("")
+        args = ["--port", "0", "--worker", "http://127.0.0.1:9", "--access-log", str(path)]
+        result = CliRunner().invoke(_app(), args)
+        assert result.exit_code == 2
+        last = result.output.strip().splitlines()[-1]
+        assert last.startswith(f"error: access_log.path: {path}: cannot write: "), last
+        assert "Traceback" not in result.output
+
+
 def test_an_invalid_listen_address_is_named_as_such() -> None:
     result = CliRunner().invoke(_app(), ["--port", "0", "--host", "999.1.1.1"])
     assert result.exit_code == 2

@@ -51,6 +51,9 @@ for a fresh seed instead of the fixed one)."""
 DERANDOMIZE = not os.environ.get("PREFIXROUTER_FUZZ_RANDOM")
 UPSTREAM_TYPES = frozenset({"upstream_error", "service_unavailable"})
 TRACEBACK = "Traceback (most recent call last)"
+ANY_STRING_PATHS = frozenset({"/v1/models/{model}"})
+"""Operations whose only input is a path segment any string may fill (a model id): no
+negative case exists, and positive ones name the served model (:func:`_served_models`)."""
 CHECKS: list[CheckFunction] = [response_schema_conformance, content_type_conformance]
 
 
@@ -92,6 +95,7 @@ def _served_models(doc: dict[str, Any]) -> dict[str, Any]:
     doc = orjson.loads(orjson.dumps(doc))
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"enum": ["tiny"]}
+    doc["components"]["parameters"]["model_id"]["schema"] = {"enum": ["tiny"]}
     return doc
 
 
@@ -128,7 +132,7 @@ def _fuzz(url: str, doc: dict[str, Any], mode: GenerationMode, totals: Totals) -
         if op.path == "/dashboard/events":
             continue  # a stream that never ends (tests/dashboard reads it)
         has_input = op.body or op.query or op.headers or op.path_parameters
-        if mode is GenerationMode.NEGATIVE and not has_input:
+        if mode is GenerationMode.NEGATIVE and (not has_input or op.path in ANY_STRING_PATHS):
             continue  # nothing to make invalid
         _fuzz_operation(url, op, mode, totals)
 

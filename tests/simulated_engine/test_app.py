@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from typing import Any
@@ -303,3 +304,54 @@ async def test_a_date_string_goes_ahead_of_the_prompt_as_llama_templates_write_i
         resp = await client.post("/v1/chat/completions/render", json=bad)
         assert resp.status == 400
         assert (await resp.json())["error"]["param"] == "chat_template_kwargs"
+
+
+async def test_vllm_request_validation_over_http() -> None:
+    async with served(time_scale=50) as (client, _):
+        # null is the default (OpenAI's API and vLLM): a plain answer, not a stream.
+        body = _chat("hi", max_tokens=2, stream=None)
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status == 200 and (await resp.json())["object"] == "chat.completion"
+        # A list of bare strings is text parts to vLLM (its content-part union holds str).
+        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": ["hi"]}]}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        for path, body in (
+            ("/v1/chat/completions", _chat("hi", temperature="hot")),
+            ("/v1/completions", {"prompt": "hi", "top_p": 2}),
+            ("/v1/chat/completions", _chat("hi", user=5)),
+        ):
+            resp = await client.post(path, json=body)
+            err = (await resp.json())["error"]
+            field = next(k for k in body if k not in ("model", "messages", "prompt"))
+            assert resp.status == 400 and err["param"] == field and field in err["message"]
+            assert (err["type"], err["code"]) == ("BadRequestError", 400)
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
+    """/health answers while a long prompt is tokenized: the tokenizer must release the GIL
+    on its thread (a 3.5 MB prompt held the loop for seconds: the gateway's health check
+    timed out and took the engine for down)."""
+    async with served() as (client, _):
+        prompt = long_text(200_000)  # about 1.4 MB: about a second to tokenize
+        answered: list[float] = []  # when each /health answer came
+        done = asyncio.Event()
+
+        async def poll() -> None:
+            while not done.is_set():
+                assert (await client.get("/health")).status == 200
+                answered.append(time.perf_counter())
+                await asyncio.sleep(0.02)
+
+        poller = asyncio.create_task(poll())
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        took = time.perf_counter() - t0
+        done.set()
+        await poller
+        assert resp.status == 400  # longer than max_model_len: refused once tokenized
+        # The client shares the server's loop: the longest wait between two answers is
+        # the longest the loop was held. Against the request's own time: a slow machine
+        # is no failure.
+        gap = max(b - a for a, b in itertools.pairwise(answered))
+        assert gap < took / 2, (gap, took, len(answered))

@@ -36,6 +36,55 @@ def test_bad_options_are_400(body: dict[str, Any], param: str | None) -> None:
     assert info.value.status == 400 and info.value.param == param
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # Types of vLLM's request model (pydantic's words), then SamplingParams' ranges (vLLM's).
+        ("temperature", "hot", "temperature: Input should be a valid number, got 'hot'."),
+        ("temperature", True, "temperature: Input should be a valid number, got True."),
+        ("temperature", -0.5, "temperature must be non-negative, got -0.5."),
+        ("temperature", 5, "temperature must be in [0, 2], got 5.0."),
+        ("top_p", 2, "top_p must be in (0, 1], got 2.0."),
+        ("top_p", 0, "top_p must be in (0, 1], got 0.0."),
+        ("top_k", 1.5, "top_k: Input should be a valid integer, got 1.5."),
+        ("top_k", -2, "top_k must be 0 (disable), or at least 1, got -2."),
+        ("min_p", 1.5, "min_p must be in [0, 1], got 1.5."),
+        ("presence_penalty", 3, "presence_penalty must be in [-2, 2], got 3.0."),
+        ("frequency_penalty", -3, "frequency_penalty must be in [-2, 2], got -3.0."),
+        ("repetition_penalty", 0, "repetition_penalty must be greater than zero, got 0.0."),
+        ("seed", 2**63, f"seed must be a signed 64-bit integer, got {2**63}."),
+        ("n", "x", "n: Input should be a valid integer, got 'x'."),
+        ("n", 0, "n must be at least 1, got 0."),
+        ("n", 2, "Only n=1 is supported by this engine."),
+        ("stream", "yes", "stream: Input should be a valid boolean, got 'yes'."),
+        ("user", 5, "user: Input should be a valid string, got 5."),
+    ],
+)
+def test_fields_are_validated_as_vllm_does(field: str, value: Any, message: str) -> None:
+    for kind in ("chat", "completion"):
+        with pytest.raises(ApiError) as info:
+            parse_options({field: value}, kind)
+        err = info.value
+        assert (err.status, err.param, err.message) == (400, field, message)
+        assert json.loads(err.body())["error"] == {
+            "message": message,
+            "type": "BadRequestError",
+            "param": field,
+            "code": 400,
+        }
+
+
+def test_null_is_the_default_and_edges_are_accepted() -> None:
+    # OpenAI's API and vLLM take null for "not given": stream null is a plain answer.
+    fields = ["temperature", "top_p", "top_k", "min_p", "seed", "n", "stream", "user"]
+    nulls = dict.fromkeys([*fields, "stream_options", "max_tokens", "cache_salt"])
+    o = parse_options(nulls, "chat")
+    assert (o.stream, o.include_usage, o.max_tokens) == (False, False, None)
+    edges = {"temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0, "presence_penalty": -2}
+    edges |= {"frequency_penalty": 2.0, "repetition_penalty": 1.2, "seed": -(2**63), "n": 1}
+    assert parse_options({**edges, "temperature": 2.0, "user": "u1"}, "completion").stream is False
+
+
 def test_options() -> None:
     body = {"max_tokens": 5, "max_completion_tokens": 7, "stream": True, "cache_salt": "s"}
     o = parse_options({**body, "stream_options": {"include_usage": True}}, "chat")

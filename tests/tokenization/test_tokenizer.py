@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from prefixrouter.tokenization import (
+    LONG_TEXT_CHARS,
     SPECIAL_TOKENS,
     TOKENIZER_VERSION,
     VOCAB_SIZE,
@@ -133,3 +134,13 @@ def test_hf_folder_for_peer_routers(tokenizer_cache: str) -> None:
         "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
     ]  # fmt: skip
     assert load_tokenizer(folder).path == (folder / "tokenizer.json").resolve()
+
+
+def test_a_long_text_encodes_to_the_same_ids_with_the_gil_released() -> None:
+    tok = load_tokenizer()
+    piece = "The <|im_start|>cache holds 12,345 blocks; café naïve — ok.\n"
+    text = piece * (LONG_TEXT_CHARS // len(piece) + 2)
+    assert len(text) >= LONG_TEXT_CHARS
+    # The long path (encode_batch) against the short one, piece by piece: the pieces
+    # end in a newline, which no token crosses here.
+    assert tok.encode(text) == tok.encode(piece) * (LONG_TEXT_CHARS // len(piece) + 2)

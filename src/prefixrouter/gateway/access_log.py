@@ -33,6 +33,13 @@ and appends it to the file, so neither JSON encoding nor the write runs on
 the event loop. Lines still buffered when the gateway stops are written at
 its cleanup.
 
+The file is a :class:`~prefixrouter.gateway.log_file.LogFile`, as the
+decision log's: opened when the gateway starts (:meth:`AccessLog.open`), so
+a path that cannot be written stops the start with one line naming
+``access_log.path``; a write that fails later (a full disk) drops the batch,
+counts it in :attr:`AccessLog.dropped` and warns once per outage, and the
+next batch tries again. Buffered lines are bounded (:data:`MAX_PENDING`).
+
 :func:`note_requests` is the middleware that makes each request's note and,
 at its end, hands it to the per-tenant metrics and to this log.
 """
@@ -45,13 +52,21 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from prefixrouter.gateway.log_file import LogFile
+
 log = logging.getLogger("prefixrouter.gateway")
+
+MAX_PENDING = 100_000
+"""Lines waiting for the file at most; past it new ones are dropped (and counted).
+
+The flusher empties the list every ``flush_interval_s``; the bound keeps a
+stalled write (a hung disk) from growing the process."""
 
 FIELDS = (
     "ts",
@@ -126,14 +141,14 @@ def render(note: RequestNote) -> dict[str, Any]:
     }
 
 
-def _lines(batch: list[RequestNote]) -> bytes:
+def _lines(batch: list[RequestNote]) -> list[bytes]:
     out = []
     for note in batch:
         try:
             out.append(orjson.dumps(render(note)) + b"\n")
         except (TypeError, orjson.JSONEncodeError):  # a path that is not UTF-8
             log.warning("access log: dropped a line that is not JSON-serializable")
-    return b"".join(out)
+    return out
 
 
 class AccessLog:
@@ -148,22 +163,38 @@ class AccessLog:
         self.path = path
         self.flush_interval_s = flush_interval_s
         self._pending: list[RequestNote] = []
-        self._file: IO[bytes] | None = None
-        self.written = 0
+        self._file = LogFile(path, "access log", "access_log.path")
+
+    @property
+    def written(self) -> int:
+        """Lines written to the file."""
+        return self._file.written
+
+    @property
+    def dropped(self) -> int:
+        """Lines that never reached the file (module docstring)."""
+        return self._file.dropped
+
+    def open(self) -> None:
+        """Open the file for append now (the gateway's startup).
+
+        Raises:
+            ConfigError: It cannot be opened for append; the message names
+                ``access_log.path``, the path and why.
+        """
+        self._file.open()
 
     def record(self, note: RequestNote) -> None:
         """Keep one finished request's line (the hot path: one append)."""
-        self._pending.append(note)
+        if len(self._pending) < MAX_PENDING:
+            self._pending.append(note)
+        else:
+            self._file.dropped += 1
 
     def _write(self, batch: list[RequestNote]) -> None:
-        """Render and append ``batch`` (on the flusher's thread, or at close)."""
-        data = _lines(batch)
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("ab")
-        self._file.write(data)
-        self._file.flush()
-        self.written += len(batch)
+        """Render and append ``batch`` (on the flusher's thread, or at close); never raises
+        :class:`OSError` (a failed write is dropped and counted, module docstring)."""
+        self._file.write(_lines(batch))
 
     def take(self) -> list[RequestNote]:
         """The buffered notes, emptying the buffer."""
@@ -180,22 +211,20 @@ class AccessLog:
                 if batch:
                     try:
                         await loop.run_in_executor(None, self._write, batch)
-                    except OSError as exc:  # a full disk must not stop the gateway
-                        log.warning("access log: cannot write %s: %s", self.path, exc)
+                    except Exception:  # a bug in one batch must not stop the flusher for good
+                        log.exception("access log: flush failed")
         finally:
             self.close()
 
     def close(self) -> None:
-        """Write what is buffered and close the file."""
-        batch = self.take()
+        """Write what is buffered and close the file; never raises (the shutdown path)."""
         try:
+            batch = self.take()
             if batch:
                 self._write(batch)
-        except OSError as exc:
-            log.warning("access log: cannot write %s: %s", self.path, exc)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        except Exception:  # the cleanup after it must run
+            log.exception("access log: flush failed")
+        self._file.close()
 
 
 MAX_REQUEST_ID_CHARS = 128

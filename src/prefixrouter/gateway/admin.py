@@ -50,6 +50,7 @@ from prefixrouter.gateway.errors import (
     NotFound,
     Unauthorized,
     error_response,
+    model_not_found,
 )
 from prefixrouter.gateway.state import GatewayState
 from prefixrouter.gateway.tenancy import bearer_token
@@ -62,6 +63,11 @@ ADMIN_DISABLED = (
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type=JSON)
+
+
+def _model_card(model: str) -> dict[str, Any]:
+    """OpenAI's model object of one served model (``/v1/models`` and ``/v1/models/{model}``)."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "prefixrouter"}
 
 
 def check_admin_key(request: web.Request, key: bytes) -> None:
@@ -102,11 +108,16 @@ class Admin:
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the union of the workers' models and adapters."""
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "prefixrouter"}
-            for m in self.st.registry.models()
-        ]
+        data = [_model_card(m) for m in self.st.registry.models()]
         return _json({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: one model of ``/v1/models`` (OpenAI's retrieve,
+        the SDK's ``models.retrieve``); 404 ``model_not_found`` for any other."""
+        model = request.match_info["model"]
+        if model not in self.st.registry.models():
+            return error_response(model_not_found(model))
+        return _json(_model_card(model))
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: liveness: 200 while the process serves, whatever the engines' state.

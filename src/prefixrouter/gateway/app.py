@@ -3,7 +3,7 @@
 ``create_app(config)`` returns an aiohttp application with:
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`.proxy`);
-* ``GET /v1/models``, ``/health`` (liveness), ``/ready`` (readiness: a
+* ``GET /v1/models`` and ``/v1/models/{model}``, ``/health`` (liveness), ``/ready`` (readiness: a
   cluster replica answers 503 until it has replayed its peers' facts),
   ``/metrics`` and the ``/admin/*`` endpoints
   (:mod:`.admin`), ``/dashboard`` (:mod:`.dashboard`); ``GET /openapi.json``,
@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from prefixrouter.errors import ConfigError
 from prefixrouter.gateway.access_log import note_requests
 from prefixrouter.gateway.admin import Admin, add_observability_routes
 from prefixrouter.gateway.config import GatewayConfig
@@ -87,12 +88,19 @@ async def background(app: web.Application) -> AsyncIterator[None]:
     gateway and the endpoint picker (:mod:`prefixrouter.epp`) both run it.
 
     Raises:
-        ConfigError: The decision log's file cannot be opened for append.
+        ConfigError: The decision log's or the access log's file cannot be
+            opened for append.
     """
     st = app[STATE]
-    # First, before anything is started: a decision log that cannot be written
-    # stops the start with one line (ConfigError), not every record later.
+    # First, before anything is started: a log that cannot be written stops
+    # the start with one line (ConfigError), not a warning at every flush later.
     st.decisions.open()
+    if st.access is not None:
+        try:
+            st.access.open()
+        except ConfigError:
+            st.decisions.close()
+            raise
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
     st.session = aiohttp.ClientSession(connector=connector)
     flusher = asyncio.get_running_loop().create_task(st.decisions.run(), name="decision-log")
@@ -182,6 +190,8 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     r.add_post("/v1/chat/completions", proxy.chat)
     r.add_post("/v1/completions", proxy.completions)
     r.add_get("/v1/models", admin.models)
+    # A model id may hold slashes (``org/name``): the rest of the path is the id.
+    r.add_get("/v1/models/{model:.+}", admin.model)
     add_observability_routes(app, admin)
     add_dashboard_routes(app)  # GET /dashboard and its live feed (.dashboard)
     r.add_get(OPENAPI_PATH, openapi_handler(config))

@@ -39,29 +39,29 @@ request allocate cold memory and made the cyclic collector rescan them.
 Records are complete only at the end of a request, so the file is in
 completion order.
 
-The file is opened for append when the gateway starts (:meth:`DecisionLog.open`):
-a path that cannot be written (a folder, no permission) stops the start with
-one line naming it. A write that fails later (a full disk, a file removed
-from under it) never stops the flusher: the batch is dropped and counted in
-:attr:`DecisionLog.dropped`, one warning says so, and the next batches try
-again (reopening the file).
+The file is a :class:`~prefixrouter.gateway.log_file.LogFile`, opened for
+append when the gateway starts (:meth:`DecisionLog.open`): a path that cannot
+be written (a folder, no permission) stops the start with one line naming it.
+A write that fails later (a full disk, a file removed from under it) never
+stops the flusher: the batch is dropped and counted in
+:attr:`DecisionLog.dropped`, one warning says so per outage, and the next
+batches try again (reopening the file).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
 from prefixrouter.core.router import Decision
-from prefixrouter.errors import ConfigError, unwritable
+from prefixrouter.gateway.log_file import LogFile
 
 log = logging.getLogger("prefixrouter.gateway")
 
@@ -223,13 +223,23 @@ class DecisionLog:
         self.flush_interval_s = flush_interval_s
         self._ring: deque[LogEntry] = deque(maxlen=ring_size)
         self._pending: list[LogEntry] = []
-        self._file: IO[bytes] | None = None
-        self._failing = False
-        self.written = 0
-        self.dropped = 0
-        """Records that could not be written to the file (module docstring)."""
+        self._file = (
+            LogFile(path, "decision log", "decision_log.path", "records")
+            if path is not None
+            else None
+        )
         self.recorded = 0
         """Records kept since start (the dashboard's count of decisions made)."""
+
+    @property
+    def written(self) -> int:
+        """Records written to the file."""
+        return self._file.written if self._file is not None else 0
+
+    @property
+    def dropped(self) -> int:
+        """Records that could not be written to the file (module docstring)."""
+        return self._file.dropped if self._file is not None else 0
 
     def open(self) -> None:
         """Open the file for append now (the gateway's startup); nothing without a path.
@@ -238,28 +248,19 @@ class DecisionLog:
             ConfigError: It cannot be opened for append; the message names
                 ``decision_log.path``, the path and why.
         """
-        if self.path is None or self._file is not None:
-            return
-        try:
-            self._file = self._open()
-        except OSError as exc:
-            raise ConfigError(f"decision_log.path: {unwritable(self.path, exc)}") from None
-
-    def _open(self) -> IO[bytes]:
-        assert self.path is not None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return self.path.open("ab")
+        if self._file is not None:
+            self._file.open()
 
     def record(self, decision: Decision, outcome: RequestOutcome) -> None:
         """Keep one finished request (cheap: no serialization here)."""
         entry = LogEntry(decision, outcome)
         self._ring.append(entry)
         self.recorded += 1
-        if self.path is not None:
+        if self._file is not None:
             if len(self._pending) < MAX_PENDING:
                 self._pending.append(entry)
             else:
-                self.dropped += 1
+                self._file.dropped += 1
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` records, oldest first."""
@@ -283,7 +284,7 @@ class DecisionLog:
         Never raises :class:`OSError`: a batch that cannot be written is
         dropped and counted (module docstring).
         """
-        if not self._pending or self.path is None:
+        if not self._pending or self._file is None:
             return 0
         batch, self._pending = self._pending, []
         lines = []
@@ -294,31 +295,7 @@ class DecisionLog:
                 # One record that cannot be written (a string that is not
                 # UTF-8) must not cost the others, nor stop the flusher.
                 log.warning("decision log: dropped a record that is not JSON-serializable")
-        try:
-            if self._file is None:
-                self._file = self._open()
-            self._file.write(b"".join(lines))
-            self._file.flush()
-        except OSError as exc:
-            self.dropped += len(lines)
-            self._close_file()  # reopened by the next batch: the file may come back
-            if not self._failing:  # once per outage, not once per batch
-                self._failing = True
-                log.warning(
-                    "decision log: cannot write %s: %s; records are dropped until it can be",
-                    self.path,
-                    exc.strerror or exc,
-                )
-            return 0
-        if self._failing:
-            self._failing = False
-            log.warning(
-                "decision log: writing %s again (%d records dropped so far)",
-                self.path,
-                self.dropped,
-            )
-        self.written += len(lines)
-        return len(lines)
+        return self._file.write(lines)
 
     async def run(self) -> None:
         """Flush every ``flush_interval_s`` until cancelled (then flush once more)."""
@@ -338,10 +315,5 @@ class DecisionLog:
             self.flush()
         except Exception:  # the cleanup after it must run
             log.exception("decision log: flush failed")
-        self._close_file()
-
-    def _close_file(self) -> None:
-        file, self._file = self._file, None
-        if file is not None:
-            with contextlib.suppress(OSError):  # it flushes its buffer: may fail as the write did
-                file.close()
+        if self._file is not None:
+            self._file.close()

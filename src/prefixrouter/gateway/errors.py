@@ -138,6 +138,12 @@ class NotFound(GatewayError):
     code = "not_found"
 
 
+def model_not_found(model: str) -> NotFound:
+    """404 for a model no worker serves, in OpenAI's words (``code`` ``model_not_found``,
+    ``param`` ``model``): a completion that names it, ``GET /v1/models/{model}``."""
+    return NotFound(f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
 class Conflict(GatewayError):
     """409: the object exists (adding a worker whose id or KV-event topic is taken)."""
 

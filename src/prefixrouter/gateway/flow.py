@@ -50,9 +50,9 @@ from prefixrouter.gateway.errors import (
     BadRequest,
     Forbidden,
     GatewayError,
-    NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    model_not_found,
 )
 from prefixrouter.gateway.fleet import Steer
 from prefixrouter.gateway.request_builder import BuiltRequest
@@ -159,9 +159,7 @@ class RequestFlow:
         if not st.registry.serves(built.model):
             if built.blocks is not None:
                 self.release(built)
-            raise NotFound(
-                f"The model `{built.model}` does not exist.", code="model_not_found", param="model"
-            )
+            raise model_not_found(built.model)
         return built
 
     def _parse(

@@ -202,6 +202,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {"200": _ok("The models", {"type": "object", "required": ["object", "data"]})},
         tags=("openai",),
     ),
+    ("GET", "/v1/models/{model}"): Operation(
+        "One model the workers serve (404 model_not_found for any other)",
+        {"200": _ok("The model", {"type": "object", "required": ["id", "object"]})},
+        parameters=("model_id",),
+        tags=("openai",),
+    ),
     ("GET", "/health"): Operation(
         "Liveness: 200 while a worker can take requests, else 503",
         {"200": _ok("Healthy", _STATUS), "503": _ok("No healthy worker", _STATUS)},
@@ -292,6 +298,7 @@ def _parameters(config: GatewayConfig) -> dict[str, Any]:
             "schema": {"enum": [c.value for c in PrefixClass]},
         },
         "worker_id": {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}},
+        "model_id": {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}},
         "asset_name": {
             "name": "name",
             "in": "path",

@@ -80,6 +80,7 @@ from prefixrouter.simulated_engine.protocol import (
 )
 from prefixrouter.simulated_engine.runtime import EngineRuntime, RequestHandle
 from prefixrouter.tokenization import (
+    LONG_TEXT_CHARS,
     ChatTemplateError,
     Tokenizer,
     hf_tokenizer_dir,
@@ -94,8 +95,6 @@ FILLER_TEXT = (
     " the data for each item in the file is ready to use"
 )
 """Output tokens cycle through this text's tokens (every one decodes to ASCII on its own)."""
-OFFLOAD_CHARS = 64_000
-"""Prompts longer than this are tokenized in a thread, off the event loop."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -191,7 +190,11 @@ class EngineServer:
         return [pieces[i % n] for i in range(start, stop)]
 
     async def _encode(self, text: str) -> list[int]:
-        if len(text) <= OFFLOAD_CHARS:
+        """Token ids of ``text``; a long one on a thread, so ``/health`` and the
+        streams in flight are answered meanwhile (the tokenizer releases the GIL
+        for those, :data:`~prefixrouter.tokenization.tokenizer.LONG_TEXT_CHARS`).
+        The engine model's timings start at the submit, after this: unchanged."""
+        if len(text) < LONG_TEXT_CHARS:
             return self.tokenizer.encode(text)
         return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
 

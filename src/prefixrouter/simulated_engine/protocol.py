@@ -14,10 +14,19 @@ latter), ``stream``, ``stream_options.include_usage``, ``cache_salt``, ``tools``
 ``add_generation_prompt``, ``n`` (1 only), ``ignore_eos`` and every sampling
 field (accepted, ignored: output is filler of exactly ``max_tokens`` tokens, or
 of the engine's ``answer_tokens`` when fewer: ``finish_reason`` ``stop``).
+
+The sampling fields are still validated as vLLM validates them
+(:func:`check_fields`), so a client's bad ``temperature`` gets the 400 it
+would get from vLLM: the type of vLLM's request model (``null`` is the
+default, as in OpenAI's API), then the range its ``SamplingParams`` checks,
+in vLLM's words. Where vLLM's pydantic model would coerce a value of another
+JSON type (``"0.5"`` for a number, ``1.0`` for an integer), this engine
+refuses it, as it does for ``max_tokens`` and as the gateway does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -91,6 +100,78 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INTEGERS = ("top_k", "seed", "n")
+_OTHERS: dict[str, tuple[type, str]] = {"stream": (bool, "boolean"), "user": (str, "string")}
+"""The fields :func:`check_fields` checks: each ``T | None`` in vLLM's
+``ChatCompletionRequest`` and ``CompletionRequest`` (None: the default),
+``float`` (numbers), ``int`` (integers) or another type."""
+
+
+def _range_error(name: str, value: float) -> str | None:
+    """vLLM's ``SamplingParams._verify_args`` message for an out-of-range value, or None."""
+    if name == "temperature":
+        if not math.isfinite(value):
+            return f"temperature must be a finite number, got {value}."
+        if value < 0.0:
+            return f"temperature must be non-negative, got {value}."
+        if value > 2.0:
+            return f"temperature must be in [0, 2], got {value}."
+    elif name == "top_p" and not 0.0 < value <= 1.0:
+        return f"top_p must be in (0, 1], got {value}."
+    elif name == "min_p" and not 0.0 <= value <= 1.0:
+        return f"min_p must be in [0, 1], got {value}."
+    elif name in ("presence_penalty", "frequency_penalty") and not -2.0 <= value <= 2.0:
+        return f"{name} must be in [-2, 2], got {value}."
+    elif name == "repetition_penalty":
+        if not math.isfinite(value):
+            return f"repetition_penalty must be a finite number, got {value}."
+        if value <= 0.0:
+            return f"repetition_penalty must be greater than zero, got {value}."
+    elif name == "top_k" and value < -1:  # vLLM takes -1 for 0 (disabled)
+        return f"top_k must be 0 (disable), or at least 1, got {value}."
+    elif name == "seed" and not _INT64_MIN <= value <= _INT64_MAX:
+        return f"seed must be a signed 64-bit integer, got {value}."
+    elif name == "n" and value < 1:
+        return f"n must be at least 1, got {value}."
+    return None
+
+
+def check_fields(body: Mapping[str, Any]) -> None:
+    """Validate the sampling fields (and ``n``, ``stream``, ``user``) as vLLM does (module
+    docstring), though the engine ignores most of them.
+
+    Raises:
+        ApiError: 400 naming the field (``param`` and the message).
+    """
+    for name in (*_NUMBERS, *_INTEGERS):
+        value = body.get(name)
+        if value is None:
+            continue
+        integer = name in _INTEGERS
+        typed = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if not typed or isinstance(value, bool):  # a bool is an int to Python, not to JSON
+            what = "integer" if integer else "number"
+            raise bad_request(f"{name}: Input should be a valid {what}, got {value!r}.", name)
+        # vLLM's model makes a float of a number field's integer (its messages say 2.0).
+        message = _range_error(name, value if integer else float(value))
+        if message is not None:
+            raise bad_request(message, name)
+    for name, (kind, what) in _OTHERS.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise bad_request(f"{name}: Input should be a valid {what}, got {value!r}.", name)
+
+
 @dataclass(frozen=True, slots=True)
 class Options:
     """The generation options of a request that this engine honours.
@@ -114,15 +195,13 @@ def parse_options(body: Mapping[str, Any], kind: Kind) -> Options:
     Raises:
         ApiError: 400 naming the field.
     """
+    check_fields(body)
     max_tokens = _positive_int(body, "max_tokens")
     if kind == "chat":
         max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
-    n = body.get("n", 1)
-    if n not in (None, 1):
+    if body.get("n") not in (None, 1):  # an integer of 2 or more (check_fields)
         raise bad_request("Only n=1 is supported by this engine.", "n")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean.", "stream")
+    stream = body.get("stream") is True  # null is the default, false (check_fields)
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:

@@ -21,6 +21,7 @@ from prefixrouter.tokenization.chat_template import (
 )
 from prefixrouter.tokenization.chatml import CHAT_TEMPLATE_JINJA, ChatTemplateError, render_chat
 from prefixrouter.tokenization.tokenizer import (
+    LONG_TEXT_CHARS,
     SPECIAL_TOKENS,
     TOKENIZER_VERSION,
     VOCAB_SIZE,
@@ -34,6 +35,7 @@ from prefixrouter.tokenization.tokenizer import (
 
 __all__ = [
     "CHAT_TEMPLATE_JINJA",
+    "LONG_TEXT_CHARS",
     "SPECIAL_TOKENS",
     "TOKENIZER_VERSION",
     "VOCAB_SIZE",

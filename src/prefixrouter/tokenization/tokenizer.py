@@ -204,6 +204,12 @@ def hf_tokenizer_dir(directory: str | os.PathLike[str] | None = None) -> Path:
 
 # ----------------------------------------------------------------- the object
 
+LONG_TEXT_CHARS = 64_000
+"""Texts this long are encoded with the GIL released (:meth:`Tokenizer.encode`).
+
+Below it the GIL is held for a few milliseconds at most, and plain ``encode``
+saves the batch call's overhead on the short prompts of the hot path."""
+
 
 class Tokenizer:
     """A loaded tokenizer: encode, decode and the chat template.
@@ -248,8 +254,17 @@ class Tokenizer:
         return int(self._tok.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens in the text become their ids)."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """Token ids of ``text`` (special tokens in the text become their ids).
+
+        A text of :data:`LONG_TEXT_CHARS` or more is encoded with the GIL
+        released, so a caller that runs this on a worker thread leaves its
+        event loop free meanwhile (a 3 MB prompt takes seconds).
+        """
+        if len(text) < LONG_TEXT_CHARS:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        # tokenizers holds the GIL for all of encode() but releases it in
+        # encode_batch(): the same ids, and other threads run meanwhile.
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a completions prompt: as vLLM, with the tokenizer's own
