@@ -160,3 +160,23 @@ async def test_a_completion_request_without_a_body_gets_the_gateways_400() -> No
     answer = await _headers_only(st, {":path": "/v1/chat/completions"})
     assert answer.immediate_response.status.code == 400
     assert orjson.loads(answer.immediate_response.body)["error"]["code"] == "invalid_json"
+
+
+async def test_envoys_own_503_makes_the_picked_worker_suspect_an_engines_does_not() -> None:
+    st = _state()
+    flow = RequestFlow(st)
+
+    async def answered(content_type: str) -> Exchange:
+        ex = Exchange(st, flow)
+        await _pick(ex, orjson.dumps(chat_body(content_type)))
+        msg = ext_proc_headers({":status": "503", "content-type": content_type})
+        await ex.on(pb.ProcessingRequest(response_headers=msg))
+        ex.close()
+        return ex
+
+    engine = await answered("application/json")  # the engine's own 503: overloaded, say
+    assert engine.picked is not None and not engine.picked.worker.suspect
+    envoy = await answered("text/plain")  # Envoy's: upstream connect error
+    assert envoy.picked is not None and envoy.picked.worker.suspect
+    views = {v.worker_id: v for v in st.registry.views()}
+    assert not views[envoy.picked.worker.id].healthy  # out of routing until a check passes

@@ -29,7 +29,9 @@ headers and the response body. An :class:`Exchange` answers each message:
 3. **response headers**: the status and the endpoint that served (when it
    is not the one picked, a fallback served: the pick is taken back and no
    usage is fed back for it, since its worker's prefill is unknown). The
-   gateway's ``X-Prefixrouter-Worker`` and ``X-Request-Id`` are added;
+   gateway's ``X-Prefixrouter-Worker`` and ``X-Request-Id`` are added.
+   Envoy's own 503 (plain text: the endpoint could not be reached) makes
+   the picked worker suspect, out of routing until a health check passes;
 4. **response body**: the first chunk is the time to first token of a
    stream (measured from the pick: the engine's queue, prefill and Envoy's
    forwarding); a stream runs through the gateway's
@@ -317,6 +319,12 @@ class Exchange:
         add: dict[str, str] = {}
         if picked is not None:
             served = protocol.served_endpoint(req)
+            if self.status == 503 and h.get("content-type", "").startswith("text/plain"):
+                # Envoy's own answer (an engine's 503 is JSON): it could not reach the
+                # picked endpoint. Out of routing until a check passes, checked now, as the
+                # gateway does with a worker gone silent; else the next requests meet the
+                # same dead endpoint until the next scheduled check.
+                self.st.registry.mark_suspect(picked.worker, "unreachable through Envoy")
             if served is not None and served != _destination(picked.worker):
                 self._fallback_served(picked, served)
             else:
