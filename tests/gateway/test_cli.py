@@ -132,6 +132,21 @@ def test_an_unwritable_access_log_is_refused_at_startup_in_one_line(tmp_path: Pa
         assert "Traceback" not in result.output
 
 
+def test_a_tokenizer_path_that_is_not_there_is_one_line(tmp_path: Path) -> None:
+    # The examples' placeholder (/models/tiny), copied as it is: before, a traceback.
+    cfg = tmp_path / "gw.yaml"
+    missing = tmp_path / "models" / "tiny"
+    cfg.write_text(
+        "workers: [{url: 'http://127.0.0.1:9'}]\n"
+        f"routing: {{mode: token, tokenizer: '{missing}'}}\n"
+    )
+    result = CliRunner().invoke(_app(), ["--config", str(cfg), "--port", "0"])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: routing.tokenizer: {missing}"), last
+    assert "cannot read" in last and "Traceback" not in result.output
+
+
 def test_an_invalid_listen_address_is_named_as_such() -> None:
     result = CliRunner().invoke(_app(), ["--port", "0", "--host", "999.1.1.1"])
     assert result.exit_code == 2

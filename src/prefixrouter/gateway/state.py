@@ -29,6 +29,7 @@ from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router, replica_salt
 from prefixrouter.core.types import WorkerId
 from prefixrouter.discovery.kubernetes import DiscoveryCollector
+from prefixrouter.errors import ConfigError, unreadable
 from prefixrouter.gateway.access_log import AccessLog, RequestNote
 from prefixrouter.gateway.cluster_link import build_node, replica_id
 from prefixrouter.gateway.config import GatewayConfig
@@ -129,7 +130,11 @@ def _load_tokenizer(config: GatewayConfig) -> ChatTokenizer | None:
         return None
     from prefixrouter.tokenization import load_tokenizer
 
-    tok: ChatTokenizer = load_tokenizer(config.routing.tokenizer)
+    try:
+        tok: ChatTokenizer = load_tokenizer(config.routing.tokenizer)
+    except OSError as exc:  # a path that is not there (a placeholder copied from an example)
+        where = exc.filename or config.routing.tokenizer
+        raise ConfigError(f"routing.tokenizer: {unreadable(where, exc)}") from None
     return tok
 
 
