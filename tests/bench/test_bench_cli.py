@@ -189,6 +189,34 @@ def test_bad_input_is_one_line_not_a_traceback(args: list[str], message: str) ->
     assert message in out.output and "Traceback" not in out.output
 
 
+@pytest.mark.parametrize(
+    ("option", "name", "message"),
+    [
+        ("--json", "outdir", "is a directory"),
+        ("--markdown", "outdir", "is a directory"),
+        ("--plot", "outdir", "is a directory"),
+        ("--plot", "outdir/bench", "expected a file name ending in .png"),
+        ("--plot", "out.txt", "expected a file name ending in .png"),
+        ("--json", "afile/bench.json", "is not a folder"),
+    ],
+)
+def test_output_paths_are_checked_before_any_engine_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str, name: str, message: str
+) -> None:
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "afile").write_text("")
+
+    def no_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the bench ran with an output path it cannot write")
+
+    monkeypatch.setattr("prefixrouter.bench.runner.run_bench", no_run)
+    path = tmp_path / name
+    out = CliRunner().invoke(app, ["bench", "--no-overhead", option, str(path)])
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert out.output.startswith(f"error: {option} {path}: ") and message in out.output
+    assert len(out.output.strip().splitlines()) == 1, out.output
+
+
 def test_peers_dir_must_be_a_directory(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TypedDict
 
@@ -12,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, parse_counters
 from prefixrouter.bench.instant import create_app
 from prefixrouter.bench.loadgen import Latencies, _Conn
+from prefixrouter.bench.report import plot
 from prefixrouter.bench.routers import (
     PEERS_ENV,
     ROUTERS,
@@ -20,7 +22,9 @@ from prefixrouter.bench.routers import (
     router_command,
     skip_reason,
 )
+from prefixrouter.bench.runner import BenchOptions, BenchResult, OutputError
 from prefixrouter.errors import ConfigError
+from prefixrouter.sim.profiles import get_profile
 
 
 def test_parse_routers() -> None:
@@ -185,3 +189,31 @@ async def test_instant_engines_answer_what_peers_call() -> None:
         stream = await client.post("/v1/chat/completions", json={**body, "stream": True})
         assert (await stream.text()).endswith("data: [DONE]\n\n")
         assert "vllm:num_requests_running" in await (await client.get("/metrics")).text()
+
+
+def test_a_result_file_that_cannot_be_written_is_one_line_naming_the_option(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "afile").write_text("")
+    base = BenchOptions(
+        scenarios=[], routers=[], profile=get_profile("tiny-cpu"), peers_dir=tmp_path
+    )
+    path = tmp_path / "afile" / "bench.out"
+    for option, opts in (
+        ("--json", replace(base, json_out=path)),
+        ("--markdown", replace(base, markdown_out=path)),
+    ):
+        with pytest.raises(OutputError) as caught:
+            BenchResult(overhead=[]).save(opts)
+        # One line that names the option and the path (the reason is the OS's).
+        message = str(caught.value)
+        assert message.startswith(f"{option} {path}: cannot write: ") and "\n" not in message
+
+
+def test_the_plot_is_written_to_the_path_named_whatever_its_extension(tmp_path: Path) -> None:
+    row = {"router": "prefix_aware", "added_p50_ms": 0.4, "added_p99_ms": 1.2,
+           "cpu_ms_per_request": 0.3, "rps_max": 900.0}  # fmt: skip
+    path = tmp_path / "figure"  # no extension: matplotlib alone would write figure.png
+    plot([], [row], path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure"]

@@ -65,6 +65,11 @@ def test_top_says_what_is_wrong_in_one_line(live: Live) -> None:
     assert refused.exit_code == 2
     assert "admin API key" in refused.output and ADMIN_KEY_ENV in refused.output
     assert "Traceback" not in refused.output
+    # A key that is given but wrong (the gateway answers 401 as for none) is named as such.
+    wrong = runner.invoke(app, ["top", "--url", live.url, "--once", "--api-key", "not-the-key"])
+    assert wrong.exit_code == 2
+    assert "refused the admin API key given" in wrong.output, wrong.output
+    assert "without" not in wrong.output, wrong.output
     gone = runner.invoke(app, ["top", "--url", f"http://127.0.0.1:{free_port()}", "--once"])
     assert gone.exit_code == 2
     assert "cannot read" in gone.output and "Traceback" not in gone.output

@@ -79,3 +79,41 @@ def test_the_served_gateway_opens_its_admin_api_to_the_generated_key_only() -> N
             assert await status(gateway.url + "/admin/workers", "Bearer demo-key-1") == 403
 
         asyncio.run(asyncio.wait_for(body(), 40))
+
+
+@pytest.mark.timeout(120)
+def test_demo_envoy_removes_its_temporary_folder_when_it_ends(
+    tmp_path: Path, tokenizer_cache: str
+) -> None:
+    import re
+    import signal
+
+    exe = Path(sys.executable).with_name("prefixrouter")
+    tmp = tmp_path / "tmp"  # the demo's TMPDIR: whatever it leaves there is seen
+    tmp.mkdir()
+    env = {**os.environ, "PREFIXROUTER_CACHE": tokenizer_cache, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        [str(exe), "demo", "--envoy", "--workers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        bootstrap = None
+        for line in proc.stdout:
+            if (found := re.match(r"Envoy's bootstrap.*: (\S+)$", line.strip())) is not None:
+                bootstrap = Path(found.group(1))
+                break
+        assert bootstrap is not None, proc.stderr.read() if proc.stderr else ""
+        # Printed to be read while the demo runs: it is there until the end.
+        assert bootstrap.stat().st_size > 0
+        assert bootstrap.parent.name.startswith("prefixrouter-demo-envoy-")
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        # 0 once the demo waits for Ctrl-C; 130 when it lands a moment before, while
+        # the demo is still starting its wait: both ways out must clean up.
+        assert proc.wait(timeout=60) in (0, 130)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not bootstrap.parent.exists()
+    assert not list(tmp.glob("prefixrouter-demo-envoy-*"))

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from prefixrouter.demo.run import DemoConfig
 from prefixrouter.harness.processes import Fleet
 from tests.epp.fleet import chat_body, client, post
 
 
-def test_demo_envoy_routes_through_the_picker_with_the_runs_admin_key() -> None:
+def test_demo_envoy_routes_through_the_picker_with_the_runs_admin_key(tmp_path: Path) -> None:
     from prefixrouter.demo.envoy import serve_envoy
 
     async def body() -> None:
         with Fleet() as fleet:
-            stack = await serve_envoy(DemoConfig(workers=2), fleet, "demo-envoy-key")
+            stack = await serve_envoy(DemoConfig(workers=2), fleet, "demo-envoy-key", tmp_path)
             async with client() as s:
                 answer = await post(s, stack.envoy.url, chat_body("Hello through Envoy"))
                 assert answer.status == 200 and answer.text

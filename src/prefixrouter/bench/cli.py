@@ -6,7 +6,8 @@ with rich progress bars on stderr, and prints one table per scenario as it
 ends, then the overhead table. ``--json``, ``--plot`` and ``--markdown`` are
 rewritten after every scenario.
 
-Bad input (unknown scenario, router or profile, a peers dir that is a file)
+Bad input (unknown scenario, router or profile, a peers dir that is a file,
+an output path that cannot be written: checked before any engine starts)
 prints one line and exits with status 2; a fleet that cannot start exits with 1.
 """
 
@@ -27,16 +28,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from prefixrouter.errors import PrefixRouterError
+from prefixrouter.errors import PrefixRouterError, output_problem
 from prefixrouter.harness.replay import ReplayResult
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 err_console = Console(stderr=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
 
 
 class _RichUI:
@@ -175,16 +171,17 @@ def bench(
     from prefixrouter.bench.routers import default_peers_dir, parse_routers, skip_reason
     from prefixrouter.bench.runner import BenchOptions, run_bench
     from prefixrouter.bench.workload import DEFAULT_SCENARIOS, live_scenarios
+    from prefixrouter.cli import fail  # here: prefixrouter.cli registers this command
     from prefixrouter.harness.processes import Fleet
     from prefixrouter.sim.profiles import get_profile
 
     names = list(dict.fromkeys(scenario or DEFAULT_SCENARIOS)) if live else []
     if not live and not overhead:
-        raise _fail("--no-live with --no-overhead leaves nothing to run")
+        raise fail("--no-live with --no-overhead leaves nothing to run")
     known = live_scenarios()
     bad = [n for n in names if n not in known]
     if bad:
-        raise _fail(f"unknown scenario {bad[0]!r}; live scenarios: {', '.join(known)}")
+        raise fail(f"unknown scenario {bad[0]!r}; live scenarios: {', '.join(known)}")
     try:
         specs = parse_routers(routers)
         if replicas > 1:  # names that say their replicas keep them
@@ -193,10 +190,18 @@ def bench(
             ]
         prof = get_profile(profile)
     except (PrefixRouterError, KeyError) as exc:
-        raise _fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
+        raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
     peers = peers_dir if peers_dir is not None else default_peers_dir()
     if peers.exists() and not peers.is_dir():
-        raise _fail(f"--peers-dir: {peers} is not a directory")
+        raise fail(f"--peers-dir: {peers} is not a directory")
+    # Written after every scenario: a bad path must cost seconds, not the run.
+    for option, path, suffix in (
+        ("--json", json_out, None),
+        ("--markdown", markdown, None),
+        ("--plot", plot, ".png"),
+    ):
+        if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
+            raise fail(f"{option} {path}: {why}")
     for spec in specs:
         reason = skip_reason(spec, peers)
         if reason is not None:
@@ -224,8 +229,8 @@ def bench(
     try:
         with Fleet() as fleet, progress:
             result = run_bench(opts, fleet, _RichUI(progress))
-    except PrefixRouterError as exc:
-        raise _fail(str(exc)) from None
+    except PrefixRouterError as exc:  # OutputError too: a write failed after the checks
+        raise fail(str(exc)) from None
     except RuntimeError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(code=1) from None

@@ -251,8 +251,12 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
             ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        # format: a PNG at ``path`` whatever its name (without it, matplotlib
+        # writes NAME.png for a name with no extension, another file than named).
+        fig.savefig(path, dpi=100, format="png")
+    finally:
+        plt.close(fig)
 
 
 def _md_ms(value: float) -> str:

@@ -4,14 +4,16 @@
 fleet (:func:`prefixrouter.bench.live.run_scenario`), then measures overhead
 (:func:`prefixrouter.bench.overhead.run_overhead`) unless disabled. The JSON,
 the PNG and the Markdown tables are rewritten after every scenario, so an
-interrupted run keeps what it measured. Progress goes to a :class:`BenchUI`
+interrupted run keeps what it measured; a write that fails (the CLI checks
+the paths first, so a full disk, say) stops the run with :class:`OutputError`
+after the scenario's table was shown. Progress goes to a :class:`BenchUI`
 (the CLI draws rich progress bars; tests pass nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +23,7 @@ from prefixrouter.bench.overhead import OverheadConfig, run_overhead
 from prefixrouter.bench.report import document, markdown, plot, write_json
 from prefixrouter.bench.routers import RouterSpec
 from prefixrouter.bench.workload import build_bench_workload, warmup_requests
+from prefixrouter.errors import PrefixRouterError, unwritable
 from prefixrouter.harness.processes import Fleet
 from prefixrouter.harness.replay import ReplayResult
 from prefixrouter.sim.profiles import EngineProfile
@@ -28,6 +31,10 @@ from prefixrouter.tokenization import hf_tokenizer_dir, load_tokenizer
 
 WARMUP_TOKENS = 1500
 """Warm-up prompt length before ``scale``."""
+
+
+class OutputError(PrefixRouterError):
+    """A result file could not be written; the message names the option and the reason."""
 
 
 class BenchUI(Protocol):
@@ -84,13 +91,28 @@ class BenchResult:
         return document([r.report() for r in self.runs], over)
 
     def save(self, opts: BenchOptions) -> None:
-        if opts.json_out is not None:
-            write_json(opts.json_out, self.document(opts))
-        if opts.plot_out is not None:
-            plot(self.runs, self.overhead or [], opts.plot_out)
-        if opts.markdown_out is not None:
-            opts.markdown_out.parent.mkdir(parents=True, exist_ok=True)
-            opts.markdown_out.write_text(markdown(self.document(opts)), encoding="utf-8")
+        """Write the JSON, the PNG and the Markdown asked for (each rewritten whole).
+
+        Raises:
+            OutputError: A file could not be written (``--json PATH: cannot write: WHY``).
+        """
+
+        def write_markdown(path: Path) -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(markdown(self.document(opts)), encoding="utf-8")
+
+        writes: list[tuple[str, Path | None, Callable[[Path], None]]] = [
+            ("--json", opts.json_out, lambda path: write_json(path, self.document(opts))),
+            ("--plot", opts.plot_out, lambda path: plot(self.runs, self.overhead or [], path)),
+            ("--markdown", opts.markdown_out, write_markdown),
+        ]
+        for option, path, write in writes:
+            if path is None:
+                continue
+            try:
+                write(path)
+            except OSError as exc:
+                raise OutputError(f"{option} {unwritable(path, exc)}") from None
 
 
 def _run_loop(coro: Any) -> Any:
@@ -107,6 +129,7 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
 
     Raises:
         ConfigError: A bad scenario or number.
+        OutputError: A result file could not be written.
         RuntimeError: The engines could not start.
     """
     tokenizer = load_tokenizer()
@@ -154,9 +177,9 @@ def run_bench(opts: BenchOptions, fleet: Fleet, ui: BenchUI | None = None) -> Be
             )
         )
         out.runs.append(run)
-        out.save(opts)
-        if ui is not None:
+        if ui is not None:  # first: the table is shown even if the write below fails
             ui.scenario_done(run.report())
+        out.save(opts)
     # Overhead is one process's: replicated routers are measured once, as one;
     # the oracle (pins for a workload) and token mode (a written config) are not measured.
     single = [

@@ -5,7 +5,9 @@ of prompt tokens the engines served from cache, prefill tokens), the bench's
 PNG, and with ``--serve`` a gateway that stays up until Ctrl-C (it prints the
 gateway's address, the admin key of the run, and the dashboard's address).
 ``--envoy`` instead starts engines, ``prefixrouter epp`` and a real Envoy in
-front of them (:mod:`prefixrouter.demo.envoy`) and keeps them up until Ctrl-C.
+front of them (:mod:`prefixrouter.demo.envoy`) and keeps them up until Ctrl-C;
+Envoy's bootstrap is in a temporary folder (its path is printed, to read while
+the demo runs) that is removed when the demo ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -147,10 +150,15 @@ def _envoy(cfg: Any) -> None:
 
     async def keep_serving() -> None:
         admin_key = secrets.token_urlsafe(24)
-        with Fleet() as fleet:
+        # The folder is left last, after the fleet has stopped Envoy (which reads it),
+        # on every way out: Ctrl-C, SIGTERM, a process that did not start.
+        with (
+            tempfile.TemporaryDirectory(prefix="prefixrouter-demo-envoy-") as workdir,
+            Fleet() as fleet,
+        ):
             err_console.print(f"starting {cfg.workers} engines, prefixrouter epp and Envoy ...")
             try:
-                stack = await serve_envoy(cfg, fleet, admin_key)
+                stack = await serve_envoy(cfg, fleet, admin_key, Path(workdir))
             except RuntimeError as exc:
                 err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
                 raise typer.Exit(code=1) from None
@@ -160,7 +168,11 @@ def _envoy(cfg: Any) -> None:
             console.print(f"the picker's metrics: curl -s {picker}/metrics", highlight=False)
             for line in served_lines(url, admin_key, picker):
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
-            console.print(f"Envoy's bootstrap: {stack.envoy.config_path}", highlight=False)
+            console.print(
+                f"Envoy's bootstrap (removed when the demo ends): {stack.envoy.config_path}",
+                highlight=False,
+                soft_wrap=True,
+            )
             await wait_for_interrupt()
 
     asyncio.run(keep_serving())

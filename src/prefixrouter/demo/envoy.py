@@ -6,16 +6,16 @@ KV cache), ``prefixrouter epp`` in front of them (ext_proc on one port; its
 ``/metrics``, ``/admin/*`` and ``/health`` on another, the admin API opened
 with a key made for the run and passed in the environment), and Envoy on
 the shipped bootstrap (``deploy/envoy/envoy.yaml``, rendered for free
-loopback ports by :func:`prefixrouter.epp.envoy.render`). It returns once one
-request has gone through Envoy with 200; every process is stopped by PID
-when the fleet closes.
+loopback ports by :func:`prefixrouter.epp.envoy.render`, written into a
+folder the caller owns: the command's is temporary, removed when the demo
+ends). It returns once one request has gone through Envoy with 200; every
+process is stopped by PID when the fleet closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +38,13 @@ class EnvoyStack:
     engines: list[Server]
 
 
-async def serve_envoy(cfg: DemoConfig, fleet: Fleet, admin_api_key: str) -> EnvoyStack:
+async def serve_envoy(
+    cfg: DemoConfig, fleet: Fleet, admin_api_key: str, workdir: Path
+) -> EnvoyStack:
     """Start engines, the picker and Envoy in ``fleet``; return them once a request passes.
+
+    Envoy's bootstrap is written into ``workdir``, which must outlive the
+    fleet (Envoy reads it while it runs); the caller removes it afterwards.
 
     Raises:
         RuntimeError: A process did not start (its log's end in the message).
@@ -53,7 +58,6 @@ async def serve_envoy(cfg: DemoConfig, fleet: Fleet, admin_api_key: str) -> Envo
         cmd += ["--worker", e.url]
     picker = fleet.start_command("epp", cmd, http_port, env={ADMIN_KEY_ENV: admin_api_key})
     await fleet.wait_healthy([picker])
-    workdir = Path(tempfile.mkdtemp(prefix="prefixrouter-demo-envoy-"))
     boot = render(free_port(), grpc_port, free_port(), [(HOST, e.port) for e in engines])
     envoy = start_envoy(fleet, boot, workdir=workdir)
     await asyncio.to_thread(wait_healthy, [envoy.server], 60.0, path="/ready")

@@ -133,7 +133,7 @@ def _load_tokenizer(config: GatewayConfig) -> ChatTokenizer | None:
     try:
         tok: ChatTokenizer = load_tokenizer(config.routing.tokenizer)
     except OSError as exc:  # a path that is not there (a placeholder copied from an example)
-        where = exc.filename or config.routing.tokenizer
+        where = str(exc.filename or config.routing.tokenizer)
         raise ConfigError(f"routing.tokenizer: {unreadable(where, exc)}") from None
     return tok
 
