@@ -11,6 +11,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -107,28 +108,20 @@ def test_public_api() -> None:
         assert getattr(gw, name) is not None
 
 
-def test_an_unwritable_decision_log_is_refused_at_startup_in_one_line(tmp_path: Path) -> None:
-    for path in (tmp_path, tmp_path / "file" / "d.jsonl"):  # a folder; under a file
-        (tmp_path / "file").write_text("")
-        args = ["--port", "0", "--worker", "http://127.0.0.1:9", "--decision-log", str(path)]
-        result = CliRunner().invoke(_app(), args)
-        assert result.exit_code == 2
-        assert (
-            result.output.strip()
-            .splitlines()[-1]
-            .startswith(f"error: decision_log.path: {path}: cannot write: ")
-        )
-        assert "Traceback" not in result.output
-
-
-def test_an_unwritable_access_log_is_refused_at_startup_in_one_line(tmp_path: Path) -> None:
-    for path in (tmp_path, tmp_path / "file" / "a.jsonl"):  # a folder; under a file
-        (tmp_path / "file").write_text("")
-        args = ["--port", "0", "--worker", "http://127.0.0.1:9", "--access-log", str(path)]
+@pytest.mark.parametrize(
+    ("option", "setting"),
+    [("--decision-log", "decision_log.path"), ("--access-log", "access_log.path")],
+)
+def test_an_unwritable_log_is_refused_at_startup_in_one_line(
+    tmp_path: Path, option: str, setting: str
+) -> None:
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path, tmp_path / "file" / "log.jsonl"):  # a folder; under a file
+        args = ["--port", "0", "--worker", "http://127.0.0.1:9", option, str(path)]
         result = CliRunner().invoke(_app(), args)
         assert result.exit_code == 2
         last = result.output.strip().splitlines()[-1]
-        assert last.startswith(f"error: access_log.path: {path}: cannot write: "), last
+        assert last.startswith(f"error: {setting}: {path}: cannot write: "), last
         assert "Traceback" not in result.output
 
 
