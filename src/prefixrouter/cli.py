@@ -34,6 +34,7 @@ from rich.table import Table
 
 from prefixrouter import __version__
 from prefixrouter.errors import PrefixRouterError, output_problem, unreadable, unwritable
+from prefixrouter.terminal import err_console, fail, note
 
 if TYPE_CHECKING:
     from prefixrouter.sim.runner import RequestTooLarge
@@ -48,23 +49,10 @@ app = typer.Typer(
 # Tables are wide: give them room when the output is a file or a pipe
 # (terminals keep their own width).
 console = Console(width=None if sys.stdout.isatty() else 170)
-err_console = Console(stderr=True)
 
 MAX_SEED = 2**64 - 1
 """The largest --seed: the JSON report writes it as an unsigned 64-bit integer."""
 DEFAULT_SCENARIO = "doc-qa"
-
-
-def fail(message: str) -> typer.Exit:
-    """Print one error line and return the exit to raise (status 2)."""
-    # soft_wrap: one line whatever the terminal's width (a message is grepped, copied).
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
-
-
-def note(message: str) -> None:
-    """Print one note line on stderr: something the user asked for that has no effect."""
-    err_console.print(f"[bold yellow]note:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def _version(value: bool) -> None:

@@ -18,23 +18,17 @@ from typing import Annotated
 import orjson
 import typer
 from rich.console import Console
-from rich.text import Text
 
 from prefixrouter.analyze import AnalyzeParams, analyze_log, format_error, load_encoder
 from prefixrouter.analyze.reader import SkippedLines
 from prefixrouter.analyze.report import plot_report, report_tables
 from prefixrouter.errors import output_problem, unreadable, unwritable
+from prefixrouter.terminal import fail
 
 MAX_ERRORS_SHOWN = 20
 
 _out = Console(width=None if sys.stdout.isatty() else 170)
 _err = Console(stderr=True, highlight=False)
-
-
-def _fail(message: str) -> typer.Exit:
-    # Same shape as prefixrouter.cli.fail; kept local so this module never imports the CLI root.
-    _err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
-    return typer.Exit(code=2)
 
 
 def analyze(
@@ -59,14 +53,14 @@ def analyze(
 ) -> None:
     """Analyze a request log: repeated prefixes, reusable prefill, hidden volatile fields."""
     if not log.is_file():
-        raise _fail(f"{log}: {'is a directory' if log.is_dir() else 'no such file'}")
+        raise fail(f"{log}: {'is a directory' if log.is_dir() else 'no such file'}")
     for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
         if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
-            raise _fail(f"{option} {path}: {why}")
+            raise fail(f"{option} {path}: {why}")
     try:
         encoder = load_encoder(tokenizer) if tokenizer is not None else None
     except (OSError, ValueError) as exc:
-        raise _fail(f"--tokenizer: {exc}") from None
+        raise fail(f"--tokenizer: {exc}") from None
     skipped = SkippedLines()
 
     def on_error(line: int, reason: str) -> None:
@@ -79,14 +73,14 @@ def analyze(
             log, AnalyzeParams(block_size=block_size, kv_tokens=kv_tokens), encoder, on_error
         )
     except OSError as exc:  # gzip.BadGzipFile too: a truncated or damaged .gz
-        raise _fail(unreadable(log, exc)) from None
+        raise fail(unreadable(log, exc)) from None
     if skipped.count > MAX_ERRORS_SHOWN:
         _err.print(
             f"{log}: {skipped.count - MAX_ERRORS_SHOWN:,} more malformed lines skipped",
             soft_wrap=True,
         )
     if not report["requests"]:
-        raise _fail(
+        raise fail(
             f"{log}: {skipped.none_usable('request')} (expected JSON lines of request bodies "
             "or of the gateway's --decision-log records)"
         )
@@ -98,12 +92,12 @@ def analyze(
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
         except OSError as exc:  # checked before the run; a full disk still shows here
-            raise _fail(f"--json {unwritable(json_out, exc)}") from None
+            raise fail(f"--json {unwritable(json_out, exc)}") from None
         _out.print(f"wrote {json_out}", highlight=False)
     if plot is not None:
         hist = {b * block_size: n for b, n in analysis.shared_prefix_hist.items()}
         try:
             plot_report(report, hist, plot)
         except OSError as exc:
-            raise _fail(f"--plot {unwritable(plot, exc)}") from None
+            raise fail(f"--plot {unwritable(plot, exc)}") from None
         _out.print(f"wrote {plot}", highlight=False)

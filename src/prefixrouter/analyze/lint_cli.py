@@ -31,19 +31,13 @@ import orjson
 import typer
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 from prefixrouter.analyze.reader import SkippedLines, format_error, iter_records, parse_record
 from prefixrouter.prompt.lint import DEFAULT_MIN_STABLE_TOKENS, Finding, Linter, LintParams
+from prefixrouter.terminal import fail
 
 _out = Console(width=None if sys.stdout.isatty() else 170)
 _err = Console(stderr=True, highlight=False)
-
-
-def _fail(message: str) -> typer.Exit:
-    # Same shape as prefixrouter.cli.fail; kept local so this module never imports the CLI root.
-    _err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
-    return typer.Exit(code=2)
 
 
 # How JSON text starts (module doc); template syntax ({{ x }}, {% if %}, {x}, [System]) does not.
@@ -152,7 +146,7 @@ def lint(
     try:
         findings = lint_file(file, linter)
     except (OSError, ValueError) as exc:
-        raise _fail(
+        raise fail(
             f"{file}: {(exc.strerror or exc) if isinstance(exc, OSError) else exc}"
         ) from None
     if json_out:

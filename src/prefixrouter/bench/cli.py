@@ -30,6 +30,7 @@ from rich.progress import (
 
 from prefixrouter.errors import PrefixRouterError, output_problem
 from prefixrouter.harness.replay import ReplayResult
+from prefixrouter.terminal import fail
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 err_console = Console(stderr=True)
@@ -171,7 +172,6 @@ def bench(
     from prefixrouter.bench.routers import default_peers_dir, parse_routers, skip_reason
     from prefixrouter.bench.runner import BenchOptions, run_bench
     from prefixrouter.bench.workload import DEFAULT_SCENARIOS, live_scenarios
-    from prefixrouter.cli import fail  # here: prefixrouter.cli registers this command
     from prefixrouter.harness.processes import Fleet
     from prefixrouter.sim.profiles import get_profile
 
@@ -232,8 +232,7 @@ def bench(
     except PrefixRouterError as exc:  # OutputError too: a write failed after the checks
         raise fail(str(exc)) from None
     except RuntimeError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(code=1) from None
+        raise fail(str(exc), code=1) from None
     if result.overhead is not None:
         console.print(overhead_table(result.overhead, overhead_rate))
     for path in (json_out, plot, markdown):

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from prefixrouter.harness.processes import Fleet
 from prefixrouter.harness.replay import ReplayResult
+from prefixrouter.terminal import fail
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -99,8 +100,7 @@ def demo(
                     run_demo(cfg, fleet, on_router=on_router, on_done=on_done)
                 )
             except RuntimeError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-                raise typer.Exit(code=1) from None
+                raise fail(str(exc), code=1) from None
         table = Table(title=f"{workers} engines, {requests} requests per router, {rate:g} req/s")
         for col in (
             "router",
@@ -160,8 +160,7 @@ def _envoy(cfg: Any) -> None:
             try:
                 stack = await serve_envoy(cfg, fleet, admin_key, Path(workdir))
             except RuntimeError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-                raise typer.Exit(code=1) from None
+                raise fail(str(exc), code=1) from None
             url, picker = stack.envoy.url, stack.picker.url
             console.print(f"Envoy on {url}, asking prefixrouter epp on grpc://127.0.0.1:"
                           f"{stack.grpc_port} (Ctrl-C stops everything)")  # fmt: skip

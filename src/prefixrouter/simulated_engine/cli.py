@@ -30,6 +30,7 @@ from rich.console import Console
 
 from prefixrouter.errors import ConfigError
 from prefixrouter.simulated_engine.config import DEFAULT_PROFILE, EngineServerConfig
+from prefixrouter.terminal import fail
 
 err_console = Console(stderr=True)
 
@@ -148,7 +149,6 @@ def engine(
         )
         _run(serve(config, host, port))
     except (ConfigError, OSError, zmq.ZMQError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2) from None
+        raise fail(str(exc)) from None
     except KeyboardInterrupt:  # pragma: no cover - the signal handler normally wins
         pass

@@ -417,7 +417,7 @@ def top(
     If the gateway stops or restarts while the view runs, it says so and
     reconnects (every second) until the gateway is back or Ctrl-C.
     """
-    from prefixrouter.cli import fail  # here: prefixrouter.cli registers this command
+    from prefixrouter.terminal import fail
 
     if (why := url_problem(url)) is not None:
         raise fail(f"--url {url!r}: {why}")
