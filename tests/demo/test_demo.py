@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from prefixrouter.cli import app
 from prefixrouter.demo.workload import build_workload
 
 
@@ -117,3 +119,14 @@ def test_demo_envoy_removes_its_temporary_folder_when_it_ends(
             proc.wait()
     assert not bootstrap.parent.exists()
     assert not list(tmp.glob("prefixrouter-demo-envoy-*"))
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_the_engines_start(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "file").write_text("")
+    for bad in (tmp_path, tmp_path / "demo.txt", tmp_path / "file" / "demo.png"):
+        result = CliRunner().invoke(app, ["demo", "--plot", str(bad)])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines()[-1].startswith(f"error: --plot {bad}: ")
+        assert "through" not in result.output  # no router ran

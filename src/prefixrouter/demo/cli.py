@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from prefixrouter.errors import output_problem, unwritable
 from prefixrouter.harness.processes import Fleet
 from prefixrouter.harness.replay import ReplayResult
 from prefixrouter.terminal import fail
@@ -76,6 +77,8 @@ def demo(
     from prefixrouter.demo.run import wait_for_interrupt as wait
 
     cfg = DemoConfig(workers=workers, requests=requests, rate=rate, kv_blocks=kv_blocks, seed=seed)
+    if not envoy and (why := output_problem(plot, suffix=".png")) is not None:
+        raise fail(f"--plot {plot}: {why}")  # before the engines start, not after the run
     if envoy:
         _envoy(cfg)
         return
@@ -126,7 +129,10 @@ def demo(
                 style="bold" if s["router"] == "prefix_aware" else None,
             )
         console.print(table)
-        plot_runs([scenario], [], plot)
+        try:
+            plot_runs([scenario], [], plot)
+        except OSError as exc:  # checked before the run; a full disk still shows here
+            raise fail(f"--plot {unwritable(plot, exc)}") from None
         console.print(f"wrote {plot}")
         if serve:
 
