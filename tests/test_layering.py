@@ -12,8 +12,8 @@ same dependency on paper):
    1. ``core`` (pure routing), ``errors`` and the package's ``__init__``
       (which holds the version and imports nothing: every module loads it);
    2. ``prompt`` and ``tokenization`` (the request-to-prompt path), and the
-      small utilities ``stats``, ``prometheus`` and ``terminal`` (the command
-      line's error and note lines);
+      small utilities ``stats``, ``prometheus``, ``terminal`` (the command
+      line's error and note lines) and ``addresses`` (what is wrong with a URL);
    3. ``harness`` (process fleets, ports, engine resets, the replay client);
    4. ``sim``, ``simulated_engine``, ``real_engines``, ``analyze``,
       ``cluster`` (replicas' routing facts over NATS; the gateway wires it in),
@@ -39,7 +39,7 @@ SRC = Path(prefixrouter.__file__).parent
 ROOT = "prefixrouter"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"core", "errors", "__init__"}),
-    frozenset({"prompt", "tokenization", "stats", "prometheus", "terminal"}),
+    frozenset({"prompt", "tokenization", "stats", "prometheus", "terminal", "addresses"}),
     frozenset({"harness"}),
     frozenset({"sim", "simulated_engine", "real_engines", "analyze", "cluster", "discovery"}),
     frozenset({"gateway", "epp"}),

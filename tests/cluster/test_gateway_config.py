@@ -31,9 +31,10 @@ def test_the_cluster_section_is_validated_naming_the_field() -> None:
         config_from_dict({"cluster": {"name": "a.b"}})
     # Malformed addresses are configuration errors, not an outage to retry for ever.
     for url, why in (
-        ("nats://127.0.0.1:abc", r"port 'abc'"),
-        ("nats://127.0.0.1:99999", r"port '99999'"),
-        ("nats://", r"no host"),
+        ("nats://127.0.0.1:abc", r"not a valid URL: .*'abc'"),
+        ("nats://127.0.0.1:99999", r"not a valid URL: Port out of range"),
+        ("nats://", r"has no host"),
+        ("nats://h:4222/x", r"must not have a path"),
         ("tls://127.0.0.1:4222", r"tls:// is not supported: use nats://"),
     ):
         with pytest.raises(ConfigError, match=rf"cluster\.url: .*{why}"):

@@ -225,7 +225,7 @@ class ClusterNode:
         )
         self.stats = ClusterStats()
         self.link = NatsLink(
-            options.link, self.on_facts, self.on_heartbeat, self._on_connected, self._link_failed
+            options.link, self.on_facts, self.on_heartbeat, self._on_connected, self._refuse
         )
         self._started: float | None = None  # when start() ran (the standalone wait's origin)
         self.error: str | None = None
@@ -313,9 +313,6 @@ class ClusterNode:
                 f"{self.options.link.cluster!r}: {why}"
             )
             self.failed.set()
-
-    def _link_failed(self, why: str) -> None:
-        self._refuse(why)
 
     def _envelope(self, kind: int) -> Envelope:
         return Envelope(kind, self.options.replica_id, self.epoch, self.fingerprint.value, 0.0)

@@ -61,6 +61,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prefixrouter.addresses import address_problem
 from prefixrouter.core.dispatch import RoutingMode
 from prefixrouter.core.hashing import (
     DEFAULT_CHARS_PER_TOKEN,
@@ -182,32 +183,17 @@ class WorkerConfig(_Model):
         # Everything upstream.Endpoint.from_url reads is checked here: a URL
         # that passes cannot fail later, at startup or in the admin API, with
         # a traceback or an error that names another field.
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        if not (value.isascii() and value.isprintable()) or " " in value:
-            # It goes into the request line and the Host header as it is.
-            raise ValueError(
-                "must be printable ASCII without spaces (a host name in its xn-- form)"
-            )
-        value = value.rstrip("/")
+        # Everything upstream.Endpoint.from_url reads is checked here (module
+        # addresses); a path prefix is allowed (an engine behind a reverse proxy).
+        scheme, sep, rest = value.partition("://")
+        value = scheme + sep + rest.rstrip("/")  # "http://" stays itself: it has no host
         if value.endswith("/v1"):
             value = value[:-3]
-        try:
-            parts = urlsplit(value)
-            port = parts.port
-        except ValueError as exc:  # a port not from 0 to 65535, an unclosed "[IPv6"
-            raise ValueError(f"is not a valid URL: {exc}") from None
-        # A path prefix is allowed (an engine behind a reverse proxy); a host is not optional.
-        if not parts.hostname:
-            raise ValueError("has no host")
-        if port == 0:
-            raise ValueError("port 0 cannot be connected to: give a port from 1 to 65535")
-        if "@" in parts.netloc:
+        why = address_problem(value, ("http", "https"))
+        if why is not None:
+            raise ValueError(why)
+        if "@" in urlsplit(value).netloc:
             raise ValueError("must not hold user:password@ (set the worker's api_key)")
-        if parts.query or parts.fragment or "?" in value or "#" in value:
-            raise ValueError(
-                "must not have a query or fragment (only http[s]://HOST[:PORT][/PATH])"
-            )
         return value
 
     @field_validator("api_key")
@@ -741,23 +727,14 @@ class ClusterConfig(_Model):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        wrong = "must be a NATS address: nats://HOST:PORT"
-        parts = urlsplit(value)
-        if parts.scheme == "tls":  # nats-py would connect in plain text to a plain server
+        if value.startswith("tls://"):  # nats-py would connect in plain text to a plain server
             raise ValueError(
                 "tls:// is not supported: use nats://HOST:PORT (the connection is TLS when "
                 "the server requires it; cluster.tls_ca_file makes TLS required)"
             )
-        if parts.scheme != "nats":
-            raise ValueError(wrong)
-        try:
-            port = parts.port
-        except ValueError:  # not a number, or out of range
-            raise ValueError(f"{wrong} (port {parts.netloc.rpartition(':')[2]!r})") from None
-        if not parts.hostname:
-            raise ValueError(f"{wrong} (no host)")
-        if port == 0 or parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ValueError(wrong)
+        why = address_problem(value, ("nats",), path=False)
+        if why is not None:
+            raise ValueError(f"must be a NATS address, nats://HOST:PORT: it {why}")
         return value
 
     @field_validator("stream")

@@ -29,7 +29,6 @@ import sys
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 import orjson
 import typer
@@ -38,6 +37,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from prefixrouter.addresses import address_problem
 from prefixrouter.errors import PrefixRouterError
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV
 from prefixrouter.gateway.dashboard.feed import ALL, HITS
@@ -378,21 +378,10 @@ def url_problem(url: str) -> str | None:
 
     Checked before connecting: aiohttp's own error for a bad URL is the URL alone.
     """
-    expected = "must be http(s)://HOST:PORT, e.g. http://127.0.0.1:8080"
-    if not (url.isascii() and url.isprintable()) or " " in url:
-        return f"{expected} (printable ASCII without spaces)"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:  # a port not from 0 to 65535, an unclosed "[IPv6"
-        return f"{expected} ({exc})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return expected
-    if port == 0:
-        return f"{expected} (port 0 cannot be connected to)"
-    if parts.query or parts.fragment or "?" in url or "#" in url:
-        return f"{expected}, with no query or fragment"
-    return None
+    why = address_problem(url, ("http", "https"))
+    if why is None:
+        return None
+    return f"must be http(s)://HOST:PORT, e.g. http://127.0.0.1:8080: it {why}"
 
 
 def top(
