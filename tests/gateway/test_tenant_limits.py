@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from prefixrouter.core.bucket import TokenBucket
@@ -288,6 +290,31 @@ def test_gateway_under_overload_serves_the_higher_priority_first() -> None:
             assert waits == {"low": 1.0, "high": 1.0}
 
     run(main)
+
+
+def test_a_request_shed_after_waiting_is_logged_with_its_wait(tmp_path: Path) -> None:
+    """A 503 after ``max_wait_s``: the access log gives its wait, as /metrics does."""
+    log = tmp_path / "access.jsonl"
+    overrides = {
+        "overload": {"max_in_flight": 1, "max_wait_s": 0.3},
+        "access_log": {"path": str(log), "flush_interval_s": 0.05},
+    }
+
+    async def main() -> list[dict[str, Any]]:
+        engine = FakeEngine(delay_s=1.0)
+        async with gateway_env(1, overrides, engines=[engine]) as env:
+            slow = asyncio.create_task(env.chat("slow"))
+            await _until(lambda: env.state.controls.in_flight == 1)
+            shed = await env.chat("shed")
+            assert shed.status == 503, await shed.text()
+            shed_id = shed.headers["X-Request-Id"]
+            assert (await slow).status == 200
+        lines = map(orjson.loads, log.read_bytes().splitlines())
+        return [x for x in lines if x["request_id"] == shed_id]
+
+    (line,) = run(main)
+    assert line["status"] == 503 and line["error"] == "overloaded"
+    assert 250 <= line["queue_wait_ms"] <= 2000, line
 
 
 async def _until(cond: Any, timeout_s: float = 5.0) -> None:

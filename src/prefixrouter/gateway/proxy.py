@@ -232,6 +232,9 @@ class Proxy:
             try:
                 await st.controls.wait(ticket)  # under overload: the priority queue
             except GatewayError as exc:
+                # A request shed after waiting is logged with its wait, as the
+                # queue-wait histogram counts it.
+                note.queue_wait_s = ticket.waited_s
                 st.metrics.request_done("", "none", exc.status)
                 note.error = exc.code
                 exc.headers["X-Request-Id"] = rid
