@@ -151,6 +151,34 @@ def test_jsonl_merges_the_same_finding_across_requests() -> None:
     assert f.kind == "timestamp" and f.requests == 5 and f.line == 1
 
 
+@pytest.mark.parametrize("shape", ["prompt", "user"])
+def test_jsonl_timestamp_ahead_of_a_prompt_with_no_paragraph_break(shape: str) -> None:
+    """One request alone is all tail; requests that repeat what follows the stamp show its cost."""
+    policy = "Policy text, the same on every call. " * 100
+
+    def body(i: int) -> dict:  # type: ignore[type-arg]
+        text = f"Current time: 2024-01-01T10:0{i}:00Z. {policy} Question {i}?"
+        if shape == "prompt":
+            return {"model": "m", "prompt": text}
+        return {"model": "m", "messages": [{"role": "user", "content": text}]}
+
+    assert Linter().lint_body(body(0)) == []  # alone: its own text, nothing to compare
+    (f,) = Linter().lint_bodies([(i + 1, body(i)) for i in range(5)])
+    assert f.kind == "timestamp" and "2024-01-01T10:01:00Z" in f.text
+    assert f.requests == 4 and f.line == 2
+    assert f.stable_tokens_after >= len(policy) / 4 - 5
+
+
+def test_jsonl_differing_questions_after_a_stable_block_are_not_fields() -> None:
+    """Long questions that differ word by word have little equal text after them."""
+    bodies = [
+        (i, _body("Be brief.", f"{DOC}\n\nQuestion {i} about section {i * 7}, asked the long way "
+                   f"so that it is longer than the field limit, with {i} more words at its end?"))
+        for i in range(1, 6)
+    ]  # fmt: skip
+    assert Linter().lint_bodies(bodies) == []
+
+
 def test_observer_counts_by_class_and_never_changes_the_request() -> None:
     obs = LintObserver()
     body = _body(f"Report generated {STAMP}.", f"{DOC}\n\nQ?")

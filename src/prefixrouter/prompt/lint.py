@@ -22,8 +22,12 @@ What it looks for (one combined regular expression, :func:`scan_volatile`):
 * in JSON lines: fields that differ between otherwise identical requests
   (``varying_field``): each request is compared with the previous one of the
   same model and role sequence; after the common prefix and suffix of their
-  stable parts, a difference of at most ``max_field_chars`` is a field, and a
-  longer one is diffed word by word if the stable parts are still 90% equal.
+  whole prompts, a difference of at most ``max_field_chars`` is a field, and a
+  longer one is diffed word by word if the prompts are still 90% equal. The
+  equal text after a field is what it costs, so a field in the per-call tail
+  counts too when later requests repeat what follows it (a timestamp ahead of
+  a long prompt with no paragraph break, which one request alone reads as
+  all tail).
 
 Where it looks: in a request body, the content written for this call (system
 and developer messages, tool definitions, the last user message); earlier
@@ -449,7 +453,7 @@ class Linter:
             key = _group_key(body)
             prev = last.get(key)
             if prev is not None:
-                found += self._varying_fields(prev.prompt, prompt, matches, line)
+                found += self._varying_fields(prev.prompt, prompt, matches, found, line)
             last[key] = _Rendered(line, prompt)
             last.move_to_end(key)
             if len(last) > self.params.max_groups:
@@ -479,12 +483,24 @@ class Linter:
         prev: RenderedPrompt,
         cur: RenderedPrompt,
         matches: list[tuple[MessageSpan, VolatileMatch]],
+        reported: list[Finding],
         line: int,
     ) -> list[Finding]:
-        a, b = prev.text[: prev.tail_start], cur.text[: cur.tail_start]
+        """Fields in which ``cur`` differs from ``prev``, before content both repeat.
+
+        The whole prompts are compared, per-call tail included: one request
+        alone cannot tell its stable text from its own (a prompt with no
+        paragraph break is all tail), but two requests that repeat a long
+        text after a differing timestamp show what every call pays. A
+        difference in the question itself has little equal text after it,
+        so it stays under ``min_stable_tokens``. A region that one of the
+        patterns matched is reported under that pattern's kind (a timestamp
+        in the tail, which the request alone could not judge), once.
+        """
+        a, b = prev.text, cur.text
         p = common_prefix_len(a, b)
         if p >= min(len(a), len(b)):
-            return []  # equal stable parts, or one extends the other (a session growing)
+            return []  # equal prompts, or one extends the other (a session growing)
         s = common_prefix_len(a[p:][::-1], b[p:][::-1])
         regions: list[tuple[int, int, int]] = []  # (start, end, stable chars after) in b
         mid_a, mid_b = len(a) - s - p, len(b) - s - p
@@ -492,18 +508,24 @@ class Linter:
             regions.append((p, p + mid_b, s))
         else:
             regions = self._word_diff(a[p : p + self.params.max_diff_chars], b, p)
-        taken = [(m.start, m.end) for _, m in matches]
+        taken = [(f.position, f.position + len(f.text)) for f in reported]
         out: list[Finding] = []
         for start, end, stable in regions:
             lo, hi = _expand_run(b, start, end)
-            if any(ms < hi and lo < me for ms, me in taken):
+            if any(ts < hi and lo < te for ts, te in taken):
                 continue  # already reported by its pattern (a timestamp, an id...)
             tokens = self._tokens(stable)
             if tokens < self.params.min_stable_tokens:
                 continue
+            match = next((m for _, m in matches if m.start < hi and lo < m.end), None)
+            if match is not None:
+                kind, lo, hi = match.kind, match.start, match.end
+            else:
+                kind = "varying_field"
             span = cur.span_at(lo)
             where = f"{span.path}@{lo - span.start}" if span else f"@{lo}"
-            out.append(self._finding("varying_field", lo, b[lo:hi][:120], tokens, where, line))
+            out.append(self._finding(kind, lo, b[lo:hi][:120], tokens, where, line))
+            taken.append((lo, hi))
         return out
 
     def _word_diff(self, a: str, b_full: str, p: int) -> list[tuple[int, int, int]]:
