@@ -82,6 +82,25 @@ def test_a_client_cannot_send_a_no_share_tenants_salt_to_the_engine() -> None:
         assert scope.namespace != "tenant:acme"
 
 
+def test_a_client_salt_cannot_make_one_explicit_tenant_salt_into_another() -> None:
+    """eps (salt "team") sending cache_salt "prod" must not get zeta's "team:prod"."""
+    t = _tenancy(
+        api_keys={"k-eps": "eps", "k-zeta": "zeta"},
+        tenants={
+            "eps": {"share_cache": False, "cache_salt": "team"},
+            "zeta": {"share_cache": False, "cache_salt": "team:prod"},
+        },
+    )
+    zeta = t.resolve("Bearer k-zeta", None, None)
+    eps = t.resolve("Bearer k-eps", None, "prod")
+    assert zeta.cache_salt == "team:prod"
+    assert eps.cache_salt is not None and eps.cache_salt.startswith("team:")
+    assert eps.cache_salt != zeta.cache_salt and "prod" not in eps.cache_salt
+    # KV events with each salt still find their own tenant's namespace.
+    assert t.namespace_of_salt(zeta.cache_salt) == "tenant:zeta"
+    assert t.namespace_of_salt(eps.cache_salt) == eps.namespace != zeta.namespace
+
+
 def test_required_key() -> None:
     t = _tenancy(require_api_key=True)
     assert t.resolve("Bearer k-acme", None, None).tenant == "acme"

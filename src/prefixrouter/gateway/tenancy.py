@@ -26,8 +26,9 @@ Each tenant has a sharing rule (``tenants.NAME.share_cache``, else
 * not sharing: the namespace carries the tenant (so the router never predicts
   a warm route across tenants) and vLLM workers get a ``cache_salt`` that
   overrides the client's: ``HMAC-SHA256(salt_secret, tenant [NUL client salt])``
-  or the rule's explicit salt. Overriding matters: a client that could choose
-  the salt could pick another tenant's and probe its cache by timing.
+  or the rule's explicit salt (``SALT:DIGEST`` with a client's salt, its
+  digest below). Overriding matters: a client that could choose the salt
+  could pick another tenant's and probe its cache by timing.
 
 A client's salt enters the namespace and the engine's request as a digest
 (``HMAC(salt_secret, "client-salt" NUL salt)``, 32 hex digits, a different
@@ -210,7 +211,10 @@ class Tenancy:
         namespace = f"tenant:{tenant}" + (f"#{salt_ns}" if client_salt else "")
         salt = rule.cache_salt
         if salt is not None and client_salt:
-            salt = f"{salt}:{client_salt}"
+            # The client's digest, not its salt: with the salt itself, tenant
+            # "eps" (salt "team") sending "prod" would reach tenant "zeta"'s
+            # cache if zeta's salt were "team:prod".
+            salt = f"{salt}:{salt_ns}"
         if salt is None or not vllm_accepts_salt(salt):
             # Derived (or made acceptable): vLLM refuses salts over 128
             # characters or with '@', '/', '\\' or NUL in them with a 400.
