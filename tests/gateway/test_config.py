@@ -287,3 +287,19 @@ def test_config_errors_name_the_line_and_field_of_the_problem(tmp_path: Path) ->
     same = "workers:\n  - {url: 'http://a:1', id: x}\n  - {url: 'http://A:1/v1/', id: y}\n"
     message = error("same.yaml", same)
     assert message.startswith(":3: workers.1.url: ") and "'x'" in message and "'y'" in message
+
+
+def test_keys_lose_surrounding_whitespace_and_the_admin_key_is_no_tenants(
+    tmp_path: Path,
+) -> None:
+    """A secret file's newline never locks a key out; a tenant's key never opens /admin."""
+    cfg = config_from_dict({"server": {"admin_api_key": "adm\n"}, "api_keys": {" k1\n": "a"}})
+    assert cfg.server.admin_api_key == "adm" and cfg.api_keys == {"k1": "a"}
+    path = tmp_path / "clash.yaml"
+    path.write_text("api_keys: {k1: alpha}\nserver:\n  port: 1\n  admin_api_key: k1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}:4: server.admin_api_key: equals the API key of")
+    assert "'alpha'" in str(info.value)
+    with pytest.raises(ConfigError, match="differ only in surrounding whitespace"):
+        config_from_dict({"api_keys": {"k1": "a", "k1 ": "b"}})

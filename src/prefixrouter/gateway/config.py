@@ -257,6 +257,9 @@ class ServerConfig(_Model):
             off: each ``/admin/*`` call gets 403 naming this setting (never an
             anonymous admin). ``prefixrouter serve --admin-api-key`` or the
             ``PREFIXROUTER_ADMIN_API_KEY`` environment variable also set it.
+            Surrounding whitespace (a secret file's trailing newline) is
+            removed: a bearer token cannot carry it. It must differ from
+            every key in ``api_keys``.
     """
 
     host: str = "127.0.0.1"
@@ -270,7 +273,7 @@ class ServerConfig(_Model):
         # An empty key would be "set" yet match an empty bearer token.
         if value is not None and not value.strip():
             raise ValueError("must not be empty (omit it to turn the admin API off)")
-        return value
+        return value.strip() if value is not None else None
 
 
 class LimitsConfig(_Model):
@@ -1026,7 +1029,8 @@ class GatewayConfig(_Model):
 
     Attributes:
         api_keys: Client API key -> tenant. Once any key is configured, an
-            unknown key is a 401.
+            unknown key is a 401. Surrounding whitespace of a key is removed,
+            as clients' bearer tokens are read without it.
         require_api_key: A request without a known key is a 401.
         trust_tenant_header: Take the tenant of a request without a key from
             its ``X-Tenant`` header. Only for a gateway behind an
@@ -1077,6 +1081,34 @@ class GatewayConfig(_Model):
                 "X-Tenant (tenants with API keys or share_cache: false still need their key)"
             )
         return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _strip_api_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        # A key pasted with a newline would never match a client's bearer
+        # token, which is read without surrounding whitespace.
+        out: dict[str, str] = {}
+        for key, tenant in value.items():
+            bare = key.strip()
+            if not bare:
+                raise ValueError(f"an empty key (tenant {tenant!r})")
+            if bare in out:
+                raise ValueError(f"two keys differ only in surrounding whitespace ({tenant!r}'s)")
+            out[bare] = tenant
+        return out
+
+    @model_validator(mode="after")
+    def _admin_key_is_no_tenants_key(self) -> GatewayConfig:
+        # Else that tenant's clients could add and remove workers and read
+        # every tenant's decisions.
+        tenant = self.api_keys.get(self.server.admin_api_key or "")
+        if tenant is not None:
+            raise FieldAt(
+                f"equals the API key of tenant {tenant!r}: a tenant's key must never open "
+                "the admin API",
+                ("server", "admin_api_key"),
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_worker_ids(self) -> GatewayConfig:
