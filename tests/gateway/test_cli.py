@@ -72,7 +72,8 @@ def test_port_in_use_is_one_line_naming_the_address_and_exit_2() -> None:
     assert last == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
-def test_module_entry_point_serves_and_stops_on_sigterm() -> None:
+def test_module_entry_point_serves_ignores_sighup_and_stops_on_sigterm() -> None:
+    """SIGHUP (the usual reload signal) is said and ignored; it used to end the process."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixrouter.gateway", "--port", "0"],
         stdout=subprocess.PIPE,
@@ -83,13 +84,18 @@ def test_module_entry_point_serves_and_stops_on_sigterm() -> None:
         line = proc.stdout.readline().decode()
         match = re.search(r"listening on (http://\S+)", line)
         assert match, line
-        with urllib.request.urlopen(match.group(1) + "/v1/models", timeout=5) as r:
-            assert r.status == 200
+        os.kill(proc.pid, signal.SIGHUP)
+        for _ in range(3):  # served after the signal too
+            with urllib.request.urlopen(match.group(1) + "/v1/models", timeout=5) as r:
+                assert r.status == 200
+        assert proc.poll() is None
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     assert proc.stderr is not None
-    assert b"no workers yet" in proc.stderr.read()
+    err = proc.stderr.read()
+    assert b"no workers yet" in err
+    assert b"SIGHUP ignored: the gateway does not reload its configuration" in err
 
 
 def test_public_api() -> None:

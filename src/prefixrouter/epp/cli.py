@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import ipaddress
-import signal
 import sys
 from typing import Annotated
 
@@ -41,6 +40,7 @@ from prefixrouter.gateway.cli import (
     ReplicaIdOption,
     WorkerOption,
     build_config,
+    stop_on_signals,
     warn_about,
 )
 from prefixrouter.gateway.config import GatewayConfig
@@ -56,12 +56,9 @@ async def run_picker(config: GatewayConfig, grpc_host: str, grpc_port: int, fall
     running = await start_picker(config, grpc_host, grpc_port, fallbacks)
     gc.collect()
     gc.freeze()  # what lives as long as the process stays out of full collections
+    stop = stop_on_signals("endpoint picker")  # before the lines a supervisor may act on
     print(f"prefixrouter epp listening on grpc://{grpc_host}:{running.grpc_port}", flush=True)
     print(f"prefixrouter epp http on http://{config.server.host}:{running.http_port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:

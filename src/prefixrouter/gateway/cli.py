@@ -135,6 +135,28 @@ def build_config(
     return config_from_dict(data, source)
 
 
+def stop_on_signals(process: str) -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM; SIGHUP is logged and ignored.
+
+    SIGHUP is the usual "reload your configuration" signal, and by default it
+    ends a process at once, without the drain SIGTERM gets. There is no
+    reload: the configuration is read at start, so the signal says so and
+    the process keeps serving. Call it from the running event loop.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(
+        signal.SIGHUP,
+        log.warning,
+        "SIGHUP ignored: the %s does not reload its configuration; restart it to apply "
+        "changes (SIGTERM stops it after its requests finish)",
+        process,
+    )
+    return stop
+
+
 async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
     """Serve until SIGINT or SIGTERM (with ``limits``: :mod:`prefixrouter.gateway.server`).
 
@@ -160,12 +182,10 @@ async def run_gateway(config: GatewayConfig, announce: bool = True) -> None:
     # the process: keep it out of the cyclic collector's full scans.
     gc.collect()
     gc.freeze()
+    stop = stop_on_signals("gateway")  # before the line a supervisor may act on
     if announce:
         print(f"prefixrouter gateway listening on http://{srv.host}:{listening.port}", flush=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     waits = [loop.create_task(stop.wait())]
     node = state.cluster
     if node is not None:  # a replica that may not join exits (ClusterRefused)
