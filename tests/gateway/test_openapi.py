@@ -63,6 +63,23 @@ def test_the_gateway_serves_its_document() -> None:
     run(main)
 
 
+def test_health_answers_only_what_the_document_says() -> None:
+    """``/health`` is liveness: 200 with no healthy worker too, and the document says so."""
+
+    async def main() -> None:
+        from aiohttp.test_utils import TestClient, TestServer
+
+        config = GatewayConfig()  # no worker can take requests
+        async with TestClient(TestServer(create_app(config))) as client:
+            r = await client.get("/health")
+            body = await r.json()
+            doc = await (await client.get("/openapi.json")).json()
+        assert (r.status, body["status"]) == (200, "no_healthy_worker")
+        assert set(doc["paths"]["/health"]["get"]["responses"]) - {"default"} == {"200"}
+
+    run(main)
+
+
 def test_errors_the_gateway_writes_match_the_error_schema() -> None:
     async def main() -> None:
         async with gateway_env(1) as env:

@@ -1,7 +1,7 @@
 """Per-tenant limits and priority: the pure rules (no clock reads, no I/O, no asyncio).
 
 Every function here takes the time as an argument, so the rules are tested
-without a clock; :mod:`prefixrouter.gateway.admission` applies them to live
+without a clock; :mod:`prefixrouter.gateway.controls` applies them to live
 requests.
 
 **Rate** (:class:`~prefixrouter.core.bucket.TokenBucket`): a tenant with

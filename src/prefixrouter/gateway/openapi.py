@@ -209,8 +209,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         tags=("openai",),
     ),
     ("GET", "/health"): Operation(
-        "Liveness: 200 while a worker can take requests, else 503",
-        {"200": _ok("Healthy", _STATUS), "503": _ok("No healthy worker", _STATUS)},
+        "Liveness: 200 while the process serves; the body's status says whether a worker "
+        "can take requests (ok or no_healthy_worker)",
+        {"200": _ok("Serving", _STATUS)},
         tags=("operations",),
     ),
     ("GET", "/ready"): Operation(
