@@ -271,7 +271,12 @@ def test_config_errors_name_the_line_and_field_of_the_problem(tmp_path: Path) ->
 
     dup = "workers:\n  - {url: 'http://a:1', id: a}\n  - {url: 'http://b:1', id: b}\n"
     dup += "  - url: http://c:1\n\n\n    id: a\n"
-    assert error("dup.yaml", dup).startswith(":7: workers.2.id: duplicate worker id 'a'")
+    assert error("dup.yaml", dup) == ":7: workers.2.id: duplicate worker id 'a' (also workers.0.id)"
+    proxied = "workers:\n  - url: http://p:1/engine1\n  - url: http://p:1/engine2\n"
+    assert error("proxied.yaml", proxied) == (
+        ":3: workers.1.id: duplicate worker id 'p:1' (also workers.0.id): engines at one "
+        "host:port need an id each (set `id`)"
+    )
     nested = "policy:\n  name: prefix_aware\n  params:\n    short:\n\n      bogus: 1\n"
     assert error("nested.yaml", nested).startswith(
         ":6: policy.params.short.bogus: unknown field 'bogus'"

@@ -116,6 +116,11 @@ def engine_key(url: str) -> tuple[str, str, int, str]:
     return parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/")
 
 
+def default_worker_id(url: str) -> str:
+    """A worker's id when none is set: ``host:port`` of its validated URL."""
+    return url.split("://", 1)[1].split("/", 1)[0]
+
+
 def known_profile(name: str) -> str:
     """``name`` if it is a built-in engine profile (``prefixrouter profiles``), else ValueError."""
     from prefixrouter.sim.profiles import get_profile
@@ -229,7 +234,7 @@ class WorkerConfig(_Model):
     @model_validator(mode="after")
     def _fill_defaults(self) -> WorkerConfig:
         if not self.id:
-            object.__setattr__(self, "id", self.url.split("://", 1)[1].split("/", 1)[0])
+            object.__setattr__(self, "id", default_worker_id(self.url))
         health, metrics = ENGINE_PATHS[self.kind]
         if self.health_path is None:
             object.__setattr__(self, "health_path", health)
@@ -1117,8 +1122,14 @@ class GatewayConfig(_Model):
         ids: dict[str, int] = {}
         for i, w in enumerate(self.workers):
             if (first := ids.setdefault(w.id, i)) != i:
+                # Two engines behind one reverse proxy share the default id
+                # (host:port): the fix is an id of their own.
+                defaults = {default_worker_id(self.workers[j].url) for j in (first, i)}
+                hint = ": engines at one host:port need an id each (set `id`)"
+                hint = hint if defaults == {w.id} and self.workers[first].url != w.url else ""
                 raise FieldAt(
-                    f"duplicate worker id {w.id!r} (also workers.{first}.id)", ("workers", i, "id")
+                    f"duplicate worker id {w.id!r} (also workers.{first}.id){hint}",
+                    ("workers", i, "id"),
                 )
         topics: dict[str | None, int] = {}
         for i, w in enumerate(self.workers):
