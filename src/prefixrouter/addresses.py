@@ -1,5 +1,6 @@
 """What is wrong with a server's address, in words: the one check behind every URL a user
-gives (a worker's ``url``, ``cluster.url``, ``prefixrouter top --url``).
+gives (a worker's ``url``, ``cluster.url``, ``prefixrouter top --url``), and why a
+server could not listen on its own (:func:`listen_problem`).
 
 A URL that passes is one the clients below can connect to as written: a
 scheme of the caller's, a host, a port from 1 to 65535 if given, printable
@@ -9,6 +10,8 @@ fragment. Pure: no lookup, no connection.
 
 from __future__ import annotations
 
+import os
+import socket
 from urllib.parse import urlsplit
 
 
@@ -38,3 +41,15 @@ def address_problem(url: str, schemes: tuple[str, ...], *, path: bool = True) ->
     if not path and parts.path not in ("", "/"):
         return "must not have a path"
     return None
+
+
+def listen_problem(host: str, port: int, exc: OSError) -> str:
+    """``cannot listen on HOST:PORT: WHY`` for a bind that failed with ``exc``."""
+    if isinstance(exc, socket.gaierror):
+        # getaddrinfo's errno is an EAI_* code, which os.strerror reads as
+        # "Unknown error -2": say what it means.
+        why = f"not a valid address or a host name that resolves ({exc.strerror})"
+    else:
+        # asyncio's message repeats the address; the errno's own text does not.
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+    return f"cannot listen on {host}:{port}: {why}"

@@ -85,3 +85,19 @@ def test_a_file_that_is_not_a_tokenizer_is_one_line(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["--port", "0", "--tokenizer", str(not_json)])
     assert res.exit_code == 2, res.output
     assert f"error: {not_json}: not a tokenizers file" in " ".join(res.output.split())
+
+
+def test_a_port_in_use_is_one_line_in_the_gateways_words(tokenizer_cache: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PREFIXROUTER_CACHE": tokenizer_cache}
+        cmd = [sys.executable, "-m", "prefixrouter.simulated_engine", "--port", str(port)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )

@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import resource
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -61,6 +59,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from prefixrouter.addresses import listen_problem
 from prefixrouter.errors import PrefixRouterError
 from prefixrouter.gateway.config import LimitsConfig
 from prefixrouter.gateway.errors import JSON, RequestTimeout, error_body
@@ -484,14 +483,7 @@ async def start_server(
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        if isinstance(exc, socket.gaierror):
-            # getaddrinfo's errno is an EAI_* code, which os.strerror reads as
-            # "Unknown error -2": say what it means.
-            why = f"not a valid address or a host name that resolves ({exc.strerror})"
-        else:
-            # asyncio's message repeats the address; the errno's own text does not.
-            why = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise ListenError(f"cannot listen on {host}:{port}: {why}") from None
+        raise ListenError(listen_problem(host, port, exc)) from None
     bound = port
     sockets = getattr(site._server, "sockets", None)
     if sockets:

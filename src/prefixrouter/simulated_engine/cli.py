@@ -28,6 +28,7 @@ import zmq
 from aiohttp import web
 from rich.console import Console
 
+from prefixrouter.addresses import listen_problem
 from prefixrouter.errors import ConfigError
 from prefixrouter.simulated_engine.config import DEFAULT_PROFILE, EngineServerConfig
 from prefixrouter.terminal import fail
@@ -48,7 +49,10 @@ async def serve(config: EngineServerConfig, host: str, port: int) -> None:
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # the gateway's wording: the address and why
+            raise OSError(listen_problem(host, port, exc)) from None
         bound = runner.addresses[0][1] if runner.addresses else port
         prof = app[SERVER_KEY].profile
         err_console.print(
