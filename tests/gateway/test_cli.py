@@ -152,3 +152,24 @@ def test_an_invalid_listen_address_is_named_as_such() -> None:
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("error: cannot listen on 999.1.1.1:0: not a valid address")
     assert "Unknown error" not in last
+
+
+@pytest.mark.parametrize("level", ["info", "warning"])
+def test_the_log_says_info_lines_with_time_and_level(level: str) -> None:
+    """Info lines (a worker down) reach stderr by default, timestamped; not at warning."""
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+    cmd = [sys.executable, "-m", "prefixrouter.gateway", "--port", "0"]
+    cmd += ["--worker", f"http://127.0.0.1:{dead}", "--log-level", level]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    assert re.search(rf"^{stamp} WARNING prefixrouter.gateway: worker \S+ unhealthy", err, re.M)
+    down = re.search(rf"^{stamp} INFO prefixrouter.gateway: worker \S+ down", err, re.M)
+    assert (down is not None) == (level == "info"), err

@@ -35,11 +35,14 @@ from prefixrouter.gateway.cli import (
     DecisionLogOption,
     DiscoverOption,
     HostOption,
+    LogLevel,
+    LogLevelOption,
     PolicyOption,
     ProfileOption,
     ReplicaIdOption,
     WorkerOption,
     build_config,
+    start_logging,
     stop_on_signals,
     warn_about,
 )
@@ -97,8 +100,10 @@ def epp(
         int, typer.Option(min=0, max=8, help="More endpoints after the pick, for retries.")
     ] = 0,
     profile: ProfileOption = None,
+    log_level: LogLevelOption = LogLevel.info,
 ) -> None:
     """Run the endpoint picker: Envoy's ext_proc server, routing as the gateway does."""
+    start_logging(log_level)
     try:
         cfg = build_config(
             config,

@@ -30,6 +30,7 @@ import gc
 import logging
 import signal
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -252,6 +253,27 @@ ClusterOption = Annotated[
         "routing facts with the other gateways. Overrides cluster.url.",
     ),
 ]
+
+
+class LogLevel(StrEnum):
+    """How much the log on stderr says."""
+
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+LogLevelOption = Annotated[
+    LogLevel,
+    typer.Option(
+        envvar="PREFIXROUTER_LOG_LEVEL",
+        show_envvar=True,
+        case_sensitive=False,
+        help="What the log on stderr says: info tells workers added, removed, down and "
+        "back, discovery and cluster changes (never one line a request).",
+    ),
+]
 ReplicaIdOption = Annotated[
     str | None,
     typer.Option(
@@ -259,6 +281,21 @@ ReplicaIdOption = Annotated[
         "Overrides cluster.replica_id.",
     ),
 ]
+
+
+def start_logging(level: LogLevel) -> None:
+    """Log to stderr, one timestamped line an event: this package at ``level``, others
+    (aiohttp, nats-py, grpcio) at warning.
+
+    Without it Python prints only warnings and errors, bare, and every info line
+    (a worker back from an outage, a pod added by discovery) is lost.
+    """
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("prefixrouter").setLevel(level.value.upper())
 
 
 def serve(
@@ -276,8 +313,10 @@ def serve(
     replica_id: ReplicaIdOption = None,
     discover: DiscoverOption = None,
     profile: ProfileOption = None,
+    log_level: LogLevelOption = LogLevel.info,
 ) -> None:
     """Run the OpenAI-compatible gateway in front of the workers."""
+    start_logging(log_level)
     try:
         cfg = build_config(
             config,
