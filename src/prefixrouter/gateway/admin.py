@@ -10,8 +10,11 @@
   on a gateway started without KV events, which has no socket to connect).
   Answers after the first health check, with the worker's state.
 * ``DELETE /admin/workers/{id}?timeout=S``: drain (no new requests), wait for
-  its in-flight requests up to ``S`` seconds (default ``proxy.drain_timeout_s``),
-  then remove.
+  its in-flight requests up to ``S`` seconds (default ``proxy.drain_timeout_s``;
+  a finite number, 0 or more, else 400 naming ``timeout``), then remove. A
+  ``DELETE`` of a worker already draining joins that drain and answers its
+  result. The id is the rest of the path, ``/`` included (an id may hold one,
+  as a configured ``rack1/gpu0``; ``%2F`` works as well).
 * ``GET /admin/decisions?limit=N``: the newest N decision-log records (default 100).
 * ``GET /admin/process``: the gateway's pid, CPU seconds and request count, so a
   benchmark can measure CPU per request without reading ``/proc``.
@@ -31,6 +34,7 @@ expose no tenant or prompt data).
 from __future__ import annotations
 
 import hmac
+import math
 from typing import Any
 
 import orjson
@@ -199,8 +203,10 @@ class Admin:
                 field = ".".join(str(p) for p in err["loc"]) or "(body)"
                 msg = err["msg"].removeprefix("Value error, ")
                 raise BadRequest(f"{field}: {msg}", param=field) from None
-            if WorkerId(wc.id) in self.st.registry.workers:
-                raise Conflict(f"worker {wc.id!r} exists", param="id")
+            if (taken := self.st.registry.workers.get(WorkerId(wc.id))) is not None:
+                # A draining one holds its id until its DELETE has answered.
+                draining = " and is draining: add it again once removed" if taken.draining else ""
+                raise Conflict(f"worker {wc.id!r} exists{draining}", param="id")
             if (owner := self.st.registry.engine_owner(wc.url)) is not None:
                 # One engine counted as two workers: twice its capacity, its cache index split.
                 raise Conflict(
@@ -240,7 +246,13 @@ class Admin:
         return _json(w.to_dict(0), 201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
-        """``DELETE /admin/workers/{id}``: drain, then remove."""
+        """``DELETE /admin/workers/{id}``: drain, then remove (a second call joins the drain).
+
+        ``timeout`` is a finite number of seconds, 0 or more: ``inf`` would
+        hold the worker draining as long as any request of it runs, and
+        ``nan`` compares false with everything (it read as 0); a negative
+        one is a typo, not "at once". Each is a 400 naming ``timeout``.
+        """
         try:
             self._check(request)
             wid = WorkerId(request.match_info["id"])
@@ -249,11 +261,13 @@ class Admin:
             timeout = self.st.config.proxy.drain_timeout_s
             if "timeout" in request.query:
                 try:
-                    timeout = max(0.0, float(request.query["timeout"]))
+                    timeout = float(request.query["timeout"])
                 except ValueError:
+                    timeout = math.nan
+                if not (math.isfinite(timeout) and timeout >= 0):
                     raise BadRequest(
-                        "timeout: must be a number of seconds", param="timeout"
-                    ) from None
+                        "timeout: must be a finite number of seconds, 0 or more", param="timeout"
+                    )
             result = await self.st.registry.drain_and_remove(wid, timeout)
         except GatewayError as exc:
             return error_response(exc)
@@ -297,6 +311,7 @@ def add_observability_routes(app: web.Application, admin: Admin) -> None:
     r.add_get("/metrics", admin.metrics)
     r.add_get("/admin/workers", admin.list_workers)
     r.add_post("/admin/workers", admin.add_worker)
-    r.add_delete("/admin/workers/{id}", admin.remove_worker)
+    # The id is the rest of the path: an id may hold "/" (a configured "rack1/gpu0").
+    r.add_delete("/admin/workers/{id:.+}", admin.remove_worker)
     r.add_get("/admin/decisions", admin.decisions)
     r.add_get("/admin/process", admin.process)

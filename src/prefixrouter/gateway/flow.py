@@ -11,8 +11,9 @@ same books, so those live here, once:
   invalid JSON; bodies of :data:`OFF_LOOP_BODY_BYTES` and more parsed,
   built and hashed on the parse thread, so a large one does not stall the
   event loop), the tenant scope, the routing request (400 naming a bad
-  field), the model check (404), then ``Dispatcher.admit`` (first attempt:
-  the routing metrics and the prompt lint) or ``Dispatcher.retry``;
+  field), the model check (404 for a model no worker ever listed), then
+  ``Dispatcher.admit`` (first attempt: the routing metrics and the prompt
+  lint) or ``Dispatcher.retry``;
 * **the refusal** when no worker can take it (:meth:`RequestFlow.no_worker_error`):
   403 when no worker serves the tenant at all, else 503 with ``Retry-After``;
 * **the forwarded body** (:meth:`RequestFlow.payload`): re-serialized only to
@@ -138,8 +139,13 @@ class RequestFlow:
     ) -> BuiltRequest:
         """Parse, validate and scope a body; check its model (a large body off the loop).
 
+        The model check refuses only a name no worker ever listed
+        (:meth:`WorkerRegistry.serves <prefixrouter.gateway.workers.WorkerRegistry.serves>`):
+        a model whose workers are down, draining or removed goes on to
+        routing, which answers 503 with ``Retry-After`` (:meth:`no_worker_error`).
+
         Raises:
-            GatewayError: 400 (JSON, a field), 401/403 (tenancy), 404 (model).
+            GatewayError: 400 (JSON, a field), 401/403 (tenancy), 404 (unknown model).
         """
         st = self.st
         parse = partial(

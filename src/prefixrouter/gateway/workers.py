@@ -55,7 +55,11 @@ Draining (``DELETE /admin/workers/{id}``): the worker leaves routing at once;
 its in-flight requests finish (up to a timeout); then the router forgets it
 (index, calibration, policy state) and its poller stops. Requests still running
 on a removed worker complete normally but feed nothing back, so the index never
-holds entries of a worker that is gone.
+holds entries of a worker that is gone. A worker is drained once: a second
+``DELETE`` joins the drain under way (:meth:`WorkerRegistry.drain_and_remove`),
+and removal acts on that very worker, never on one added since under its id.
+Its models stay known (:meth:`WorkerRegistry.serves`): their requests get 503
+with ``Retry-After`` while no worker serves them, not 404.
 
 **Outlier ejection** (:meth:`WorkerRegistry.observe`, the state machine in
 :mod:`prefixrouter.core.outlier`): every answer a worker gives is a success or
@@ -104,6 +108,9 @@ log = logging.getLogger("prefixrouter.gateway")
 
 CLIENT_GONE = 499
 """The status of an attempt whose client left (nginx's): no verdict on the worker."""
+
+GONE_MODELS_KEPT = 1024
+"""How many model and adapter names of removed workers stay known (the newest)."""
 
 # Engine kind -> (running, waiting, KV usage 0-1) metric sample names.
 ENGINE_METRICS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
@@ -206,6 +213,8 @@ class Worker:
     feed_restarts: int = 0
     """The KV-event feed's restart count at the last metrics scrape."""
     failures: int = 0
+    reached: bool = False
+    """A health check has passed at least once (:meth:`WorkerRegistry.serves`)."""
     backoff_s: float = 0.0
     last_error: str | None = None
     models: frozenset[str] = frozenset()
@@ -214,6 +223,8 @@ class Worker:
     engine: EngineStats = field(default_factory=EngineStats)
     foreign: int = 0
     task: asyncio.Task[None] | None = None
+    drain: asyncio.Task[dict[str, Any]] | None = None
+    """Its drain and removal, once a ``DELETE`` started it (every caller awaits this one)."""
     feed: WorkerFeed | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to make the poller check now (a suspect worker)."""
@@ -283,6 +294,17 @@ class Worker:
         }
 
 
+def _may_serve_any(w: Worker) -> bool:
+    """Whether ``w`` makes every model name known (:meth:`WorkerRegistry.serves`).
+
+    Its model list is unknown, and it is healthy and was reached once or
+    not checked yet (``failures`` counts checks since the last one passed).
+    """
+    if w.models or w.adapters or not w.healthy:
+        return False
+    return w.reached or w.failures == 0
+
+
 class WorkerRegistry:
     """Every worker, their health pollers and the views the router reads.
 
@@ -307,7 +329,10 @@ class WorkerRegistry:
         self._views: list[WorkerView] = []
         self._models: frozenset[str] = frozenset()
         self._adapters: frozenset[str] = frozenset()
-        self._serves_any = True
+        self._known: frozenset[str] = frozenset()
+        self._gone: dict[str, None] = {}
+        """Names of removed workers' models and adapters, oldest first (GONE_MODELS_KEPT)."""
+        self._serves_any = True  # until the first worker: any name may be served (serves)
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.health.timeout_s)
         self._poll_timeout = aiohttp.ClientTimeout(total=config.metrics_poll.timeout_s)
@@ -465,6 +490,17 @@ class WorkerRegistry:
     async def drain_and_remove(self, worker_id: WorkerId, timeout_s: float) -> dict[str, Any]:
         """Stop routing to a worker, wait for its requests, then forget it.
 
+        A worker is drained once. A call for a worker already draining joins
+        the drain under way: it waits for the same removal and returns the
+        same result (the first call's timeout holds; its own is not used).
+        Joining rather than refusing (409), because ``DELETE`` is idempotent:
+        a client that lost the first answer retries it, and endpoint discovery
+        and the admin API may both remove one pod's worker; each learns when
+        the worker is gone and how its drain went. The drain runs as a task of
+        its own, so a caller that leaves (the gateway cancels the handler of a
+        client that disconnects) neither abandons it halfway, which would
+        leave the worker draining for ever, nor cuts it short for the others.
+
         Returns:
             ``{"id", "removed": True, "drained": bool, "in_flight_left": int, "waited_s"}``.
 
@@ -472,17 +508,27 @@ class WorkerRegistry:
             KeyError: No such worker.
         """
         w = self.workers[worker_id]
-        w.draining = True
-        self._rebuild()
+        if w.drain is None:
+            w.draining = True
+            self._rebuild()
+            loop = asyncio.get_running_loop()
+            w.drain = loop.create_task(self._drain(w, timeout_s), name=f"drain-{w.id}")
+        return dict(await asyncio.shield(w.drain))
+
+    async def _drain(self, w: Worker, timeout_s: float) -> dict[str, Any]:
+        """Wait up to ``timeout_s`` for ``w``'s requests to finish, then remove it."""
         start = self.clock()
         deadline = start + timeout_s
-        load = self.dispatch.load(worker_id)
-        while load.in_flight > 0 and self.clock() < deadline:
+        # The ledger's figures are read afresh each time (never a load object
+        # kept from before), and the wait ends once the worker is removed.
+        while not w.removed and self.clock() < deadline:
+            if self.dispatch.load(w.id).in_flight == 0:
+                break
             await asyncio.sleep(0.02)
-        left = load.in_flight
+        left = 0 if w.removed else self.dispatch.load(w.id).in_flight
         await self._remove(w)
         return {
-            "id": worker_id,
+            "id": w.id,
             "removed": True,
             "drained": left == 0,
             "in_flight_left": left,
@@ -490,18 +536,38 @@ class WorkerRegistry:
         }
 
     async def _remove(self, w: Worker) -> None:
+        """Forget ``w``, this very object: never a worker added since under the same id.
+
+        Its poller is cancelled, and what is kept under its id (the
+        dispatcher's index, ledger and calibration, the outlier state, the
+        KV-event feed) is forgotten only while ``w`` holds the id, all before
+        the first wait: once the id is free, a worker added under it owns
+        what is kept under it. Its models and adapters are remembered
+        (:meth:`serves`).
+        """
+        if w.removed:
+            return
         w.removed = True
-        self.workers.pop(w.id, None)
+        task, w.task = w.task, None
+        if task is not None:
+            task.cancel()  # it runs no more of its code: nothing it does lands on the id
+        if self.workers.get(w.id) is w:
+            del self.workers[w.id]
+            self.dispatch.remove_worker(w.id)
+            if self.outliers is not None:
+                self.outliers.forget(w.id)
+            if self.events is not None:
+                self.events.remove_worker(w.id)
+        gone = self._gone
+        for name in w.models | w.adapters:
+            gone.pop(name, None)  # to the newest end
+            gone[name] = None
+        while len(gone) > GONE_MODELS_KEPT:
+            del gone[next(iter(gone))]
         self._rebuild()
-        if w.task is not None:
-            w.task.cancel()
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await w.task
-        self.dispatch.remove_worker(w.id)
-        if self.outliers is not None:
-            self.outliers.forget(w.id)
-        if self.events is not None:
-            self.events.remove_worker(w.id)
+                await task
 
     # ------------------------------------------------------------- routing reads
 
@@ -510,12 +576,14 @@ class WorkerRegistry:
         self._views = [w.view for w in self._routable]
         for w in self._routable:
             w.view.healthy = w.healthy and not w.suspect and w.ready and not w.ejected
-        live = [w for w in self.workers.values() if not w.draining]
+        live = self._routable
         self._models = frozenset().union(*(w.models for w in live)) if live else frozenset()
         self._adapters = frozenset().union(*(w.adapters for w in live)) if live else frozenset()
-        # A worker that lists no models (not discovered yet, or a server that
-        # does not list them) may serve any model: then no model is unknown.
-        self._serves_any = any(not w.models and not w.adapters for w in live)
+        # Known names (serves): every registered worker's, draining or down
+        # included, and those of removed workers.
+        every = self.workers.values()
+        self._known = frozenset(self._gone).union(*(w.models | w.adapters for w in every))
+        self._serves_any = any(_may_serve_any(w) for w in every)
 
     def views(self) -> list[WorkerView]:
         """The routable workers' views with fresh in-flight figures (not draining)."""
@@ -531,8 +599,33 @@ class WorkerRegistry:
         return self._views
 
     def serves(self, model: str) -> bool:
-        """Whether some registered, non-draining worker serves ``model`` (or may)."""
-        return self._serves_any or model in self._models or model in self._adapters
+        """Whether ``model`` (a model or adapter name) is known: else a request for it is a 404.
+
+        A known model's request is routed, and gets 503 with ``Retry-After``
+        when no worker can take it now. The rule:
+
+        * A name a registered worker lists is known, whether that worker is
+          healthy, down or draining; so is one that a removed worker listed
+          (the newest :data:`GONE_MODELS_KEPT` names, for the gateway's
+          lifetime). Draining or removing a model's last worker, or losing
+          every worker, is an outage, not a model that never existed: OpenAI
+          SDKs retry a 503 but not a 404 (``NotFoundError``).
+        * Any name is known while a worker *may serve any model*: one whose
+          model list is unknown (it has not listed its models yet, or does
+          not list them) and that is healthy or not checked yet. A worker
+          never reached stops counting at its first failed health check, and
+          one that went down stops counting until it is back: a dead worker
+          must not turn every mistyped name into a 503 that clients retry for
+          ever. (A server that does not list its models should have them
+          configured, ``models:``: while it is down, its model is unknown.)
+        * Any other name was never served here: 404 ``model_not_found``.
+          Until the first worker is registered (a gateway whose workers all
+          come from discovery or the admin API), every name is known: nothing
+          says yet which will be served.
+
+        O(1): the sets are rebuilt when membership, health or a model list changes.
+        """
+        return self._serves_any or model in self._known
 
     def models(self) -> list[str]:
         """The union of the workers' models and adapters, sorted."""
@@ -609,6 +702,8 @@ class WorkerRegistry:
 
     def mark_failed(self, w: Worker, error: str) -> None:
         """A request could not reach ``w``: take it out of routing until a check passes."""
+        if w.removed:
+            return  # its id may be another worker's by now
         w.last_error = error
         w.failures += 1
         w.backoff_s = self._backoff(w.failures)
@@ -676,8 +771,8 @@ class WorkerRegistry:
             self._start(w)
 
     async def stop(self) -> None:
-        """Stop every poller."""
-        tasks = [w.task for w in self.workers.values() if w.task is not None]
+        """Stop every poller and every drain under way (the gateway is closing)."""
+        tasks = [t for w in self.workers.values() for t in (w.drain, w.task) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -685,7 +780,7 @@ class WorkerRegistry:
                 await t
 
     def _start(self, w: Worker) -> None:
-        if self._session is not None and w.task is None:
+        if self._session is not None and w.task is None and not w.removed:
             w.task = asyncio.get_running_loop().create_task(self._poll(w), name=f"poll-{w.id}")
 
     async def _poll(self, w: Worker) -> None:
@@ -717,6 +812,8 @@ class WorkerRegistry:
             return w.healthy
         started = self.clock()
         ok, error = await self._get_ok(session, w, w.config.health_path or "/health")
+        if w.removed:
+            return False  # removed while its check was out (the first one, from add)
         if not ok:
             if self.on_check is not None:
                 self.on_check(w, False)
@@ -726,7 +823,10 @@ class WorkerRegistry:
             if w.healthy and w.failures >= self.config.health.unhealthy_after:
                 log.warning("worker %s unhealthy (%s)", w.id, error)
                 self._went_down(w)
+            elif w.failures == 1 and not w.reached:
+                self._rebuild()  # never reached: it no longer makes every model known (serves)
             return False
+        first_contact, w.reached = not w.reached, True
         w.failures = 0
         w.backoff_s = self.config.health.backoff_initial_s
         if self.on_check is not None:
@@ -735,6 +835,8 @@ class WorkerRegistry:
             await self._discover(session, w)
         if w.config.metrics_path:
             await self._scrape(session, w)
+        if w.removed:
+            return False
         # A check sent before the worker went silent does not clear it: the
         # check the mark asked for (next) decides.
         if not w.healthy or (w.suspect and w.suspect_since <= started):
@@ -745,6 +847,8 @@ class WorkerRegistry:
             w.healthy, w.suspect = True, False
             log.info("worker %s healthy again", w.id)
             self._rebuild()
+        elif first_contact:
+            self._rebuild()  # one that failed its first checks may serve any model now (serves)
         return True
 
     async def _get_ok(
@@ -800,6 +904,8 @@ class WorkerRegistry:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             w.last_error = f"metrics: {type(exc).__name__}: {exc}"
             return
+        if w.removed:
+            return  # what is kept under its id may be another worker's by now
         stats.scraped_at = self.clock()
         if stats.restarted_since(w.engine):
             self._restarted(w)
