@@ -147,12 +147,14 @@ def test_a_frozen_engine_is_retried_elsewhere_and_keeps_its_index(fleet: Fleet) 
                 assert state["suspect"] or not state["healthy"]
                 # Its health check times out: down, its index kept (as speculative entries).
                 await _until_worker(s, gw, warm, "healthy", False, 10)
-                assert (await _workers(s, gw))[warm]["index_blocks"] == held
+                state = (await _workers(s, gw))[warm]
+                assert state["index_blocks"] == held and state["last_error"]
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
             await _until_worker(s, gw, warm, "healthy", True, 10)
             state = (await _workers(s, gw))[warm]
             assert state["index_blocks"] == held and state["restarts"] == 0  # same process
+            assert state["last_error"] is None  # the outage's error is not shown beside healthy
 
     _run(body())
 

@@ -833,6 +833,7 @@ class WorkerRegistry:
             self.on_check(w, True)
         if not w.discovered:
             await self._discover(session, w)
+        outage_error = w.last_error
         if w.config.metrics_path:
             await self._scrape(session, w)
         if w.removed:
@@ -845,6 +846,8 @@ class WorkerRegistry:
                 # (a suspect one that passed at once was out for milliseconds).
                 self.dispatch.worker_up(w.id)
             w.healthy, w.suspect = True, False
+            if w.last_error is outage_error:  # not one this check's scrape just set
+                w.last_error = None  # the outage's error, shown beside "healthy", misled
             log.info("worker %s healthy again", w.id)
             self._rebuild()
         elif first_contact:
