@@ -180,3 +180,16 @@ async def test_envoys_own_503_makes_the_picked_worker_suspect_an_engines_does_no
     assert envoy.picked is not None and envoy.picked.worker.suspect
     views = {v.worker_id: v for v in st.registry.views()}
     assert not views[envoy.picked.worker.id].healthy  # out of routing until a check passes
+
+
+def test_readiness_needs_a_worker_kubernetes_calls_ready() -> None:
+    """gRPC ``readiness``: a healthy engine in a pod that is not ready takes no request."""
+    from prefixrouter.epp.server import ready
+
+    st = _state()
+    assert ready(st)
+    for w in st.registry.workers.values():
+        w.ready = False  # the pods' readiness (discovery), as the routing views read it
+    assert not ready(st)  # was SERVING while every pick answered 503
+    next(iter(st.registry.workers.values())).ready = True
+    assert ready(st)

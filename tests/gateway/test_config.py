@@ -308,3 +308,23 @@ def test_keys_lose_surrounding_whitespace_and_the_admin_key_is_no_tenants(
     assert "'alpha'" in str(info.value)
     with pytest.raises(ConfigError, match="differ only in surrounding whitespace"):
         config_from_dict({"api_keys": {"k1": "a", "k1 ": "b"}})
+
+
+def test_epp_http_port_gives_way_to_the_files_only_when_left_at_its_own_default(
+    tmp_path: Path,
+) -> None:
+    """``epp --http-port`` defaults to 9090: left there, a file's server.port wins."""
+    with_port = tmp_path / "p.yaml"
+    with_port.write_text("server: {port: 9191}\n")
+    without = tmp_path / "n.yaml"
+    without.write_text("server: {host: 127.0.0.1}\n")
+
+    def port(path: Path | None, given: int) -> int:
+        cfg = build_config(path, None, given, "127.0.0.1", None, "prefix_aware", port_default=9090)
+        return cfg.server.port
+
+    assert port(with_port, 9090) == 9191  # was 9090: the file's port was always replaced
+    assert port(with_port, 8080) == 8080  # was 9191: an explicit 8080 read as "not given"
+    assert port(without, 9090) == 9090 and port(None, 9090) == 9090
+    serve = build_config(without, None, 8080, "127.0.0.1", None, "prefix_aware")
+    assert serve.server.port == 8080

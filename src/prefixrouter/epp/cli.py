@@ -117,6 +117,7 @@ def epp(
             replica_id,
             discover,
             profile=profile,
+            port_default=DEFAULT_HTTP_PORT,
         )
     except PrefixRouterError as exc:
         typer.echo(f"error: {exc}", err=True)

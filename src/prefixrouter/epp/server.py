@@ -85,7 +85,9 @@ def ready(state: GatewayState) -> bool:
     node = state.cluster
     if node is not None and not node.ready:
         return False
-    return any(w.healthy and not w.draining for w in state.registry.workers.values())
+    # Kubernetes' readiness too: a pod that is not ready takes no request.
+    workers = state.registry.workers.values()
+    return any(w.healthy and w.ready and not w.draining for w in workers)
 
 
 @dataclass

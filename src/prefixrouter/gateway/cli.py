@@ -99,8 +99,12 @@ def build_config(
     discover: str | None = None,
     access_log: Path | None = None,
     profile: str | None = None,
+    port_default: int = DEFAULT_PORT,
 ) -> GatewayConfig:
     """The configuration the options describe (file first, options over it).
+
+    ``port_default`` is the command's own default port: an option left at its
+    default gives way to a port the file sets (``epp``'s HTTP port is 9090).
 
     Raises:
         ConfigError: Invalid file or option, naming the field.
@@ -109,7 +113,7 @@ def build_config(
     data = cfg.model_dump(mode="python", exclude_unset=False)
     if worker:
         data["workers"] = [*data["workers"], *({"url": u} for u in worker)]
-    if port != DEFAULT_PORT or config is None:
+    if port != port_default or "port" not in cfg.server.model_fields_set:
         data["server"]["port"] = port
     if host != DEFAULT_HOST or config is None:
         data["server"]["host"] = host
