@@ -21,6 +21,7 @@ import asyncio
 import gc
 import ipaddress
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -47,25 +48,48 @@ from prefixrouter.gateway.cli import (
     warn_about,
 )
 from prefixrouter.gateway.config import GatewayConfig
+from prefixrouter.terminal import fail
 
 DEFAULT_GRPC_PORT = 9002
 DEFAULT_HTTP_PORT = 9090
 
 
-async def run_picker(config: GatewayConfig, grpc_host: str, grpc_port: int, fallbacks: int) -> None:
-    """Serve until SIGINT or SIGTERM."""
+async def run_picker(
+    config: GatewayConfig,
+    grpc_host: str,
+    grpc_port: int,
+    fallbacks: int,
+    tls: tuple[bytes, bytes] | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM (``tls``: certificate chain and key, PEM)."""
     from prefixrouter.epp.server import start_picker
 
-    running = await start_picker(config, grpc_host, grpc_port, fallbacks)
+    running = await start_picker(config, grpc_host, grpc_port, fallbacks, tls)
     gc.collect()
     gc.freeze()  # what lives as long as the process stays out of full collections
     stop = stop_on_signals("endpoint picker")  # before the lines a supervisor may act on
-    print(f"prefixrouter epp listening on grpc://{grpc_host}:{running.grpc_port}", flush=True)
+    scheme = "grpcs" if tls is not None else "grpc"
+    print(f"prefixrouter epp listening on {scheme}://{grpc_host}:{running.grpc_port}", flush=True)
     print(f"prefixrouter epp http on http://{config.server.host}:{running.http_port}", flush=True)
     try:
         await stop.wait()
     finally:
         await running.stop()
+
+
+def _pem(path: Path, kind: str) -> bytes:
+    """The PEM file at ``path``, which must hold a ``kind`` block; else one line and exit 2.
+
+    grpcio reads a bad certificate or key only when the port is bound, and
+    says no more than "Failed to add port": the file is checked here.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise fail(f"{path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data or kind.encode() not in data:
+        raise fail(f"{path}: not a PEM file holding a {kind.lower()}")
+    return data
 
 
 def _not_ip(config: GatewayConfig) -> list[str]:
@@ -101,9 +125,24 @@ def epp(
     ] = 0,
     profile: ProfileOption = None,
     log_level: LogLevelOption = LogLevel.info,
+    tls_cert_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serve the gRPC port with TLS: this PEM certificate chain (with "
+            "--tls-key-file). Without both, plaintext HTTP/2 (h2c).",
+        ),
+    ] = None,
+    tls_key_file: Annotated[
+        Path | None, typer.Option(help="The private key (PEM) of --tls-cert-file.")
+    ] = None,
 ) -> None:
     """Run the endpoint picker: Envoy's ext_proc server, routing as the gateway does."""
     start_logging(log_level)
+    if (tls_cert_file is None) != (tls_key_file is None):
+        raise fail("--tls-cert-file and --tls-key-file go together")
+    tls: tuple[bytes, bytes] | None = None
+    if tls_cert_file is not None and tls_key_file is not None:
+        tls = (_pem(tls_cert_file, "CERTIFICATE"), _pem(tls_key_file, "PRIVATE KEY"))
     try:
         cfg = build_config(
             config,
@@ -127,7 +166,7 @@ def epp(
         typer.echo(f"warning: worker {url} is not an IP address: Envoy needs IP:PORT", err=True)
     try:
         # asyncio's own loop: grpcio's asyncio server supports no other.
-        asyncio.run(run_picker(cfg, host, port, fallbacks))
+        asyncio.run(run_picker(cfg, host, port, fallbacks, tls))
     except (PrefixRouterError, RuntimeError) as exc:  # ListenError, a gRPC port in use
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None

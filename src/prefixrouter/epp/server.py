@@ -128,9 +128,18 @@ def observability_app(state: GatewayState) -> web.Application:
 
 
 async def start_picker(
-    config: GatewayConfig, grpc_host: str, grpc_port: int, fallbacks: int = 0
+    config: GatewayConfig,
+    grpc_host: str,
+    grpc_port: int,
+    fallbacks: int = 0,
+    tls: tuple[bytes, bytes] | None = None,
 ) -> Running:
     """Start both servers (``grpc_port`` 0: any free port; the HTTP one is ``config.server``).
+
+    ``tls``: the PEM certificate chain and private key the gRPC port serves
+    TLS with (the Inference Extension's reference picker serves TLS, and some
+    gateways connect with TLS unless told not to); None serves plaintext
+    HTTP/2 (``appProtocol: kubernetes.io/h2c``).
 
     Raises:
         ListenError: The HTTP address cannot be bound.
@@ -157,7 +166,12 @@ async def start_picker(
             name, SERVING if name in ("liveness", protocol.EXT_PROC_SERVICE) else NOT_SERVING
         )
     try:
-        port = server.add_insecure_port(f"{grpc_host}:{grpc_port}")
+        address = f"{grpc_host}:{grpc_port}"
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            cert, key = tls
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     except RuntimeError as exc:
         await listening.runner.cleanup()
         raise RuntimeError(f"cannot listen on {grpc_host}:{grpc_port} (gRPC): {exc}") from None
