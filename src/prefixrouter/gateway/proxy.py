@@ -23,18 +23,35 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    The fleet controls (:mod:`.fleet`) steer it first: its rollout group's
    policy and pool, and its session's pin (``affinity.header``);
 3. forward the body (re-serialized only to set ``cache_salt`` or to ask a
-   stream for its usage chunk). A worker that cannot be reached, answers a
-   *refusal* status (``proxy.retry_statuses``), or fails before its first body
-   byte is abandoned and the request is routed again among the workers not yet
-   tried, up to ``proxy.max_attempts``. The client's response is started only
-   when the first upstream byte is in hand, and from then on nothing is
-   retried: no request ever reaches a second worker after bytes reached the
-   client. A stream that breaks later, or ends without ``data: [DONE]``,
-   ends with an SSE ``error`` event;
+   stream for its usage chunk). An attempt is abandoned and the request
+   routed again among the workers not yet tried, up to ``proxy.max_attempts``,
+   only while nothing shows that the engine took it on: a worker that cannot
+   be reached or closes the connection before answering, a *refusal* status
+   (``proxy.retry_statuses``), a first-byte timeout, and for a stream, whose
+   headers come at once (before the prefill), a failure before its first body
+   byte. Once the engine has answered (a non-streamed answer's headers, which
+   an engine sends with the whole answer; a stream's first body byte), the
+   request never reaches a second worker: it may have been generated already,
+   and a retry would generate it again. A non-streamed answer that then
+   breaks is answered 502, one that times out 504 ``upstream_timeout``; a
+   stream that breaks later, or ends without its ``[DONE]`` event, ends with
+   an SSE ``error`` event. The client's response is started only when the
+   first upstream byte is in hand.
+
+   What the engine sent goes on as it sent it: SSE events as each arrives,
+   whatever their line ends (:mod:`.sse`), a stream's content type with its
+   parameters (a charset). A stream the engine answered with a whole JSON body (it
+   ignored ``"stream": true``) is answered as a non-streamed answer is: the
+   body as it came, its usage read, a 502 if it is not JSON, never an SSE
+   event appended to it. An engine's error status that is passed on keeps
+   the engine's end-to-end headers, ``Retry-After`` above all
+   (:func:`_passed_headers`); the gateway's ``X-Request-Id`` and
+   ``X-Prefixrouter-Worker`` replace the engine's.
 
    **Timeouts.** An attempt whose first body byte does not come within the
    *first-byte timeout* is abandoned (the engine aborts it) and retried
-   elsewhere, and its worker is marked *suspect*: out of routing until a
+   elsewhere (unless the engine answered already: a non-streamed answer
+   whose headers came gets a 504), and its worker is marked *suspect*: out of routing until a
    health check, run at once, passes (a frozen engine fails it and is marked
    down; a merely slow one is back within milliseconds). The timeout is
    ``proxy.first_byte_timeout_factor`` times the predicted wait, at least
@@ -51,7 +68,15 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    bytes on another connection or passed a health check within the window
    (at least a poll interval plus a check) waits on, since a request queued
    behind others on a live engine is slow, not lost, and a retry would copy
-   its prefill onto a second engine (:mod:`.upstream`);
+   its prefill onto a second engine (:mod:`.upstream`).
+
+   The total timeout (``proxy.request_timeout_s``) is never retried: the
+   engine was working on the request, maybe for all that time. The client
+   gets a 504 ``upstream_timeout`` when it expires (an SSE ``error`` event
+   with code ``504`` once a stream has begun), not after ``max_attempts``
+   times it. It marks no worker (a long generation on a live engine runs
+   into it; a frozen one is caught by the timeouts above and its health
+   checks), and a 504 does not count toward outlier ejection;
 4. at the end, feed back what the engine reported: ``usage.prompt_tokens``
    teaches the text-mode token estimator, ``prompt_tokens_details.cached_tokens``
    and the time to first byte go to ``Dispatcher.complete`` (confirming or
@@ -103,13 +128,30 @@ from prefixrouter.gateway.flow import RequestFlow, Served
 from prefixrouter.gateway.request_builder import CHAT, COMPLETIONS, BuiltRequest
 from prefixrouter.gateway.sse import SseRelay, answer_usage
 from prefixrouter.gateway.state import GatewayState
-from prefixrouter.gateway.upstream import FirstByteTimeout, StallTimeout, UpstreamResponse
+from prefixrouter.gateway.upstream import (
+    FirstByteTimeout,
+    StallTimeout,
+    TotalTimeout,
+    UpstreamResponse,
+)
 from prefixrouter.gateway.workers import CLIENT_GONE, Worker
 
 log = logging.getLogger("prefixrouter.gateway")
 
 # Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
 _UPSTREAM_ERRORS = (TimeoutError, OSError)
+# A stream's upstream content types relayed as SSE ("": an engine that sends none).
+_SSE_TYPES = frozenset(("text/event-stream", ""))
+# Engine response headers an error answer does not pass on (_passed_headers).
+_NOT_PASSED = frozenset(
+    (
+        "connection", "proxy-connection", "keep-alive", "te", "trailer", "transfer-encoding",
+        "upgrade", "proxy-authenticate", "proxy-authorization",
+        "content-length", "content-encoding", "content-type",
+        "date", "server", "alt-svc", "set-cookie",
+        "x-request-id", "x-prefixrouter-worker",
+    )
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -359,36 +401,66 @@ class Proxy:
     ) -> Attempt:
         upstream = self.st.upstream
         assert upstream is not None
+        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
         try:
             resp = await upstream.post(
                 worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
             )
-            try:
-                body = await resp.read()
-            finally:
-                resp.release()
         except _UPSTREAM_ERRORS as exc:
-            return _failed(exc)
-        status = resp.status
-        ctype = resp.content_type or JSON
-        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
-        if status == 200:
-            try:
-                usage = answer_usage(orjson.loads(body))
-            except orjson.JSONDecodeError:
-                # Cut short or garbled: never pass it on as a 200 answer.
-                msg = "upstream answered 200 with a body that is not JSON"
-                err = error_body(msg, "upstream_error", "502")
-                out = web.Response(body=err, status=502, content_type=JSON, headers=hdrs)
-                return Attempt(out, 502, error="upstream sent invalid JSON")
-            resp_out = web.Response(body=body, status=200, content_type=ctype, headers=hdrs)
-            return Attempt(resp_out, 200, ok=True, usage=usage)
-        return self._upstream_error(status, body, hdrs)
+            return _failed(exc, hdrs)
+        try:
+            return await self._whole(resp, hdrs)
+        finally:
+            resp.release()  # reused only if read to the end
 
-    def _upstream_error(self, status: int, body: bytes, hdrs: dict[str, str]) -> Attempt:
+    async def _whole(self, resp: UpstreamResponse, hdrs: dict[str, str]) -> Attempt:
+        """Read an answer whole and answer it: a non-streamed one, or an error status.
+
+        The engine has answered (status and headers are in): whatever happens
+        to the body now, the request is not sent to another worker (see
+        :func:`_cut`). Only an error status can still be retried, as a refusal.
+        """
+        status = resp.status
+        try:
+            body = await resp.read()
+        except _UPSTREAM_ERRORS as exc:
+            if status == 200:
+                return _cut(exc, hdrs)
+            body = b""  # still the engine's error: answered with its status
+        if status != 200:
+            return self._upstream_error(status, body, hdrs, resp.headers)
+        try:
+            usage = answer_usage(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            # Cut short or garbled: never pass it on as a 200 answer.
+            msg = "upstream answered 200 with a body that is not JSON"
+            err = error_body(msg, "upstream_error", "502")
+            out = web.Response(body=err, status=502, content_type=JSON, headers=hdrs)
+            return Attempt(out, 502, error="upstream sent invalid JSON")
+        # The media type only (JSON is UTF-8 whatever a charset says): what
+        # benchmarks/gateway_overhead.py's stand-in response offers, too.
         out = web.Response(
-            body=upstream_error_body(body, status), status=status, content_type=JSON, headers=hdrs
+            body=body, status=200, content_type=resp.content_type or JSON, headers=hdrs
         )
+        return Attempt(out, 200, ok=True, usage=usage)
+
+    def _upstream_error(
+        self, status: int, body: bytes, hdrs: dict[str, str], engine: dict[str, str]
+    ) -> Attempt:
+        """An engine's error status, answered with its body and end-to-end headers.
+
+        ``Retry-After`` above all: the client's SDK spaces its retries by it
+        (see :func:`_passed_headers`). The body is passed through when it has
+        OpenAI's shape, with the engine's JSON content type as sent, else
+        wrapped into that shape (:func:`upstream_error_body`) as JSON.
+        """
+        out_body = upstream_error_body(body, status)
+        headers = _passed_headers(engine)
+        headers.update(hdrs)  # the gateway's own headers win
+        ctype = engine.get("content-type", "")
+        passed = out_body is body and ctype.split(";", 1)[0].strip().lower() == JSON
+        headers["Content-Type"] = ctype if passed else JSON
+        out = web.Response(body=out_body, status=status, headers=headers)
         # An error status before any body byte: the engine did no prefill
         # (a 400 for a prompt past the context length, an overload refusal).
         if status in self.retry_statuses:
@@ -410,26 +482,32 @@ class Proxy:
         upstream = st.upstream
         assert upstream is not None
         t_send = st.clock()
+        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
         try:
             resp = await upstream.post(
                 worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
             )
         except _UPSTREAM_ERRORS as exc:
-            return _failed(exc)
-        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
+            return _failed(exc, hdrs)
         done = False
         try:
             if resp.status != 200:
-                try:
-                    body = await resp.read()
-                except _UPSTREAM_ERRORS as exc:
-                    return _failed(exc)
+                done = True  # released: the connection is reused if read to the end
+                return await self._whole(resp, hdrs)
+            if resp.content_type not in _SSE_TYPES:
+                # The engine ignored "stream": true and answered whole (JSON):
+                # answered as it came, like a non-streamed answer, never with
+                # an SSE error event appended to its JSON. An answer's headers
+                # come with the answer: the prefill is done.
                 done = True
-                return self._upstream_error(resp.status, body, hdrs)
+                st.dispatch.first_token(adm, st.clock())
+                return await self._whole(resp, hdrs)
             try:
                 first = await resp.readany()
             except _UPSTREAM_ERRORS as exc:
-                return _failed(exc)
+                # A stream's headers come before the prefill: no body byte yet
+                # means the engine produced nothing, so this may be retried.
+                return _failed(exc, hdrs)
             if not first:
                 return Attempt(
                     None, 502, error="closed the stream before sending data", unreachable=True
@@ -437,7 +515,8 @@ class Proxy:
             ttft = st.clock() - t_send
             st.dispatch.first_token(adm, st.clock())
             out = web.StreamResponse(status=200, headers=hdrs)
-            out.content_type = resp.content_type or "text/event-stream"
+            # The content type as the engine sent it (sse-starlette adds a charset).
+            out.headers["Content-Type"] = resp.headers.get("content-type") or "text/event-stream"
             out.headers["Cache-Control"] = "no-cache"
             await out.prepare(request)
             # ---- bytes are reaching the client from here on: never retry ----
@@ -462,7 +541,7 @@ class Proxy:
         relay = SseRelay(strip_usage=not built.client_wants_usage)
         chunk = first
         upstream_error: str | None = None
-        stalled = broke = False
+        stalled = timed_out = broke = False
         try:
             while chunk:
                 data = relay.feed(chunk)
@@ -476,6 +555,8 @@ class Proxy:
                 except _UPSTREAM_ERRORS as exc:
                     upstream_error = _describe(exc)
                     stalled = isinstance(exc, StallTimeout)
+                    # The total timeout (proxy.request_timeout_s) is no break either.
+                    timed_out = isinstance(exc, TimeoutError)
                     broke = isinstance(exc, ConnectionError)
                     break
             tail = relay.finish()
@@ -486,9 +567,16 @@ class Proxy:
                 # short; the client must not take it for a complete one.
                 upstream_error = "the stream ended before data: [DONE]"
             if upstream_error is not None:
-                what, code = ("stalled", "504") if stalled else ("broke", "502")
+                if timed_out:
+                    what, code = ("stalled" if stalled else "timed out"), "504"
+                else:
+                    what, code = "broke", "502"
                 msg = f"upstream stream {what}: {upstream_error}"
-                await out.write(b"data: " + error_body(msg, "upstream_error", code) + b"\n\n")
+                # An event the break cut short is ended first (a blank line,
+                # whatever its last line end), so the error is an event of its own.
+                lead = b"\n\n" if tail else b""
+                event = error_body(msg, "upstream_error", code)
+                await out.write(lead + b"data: " + event + b"\n\n")
             await out.write_eof()
         except ConnectionResetError:
             gone = Attempt(
@@ -497,7 +585,7 @@ class Proxy:
             gone.ok = progress.ok  # the engine finished if its usage chunk came
             return False, gone
         if upstream_error is not None:
-            status = 504 if stalled else 502
+            status = 504 if timed_out else 502
             return False, Attempt(
                 out, status, usage=relay.usage, ttft_s=ttft, error=upstream_error,
                 suspect=stalled, broke=broke,
@@ -593,17 +681,61 @@ def _output_bounded(body: dict[str, Any]) -> bool:
     return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
 
 
-def _failed(exc: BaseException) -> Attempt:
-    """An attempt that failed before its first byte: retried on another worker.
+def _failed(exc: BaseException, hdrs: dict[str, str]) -> Attempt:
+    """An attempt that failed before the engine answered: retried on another worker.
 
     A first-byte timeout makes the worker suspect (it may only be slow); any
-    other failure means it could not be reached. A timeout of any kind is a
-    504 (the gateway gave up waiting), anything else a 502.
+    other failure means it could not be reached (502). The total timeout is
+    the exception: it is answered (:func:`_cut`), never retried.
     """
+    if isinstance(exc, TotalTimeout):
+        return _cut(exc, hdrs)
     if isinstance(exc, FirstByteTimeout):
         return Attempt(None, 504, error=_describe(exc), suspect=True)
     status = 504 if isinstance(exc, TimeoutError) else 502
     return Attempt(None, status, error=_describe(exc), unreachable=True)
+
+
+def _cut(exc: BaseException, hdrs: dict[str, str]) -> Attempt:
+    """The answer to a request the engine had already taken on: never sent elsewhere.
+
+    The engine answered (status and headers in hand) and then broke or went
+    silent, or the total timeout expired: it may have generated the whole
+    answer, and a retry would generate it again. The client gets a 502 (the
+    connection broke: the worker is checked at once, and the failure counts
+    toward outlier ejection) or a 504 ``upstream_timeout``. A first-byte or
+    stall timeout marks the worker suspect. The total timeout marks nothing:
+    it measures the request (a long generation), not the worker, and a
+    frozen worker is caught by the first-byte and stall timeouts and its
+    health checks; a 504 does not count toward outlier ejection either.
+    """
+    why = _describe(exc)
+    if isinstance(exc, TimeoutError):
+        silent = isinstance(exc, FirstByteTimeout | StallTimeout)
+        msg = f"the worker's answer timed out ({why})"
+        resp = error_response(UpstreamTimeout(msg, headers=hdrs))
+        return Attempt(resp, 504, error=why, suspect=silent)
+    body = error_body(f"upstream answer broke: {why}", "upstream_error", "502")
+    out = web.Response(body=body, status=502, content_type=JSON, headers=hdrs)
+    return Attempt(out, 502, error=why, broke=isinstance(exc, ConnectionError))
+
+
+def _passed_headers(engine: dict[str, str]) -> dict[str, str]:
+    """The engine's end-to-end headers an error answer passes on (names in lower case).
+
+    Not passed: hop-by-hop headers (RFC 9110 7.6.1, and any the engine's
+    ``Connection`` names), the framing the gateway redoes (``Content-Length``,
+    ``Content-Encoding``: the body may be rewritten), what belongs to the
+    engine's server rather than to the answer (``Date``, ``Server``,
+    ``Alt-Svc``, and ``Set-Cookie``: the gateway forwards no cookie back), and
+    the gateway's own ``X-Request-Id`` and ``X-Prefixrouter-Worker``.
+    ``Content-Type`` is set by the caller.
+    """
+    drop = _NOT_PASSED
+    named = engine.get("connection")
+    if named:
+        drop = drop | {name.strip().lower() for name in named.split(",")}
+    return {name: value for name, value in engine.items() if name not in drop}
 
 
 def _describe(exc: BaseException) -> str:

@@ -37,7 +37,9 @@ aiohttp, this client never resends a POST on its own.
 * ``connect_timeout_s`` applies to each new connection.
 * ``total_timeout_s`` runs from sending the request until its body has been
   read. When it expires, a timer closes the connection, and whoever is
-  waiting gets a :class:`TimeoutError`.
+  waiting gets a :class:`TotalTimeout` (a :class:`TimeoutError`, as is a
+  connect that takes too long: the caller tells the two apart, since a
+  request that ran out of time was being worked on and must not be sent again).
 * ``first_byte_timeout_s`` (per request, optional) runs from sending the
   request until the first *body* byte arrives (a stream's headers come at
   once, its first event only after the prefill; a non-streamed answer comes
@@ -101,6 +103,10 @@ class FirstByteTimeout(TimeoutError):
 
 class StallTimeout(TimeoutError):
     """The body stopped arriving for longer than the stall timeout."""
+
+
+class TotalTimeout(TimeoutError):
+    """The request's total timeout expired (the engine may still be working on it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +199,7 @@ class UpstreamResponse:
             UpstreamError: The connection broke before the body was complete.
             FirstByteTimeout: No body byte within the request's first-byte timeout.
             StallTimeout: The body stopped arriving (the client's stall timeout).
-            TimeoutError: The total timeout expired.
+            TotalTimeout: The total timeout expired.
         """
         return await self._conn.next_chunk()
 
@@ -488,7 +494,7 @@ class _Connection(asyncio.Protocol):
 
     def _timed_out(self, timeout_s: float) -> None:
         self._deadline = None
-        self._abort(TimeoutError(f"the worker did not answer within {timeout_s:g} s"))
+        self._abort(TotalTimeout(f"the worker did not complete its answer within {timeout_s:g} s"))
 
     def _abort(self, error: BaseException | None) -> None:
         if error is not None:
@@ -571,7 +577,8 @@ class UpstreamClient:
             OSError: The connection could not be opened (refused, unreachable).
             FirstByteTimeout: No body byte within ``first_byte_timeout_s``
                 (also from the response's first read).
-            TimeoutError: Connecting or answering took too long.
+            TotalTimeout: No answer within the total timeout.
+            TimeoutError: Connecting took too long.
             UpstreamError: The connection broke or the answer was not HTTP.
         """
         conn = self._take_idle(endpoint)
