@@ -75,6 +75,12 @@ def test_streaming_injects_and_strips_the_usage_chunk() -> None:
             assert text.count("data: ") == 5  # 3 tokens, finish chunk, [DONE]
             upstream = env.engines[0].requests[-1]
             assert upstream["stream_options"] == {"include_usage": True}
+            # vLLM's per-chunk usage applies only with include_usage: not forced on.
+            continuous = {"include_usage": False, "continuous_usage_stats": True}
+            r = await env.chat(LONG, stream=True, max_tokens=3, stream_options=continuous)
+            assert '"usage"' not in await r.text()
+            upstream = env.engines[0].requests[-1]
+            assert upstream["stream_options"] == {"include_usage": True}
             r = await env.chat(
                 LONG, stream=True, max_tokens=3, stream_options={"include_usage": True}
             )

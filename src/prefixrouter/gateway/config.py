@@ -536,7 +536,10 @@ class ProxyConfig(_Model):
             first byte reaches the client).
         retry_statuses: Upstream statuses that count as a refusal (retry elsewhere).
         connect_timeout_s: TCP connect timeout per attempt.
-        request_timeout_s: Total time allowed for one upstream request.
+        request_timeout_s: Total time allowed for one upstream request. Past
+            it the client gets 504 ``upstream_timeout`` (an SSE error event
+            with code 504 once a stream has begun); the request is not sent
+            to another worker, which would run it twice.
         idle_connection_s: A keep-alive connection to a worker idle longer than
             this is closed, not reused. Keep it below the engines' own
             keep-alive timeout (uvicorn, behind vLLM and SGLang: 5 s), or a

@@ -298,7 +298,8 @@ class RequestFlow:
         A tenant that must not share cache gets its ``cache_salt`` (on workers
         that take one); a stream whose client did not ask for the usage chunk
         asks for it (``stream_options.include_usage``), because the usage is
-        the only place a stream reports its prefix-cache reuse.
+        the only place a stream reports its prefix-cache reuse, and without
+        the client's ``continuous_usage_stats``, which applies only with it.
         """
         salt = built.cache_salt_on(worker.config.supports_cache_salt)
         inject = built.stream and not built.client_wants_usage
@@ -313,6 +314,9 @@ class RequestFlow:
                 **(opts if isinstance(opts, dict) else {}),
                 "include_usage": True,
             }
+            # vLLM puts usage on every chunk under continuous_usage_stats once
+            # include_usage is on: the client, which had it off, got none.
+            body["stream_options"].pop("continuous_usage_stats", None)
         return orjson.dumps(body)
 
     # ------------------------------------------------------------------ settlement
