@@ -270,6 +270,34 @@ def test_a_dedicated_worker_serves_its_tenant_and_refusals_name_the_tenant() -> 
     run(body)
 
 
+def test_with_expose_workers_off_clients_learn_no_worker_name_or_state() -> None:
+    """No X-Prefixrouter-Worker, no worker ids in refusals; the decision log keeps them."""
+
+    async def body() -> None:
+        overrides = {**TENANTS, "server": {"expose_workers": False}}
+        options = [{"tenants": ["alice"]}, {"tenants": ["alice"]}]
+        async with gateway_env(n=2, overrides=overrides, worker_options=options) as env:
+            r = await env.chat(LONG, headers=ALICE)
+            assert r.status == 200 and "X-Prefixrouter-Worker" not in r.headers
+            rid = r.headers["X-Request-Id"]
+            (record,) = [d for d in await _decisions(env) if d["request_id"] == rid]
+            assert record["selected_worker"] in ("w0", "w1")
+            r = await env.chat(LONG, headers={"Authorization": "Bearer k-bob"})  # not served
+            msg = _error(await r.json())["message"]
+            assert r.status == 403 and "2 by tenant" in msg
+            reg = env.state.registry
+            for i, w in enumerate(("w0", "w1")):
+                env.engines[i].healthy = False
+                reg.mark_failed(reg.workers[WorkerId(w)], "test")
+            r = await env.chat(LONG, headers=ALICE)
+            msg = _error(await r.json())["message"]
+            assert r.status == 503 and "2 by health" in msg
+            for text in (msg, str(dict(r.headers))):
+                assert "w0" not in text and "w1" not in text and "127.0.0.1" not in text
+
+    run(body)
+
+
 def test_a_tenant_no_worker_of_its_model_admits_gets_403_not_a_retry_forever() -> None:
     async def body() -> None:
         # w0 serves alice's model to alice only; w1 serves another model.

@@ -328,10 +328,9 @@ class Exchange:
             if served is not None and served != _destination(picked.worker):
                 self._fallback_served(picked, served)
             else:
-                add = {
-                    "x-prefixrouter-worker": picked.worker.id,
-                    "x-request-id": str(picked.built.routing.request_id),
-                }
+                add = {"x-request-id": str(picked.built.routing.request_id)}
+                if self.st.config.server.expose_workers:
+                    add["x-prefixrouter-worker"] = picked.worker.id
                 if self.status == 200 and picked.built.stream:
                     self.relay = SseRelay(strip_usage=not picked.built.client_wants_usage)
         common = pb.CommonResponse(header_mutation=protocol.header_mutation(add)) if add else None

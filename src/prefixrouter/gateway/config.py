@@ -6,7 +6,7 @@ text-mode hashing and no workers (add them with ``--worker`` or the admin API).
 
 Shape of the YAML file (all keys optional)::
 
-    server:        {host, port, max_body_bytes, admin_api_key}
+    server:        {host, port, max_body_bytes, admin_api_key, expose_workers}
     limits:        {header_timeout_s, body_idle_timeout_s, body_timeout_s, keepalive_timeout_s,
                     max_connections, fd_reserve, max_request_line_bytes, max_header_bytes,
                     max_headers}
@@ -265,12 +265,20 @@ class ServerConfig(_Model):
             Surrounding whitespace (a secret file's trailing newline) is
             removed: a bearer token cannot carry it. It must differ from
             every key in ``api_keys``.
+        expose_workers: Clients see which worker served them (the
+            ``X-Prefixrouter-Worker`` response header) and which workers
+            failed or were filtered out in a 502/503/403 error's message.
+            Worker ids default to ``host:port``: set false on a gateway that
+            untrusted clients reach, and they learn no address or health of
+            the fleet (errors then count the workers by reason; the decision
+            and access logs keep every name).
     """
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     max_body_bytes: PosInt = 8 * 1024 * 1024
     admin_api_key: str | None = None
+    expose_workers: bool = True
 
     @field_validator("admin_api_key")
     @classmethod

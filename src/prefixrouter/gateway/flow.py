@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -278,18 +279,25 @@ class RequestFlow:
         """
         filtered = no_worker.filtered if isinstance(no_worker, NoWorkerAvailable) else {}
         retry_after = {"Retry-After": self.retry_after, **headers}
+        expose = self.st.config.server.expose_workers
+        if expose:
+            reasons = ", ".join(f"{w}: {f}" for w, f in sorted(filtered.items()))
+        else:  # no worker's name or state: a count by filter
+            counts = Counter(filtered.values())
+            reasons = ", ".join(f"{n} by {f}" for f, n in sorted(counts.items()))
+            reasons = f"workers filtered: {reasons}" if reasons else "no worker"
         if "tenant" in filtered.values():
             tenant = built.routing.tenant
             who = f"tenant {tenant!r}" if tenant else "requests without a tenant"
-            reasons = ", ".join(f"{w}: {f}" for w, f in sorted(filtered.items()))
             msg = f"no worker serves {who} for model {built.model!r} ({reasons})"
             # Only a worker that is down could still serve it later (one of
             # another model or pool never will): retrying cannot help without one.
             if "health" not in filtered.values():
                 return Forbidden(msg, code="tenant_not_served", headers=headers)
             return ServiceUnavailable(msg, headers=retry_after)
+        why = str(no_worker) if expose else reasons
         return ServiceUnavailable(
-            f"no healthy worker can serve model {built.model!r}: {no_worker}", headers=retry_after
+            f"no healthy worker can serve model {built.model!r}: {why}", headers=retry_after
         )
 
     def payload(self, built: BuiltRequest, worker: Worker) -> bytes:

@@ -396,12 +396,19 @@ class Proxy:
         wait = terms.ttft_s if stream else terms.ttft_s + terms.decode_s
         return max(floor, self.first_byte_factor * wait)
 
+    def _answer_headers(self, built: BuiltRequest, worker: Worker) -> dict[str, str]:
+        """The gateway's headers on a worker's answer: the request id, and the worker
+        unless ``server.expose_workers`` is off."""
+        if self.st.config.server.expose_workers:
+            return {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
+        return {"X-Request-Id": built.reply_id}
+
     async def _unary(
         self, built: BuiltRequest, worker: Worker, path: str, first_byte_s: float | None
     ) -> Attempt:
         upstream = self.st.upstream
         assert upstream is not None
-        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
+        hdrs = self._answer_headers(built, worker)
         try:
             resp = await upstream.post(
                 worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
@@ -482,7 +489,7 @@ class Proxy:
         upstream = st.upstream
         assert upstream is not None
         t_send = st.clock()
-        hdrs = {"X-Prefixrouter-Worker": worker.id, "X-Request-Id": built.reply_id}
+        hdrs = self._answer_headers(built, worker)
         try:
             resp = await upstream.post(
                 worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
@@ -646,7 +653,11 @@ class Proxy:
         if refusal is not None and refusal.fallback is not None:
             resp = refusal.fallback  # the upstream's own error keeps its status
         elif retry is not None and retry.tried:
-            detail = "; ".join(retry.errors)
+            detail = (
+                "; ".join(retry.errors)
+                if self.st.config.server.expose_workers
+                else f"{len(retry.errors)} tried; their errors are in the decision log"
+            )
             failed = UpstreamTimeout if retry.timed_out else UpstreamFailed
             resp = error_response(
                 failed(f"no worker could serve the request ({detail})", headers=hdrs)
