@@ -60,18 +60,20 @@ async def test_repeat_hits_the_cache_and_concurrent_requests_resolve() -> None:
     assert [f.cached_tokens for f in firsts] == [496, 496, 496]
 
 
-async def test_cancel_forgets_the_request_but_the_engine_finishes_it() -> None:
+async def test_cancel_forgets_the_request_and_the_engine_aborts_it() -> None:
     rec = Recorder()
-    rt = _runtime(50.0, rec)
+    rt = _runtime(1.0, rec)  # slow: the abort lands in the first prefill step (~26 ms)
     handle = rt.submit(_hashes(300), 300, 20)  # type: ignore[arg-type]
-    rt.cancel(handle.request_id)
+    rt.cancel(handle.request_id)  # admitted by the cancel's advance; leaves at the step end
     assert rt.in_flight == 0
     other = rt.submit(_hashes(32, 9999), 32, 2)  # type: ignore[arg-type]
     await other.done
-    while rt.engine.num_running:
-        await asyncio.sleep(0.005)
+    assert rt.engine.aborted == 1 and rt.engine.num_running == 0
+    assert rt.engine.kv_used_blocks == 0 and rt.engine.next_wakeup() is None
     assert not handle.first.done() and not handle.done.done()
-    assert sorted(wanted for _, wanted in rec.done) == [False, True]
+    # Only the other request ever came out of the engine.
+    assert [(o.request_id, wanted) for o, wanted in rec.first] == [(other.request_id, True)]
+    assert [(o.request_id, wanted) for o, wanted in rec.done] == [(other.request_id, True)]
 
 
 async def test_reset_cache_and_stop() -> None:

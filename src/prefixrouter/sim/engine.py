@@ -10,6 +10,7 @@ call. The discrete-event simulator jumps from wakeup to wakeup; a live engine
 server sleeps until :meth:`EngineModel.next_wakeup` on the wall clock. Protocol::
 
     engine.submit(request, now)       # any time; then re-read next_wakeup()
+    engine.abort(request_id, now)     # any time (a client left); then re-read next_wakeup()
     t = engine.next_wakeup()          # None: idle
     outputs = engine.advance(t)       # at (or after) t; then re-read next_wakeup()
 
@@ -61,6 +62,21 @@ this off (the reference the tests compare with).
 Token accounting is O(1) per step: every decoding sequence gains one token per
 step, so a sequence stores the engine's step counter when it started decoding,
 and completions come out of a heap keyed by the step count at which they finish.
+
+Aborts (vLLM aborts a request whose client disconnected): the engine core takes
+aborts between steps, so :meth:`EngineModel.abort` acts at the boundary a
+step-by-step engine would. A waiting request has no step and simply leaves the
+queue at once. An admitted one (prefilling or decoding) is part of the step in
+flight, which runs as planned (its duration already counts that request); at the
+step's end the request leaves the batch with no further output (no
+``FirstToken``, no ``Completed``, even if that step would have produced one) and
+its KV is freed as a finished request's is: its computed prompt blocks stay in
+the prefix cache, evictable, and that step's ``BlockStored`` events still go
+out. A decode segment in flight is truncated at the first step boundary after
+the abort, the way a submit truncates it, because the stepping engine would
+plan the next step there with one sequence fewer; aborting the queue's head
+does the same, since its successor may be admitted (or the KV wait end) at that
+boundary. Nothing of this runs unless something is aborted.
 """
 
 from __future__ import annotations
@@ -146,6 +162,7 @@ class _Seq:
     cached: int = 0
     kv_wait: float = 0.0
     queue_wait: float = 0.0
+    aborted: bool = False  # leaves the batch at the end of the step in flight
 
 
 @dataclass(slots=True)
@@ -210,6 +227,9 @@ class EngineModel:
         self._steps = 0
         self._seqno = 0
 
+        # Admitted sequences aborted during the step in flight (removed at its end).
+        self._aborting: list[_Seq] = []
+
         self._step: _Step | None = None
         self._wakeup: float | None = None
         self.epoch = 0
@@ -229,6 +249,9 @@ class EngineModel:
         self.cached_tokens_total = 0
         self.kv_wait_total = 0.0
         self.completed = 0
+        self.aborted = 0
+        """Requests removed by :meth:`abort` (waiting ones at once, admitted ones at
+        the end of the step in flight)."""
 
     # ---------------------------------------------------------------- queries
 
@@ -339,6 +362,62 @@ class EngineModel:
             step.end = step.start + step.offset(j)
             self._set_wakeup(step.end)
 
+    def abort(self, request_id: str, now: float) -> bool:
+        """Abort a request at ``now``, as vLLM does when its client disconnects.
+
+        Call :meth:`advance` up to ``now`` first (as for :meth:`submit`), so that
+        the step in flight is the one running at ``now``; re-read
+        :meth:`next_wakeup` afterwards.
+
+        A waiting request leaves the queue at once. An admitted one (prefilling or
+        decoding) leaves the batch at the end of the step in flight: it gets no
+        more outputs, its KV is freed as a finished request's (computed prompt
+        blocks stay cached, evictable) and the running counts drop then. A
+        coalesced decode segment is cut at the first step boundary after ``now``
+        so that it ends where the step-by-step engine's step would (see the
+        module docstring).
+
+        Looking a request up is linear in the queue and the batch: aborts are
+        rare, and an index would cost every request a dict entry.
+
+        Returns:
+            True if the request was waiting or running and is aborted now; False
+            for an unknown, finished or already aborted id (nothing changes).
+        """
+        waiting = self._waiting
+        for i, seq in enumerate(waiting):
+            if seq.req.request_id == request_id:
+                del waiting[i]
+                self._waiting_prompt_tokens -= seq.req.prompt_tokens
+                seq.aborted = True
+                self.aborted += 1
+                step = self._step
+                if i == 0 and step is not None and step.k > 1:
+                    # The head was held back (no slot, or KV): at the next boundary
+                    # the stepping engine tries its successor, or ends the KV wait.
+                    self._truncate_after(step, now)
+                return True
+
+        found: _Seq | None = None
+        for seq in self._prefilling:
+            if seq.req.request_id == request_id:
+                found = seq
+                break
+        else:
+            for _, _, seq in self._finish_heap:
+                if seq.req.request_id == request_id:
+                    found = seq
+                    break
+        if found is None or found.aborted:
+            return False
+        found.aborted = True
+        self._aborting.append(found)
+        step = self._step
+        assert step is not None, "an admitted request runs in the step in flight"
+        if step.k > 1:
+            self._truncate_after(step, now)
+        return True
+
     def advance(self, now: float) -> list[EngineOutput]:
         """Finish every step ending at or before ``now`` and start the next ones.
 
@@ -404,6 +483,43 @@ class EngineModel:
             j += 1
         return j
 
+    def _truncate_after(self, step: _Step, now: float) -> None:
+        """End a decode segment at the first step boundary after ``now``.
+
+        A boundary exactly at ``now`` is past: the stepping engine, advanced to
+        ``now``, has already planned the step after it.
+        """
+        j = self._first_boundary_at_or_after(step, now)
+        if j < step.k and step.offset(j) <= now - step.start:
+            j += 1
+        if j < step.k:
+            step.k = j
+            step.end = step.start + step.offset(j)
+            self._set_wakeup(step.end)
+
+    def _detach_aborted(self) -> None:
+        """Take the aborted sequences out of the batch, correcting the decode sums.
+
+        Runs at the end of the step in flight, after its prefill chunks are
+        accounted (an aborted sequence whose prefill ended there was neither
+        given a first token nor entered in the decode heap).
+        """
+        self._prefilling = [s for s in self._prefilling if not s.aborted]
+        heap = self._finish_heap
+        kept: list[tuple[int, int, _Seq]] = []
+        for entry in heap:
+            finish, _, seq = entry
+            if not seq.aborted:
+                kept.append(entry)
+                continue
+            req = seq.req
+            self._n_dec -= 1
+            # It started decoding at step count finish - output + 1 (see _finish).
+            self._dec_base -= req.prompt_tokens + 1 - (finish - req.output_tokens + 1)
+        if len(kept) < len(heap):
+            heapq.heapify(kept)
+            self._finish_heap = kept
+
     def _finish(self, step: _Step, out: list[EngineOutput]) -> None:
         t = step.end
         self.busy_time += t - step.start
@@ -421,7 +537,7 @@ class EngineModel:
                 self.prefill_tokens_computed += n
                 seq.computed += n
                 req = seq.req
-                if seq.computed < req.prompt_tokens:
+                if seq.computed < req.prompt_tokens or seq.aborted:
                     continue
                 out.append(
                     FirstToken(
@@ -444,6 +560,10 @@ class EngineModel:
                     self._dec_base += req.prompt_tokens + 1 - steps
             self._prefilling = [s for s in self._prefilling if s.computed < s.req.prompt_tokens]
 
+        aborting = self._aborting
+        if aborting:
+            self._detach_aborted()
+
         heap = self._finish_heap
         while heap and heap[0][0] <= steps:
             finish, _, seq = heapq.heappop(heap)
@@ -453,6 +573,14 @@ class EngineModel:
             out.append(Completed(req.request_id, t, req.output_tokens))
             kv.free(req.request_id, t)
             self.completed += 1
+
+        if aborting:
+            # Freed after the finished ones, as vLLM frees a step's finished
+            # requests before it handles the aborts that came in meanwhile.
+            for seq in aborting:
+                kv.free(seq.req.request_id, t)
+            self.aborted += len(aborting)
+            self._aborting = []
 
     def _plan(self, t: float, out: list[EngineOutput]) -> None:
         speed = self._speed

@@ -37,8 +37,12 @@ no per-token events, so later tokens are paced one per estimated decode step
 engine's ``Completed``; whatever is left then is flushed at once. Completion
 time and usage are therefore exact; token spacing is an estimate.
 
-A client that disconnects gets nothing more; its engine request runs on (the
-engine model has no abort; see ``runtime.py``). Nothing is logged per request.
+A client that disconnects gets nothing more, and its engine request is
+aborted, as vLLM aborts it: the handler (cancelled by aiohttp, or failing a
+write) ends with :meth:`EngineRuntime.cancel`, which takes a waiting request out
+of the queue at once and a running one out of the batch at the end of the
+engine step in flight, freeing its slot and KV (see ``runtime.py``). Nothing is
+logged per request.
 """
 
 from __future__ import annotations
@@ -312,6 +316,8 @@ class EngineServer:
             return web.Response(body=raw, content_type="application/json"), how
         finally:
             self.in_flight -= 1
+            # Aborts the engine request if the client left before it completed
+            # (handler cancelled, or a failed write); a no-op after completion.
             self.runtime.cancel(handle.request_id)
 
     async def _stream(

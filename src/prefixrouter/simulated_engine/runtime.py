@@ -20,12 +20,18 @@ engine's :class:`FirstToken`: cached tokens, queue wait) and ``done`` (its
 output token; streaming handlers pace the tokens between the two with
 :meth:`EngineRuntime.token_interval` (see ``app.py``).
 
-Cancellation: the engine model has no way to abort a request. :meth:`cancel`
-forgets the handle (nothing more is delivered, bookkeeping is freed); the
-simulated engine keeps computing that request to its end, as if the client
-had disconnected after the request was already scheduled. Its KV and compute
-are therefore still counted, which slightly overstates load under many
-disconnects; metrics still count its prefill (the engine did that work).
+Cancellation: :meth:`EngineRuntime.cancel` (the HTTP handler calls it when its
+client disconnects) forgets the handle and aborts the request in the engine
+model, as vLLM aborts a disconnected client's request: it advances the engine
+to now (outputs that came due are delivered first), calls
+:meth:`~EngineModel.abort` and re-arms the timer, like :meth:`EngineRuntime.submit`.
+A waiting request leaves the queue at once; a running one leaves the batch at
+the end of the engine step in flight, freeing its slot and its KV (its computed
+prompt blocks stay cached), so ``vllm:num_requests_running`` and the KV usage
+drop within one step. The aborted request gets no further outputs: metrics
+count the prefill it finished before the abort (the engine did that work), not
+its partial generation, nor a success. Cancelling a request that already
+completed does nothing (its handle is gone).
 """
 
 from __future__ import annotations
@@ -207,8 +213,19 @@ class EngineRuntime:
         return handle
 
     def cancel(self, request_id: str) -> None:
-        """Stop delivering a request's outputs and forget it (see module docstring)."""
-        self._handles.pop(request_id, None)
+        """Forget a request and abort it in the engine (see the module docstring).
+
+        A no-op for a request that completed (or was cancelled) already. Its
+        futures are left pending: the only waiter, the handler, is leaving.
+        """
+        if self._handles.pop(request_id, None) is None or self._closed:
+            return
+        now = self.sim_now()
+        # Advance first (the model's protocol): a step that ended before now
+        # still delivers its outputs, and the abort lands in the step in flight.
+        self._advance(now)
+        self.engine.abort(request_id, now)
+        self._arm()
 
     def reset_cache(self) -> None:
         """Drop the engine's prefix cache (vLLM's ``/reset_prefix_cache``)."""
