@@ -193,3 +193,21 @@ def test_readiness_needs_a_worker_kubernetes_calls_ready() -> None:
     assert not ready(st)  # was SERVING while every pick answered 503
     next(iter(st.registry.workers.values())).ready = True
     assert ready(st)
+
+
+async def test_a_stream_answered_with_one_json_body_is_read_as_a_whole_answer() -> None:
+    """An engine that ignored ``stream``: its usage is read, its body passes unchanged."""
+    st = _state()
+    ex = Exchange(st, RequestFlow(st))
+    await _pick(ex, orjson.dumps(chat_body("json for a stream", stream=True)))
+    headers = ext_proc_headers({":status": "200", "content-type": "application/json"})
+    await ex.on(pb.ProcessingRequest(response_headers=headers))
+    usage = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+             "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
+    body = orjson.dumps({"choices": [{"message": {"content": "ok"}}], "usage": usage})
+    (answer,) = await ex.on(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=True))
+    )
+    assert not answer.response_body.response.body_mutation.body  # unchanged
+    assert ex.usage == usage  # was None: read as SSE, the answer counted as a failure
+    ex.close()

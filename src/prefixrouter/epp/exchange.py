@@ -331,7 +331,10 @@ class Exchange:
                 add = {"x-request-id": str(picked.built.routing.request_id)}
                 if self.st.config.server.expose_workers:
                     add["x-prefixrouter-worker"] = picked.worker.id
-                if self.status == 200 and picked.built.stream:
+                event_stream = h.get("content-type", "").startswith("text/event-stream")
+                if self.status == 200 and picked.built.stream and event_stream:
+                    # An engine that answers a stream with one JSON body (it
+                    # ignored "stream") is read as a whole answer, as the gateway does.
                     self.relay = SseRelay(strip_usage=not picked.built.client_wants_usage)
         common = pb.CommonResponse(header_mutation=protocol.header_mutation(add)) if add else None
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
