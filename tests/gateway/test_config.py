@@ -328,3 +328,21 @@ def test_epp_http_port_gives_way_to_the_files_only_when_left_at_its_own_default(
     assert port(without, 9090) == 9090 and port(None, 9090) == 9090
     serve = build_config(without, None, 8080, "127.0.0.1", None, "prefix_aware")
     assert serve.server.port == 8080
+
+
+def test_discover_completes_a_discovery_section_the_file_leaves_unfinished(
+    tmp_path: Path,
+) -> None:
+    """``kind: kubernetes`` alone in the file, the source from ``--discover``."""
+    path = tmp_path / "kind.yaml"
+    path.write_text("discovery:\n  kind: kubernetes\n  namespace: llm\n")
+    cfg = build_config(
+        path, None, 8080, "127.0.0.1", None, "prefix_aware", discover="k8s:llm/app=vllm:8000"
+    )
+    assert (cfg.discovery.kind, cfg.discovery.selector, cfg.discovery.port) == (
+        "kubernetes",
+        "app=vllm",
+        8000,
+    )
+    with pytest.raises(ConfigError, match=r"kind\.yaml:1: discovery: kind kubernetes needs"):
+        build_config(path, None, 8080, "127.0.0.1", None, "prefix_aware")

@@ -76,8 +76,11 @@ def apply_discover(data: dict[str, Any], discover: str | None) -> None:
     """
     if discover is None:
         return
+    section = data.get("discovery")
+    if section is not None and not isinstance(section, dict):
+        return  # not a mapping: its validation names it
     try:
-        data["discovery"] = {**data.get("discovery", {}), **discovery_spec(discover)}
+        data["discovery"] = {**(section or {}), **discovery_spec(discover)}
     except ValueError as exc:
         raise ConfigError(f"--discover: {exc}") from None
 
@@ -109,7 +112,11 @@ def build_config(
     Raises:
         ConfigError: Invalid file or option, naming the field.
     """
-    cfg = load_config(config) if config is not None else GatewayConfig()
+    if config is not None:
+        # --discover completes the file's discovery section before it is validated.
+        cfg = load_config(config, lambda raw: apply_discover(raw, discover))
+    else:
+        cfg = GatewayConfig()
     data = cfg.model_dump(mode="python", exclude_unset=False)
     if worker:
         data["workers"] = [*data["workers"], *({"url": u} for u in worker)]

@@ -54,6 +54,7 @@ list points at its own line.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -1226,8 +1227,14 @@ def config_from_dict(
         raise ConfigError("\n".join(lines)) from None
 
 
-def load_config(path: Path | str) -> GatewayConfig:
+def load_config(
+    path: Path | str, overlay: Callable[[dict[str, Any]], None] | None = None
+) -> GatewayConfig:
     """Read and validate a YAML configuration file.
+
+    ``overlay`` changes the file's mapping before it is validated: a
+    command-line option that completes a section the file leaves unfinished
+    (``--discover`` giving the source of ``discovery: {kind: kubernetes}``).
 
     Raises:
         ConfigError: Unreadable file, invalid YAML or invalid fields; the message
@@ -1256,6 +1263,8 @@ def load_config(path: Path | str) -> GatewayConfig:
             f"{path}:{line}: {field}: duplicate key (also on line {first}; "
             "YAML would silently keep only the last)"
         )
+    if overlay is not None and isinstance(data, dict):
+        overlay(data)
     return config_from_dict(data, str(path), node)
 
 
