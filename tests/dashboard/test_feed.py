@@ -2,10 +2,11 @@
 
 What a browser or ``prefixrouter top`` relies on: the page and its assets are
 served (open, from the package, nothing from elsewhere), the data needs the
-admin key in the header when one is configured, a snapshot carries the
-figures of the traffic sent, the stream starts with ``hello`` and ticks, the
-decision stream is sampled to a bound, the drift alarm is read from the
-metrics, and an open stream does not hold up the server's shutdown.
+admin key in the header and is off (403) when none is configured, a snapshot
+carries the figures of the traffic sent (errors before routing included), the
+stream starts with ``hello`` and ticks, the decision stream is sampled to a
+bound, the drift alarm is read from the metrics, and an open stream does not
+hold up the server's shutdown.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import orjson
 from prefixrouter.core.types import WorkerId
 from prefixrouter.gateway.dashboard.feed import ALL, DashboardFeed
 from prefixrouter.gateway.dashboard.routes import FEED, STATIC
+from prefixrouter.prometheus import samples
 from tests.admin_client import ADMIN_HEADERS
 from tests.gateway.helpers import Env, gateway_env, run
 
@@ -77,11 +79,27 @@ def test_the_data_needs_the_admin_key_in_the_header_when_one_is_configured() -> 
     run(body)
 
 
-def test_without_an_admin_key_the_dashboard_is_open() -> None:
+def test_without_an_admin_key_the_data_is_off_and_the_page_says_how_to_turn_it_on() -> None:
+    """Per-request, per-tenant records are never anonymous: the data routes follow /admin/*."""
+
     async def body() -> None:
         async with gateway_env(1, overrides={"server": {"admin_api_key": None}}) as env:
-            assert (await env.client.get("/dashboard/snapshot")).status == 200
+            client_id = "beta-invoice-4711"
+            r = await env.chat("An invoice question.", headers={"X-Request-Id": client_id})
+            assert r.status == 200
+            for path in ("/dashboard/snapshot", "/dashboard/events"):
+                for headers in ({}, {"Authorization": "Bearer anything"}):
+                    r = await env.client.get(path, headers=headers)
+                    assert r.status == 403, path
+                    assert client_id not in await r.text()
+                    err = (await r.json())["error"]
+                    assert err["code"] == "admin_api_disabled"  # as the admin API's
+                    assert "server.admin_api_key" in err["message"]
             assert (await env.client.get("/admin/workers")).status == 403  # admin stays off
+            # The page itself holds no data: it loads, and names the setting for its 403.
+            page = await env.client.get("/dashboard")
+            assert page.status == 200
+            assert "server.admin_api_key" in await page.text()
 
     run(body)
 
@@ -243,5 +261,52 @@ def test_an_unwatched_feed_counts_nothing_and_a_viewer_starts_it_afresh() -> Non
             r = await env.client.get("/dashboard/snapshot", headers=ADMIN_HEADERS)
             assert r.status == 200 and app_feed.watched
             assert (await r.json())["window"]["ticks"] == 1
+
+    run(body)
+
+
+def test_errors_before_routing_are_counted_as_the_metrics_count_them() -> None:
+    """Requests answered before routing have no decision record: the window counts them too."""
+
+    async def body() -> None:
+        async with gateway_env(1) as env:
+            feed = DashboardFeed(env.state)
+            await _ask(env, 2)
+            bad = [
+                await env.client.post("/v1/chat/completions", data=b"{not json"),
+                await env.chat("Which model?", model="no-such-model"),
+                await env.chat("How long?", max_tokens=-3),
+            ]
+            assert [r.status for r in bad] == [400, 404, 400]
+            window = feed.tick()["window"]
+            text = await (await env.client.get("/metrics")).text()
+            by_status: dict[str, int] = {}
+            errors = 0
+            for s in samples(text):
+                if s.name != "prefixrouter_requests_total":
+                    continue
+                if s.labels["decision"] == "none":
+                    status = s.labels["status"]
+                    by_status[status] = by_status.get(status, 0) + int(s.value)
+                errors += int(s.value) if int(s.labels["status"]) >= 400 else 0
+            assert window["unrouted"]["by_status"] == by_status == {"400": 2, "404": 1}
+            assert window["unrouted"]["total"] == 3
+            # The routed errors (the classes') and these: the metric's error count.
+            assert window["classes"][ALL]["errors"] + window["unrouted"]["total"] == errors
+            # The next window starts from there: nothing new, nothing counted twice.
+            assert feed.tick()["window"]["unrouted"]["total"] == 3
+
+    run(body)
+
+
+def test_a_viewer_after_a_pause_gets_each_recent_decision_once() -> None:
+    async def body() -> None:
+        async with gateway_env(1) as env:
+            feed = DashboardFeed(env.state, watch_s=60)
+            await _ask(env, 3)  # while nobody watched, before the feed's next tick
+            feed.watch()
+            ids = [d["request_id"] for d in feed.hello()["recent"]]
+            assert sorted(ids) == sorted(d["request_id"] for d in env.state.decisions.recent(3))
+            assert feed.latest["gateway"]["decisions_made"] == 0  # caught up, not counted
 
     run(body)

@@ -13,12 +13,18 @@ touching the request path:
   is counted; past that the newest ``ring_size`` are, and rates are scaled by
   ``made / seen`` (both are in the snapshot, the page shows them);
 * the **metrics** (:class:`~prefixrouter.gateway.metrics.GatewayMetrics`):
-  evictions and the age of what was evicted (exact counters);
+  evictions and the age of what was evicted, and the requests answered
+  before routing (``prefixrouter_requests_total{decision="none"}``: a bad
+  body, a refused key, a tenant limit, no worker), which never reach the
+  decision log (exact counters, so the page's error figures add up to the
+  metric's);
 * the **drift alarm** (:class:`~prefixrouter.core.drift.DriftDetector` of the
   gateway's fleet controls): which prefix classes fire, when it is on;
-* the **worker registry** and the **dispatcher**: health, in flight, engine
+* the **worker registry** and the **dispatcher**: state, in flight, engine
   queue and KV use per worker, and whether the router's index still holds a
-  prefix (:meth:`~prefixrouter.core.dispatch.Dispatcher.holds_prefix`);
+  prefix (:meth:`~prefixrouter.core.dispatch.Dispatcher.holds_prefix`). A
+  worker's ``healthy`` is ``prefixrouter_worker_healthy``'s rule
+  (:func:`routable`), its ``state`` says why it is out of routing;
 * the **cluster node**, for a replica: peers, their routings in flight here,
   and the propagation lag of recent messages.
 
@@ -48,7 +54,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -56,6 +62,9 @@ from prefixrouter.gateway.decision_log import LogEntry, render
 from prefixrouter.gateway.metrics import AGE_BUCKETS
 from prefixrouter.gateway.state import GatewayState
 from prefixrouter.stats import nearest_rank
+
+if TYPE_CHECKING:
+    from prefixrouter.gateway.workers import Worker
 
 ALL = "*"
 """The class key of the all-classes aggregate."""
@@ -148,6 +157,7 @@ class DashboardFeed:
         self._evicted: deque[tuple[float, list[float], dict[str, float]]] = deque(
             maxlen=window_ticks + 1
         )
+        self._unrouted: deque[dict[str, float]] = deque(maxlen=window_ticks + 1)
         self._prefixes: OrderedDict[tuple[str, str], list[Any]] = OrderedDict()
         self._class_counts: dict[str, int] = {}
         self._subscribers: set[asyncio.Queue[bytes | None]] = set()
@@ -199,6 +209,10 @@ class DashboardFeed:
             for kept in (self._window, self._by_worker, self._history, self._recent):
                 kept.clear()
             self._evicted.clear()
+            self._unrouted.clear()
+            # The counters first: the records the catch-up takes from the ring are then
+            # not counted (nor listed) a second time by the tick, whenever they finished.
+            self._skip()
             self._catch_up()
             self.tick()
         self._watched_until = time.monotonic() + self.watch_s
@@ -299,6 +313,7 @@ class DashboardFeed:
                 "ticks": len(self._window),
                 "classes": window,
                 "evictions": self._evictions(),
+                "unrouted": self._unrouted_window(),
             },
             "workers": self._workers(),
             "drift": self._drift(),
@@ -455,14 +470,15 @@ class DashboardFeed:
                     "id": w.id,
                     "url": w.url,
                     "pool": w.config.pool,
-                    "healthy": w.healthy and not w.suspect and not w.draining,
-                    "state": _worker_state(w.healthy, w.suspect, w.draining),
+                    "healthy": routable(w),
+                    "state": worker_state(w),
                     "in_flight": dispatch.load(w.id).in_flight + w.foreign,
                     "queue": e.waiting,
                     "running": e.running,
                     "kv_usage": round(e.kv_usage, 4),
                     "index_blocks": dispatch.index_blocks(w.id),
-                    "index_capacity": dispatch.index_capacity(w.id),
+                    # The index's default until the engine's KV size is known: not a fact.
+                    "index_capacity": dispatch.index_capacity(w.id) if kv_size_known(w) else None,
                     "requests": n,
                     "cached_share": round(cached / prompt, 4) if prompt else None,
                     "engine_hit_rate": (
@@ -505,6 +521,32 @@ class DashboardFeed:
             "mirrored_total": mirrored,
             "age_buckets": [[AGE_LABELS[i], int(c - first[i])] for i, c in enumerate(counts)],
             "by_class": by_class,
+        }
+
+    def _unrouted_window(self) -> dict[str, Any]:
+        """Requests answered before routing over the window, by status.
+
+        Read from ``prefixrouter_requests_total{decision="none"}``: such a
+        request (a malformed body, a refused key, an unknown model, a tenant
+        limit, no worker to take it) has no decision record, so the classes'
+        ``errors`` never count it. ``total`` plus the classes' errors is the
+        metric's error count over the same window.
+        """
+        now: dict[str, float] = {}
+        for (_, decision, status), n in self.st.metrics.requests.values.items():
+            if decision == "none":
+                now[status] = now.get(status, 0.0) + n
+        self._unrouted.append(now)
+        first = self._unrouted[0]
+        by_status = {
+            status: int(n - first.get(status, 0.0))
+            for status, n in sorted(now.items())
+            if n - first.get(status, 0.0) > 0
+        }
+        return {
+            "total": sum(by_status.values()),
+            "by_status": by_status,
+            "total_ever": int(sum(now.values())),
         }
 
     def _drift(self) -> dict[str, Any]:
@@ -604,12 +646,46 @@ def _add_entry(agg: dict[str, Any], e: LogEntry, hit_label: Any) -> int | None:
     return cached
 
 
-def _worker_state(healthy: bool, suspect: bool, draining: bool) -> str:
-    if draining:
+def routable(w: Worker) -> bool:
+    """Whether ``w`` takes new requests: ``prefixrouter_worker_healthy``'s rule.
+
+    The same expression as :meth:`~prefixrouter.gateway.workers.WorkerRegistry.gauges`
+    (health checks pass, not suspect, not draining, ready, not ejected), so
+    the page, ``top`` and ``/metrics`` never disagree on a worker.
+    """
+    return w.healthy and not w.suspect and not w.draining and w.ready and not w.ejected
+
+
+def worker_state(w: Worker) -> str:
+    """One word for a worker: ``healthy`` exactly when :func:`routable`, else why it is out.
+
+    When several reasons hold, the one an operator acts on first is named:
+    ``draining`` (asked for), ``down`` (health checks fail), ``ejected``
+    (outlier ejection: its answers fail although its health checks pass),
+    ``suspect`` (a timeout, being checked now), ``not ready`` (Kubernetes
+    readiness).
+    """
+    if w.draining:
         return "draining"
-    if not healthy:
+    if not w.healthy:
         return "down"
-    return "suspect" if suspect else "healthy"
+    if w.ejected:
+        return "ejected"
+    if w.suspect:
+        return "suspect"
+    if not w.ready:
+        return "not ready"
+    return "healthy"
+
+
+def kv_size_known(w: Worker) -> bool:
+    """Whether the router's index mirrors ``w``'s real KV size (configured or polled).
+
+    The condition under which the registry mirrors it
+    (``WorkerRegistry._mirror_capacity``); until then the index uses its
+    default capacity, which is a placeholder, not the engine's.
+    """
+    return w.config.kv_capacity_blocks is not None or bool(w.engine.num_blocks)
 
 
 def _offer(q: asyncio.Queue[bytes | None], item: bytes | None) -> None:

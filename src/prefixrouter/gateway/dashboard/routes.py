@@ -10,12 +10,18 @@
 * ``GET /dashboard/snapshot``: the ``hello`` payload as one JSON document
   (``prefixrouter top --once``, scripts).
 
-Access: with ``server.admin_api_key`` set, the two data routes need it as
-``/admin/*`` does, in the ``Authorization: Bearer KEY`` header (never a query
-parameter, which access logs and proxies record). The page reads the key from
-its URL's fragment (``/dashboard#key=KEY``: a browser never sends the fragment)
-or asks for it, and sends the header itself. With no admin key configured the
-dashboard is open, like ``/metrics``: bind the gateway to a private address.
+Access: the two data routes follow ``/admin/*``'s rule, never an anonymous
+admin. Their records are per request and per tenant (the tenant, the client's
+own request id, the model, prompt sizes, timings): unlike ``/metrics``, whose
+series are aggregates, they would let one tenant watch another's traffic. So
+with ``server.admin_api_key`` set they need it, in the ``Authorization: Bearer
+KEY`` header (never a query parameter, which access logs and proxies record);
+with none configured they answer 403 ``admin_api_disabled``, whose message
+names the setting. The page and its assets hold no data and are served either
+way: the page reads the key from its URL's fragment (``/dashboard#key=KEY``,
+URL-encoded: :func:`dashboard_url`; a browser never sends the fragment) or asks
+for it, and sends the header itself; on the 403 it says how to turn the
+dashboard on.
 
 :func:`add_dashboard_routes` registers all of this, with the feed's start and
 stop, on an application whose ``app[STATE]`` is set; the gateway's
@@ -27,13 +33,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from importlib import resources
+from urllib.parse import quote
 
 import orjson
 from aiohttp import web
 
-from prefixrouter.gateway.admin import check_admin_key
+from prefixrouter.gateway.admin import ADMIN_DISABLED, check_admin_key
 from prefixrouter.gateway.dashboard.feed import DashboardFeed, sse_event
-from prefixrouter.gateway.errors import JSON, GatewayError, NotFound, error_response
+from prefixrouter.gateway.errors import JSON, Forbidden, GatewayError, NotFound, error_response
 from prefixrouter.gateway.state import STATE
 
 DASHBOARD_PATH = "/dashboard"
@@ -47,12 +54,22 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+DASHBOARD_DISABLED = (
+    "the dashboard's data (each request's tenant, request id, sizes and timings) is served "
+    "only with the admin API key, as /admin/* is; " + ADMIN_DISABLED
+)
+"""The 403's message when no admin key is configured: it names the setting that turns it on."""
 
 
 def dashboard_url(base_url: str, admin_api_key: str | None = None) -> str:
-    """The dashboard's address on a gateway at ``base_url``, with the key in the fragment."""
+    """The dashboard's address on a gateway at ``base_url``, with the key in the fragment.
+
+    The key is percent-encoded (every character but letters, digits and
+    ``-._~``): a ``%`` or ``&`` of a key chosen by hand would otherwise be read
+    as an escape or cut the key short; the page decodes it.
+    """
     url = base_url.rstrip("/") + DASHBOARD_PATH
-    return f"{url}#key={admin_api_key}" if admin_api_key else url
+    return f"{url}#key={quote(admin_api_key, safe='')}" if admin_api_key else url
 
 
 def _asset(name: str) -> bytes:
@@ -70,8 +87,15 @@ class DashboardRoutes:
         self._static = {name: (_asset(name), ctype) for name, ctype in STATIC.items()}
 
     def _check(self, request: web.Request) -> None:
-        if self._key is not None:
-            check_admin_key(request, self._key)
+        """Let a data request through only with the admin key (the module docstring's rule).
+
+        Raises:
+            Forbidden: No admin key is configured (``admin_api_disabled``).
+            Unauthorized: The key is missing or wrong.
+        """
+        if self._key is None:
+            raise Forbidden(DASHBOARD_DISABLED, code="admin_api_disabled")
+        check_admin_key(request, self._key)
 
     @property
     def feed(self) -> DashboardFeed:

@@ -11,6 +11,15 @@ and reason. ``--once`` prints one snapshot (``GET /dashboard/snapshot``) and
 exits; ``--iterations N`` stops after N snapshots. When the output is not a
 terminal each snapshot is printed in turn instead of redrawn.
 
+The newest decisions are a rolling list, as on the page (:class:`Newest`): a
+tick carries only the decisions sampled in its second, so at a low rate most
+ticks carry none; the view keeps the newest ``DECISION_ROWS`` it has seen.
+
+Every string from the gateway (worker, replica and tenant-chosen ids, prefix
+classes, reasons) goes to rich as a :class:`~rich.text.Text`, never as markup:
+an id such as ``w3[red]x[/red]`` is shown as written, and ``a[/]`` does not
+end the view with a markup error.
+
 A gateway that stops or is killed while the view runs is tried again every
 second until it is back (one line says it went away, one that it is back);
 Ctrl-C ends the wait. ``--url`` is checked before connecting, and a server
@@ -26,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncGenerator, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
@@ -42,6 +52,9 @@ from prefixrouter.errors import PrefixRouterError
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV
 from prefixrouter.gateway.dashboard.feed import ALL, HITS
 from prefixrouter.gateway.dashboard.routes import DASHBOARD_PATH
+
+if TYPE_CHECKING:
+    from aiohttp import ClientResponse
 
 DECISION_ROWS = 8
 RETRY_S = 1.0
@@ -74,8 +87,41 @@ def _share(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def render(snap: dict[str, Any]) -> RenderableType:
-    """One snapshot as rich renderables (pure: the tests read its text)."""
+def _t(value: object) -> Text:
+    """A table cell from the gateway's data: literal text, never parsed as rich markup."""
+    return Text(str(value))
+
+
+class Newest:
+    """The newest decisions seen, at most ``rows``, newest last: the page's rolling list.
+
+    A ``hello`` (and ``/dashboard/snapshot``) carries ``recent``, the feed's
+    newest decisions: it replaces the list (a gateway that restarted starts a
+    new one). A ``tick`` carries only its second's sample, added to the list.
+    """
+
+    def __init__(self, rows: int = DECISION_ROWS) -> None:
+        self._kept: deque[dict[str, Any]] = deque(maxlen=rows)
+
+    def update(self, snap: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take in one snapshot's decisions; return the list now."""
+        recent = snap.get("recent")
+        if recent is not None:
+            self._kept.clear()
+            self._kept.extend(recent)
+        else:
+            self._kept.extend(snap.get("decisions") or [])
+        return list(self._kept)
+
+
+def render(
+    snap: dict[str, Any], decisions: Iterable[dict[str, Any]] | None = None
+) -> RenderableType:
+    """One snapshot as rich renderables (pure: the tests read its text).
+
+    ``decisions``: the newest decisions to list (:class:`Newest`); by default
+    the snapshot's own (its ``recent``, else its tick's sample).
+    """
     g = snap["gateway"]
     window = snap["window"]
     all_ = window["classes"].get(ALL)
@@ -88,6 +134,7 @@ def render(snap: dict[str, Any]) -> RenderableType:
     )
     drift = snap["drift"]
     ev = window["evictions"]
+    unrouted = window.get("unrouted")  # None: a gateway from before it was sent
     tiles = Text.assemble(
         "cached share (60 s) ",
         (_pct(_share(all_["cached"], all_["cached"] + all_["uncached"])) if all_ else "–", "bold"),
@@ -96,6 +143,7 @@ def render(snap: dict[str, Any]) -> RenderableType:
         " · warm-abandoned ",
         (_pct(_share(all_["abandoned"], all_["n"])) if all_ else "–", "bold"),
         f" · evictions (60 s) {ev['observed']}",
+        f" · errors before routing (60 s) {unrouted['total']}" if unrouted else "",
         " · drift ",
         (drift["state"], "bold red" if drift["firing"] else "green"),
     )
@@ -108,15 +156,27 @@ def render(snap: dict[str, Any]) -> RenderableType:
         held = ", ".join(
             f"{p['key'][:8]} {p['class']} {p['saved_tokens']:,} tok" for p in w["prefixes"][:3]
         )
+        state = w["state"]
+        # Green exactly when routable (prefixrouter_worker_healthy); asked-for or passing
+        # states yellow; out for failing (down, ejected) red.
+        style = (
+            "green"
+            if w["healthy"]
+            else "yellow"
+            if state in ("draining", "suspect", "not ready")
+            else "red"
+        )
+        capacity = w.get("index_capacity")
         workers.add_row(
-            w["id"],
-            Text(w["state"], style="green" if w["healthy"] else "red"),
-            _num(w["in_flight"]),
-            _num(w["queue"]),
-            _pct(w["kv_usage"]),
-            _pct(w["cached_share"]),
-            f"{w['index_blocks']:,}",
-            held or "–",
+            _t(w["id"]),
+            Text(str(state), style=style),
+            _t(_num(w["in_flight"])),
+            _t(_num(w["queue"])),
+            _t(_pct(w["kv_usage"])),
+            _t(_pct(w["cached_share"])),
+            # The capacity is unknown (None) until the engine reports its KV size.
+            _t(f"{w['index_blocks']:,} / " + ("?" if capacity is None else f"{capacity:,}")),
+            _t(held or "–"),
         )
 
     classes = Table(title="by prefix class, last 60 s", title_justify="left")
@@ -130,14 +190,14 @@ def render(snap: dict[str, Any]) -> RenderableType:
             continue
         waits = " ".join(f"{t} {_num(_mean(p), 1)}ms" for t, p in sorted(a["wait"].items()))
         classes.add_row(
-            "all" if cls == ALL else cls,
-            _num(a["n"]),
-            _pct(_share(a["cached"], a["cached"] + a["uncached"])),
-            *(_num(_mean(a["ttft"][h]), 1) + " ms" for h in HITS),
-            _num(a["predicted"]),
-            _num(a["actual"]),
-            _pct(_share(a["abandoned"], a["n"])),
-            waits or "–",
+            _t("all" if cls == ALL else cls),
+            _t(_num(a["n"])),
+            _t(_pct(_share(a["cached"], a["cached"] + a["uncached"]))),
+            *(_t(_num(_mean(a["ttft"][h]), 1) + " ms") for h in HITS),
+            _t(_num(a["predicted"])),
+            _t(_num(a["actual"])),
+            _t(_pct(_share(a["abandoned"], a["n"]))),
+            _t(waits or "–"),
         )
 
     parts: list[RenderableType] = [head, tiles, workers, classes]
@@ -154,20 +214,20 @@ def render(snap: dict[str, Any]) -> RenderableType:
                 f" p99 {_num(lag['p99'], 2)} ms · applied {cluster['facts_applied_per_s']}/s"
             )
         )
-    decisions = snap.get("decisions") or snap.get("recent") or []
-    if decisions:
+    newest = list(Newest().update(snap) if decisions is None else decisions)
+    if newest:
         table = Table(title="newest decisions (sampled)", title_justify="left")
         for col in ("request", "class", "tier", "worker", "predicted", "actual", "reason"):
             table.add_column(col, justify="right" if col in ("predicted", "actual") else "left")
-        for d in decisions[-DECISION_ROWS:][::-1]:
+        for d in newest[-DECISION_ROWS:][::-1]:
             table.add_row(
-                str(d["request_id"])[:20],
-                d["prefix_class"],
-                d["tier"],
-                d["selected_worker"],
-                _num(d["predicted_cached_tokens"]),
-                _num(d["actual_cached_tokens"]),
-                d["reason"],
+                _t(str(d["request_id"])[:20]),
+                _t(d["prefix_class"]),
+                _t(d["tier"]),
+                _t(d["selected_worker"]),
+                _t(_num(d["predicted_cached_tokens"])),
+                _t(_num(d["actual_cached_tokens"])),
+                _t(d["reason"]),
             )
         parts.append(table)
     return Group(*parts)
@@ -191,7 +251,7 @@ async def _events(url: str, api_key: str | None) -> AsyncGenerator[dict[str, Any
             aiohttp.ClientSession(timeout=timeout) as session,
             session.get(url.rstrip("/") + DASHBOARD_PATH + "/events", headers=headers) as resp,
         ):
-            _check_status(resp.status, url, api_key)
+            _check_status(resp.status, url, api_key, await _said(resp))
             if resp.content_type != "text/event-stream":
                 raise TopError(
                     _not_a_gateway(url, "/events", f"{resp.content_type}, not an event stream")
@@ -218,12 +278,28 @@ async def _snapshot(url: str, api_key: str | None) -> dict[str, Any]:
                 url.rstrip("/") + DASHBOARD_PATH + "/snapshot", headers=_auth(api_key)
             ) as resp,
         ):
-            _check_status(resp.status, url, api_key)
+            _check_status(resp.status, url, api_key, await _said(resp))
             return _parsed(await resp.read(), url, "/snapshot")
     except _Gone as exc:  # a 5xx
         raise TopError(f"cannot read {url}: {exc}") from None
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise TopError(f"cannot read {url}: {_why(exc)}") from None
+
+
+async def _said(resp: ClientResponse) -> str | None:
+    """A 403's own message (the gateway's says which setting turns the dashboard on), or None.
+
+    Read only for a 403: any other answer's body is the caller's to read.
+    """
+    import aiohttp
+
+    if resp.status != 403:
+        return None
+    try:
+        message = orjson.loads(await resp.content.read(64 * 1024))["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError, aiohttp.ClientError, TimeoutError):
+        return None  # not the gateway's JSON error: the status alone is said
+    return message if isinstance(message, str) else None
 
 
 def _auth(api_key: str | None) -> dict[str, str]:
@@ -262,10 +338,13 @@ def _parsed(raw: bytes, url: str, route: str) -> dict[str, Any]:
     return data
 
 
-def _render(snap: dict[str, Any], url: str) -> RenderableType:
-    """:func:`render`, a snapshot it cannot read (another version's) one error, not a traceback."""
+def _render(snap: dict[str, Any], url: str, newest: Newest | None = None) -> RenderableType:
+    """:func:`render`, a snapshot it cannot read (another version's) one error, not a traceback.
+
+    ``newest``: the live view's rolling list of decisions, updated with ``snap``'s.
+    """
     try:
-        return render(snap)
+        return render(snap, None if newest is None else newest.update(snap))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise TopError(
             f"{url} sent a dashboard snapshot this top cannot read "
@@ -273,7 +352,8 @@ def _render(snap: dict[str, Any], url: str) -> RenderableType:
         ) from None
 
 
-def _check_status(status: int, url: str, api_key: str | None) -> None:
+def _check_status(status: int, url: str, api_key: str | None, said: str | None = None) -> None:
+    """Raise for an answer that is not the dashboard's data; ``said``: a 403's message."""
     # The dashboard answers 401 for a missing and for a wrong key alike (as /admin/* does).
     if status == 401 and api_key:
         raise TopError(
@@ -285,6 +365,8 @@ def _check_status(status: int, url: str, api_key: str | None) -> None:
             f"{url} refused the dashboard without its admin API key: pass --api-key or set "
             f"{ADMIN_KEY_ENV}"
         )
+    if status == 403:  # no admin key configured: its data is off (routes.DASHBOARD_DISABLED)
+        raise TopError(f"{url} refused the dashboard: {said or 'HTTP 403'}")
     if status == 404:
         raise TopError(f"{url} has no {DASHBOARD_PATH}: is it a prefixrouter gateway?")
     if status >= 500:  # a proxy in front of a gateway that is restarting, say
@@ -345,6 +427,7 @@ async def run_top(
     where rich's ``Live`` keeps its place.
     """
     shown = 0
+    newest = Newest()
     if console.is_terminal:
         with Live(console=console, auto_refresh=False, screen=False) as live:
 
@@ -353,7 +436,7 @@ async def run_top(
 
             async with aclosing(_snapshots(url, api_key, above, retry_s)) as snaps:
                 async for snap in snaps:
-                    live.update(_render(snap, url), refresh=True)
+                    live.update(_render(snap, url, newest), refresh=True)
                     shown += 1
                     if iterations is not None and shown >= iterations:
                         break
@@ -365,7 +448,7 @@ async def run_top(
 
         async with aclosing(_snapshots(url, api_key, note, retry_s)) as snaps:
             async for snap in snaps:
-                console.print(_render(snap, url))
+                console.print(_render(snap, url, newest))
                 console.print()
                 shown += 1
                 if iterations is not None and shown >= iterations:

@@ -36,17 +36,27 @@
   const mean = (pair) => (pair && pair[1] ? pair[0] / pair[1] : null);
 
   // -- the key: from the fragment (#key=...), session storage, or the form ---------------------
+  // The fragment holds the key alone, URL-encoded (dashboard_url): all of it after "key=" is
+  // the key, so one typed by hand with a bare "&" is not cut short there.
+  let keyProblem = "";
   function initKey() {
-    const m = /(?:^|[#&])key=([^&]*)/.exec(location.hash);
+    const m = /(?:^|[#&])key=(.*)$/.exec(location.hash);
     if (m) {
-      state.key = decodeURIComponent(m[1]);
-      sessionStorage.setItem("prefixrouter-key", state.key);
+      // Out of the address bar and the history first, whether or not it can be read.
       history.replaceState(null, "", location.pathname + location.search);
+      try {
+        state.key = decodeURIComponent(m[1]);
+        sessionStorage.setItem("prefixrouter-key", state.key);
+      } catch (e) {  // URIError: a "%" not followed by two hex digits
+        state.key = null;
+        keyProblem = "the key in the address is not URL-encoded (a % must be written %25): type it here";
+      }
     } else {
       state.key = sessionStorage.getItem("prefixrouter-key");
     }
     $("key-form").addEventListener("submit", (ev) => {
       ev.preventDefault();
+      keyProblem = "";
       state.key = $("key").value;
       sessionStorage.setItem("prefixrouter-key", state.key);
       $("key-form").hidden = true;
@@ -67,10 +77,20 @@
     } catch (e) {
       return retry(mine, "gateway unreachable");
     }
-    if (resp.status === 401 || resp.status === 403) {
+    if (resp.status === 403) {
+      // No admin key is configured: no key opens the data, so no form; say how to turn it on.
+      let said = "";
+      try { said = ((await resp.json()).error || {}).message || ""; } catch (e) { /* not JSON */ }
+      setStatus("error", "dashboard off");
+      $("key-form").hidden = true;
+      $("off-detail").textContent = said || "HTTP 403";
+      $("off").hidden = false;
+      return;
+    }
+    if (resp.status === 401) {
       setStatus("error", "admin key needed");
       $("key-form").hidden = false;
-      $("key-error").textContent = state.key ? "that key was refused" : "";
+      $("key-error").textContent = state.key ? "that key was refused" : keyProblem;
       return;
     }
     if (!resp.ok) return retry(mine, "HTTP " + resp.status);
@@ -146,6 +166,11 @@
     $("t-cached-rate").textContent = pt ? fmt(pt.cached_per_s, 0) : "0";
     $("t-abandoned").textContent = win ? pct(ratio(win.abandoned, win.n)) : "–";
     $("t-evictions").textContent = fmt(s.window.evictions.observed, 0);
+    const unrouted = s.window.unrouted;
+    $("t-unrouted").textContent = unrouted ? fmt(unrouted.total, 0) : "–";
+    $("t-unrouted-by").textContent = unrouted
+      ? Object.entries(unrouted.by_status).map(([st, n]) => `${st} ×${fmt(n, 0)}`).join(" · ")
+      : "";
     renderDrift(s.drift);
     $("sampling").textContent =
       `This second: ${g.decisions_made} decisions finished, ${g.decisions_seen} counted, ` +
@@ -189,11 +214,14 @@
         pref.append(el("code", { title: p.key }, p.key.slice(0, 8)), ` ${p.class} ${fmt(p.saved_tokens, 0)} tok (${p.hits}×)  `);
       }
       body.append(el("tr", { "data-worker": w.id },
-        el("td", {}, w.id), el("td", { class: "st-" + w.state }, w.state),
+        el("td", {}, w.id), el("td", { class: "st-" + w.state.replace(/[^a-z]+/g, "-") }, w.state),
         el("td", {}, fmt(w.in_flight, 0)), el("td", {}, fmt(w.queue, 0)), el("td", {}, fmt(w.running, 0)),
         el("td", {}, kv, " " + pct(w.kv_usage)), el("td", {}, pct(w.cached_share)),
         el("td", {}, pct(w.engine_hit_rate)),
-        el("td", {}, `${fmt(w.index_blocks, 0)} / ${fmt(w.index_capacity, 0)}`), pref));
+        // A capacity of null: the engine's KV size is not known yet (never polled), and the
+        // index's default in its place would read as a fact.
+        el("td", {}, `${fmt(w.index_blocks, 0)} / ${w.index_capacity === null ? "unknown" : fmt(w.index_capacity, 0)}`),
+        pref));
     }
   }
 
