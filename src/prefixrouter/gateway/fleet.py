@@ -289,8 +289,10 @@ def divergent_position(built: BuiltRequest, actual: int, prompt: int | None) -> 
         m = found[0]
         return f"{where}: a volatile {m.kind} at char {m.start}: {text[m.start : m.end]!r}"
     return (
-        f"{where}: the routed prompt holds no volatile field there, so the engine sees "
-        "tokens the router does not (a field its chat template writes, a tokenizer mismatch)"
+        f"{where}: the routed prompt holds no volatile field there, so either the engine no "
+        "longer holds the prefix the index lists (evicted: compare "
+        'prefixrouter_kv_evictions_total{source="observed"}) or it sees tokens the router does '
+        "not (a field its chat template writes, a tokenizer mismatch)"
     )
 
 

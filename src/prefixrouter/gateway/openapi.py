@@ -256,7 +256,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         admin=True,
     ),
     ("GET", DASHBOARD_PATH): Operation(
-        "The live dashboard (an HTML page; its data needs the admin key where one is set)",
+        "The live dashboard (an HTML page; its data needs the admin key, 403 where none is set)",
         {"200": _ok("The page", {"type": "string"}, "text/html")},
         tags=("dashboard",),
     ),

@@ -239,6 +239,24 @@ class Worker:
         """Base URL (no trailing slash, no ``/v1``)."""
         return self.config.url
 
+    @property
+    def routable(self) -> bool:
+        """Takes new requests: health checks pass, not suspect, not draining, ready, not
+        ejected (``prefixrouter_worker_healthy``, the dashboard's ``healthy``)."""
+        return (
+            self.healthy
+            and not self.suspect
+            and not self.draining
+            and self.ready
+            and not self.ejected
+        )
+
+    @property
+    def kv_size_known(self) -> bool:
+        """The engine's KV size is known (configured or polled): the index mirrors it,
+        else it keeps its default capacity, a placeholder."""
+        return self.config.kv_capacity_blocks is not None or bool(self.engine.num_blocks)
+
     def to_dict(self, in_flight: int, index_blocks: int | None = None) -> dict[str, Any]:
         """A JSON-ready state record for ``/admin/workers``.
 
@@ -640,7 +658,7 @@ class WorkerRegistry:
         return [
             WorkerGauges(
                 w.id,
-                w.healthy and not w.suspect and not w.draining and w.ready and not w.ejected,
+                w.routable,
                 self.dispatch.load(w.id).in_flight,
                 w.engine.kv_usage,
                 w.engine.waiting,
@@ -943,6 +961,6 @@ class WorkerRegistry:
         (:func:`~prefixrouter.core.dispatch.prefix_room_blocks`) sees the
         requests in flight as they are now, beside the engine's last poll.
         """
-        if w.config.kv_capacity_blocks is None and not w.engine.num_blocks:
+        if not w.kv_size_known:
             return  # capacity unknown: keep the index default
         self.dispatch.mirror_capacity((self.dispatch.fill(w.view, self.clock()),))

@@ -24,7 +24,7 @@ touching the request path:
   queue and KV use per worker, and whether the router's index still holds a
   prefix (:meth:`~prefixrouter.core.dispatch.Dispatcher.holds_prefix`). A
   worker's ``healthy`` is ``prefixrouter_worker_healthy``'s rule
-  (:func:`routable`), its ``state`` says why it is out of routing;
+  (:attr:`Worker.routable`), its ``state`` says why it is out of routing;
 * the **cluster node**, for a replica: peers, their routings in flight here,
   and the propagation lag of recent messages.
 
@@ -470,7 +470,7 @@ class DashboardFeed:
                     "id": w.id,
                     "url": w.url,
                     "pool": w.config.pool,
-                    "healthy": routable(w),
+                    "healthy": w.routable,
                     "state": worker_state(w),
                     "in_flight": dispatch.load(w.id).in_flight + w.foreign,
                     "queue": e.waiting,
@@ -478,7 +478,7 @@ class DashboardFeed:
                     "kv_usage": round(e.kv_usage, 4),
                     "index_blocks": dispatch.index_blocks(w.id),
                     # The index's default until the engine's KV size is known: not a fact.
-                    "index_capacity": dispatch.index_capacity(w.id) if kv_size_known(w) else None,
+                    "index_capacity": dispatch.index_capacity(w.id) if w.kv_size_known else None,
                     "requests": n,
                     "cached_share": round(cached / prompt, 4) if prompt else None,
                     "engine_hit_rate": (
@@ -646,18 +646,8 @@ def _add_entry(agg: dict[str, Any], e: LogEntry, hit_label: Any) -> int | None:
     return cached
 
 
-def routable(w: Worker) -> bool:
-    """Whether ``w`` takes new requests: ``prefixrouter_worker_healthy``'s rule.
-
-    The same expression as :meth:`~prefixrouter.gateway.workers.WorkerRegistry.gauges`
-    (health checks pass, not suspect, not draining, ready, not ejected), so
-    the page, ``top`` and ``/metrics`` never disagree on a worker.
-    """
-    return w.healthy and not w.suspect and not w.draining and w.ready and not w.ejected
-
-
 def worker_state(w: Worker) -> str:
-    """One word for a worker: ``healthy`` exactly when :func:`routable`, else why it is out.
+    """One word for a worker: ``healthy`` exactly when :attr:`Worker.routable`, else why it is out.
 
     When several reasons hold, the one an operator acts on first is named:
     ``draining`` (asked for), ``down`` (health checks fail), ``ejected``
@@ -676,16 +666,6 @@ def worker_state(w: Worker) -> str:
     if not w.ready:
         return "not ready"
     return "healthy"
-
-
-def kv_size_known(w: Worker) -> bool:
-    """Whether the router's index mirrors ``w``'s real KV size (configured or polled).
-
-    The condition under which the registry mirrors it
-    (``WorkerRegistry._mirror_capacity``); until then the index uses its
-    default capacity, which is a placeholder, not the engine's.
-    """
-    return w.config.kv_capacity_blocks is not None or bool(w.engine.num_blocks)
 
 
 def _offer(q: asyncio.Queue[bytes | None], item: bytes | None) -> None:
