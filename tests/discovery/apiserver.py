@@ -16,7 +16,17 @@ watcher makes as the real API server does (the shapes of the recordings in
   version older than the compacted history gets the API's answer to that:
   one ``ERROR`` event holding a ``Status`` of code 410 (``Expired``);
 * ``GET .../inferencepools/NAME``: the recorded pool, or a 404 ``Status``;
-* every request needs ``Authorization: Bearer TOKEN`` (else a 401 ``Status``).
+* every request needs ``Authorization: Bearer TOKEN`` (else a 401 ``Status``);
+  a resource in :attr:`FakeApiServer.forbidden` gets RBAC's 403 ``Status``,
+  whose message names the verb, resource and API group that are missing.
+
+Some failures are the test's to switch on: :attr:`FakeApiServer.watch_lags`
+answers every watch with the 410 ``ERROR`` event (an API server whose watch
+cache lags behind its list keeps doing that for a while), and
+:attr:`FakeApiServer.proxy_error` answers every list and watch with what a
+load balancer in front of the API sends when the API is down (an HTML page,
+not a ``Status``). :meth:`update_pool` and :meth:`delete_pool` edit the pool
+as ``kubectl`` would (a new ``resourceVersion`` and ``generation``).
 
 The test drives it: :meth:`emit` applies one recorded event (stored, added to
 the history, streamed to matching watches); :meth:`pause_watches`,
@@ -129,6 +139,14 @@ class FakeApiServer:
         self.requests: list[dict[str, str]] = []
         """Query of every list/watch request, with ``resource``."""
         self.expired_answers = 0
+        self.forbidden: set[str] = set()
+        """Resources (``pods``, ``inferencepools``, ...) the token may not read."""
+        self.watch_lags = False
+        """Every watch answers 410 Gone, whatever its version."""
+        self.proxy_error: tuple[int, str, str] | None = None
+        """(status, content type, body) of a proxy's answer to every list and watch."""
+        self.account = "system:serviceaccount:llm:prefixrouter-epp"
+        """The user RBAC names in a 403."""
         self._watches: set[_Watch] = set()
         self._open = asyncio.Event()
         self._open.set()
@@ -154,6 +172,19 @@ class FakeApiServer:
         """Store a recorded InferencePool."""
         meta = pool["metadata"]
         self.pools[(meta["namespace"], meta["name"])] = pool
+
+    def update_pool(self, pool: dict[str, Any]) -> None:
+        """Replace the pool as an edit does: a new ``resourceVersion``, ``generation`` + 1."""
+        meta = pool["metadata"]
+        self.version += 1
+        meta["resourceVersion"] = str(self.version)
+        meta["generation"] = int(meta.get("generation") or 0) + 1
+        self.pools[(meta["namespace"], meta["name"])] = pool
+
+    def delete_pool(self, namespace: str, name: str) -> None:
+        """Delete the pool (reads now get the API's 404)."""
+        self.version += 1
+        del self.pools[(namespace, name)]
 
     def emit(self, resource: str, event: dict[str, Any]) -> None:
         """Apply one recorded watch event and stream it to the matching watches."""
@@ -203,6 +234,24 @@ class FakeApiServer:
     def _authorized(self, request: web.Request) -> bool:
         return request.headers.get("Authorization") == f"Bearer {self.token}"
 
+    def _refusal(
+        self, request: web.Request, resource: str, group: str, name: str | None
+    ) -> web.Response | None:
+        """The API's 401 or 403 for this request, if it gets one (authn before authz)."""
+        if not self._authorized(request):
+            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        if resource not in self.forbidden:
+            return None
+        namespace = request.match_info["ns"]
+        verb = "get" if name else ("watch" if _is_watch(dict(request.query)) else "list")
+        what = f"{resource}.{group}" if group else resource
+        subject = f'{what} "{name}"' if name else what
+        msg = (
+            f'{subject} is forbidden: User "{self.account}" cannot {verb} resource '
+            f'"{resource}" in API group "{group}" in the namespace "{namespace}"'
+        )
+        return web.json_response(status(403, "Forbidden", msg), status=403)
+
     @staticmethod
     def _selected(w: _Watch, resource: str, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
@@ -228,8 +277,13 @@ class FakeApiServer:
         return await self._collection(request, "pods")
 
     async def _collection(self, request: web.Request, resource: str) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        if self.proxy_error is not None:  # the proxy answers; the API never sees it
+            code, content_type, text = self.proxy_error
+            return web.Response(status=code, text=text, content_type=content_type)
+        group = "discovery.k8s.io" if resource == "endpointslices" else ""
+        refusal = self._refusal(request, resource, group, None)
+        if refusal is not None:
+            return refusal
         query = dict(request.query)
         self.requests.append({**query, "resource": resource})
         namespace = request.match_info["ns"]
@@ -248,9 +302,10 @@ class FakeApiServer:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         since = int(query.get("resourceVersion") or self.version)
-        if since < self.compacted:
+        if since < self.compacted or self.watch_lags:
             self.expired_answers += 1
-            gone = status(410, "Expired", f"too old resource version: {since} ({self.compacted})")
+            oldest = max(self.compacted, since + 1)
+            gone = status(410, "Expired", f"too old resource version: {since} ({oldest})")
             await resp.write(orjson.dumps({"type": "ERROR", "object": gone}) + b"\n")
             await resp.write_eof()
             return resp
@@ -272,9 +327,11 @@ class FakeApiServer:
         return resp
 
     async def _pool(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
         ns, name = request.match_info["ns"], request.match_info["name"]
+        refusal = self._refusal(request, "inferencepools", "inference.networking.k8s.io", name)
+        if refusal is not None:
+            return refusal
+        self.requests.append({"resource": "inferencepools", "name": name})
         pool = self.pools.get((ns, name))
         if pool is None:
             msg = f'inferencepools.inference.networking.k8s.io "{name}" not found'
@@ -286,13 +343,39 @@ def _is_watch(query: dict[str, str]) -> bool:
     return query.get("watch", "").lower() in ("true", "1")
 
 
-def kubeconfig(path: Path, server: str, token: str, namespace: str) -> Path:
-    """Write a kubeconfig for ``server`` with a bearer token; return its path."""
+def kubeconfig(
+    path: Path,
+    server: str,
+    token: str | None,
+    namespace: str,
+    *,
+    token_file: Path | None = None,
+    exec_command: list[str] | None = None,
+) -> Path:
+    """Write a kubeconfig for ``server``; return its path.
+
+    The user's credentials, as kubectl's users have them: a bearer ``token``,
+    a ``tokenFile`` that something else rotates, or an ``exec`` plugin
+    (``client.authentication.k8s.io/v1``, as ``aws eks get-token`` and
+    ``gke-gcloud-auth-plugin`` are configured) that prints an ``ExecCredential``.
+    """
+    user: dict[str, Any] = {}
+    if token is not None:
+        user["token"] = token
+    if token_file is not None:
+        user["tokenFile"] = str(token_file)
+    if exec_command is not None:
+        user["exec"] = {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": exec_command[0],
+            "args": exec_command[1:],
+            "interactiveMode": "Never",
+        }
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "recorded", "cluster": {"server": server}}],
-        "users": [{"name": "epp", "user": {"token": token}}],
+        "users": [{"name": "epp", "user": user}],
         "contexts": [
             {
                 "name": "recorded",

@@ -10,6 +10,7 @@ and the KV-event wiring of the vLLM pods is the one discovery connects to.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,52 @@ def test_the_route_sends_the_api_to_the_pool_through_the_gateway() -> None:
     assert backend["group"] == "inference.networking.k8s.io"
     assert (backend["kind"], backend["name"]) == ("InferencePool", POOL["metadata"]["name"])
     assert rule["matches"][0]["path"]["value"] == "/v1"
+
+
+PROMETHEUS = DEPLOY.parent / "prometheus" / "prometheus.yml"
+
+
+def _scrape_config_uncommented() -> dict[str, Any]:
+    """``prometheus.yml`` with its commented Kubernetes jobs uncommented, as it says to."""
+    lines = PROMETHEUS.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  # - job_name:"))
+    jobs = lines[start:]
+    assert all(line.startswith(("  # - ", "  #   ")) for line in jobs), "one block, at the end"
+    text = "\n".join(lines[:start] + [line.replace("  # ", "  ", 1) for line in jobs])
+    config: dict[str, Any] = yaml.safe_load(text)
+    return config
+
+
+def test_the_prometheus_kubernetes_jobs_scrape_these_manifests_pods() -> None:
+    """Uncommented as is, the file loads (unique job names) and each job keeps one Deployment."""
+    config = _scrape_config_uncommented()
+    names = [job["job_name"] for job in config["scrape_configs"]]
+    assert len(names) == len(set(names)), names  # Prometheus refuses a repeated job_name
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    metrics_port = {
+        "prefixrouter-epp": int(_args(_container(EPP))["--http-port"]),  # serves /metrics
+        "vllm-llama": int(_args(_container(VLLM))["--port"]),
+    }
+    kept: dict[str, str] = {}
+    for job in config["scrape_configs"]:
+        if "kubernetes_sd_configs" not in job:
+            continue
+        (sd,) = job["kubernetes_sd_configs"]
+        assert sd["role"] == "pod"
+        (namespace,) = sd["namespaces"]["names"]
+        assert f"kubectl create namespace {namespace}" in readme
+        assert f"kubectl -n {namespace} apply -f deploy/kubernetes/" in readme
+        rules = {tuple(r["source_labels"]): r for r in job["relabel_configs"]}
+        app = rules[("__meta_kubernetes_pod_label_app",)]
+        port = rules[("__meta_kubernetes_pod_container_port_name",)]
+        assert app["action"] == port["action"] == "keep"
+        for deployment in (EPP, VLLM):
+            labels = deployment["spec"]["template"]["metadata"]["labels"]
+            if re.fullmatch(app["regex"], labels["app"]):  # Prometheus anchors its regexes
+                assert labels["app"] not in kept, "two jobs scrape one Deployment"
+                kept[labels["app"]] = job["job_name"]
+                ports = _container(deployment)["ports"]
+                (scraped,) = [p for p in ports if re.fullmatch(port["regex"], p["name"])]
+                assert scraped["containerPort"] == metrics_port[labels["app"]]
+                assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert set(kept) == {"prefixrouter-epp", "vllm-llama"}, kept

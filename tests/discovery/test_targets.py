@@ -83,6 +83,48 @@ def test_pods_need_an_ip_a_ready_condition_and_no_deletion() -> None:
     assert pod_targets(running, None) == []
 
 
+def _terminal(pod: dict[str, Any], phase: str, reason: str) -> dict[str, Any]:
+    """``pod`` as the kubelet leaves it in a terminal phase: IP kept, Ready false."""
+    out = copy.deepcopy(pod)
+    st = out["status"]
+    st.update(phase=phase, reason=reason, message=f"The pod is {reason}.")
+    for c in st["conditions"]:
+        if c["type"] in ("Ready", "ContainersReady"):
+            c.update(status="False", reason="PodCompleted" if phase == "Succeeded" else "PodFailed")
+    return out
+
+
+def test_a_pod_in_a_terminal_phase_names_no_target_though_it_keeps_its_ip() -> None:
+    """As the EndpointSlice controller: Succeeded and Failed pods are never endpoints."""
+    running = PODS["list"]["items"][0]
+    for phase, reason in (("Failed", "Evicted"), ("Failed", "OOMKilled"), ("Succeeded", "Done")):
+        dead = _terminal(running, phase, reason)
+        assert dead["status"]["podIP"] == "127.0.0.21"
+        assert pod_targets(dead, 8000) == [], phase
+        # Even with a Ready condition left True (a kubelet's last word), and
+        # in the index that a list and the watch feed.
+        stale = copy.deepcopy(dead)
+        for c in stale["status"]["conditions"]:
+            c["status"] = "True"
+        assert pod_targets(stale, 8000) == []
+        index = TargetIndex("Pod", 8000)
+        index.replace([running])
+        assert set(index.targets()) == {"vllm-llama-5c8b9d7f6-4tq8n"}
+        assert index.apply("MODIFIED", stale)
+        assert index.targets() == {}
+
+
+def test_only_a_running_pod_is_ready() -> None:
+    """A Pending pod with an IP is a target, not ready; so is one in phase Unknown."""
+    running = PODS["list"]["items"][0]
+    for phase in ("Pending", "Unknown"):
+        pod = copy.deepcopy(running)
+        pod["status"]["phase"] = phase
+        assert pod_targets(pod, 8000) == [
+            Target("vllm-llama-5c8b9d7f6-4tq8n", "127.0.0.21", 8000, False)
+        ]
+
+
 def test_the_pools_selector_and_port() -> None:
     assert selector_of_pool(PODS["pool"]) == ("app=vllm-llama", 8000)
     pool = copy.deepcopy(PODS["pool"])

@@ -11,6 +11,9 @@ worker set follows; traffic then shows a pod that is not ready gets none.
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -216,6 +219,74 @@ async def test_workers_follow_the_pods_an_inferencepool_selects(tmp_path: Path) 
         assert got["127.0.0.21"] == 0 and got["127.0.0.29"] == 0
         c.api.emit("pods", c.step("gone"))
         await c.until_routable({b}, workers={b})
+
+
+def _pod_event(c: Cluster, kind: str, pod: dict[str, Any], **status: Any) -> dict[str, Any]:
+    """A watch event for ``pod`` with ``status`` fields changed, at the API's next version."""
+    obj = copy.deepcopy(pod)
+    obj["status"].update(status)
+    obj["metadata"]["resourceVersion"] = str(c.api.version + 1)
+    return {"type": kind, "object": obj}
+
+
+async def test_an_evicted_pod_is_no_worker_and_the_pod_that_gets_its_ip_is_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With KV events on (as epp.yaml), a pod on an evicted pod's IP has that pod's publisher.
+
+    The evicted pod (phase Failed, its podIP kept in the API) must stop being
+    a worker, so the new pod's worker, whose ``kv_events_connect`` is the
+    same ``tcp://IP:PORT``, can be added once the old one's requests are
+    over; meanwhile it waits, without a warning.
+    """
+    caplog.set_level(logging.WARNING)
+    ips = ["127.0.0.21", "127.0.0.22", "127.0.0.29"]
+    a = WorkerId("vllm-llama-5c8b9d7f6-4tq8n")
+    new = WorkerId("vllm-llama-5c8b9d7f6-r7xkp")
+    discovery = {"pool": "vllm-llama", "kv_events_port": free_port()}
+    async with cluster(tmp_path, "pods", ips, discovery) as c:
+        await c.until_routable({a})
+        assert c.state.registry.workers[a].config.kv_events_connect is not None
+        await until(_async(lambda: c.api.watch_count() == 1), "the watch")
+        engine = c.engines["127.0.0.21"]
+        engine.delay_s = 2.0  # a request in flight when the pod is evicted
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        in_flight = asyncio.create_task(c.client.post("/v1/chat/completions", json=body))
+        await until(_async(lambda: engine.running >= 1), "a request in flight")
+
+        pod = c.recording["list"]["items"][0]
+        ready_false = [
+            {**cond, "status": "False", "reason": "PodFailed"}
+            if cond["type"] in ("Ready", "ContainersReady")
+            else cond
+            for cond in pod["status"]["conditions"]
+        ]
+        evicted = _pod_event(
+            c,
+            "MODIFIED",
+            pod,
+            phase="Failed",
+            reason="Evicted",
+            message="The node was low on resource: memory.",
+            conditions=ready_false,
+        )
+        c.api.emit("pods", evicted)
+        # Out of routing at once; drained (its request finishes), then removed.
+        await until(_async(lambda: not c.routable()), "the evicted pod out of routing")
+        successor = _pod_event(c, "ADDED", pod)
+        meta = successor["object"]["metadata"]
+        meta["name"], meta["uid"] = new, "5e1d2c3b-0a9f-4e8d-b7c6-a5f4e3d2c1b0"
+        c.api.emit("pods", successor)
+
+        resp = await in_flight
+        assert resp.status == 200
+        resp.release()
+        await c.until_routable({new}, workers={new})
+        assert c.state.registry.workers[new].url.startswith("http://127.0.0.21:")
+        engine.delay_s = 0.0
+        assert (await c.traffic(3, "after eviction"))["127.0.0.21"] == 3
+    refused = [r.getMessage() for r in caplog.records if "cannot add" in r.getMessage()]
+    assert refused == []
 
 
 async def test_an_api_server_refusing_the_token_leaves_the_gateway_up_and_retrying(

@@ -14,10 +14,28 @@ port and whether it is ready for traffic. Two sources name them:
   reached by IP. One Service has several slices, and during a resync an
   endpoint may be in two of them for a moment: the union is taken per id,
   ready if any copy says so.
-* **Pods** matching a label selector (the selector of an ``InferencePool``):
-  ``status.podIP`` (a pod without one is not scheduled or not started yet and
-  names no target), ready when its ``Ready`` condition is ``True`` and it is
-  not being deleted (``metadata.deletionTimestamp``).
+* **Pods** matching a label selector (the selector of an ``InferencePool``),
+  by the rule the EndpointSlice controller applies to a Service's pods
+  (``ShouldPodBeInEndpoints`` with terminating pods kept, then
+  ``IsPodReady``), so a pool's pods become workers as a Service's endpoints
+  would:
+
+  - a pod in a terminal ``status.phase`` (``Succeeded``: completed, or
+    ``Failed``: evicted, OOM-killed with ``restartPolicy: Never``, ...) names
+    no target. It keeps its ``podIP`` in the API until someone deletes it
+    (evicted pods of a Deployment stay until the cluster's terminated-pod
+    garbage collection, thousands of pods later), but its containers are gone
+    and the network has given the address back: a new pod may get it, and a
+    worker for the dead pod would hold the new pod's KV-event address;
+  - a pod without ``status.podIP`` (not scheduled or not started yet) names
+    no target;
+  - any other pod names one, ready when its phase is ``Running``, its
+    ``Ready`` condition is ``True`` and it is not being deleted
+    (``metadata.deletionTimestamp``). A terminating pod stays a target, not
+    ready, so its worker takes no new requests but is drained when the pod
+    goes, not cut off at once (as a slice keeps it, ``serving`` while it
+    finishes). A ``Pending`` pod with an IP (its init containers run) is a
+    target that is not ready yet.
 
 :class:`TargetIndex` holds the last listed state per object (a list replaces
 it, a watch event patches one object) and answers the union. The watcher
@@ -105,18 +123,26 @@ def endpoint_slice_targets(obj: Obj, port: int | None) -> list[Target]:
     return out
 
 
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+"""Pod phases after which no container runs again (``podutil.IsPodTerminal``)."""
+
+
 def pod_targets(obj: Obj, port: int | None) -> list[Target]:
-    """The target of one pod: none without an IP or a port (see the module docstring)."""
+    """The target of one pod: none when terminal, without an IP or a port (module docstring)."""
     status = obj.get("status") or {}
     address = status.get("podIP")
-    if not address or port is None:
+    phase = status.get("phase")
+    if not address or port is None or phase in TERMINAL_PHASES:
         return []
     meta = obj.get("metadata") or {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or ()
     )
-    ready = ready and not meta.get("deletionTimestamp")
+    # Readiness means something only while the pod runs: in any other phase
+    # (Pending, or Unknown once its node stops reporting) it is not ready,
+    # whatever its Ready condition last said.
+    ready = ready and phase == "Running" and not meta.get("deletionTimestamp")
     name = _name(obj) or f"{address}:{port}"
     return [Target(id=name, address=str(address), port=port, ready=ready)]
 

@@ -11,7 +11,13 @@ its targets, through the registry's own calls (those behind ``POST`` and
   stay);
 * a pod that is gone (or whose address changed) is drained and removed
   (:meth:`WorkerRegistry.drain_and_remove`, ``proxy.drain_timeout_s``), in the
-  background, so one long drain does not hold up the rest.
+  background, so one long drain does not hold up the rest;
+* a new pod that got the address of a pod still being drained (the network
+  hands a freed IP to the next pod) would share its KV-event publisher
+  (``kv_events_connect``), which the registry refuses: it waits, quietly,
+  until that drain is over (the drain wakes the reconciler), then is added.
+  Any other refusal is logged on each pass, so a pod that cannot be added
+  is not mentioned once and then forgotten.
 
 The watcher only records the newest target set and wakes the reconciler; the
 reconciler applies the difference with the registry, one pass at a time, so
@@ -93,6 +99,8 @@ class DiscoveryLink:
         self._applied = asyncio.Event()
         self._draining: dict[WorkerId, asyncio.Task[None]] = {}
         self._clashes: set[WorkerId] = set()
+        self._waiting: set[WorkerId] = set()
+        """Pods waiting for a drain to free their KV-event address (logged once each)."""
         self._task: asyncio.Task[None] | None = None
 
     def _on_targets(self, targets: dict[str, Target]) -> None:
@@ -147,6 +155,7 @@ class DiscoveryLink:
                 wanted[WorkerId(t.id)] = (t, worker_config(self.config, t))
             except ValidationError as exc:
                 log.warning("discovery: %s (%s) skipped: %s", t.id, t.address, exc)
+        self._waiting &= wanted.keys()  # a waiting pod that went is told again if it comes back
         for wid, url in list(self.owned.items()):
             entry = wanted.get(wid)
             if wid not in reg.workers:  # removed by the admin API: re-added below
@@ -164,13 +173,35 @@ class DiscoveryLink:
                 if wid not in self._clashes:
                     self._clashes.add(wid)
                     log.warning("discovery: pod %s has a configured worker's id: skipped", wid)
+            elif (holder := self._held_by_drain(wc)) is not None:
+                if wid not in self._waiting:  # the drain wakes us when it is over
+                    self._waiting.add(wid)
+                    log.info(
+                        "discovery: %s waits for %s's drain (its KV-event address)", wid, holder
+                    )
             else:
                 adds.append(self._add(wc, t.ready))
         if adds:
             await asyncio.gather(*adds)
 
+    def _held_by_drain(self, wc: WorkerConfig) -> WorkerId | None:
+        """The worker being drained here whose KV-event publisher ``wc`` would reuse.
+
+        (Its topic is its id, the pod's name: a pod of the same name waits
+        for its own drain already.)
+        """
+        publisher = wc.kv_events_connect
+        if publisher is None:
+            return None
+        for wid in self._draining:
+            w = self.registry.workers.get(wid)
+            if w is not None and w.config.kv_events_connect == publisher:
+                return wid
+        return None
+
     async def _add(self, wc: WorkerConfig, ready: bool) -> None:
         wid = WorkerId(wc.id)
+        self._waiting.discard(wid)
         self.owned[wid] = wc.url
         try:
             await self.registry.add(wc, ready=ready)
