@@ -821,6 +821,9 @@ class DiscoveryConfig(_Model):
         scheme: ``http`` or ``https`` for the workers' URLs.
         resync_s: A watch lasts this long, then everything is listed again.
         retry_max_s: Longest wait between retries when the API server fails.
+        pool_check_s: How often an InferencePool is read again: an edit of its
+            selector or target port takes effect within this long (a deleted
+            pool keeps its last pods, with a warning, until it is back).
         kv_events_port: Each pod's own bound KV-event publisher port (vLLM
             ``--kv-events-config`` ``"endpoint": "tcp://*:PORT"``, ``"topic"``
             the pod's name): the gateway connects to it (``kv_events_connect``),
@@ -842,6 +845,7 @@ class DiscoveryConfig(_Model):
     scheme: Literal["http", "https"] = "http"
     resync_s: PosFloat = 300.0
     retry_max_s: PosFloat = 30.0
+    pool_check_s: PosFloat = 10.0
     kv_events_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     kv_replay_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     worker: dict[str, Any] = Field(default_factory=dict)

@@ -60,6 +60,7 @@ def watch_options(config: GatewayConfig) -> WatchOptions:
         kubeconfig=d.kubeconfig,
         resync_s=d.resync_s,
         retry_max_s=d.retry_max_s,
+        pool_check_s=d.pool_check_s,
     )
 
 
