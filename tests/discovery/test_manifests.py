@@ -158,6 +158,18 @@ def test_the_epp_flags_are_the_cli_s_and_its_configuration_validates() -> None:
     d = config.discovery
     assert (d.kind, d.namespace, d.pool) == ("kubernetes", "llm", POOL["metadata"]["name"])
     assert config.kv_events_on
+    # KV events name token blocks: token mode, with the served model's tokenizer,
+    # which the init container downloads into a volume the picker mounts.
+    assert config.routing.mode == "token" and config.routing.tokenizer is not None
+    spec = EPP["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    init_args = init["args"]
+    assert _args(_container(VLLM))["--model"] in init_args and "tokenizer.json" in init_args
+    assert "tokenizer_config.json" in init_args  # the chat template
+    mounts = {m["name"]: m["mountPath"] for m in epp["volumeMounts"]}
+    (init_mount,) = init["volumeMounts"]
+    assert f"--local-dir={init_mount['mountPath']}" in init_args
+    assert str(config.routing.tokenizer) == mounts[init_mount["name"]]
 
 
 def test_vllm_publishes_kv_events_where_discovery_connects() -> None:

@@ -173,3 +173,15 @@ def test_the_log_says_info_lines_with_time_and_level(level: str) -> None:
     assert re.search(rf"^{stamp} WARNING prefixrouter.gateway: worker \S+ unhealthy", err, re.M)
     down = re.search(rf"^{stamp} INFO prefixrouter.gateway: worker \S+ down", err, re.M)
     assert (down is not None) == (level == "info"), err
+
+
+def test_kv_events_in_text_mode_are_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    """Events' token blocks never match text mode's prefixes: one warning at start."""
+    from prefixrouter.gateway.cli import warn_about
+    from prefixrouter.gateway.config import config_from_dict
+
+    events = {"workers": [{"url": "http://127.0.0.1:9"}], "kv_events": {"endpoint": "tcp://*:5557"}}
+    warn_about(config_from_dict(events))
+    assert "warning: KV events with routing.mode: text" in capsys.readouterr().err
+    warn_about(config_from_dict({**events, "routing": {"mode": "token"}}))
+    assert "KV events" not in capsys.readouterr().err

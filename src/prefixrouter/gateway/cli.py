@@ -366,6 +366,16 @@ def warn_about(cfg: GatewayConfig) -> None:
             "directly; set salt_secret (the same on every gateway in front of them)",
             err=True,
         )
+    if cfg.kv_events_on and cfg.routing.mode != "token":
+        # Events name token blocks; text mode's prefixes are character chunks, so
+        # none can match, and they take the index's room from the router's own.
+        typer.echo(
+            "warning: KV events with routing.mode: text: their token blocks never match "
+            "text mode's prefixes and take the index's room from the router's own entries "
+            "(routing gets worse); set routing.mode: token with the engines' tokenizer, or "
+            "drop the KV-event settings",
+            err=True,
+        )
     if not cfg.workers and cfg.discovery.kind == "static":
         hint = "" if cfg.server.admin_api_key else f" (after setting {ADMIN_KEY_ENV})"
         typer.echo(f"warning: no workers yet; add them with POST /admin/workers{hint}", err=True)
