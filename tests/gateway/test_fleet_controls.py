@@ -19,6 +19,7 @@ PID; every wait is bounded. The test that kills an engine runs last.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from prefixrouter.harness.engines import reset_prefix_caches
 from prefixrouter.harness.processes import Fleet, Server, kill_process
 from prefixrouter.prometheus import samples
 from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS, decisions
+from tests.gateway.helpers import gateway_env
+from tests.gateway.helpers import run as run_async
 
 ENGINE_ARGS = ["--profile", "tiny-cpu", "--time-scale", "4", "--model", "tiny"]
 ENGINE_ARGS += ["--kv-blocks", "8192"]  # no eviction in these tests but the ones they cause
@@ -340,3 +343,27 @@ def test_a_dead_worker_breaks_the_pin(up: Up) -> None:
             assert await metric(s, gw, "prefixrouter_affinity_total", result="down") == 1
 
     run(main())
+
+
+def test_an_engine_that_counts_prompts_otherwise_is_named_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Token mode: the fake engine counts 4 characters a token, the router's tokenizer
+    about 2.5 here; after MISCOUNTS_TO_WARN prompts one warning names the worker."""
+    from prefixrouter.gateway.fleet import MISCOUNTS_TO_WARN, miscounted
+
+    assert not miscounted(1000, 1001) and not miscounted(100, 108)  # a special token or two
+    assert miscounted(1461, 1006) and miscounted(100, 120)
+
+    async def body() -> None:
+        async with gateway_env(1, {"routing": {"mode": "token"}}) as env:
+            for i in range(MISCOUNTS_TO_WARN + 3):
+                r = await env.chat(f"Question {i}: " + "The quick brown fox. " * 60)
+                assert r.status == 200
+
+    with caplog.at_level(logging.WARNING, logger="prefixrouter.gateway"):
+        run_async(body)
+    said = [r.getMessage() for r in caplog.records]
+    lines = [m for m in said if "prompt tokens where the router counted" in m]
+    assert len(lines) == 1 and lines[0].startswith("worker w0 counted")
+    assert "routing.tokenizer" in lines[0]

@@ -89,6 +89,17 @@ class Steer:
     blocks: PromptBlocks | None = None
 
 
+MISCOUNTS_TO_WARN = 8
+"""Prompts in a row an engine counts otherwise before the tokenizer warning."""
+
+
+def miscounted(router_tokens: int, engine_tokens: int) -> bool:
+    """Whether two counts of one prompt differ past a special token or two: by more than
+    8 tokens and 2 % (a begin-of-text token the template leaves to the engine is not a
+    mismatch; another tokenizer differs by tens of percent)."""
+    return abs(router_tokens - engine_tokens) > max(8, 0.02 * max(router_tokens, engine_tokens))
+
+
 class FleetControls:
     """Affinity, rollout and drift state of one gateway (module docstring)."""
 
@@ -114,6 +125,8 @@ class FleetControls:
                     d.clear_after,
                 )
             )  # fmt: skip
+        self._miscounts: dict[str, int] = {}  # worker -> prompts miscounted in a row
+        self._miscount_warned: set[str] = set()
         self.affinity = _Counter(
             "prefixrouter_affinity",
             "Requests naming a session: hit (kept on its worker), new, or why the pin broke.",
@@ -211,6 +224,8 @@ class FleetControls:
                 self.group_tokens.inc((group, "uncached"), prompt - reused)
             if ttft_s is not None:
                 self.group_ttft.observe((group,), ttft_s)
+        if ok and prompt and built.routing.tokens is not None:
+            self._check_token_count(decision, prompt)
         if self.drift is not None and ok and cached is not None:
             cls = decision.prefix_class
             change = self.drift.observe(cls, index_claim(decision), cached)
@@ -218,6 +233,38 @@ class FleetControls:
                 if change.firing:
                     self.alarms.inc((cls,))
                 self._log_change(change, built, prompt)
+
+    def _check_token_count(self, decision: Decision, engine_tokens: int) -> None:
+        """Token mode: say once per worker when its engine counts the prompts otherwise.
+
+        The router tokenizes each prompt with ``routing.tokenizer`` and its
+        chat template; an engine that counts :data:`MISCOUNTS_TO_WARN` prompts
+        in a row more than :func:`miscounted` allows apart from the router
+        uses another tokenizer or template: its blocks are not the router's,
+        and every prediction of reuse on it is off. (The drift alarm sees
+        only predictions the engine fell short of; an engine with a smaller
+        vocabulary reuses no less, it reuses other blocks.)
+        """
+        worker = decision.worker_id
+        if worker in self._miscount_warned:
+            return
+        if not miscounted(decision.prompt_tokens, engine_tokens):
+            self._miscounts.pop(worker, None)
+            return
+        n = self._miscounts.get(worker, 0) + 1
+        self._miscounts[worker] = n
+        if n >= MISCOUNTS_TO_WARN:
+            self._miscount_warned.add(worker)
+            log.warning(
+                "worker %s counted %d prompt tokens where the router counted %d (and so "
+                "for %d prompts in a row): its tokenizer or chat template is not "
+                "routing.tokenizer's, so the router's blocks are not its blocks and its "
+                "predicted reuse is off; point routing.tokenizer at the served model's folder",
+                worker,
+                engine_tokens,
+                decision.prompt_tokens,
+                n,
+            )
 
     # ------------------------------------------------------------- the alarm's line
 
