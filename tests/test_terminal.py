@@ -17,3 +17,11 @@ def test_a_message_with_brackets_is_printed_as_it_is(capsys: pytest.CaptureFixtu
         "error: --url 'http://[::1': key [sk-abc] refused, [/] and [bold]x[/bold]",
         "note: --rate [2] overrides --load",
     ]
+
+
+def test_an_exception_that_says_nothing_is_named_alone() -> None:
+    """A bare ``TimeoutError()`` read ``/health: TimeoutError: `` in the log, nothing after."""
+    from prefixrouter.errors import exception_text
+
+    assert exception_text(TimeoutError()) == "TimeoutError"
+    assert exception_text(ValueError("bad port")) == "ValueError: bad port"

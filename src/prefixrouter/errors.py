@@ -22,6 +22,13 @@ from os import PathLike
 from pathlib import Path
 
 
+def exception_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception for a log line or an error, ``Type`` alone when it
+    says nothing (a bare ``TimeoutError()`` printed as ``TimeoutError: `` with nothing after)."""
+    said = str(exc)
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+
+
 def unreadable(path: str | PathLike[str], exc: OSError) -> str:
     """The one-line message for a file that cannot be read: ``PATH: cannot read: WHY``."""
     return f"{path}: cannot read: {exc.strerror or exc}"

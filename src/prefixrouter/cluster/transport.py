@@ -87,6 +87,8 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
+from prefixrouter.errors import exception_text
+
 log = logging.getLogger("prefixrouter.cluster")
 
 OnMessage = Callable[[bytes, bool], None]
@@ -216,7 +218,7 @@ class NatsLink:
         if isinstance(exc, LinkUnusable):
             self._fail(str(exc))
         else:
-            self._fail(f"the NATS link stopped: {type(exc).__name__}: {exc}")
+            self._fail(f"the NATS link stopped: {exception_text(exc)}")
 
     def _fail(self, why: str) -> None:
         if self.error is None:

@@ -103,7 +103,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixrouter.discovery.targets import ObjectKind, Target, TargetIndex, selector_of_pool
-from prefixrouter.errors import PrefixRouterError
+from prefixrouter.errors import PrefixRouterError, exception_text
 
 log = logging.getLogger("prefixrouter.discovery")
 
@@ -417,7 +417,7 @@ class KubernetesWatcher:
                 else:
                     await self._failed(api_error(exc))
             except Exception as exc:  # the loop must outlive any failure
-                await self._failed(f"{type(exc).__name__}: {exc}")
+                await self._failed(exception_text(exc))
 
     async def _expired(self) -> None:
         """A 410 Gone: list again, at once the first time, with backoff while it repeats."""

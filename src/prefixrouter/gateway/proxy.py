@@ -109,7 +109,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from prefixrouter.core.dispatch import Admission
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
-from prefixrouter.errors import NoWorkerAvailable
+from prefixrouter.errors import NoWorkerAvailable, exception_text
 from prefixrouter.gateway.access_log import note_of
 from prefixrouter.gateway.controls import PRIORITY_HEADER, Ticket
 from prefixrouter.gateway.errors import (
@@ -359,7 +359,7 @@ class Proxy:
                 self._finish(built, adm, worker, progress, t0, retry, steer)
                 raise
             except Exception as exc:  # a bug must not crash the gateway or leak load
-                att = Attempt(error_response(exc), 500, error=f"{type(exc).__name__}: {exc}")
+                att = Attempt(error_response(exc), 500, error=exception_text(exc))
             if att.response is not None:
                 try:
                     self._finish(built, adm, worker, att, t0, retry, steer)

@@ -96,6 +96,7 @@ import zmq
 from prefixrouter.core.dispatch import Dispatcher
 from prefixrouter.core.outlier import OutlierDetector, OutlierPolicy, Transition
 from prefixrouter.core.types import WorkerId, WorkerView
+from prefixrouter.errors import exception_text
 from prefixrouter.gateway.config import GatewayConfig, WorkerConfig, engine_key
 from prefixrouter.gateway.metrics import WorkerGauges
 from prefixrouter.gateway.upstream import Endpoint
@@ -882,7 +883,7 @@ class WorkerRegistry:
                     return True, ""
                 return False, f"{path} answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return False, f"{path}: {type(exc).__name__}: {exc}"
+            return False, f"{path}: {exception_text(exc)}"
 
     async def _discover(self, session: aiohttp.ClientSession, w: Worker) -> None:
         try:
@@ -923,7 +924,7 @@ class WorkerRegistry:
                 text = await resp.text()
             stats = parse_engine_metrics(text, w.config.kind)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            w.last_error = f"metrics: {type(exc).__name__}: {exc}"
+            w.last_error = f"metrics: {exception_text(exc)}"
             return
         if w.removed:
             return  # what is kept under its id may be another worker's by now

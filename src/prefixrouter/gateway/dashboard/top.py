@@ -48,7 +48,7 @@ from rich.table import Table
 from rich.text import Text
 
 from prefixrouter.addresses import address_problem
-from prefixrouter.errors import PrefixRouterError
+from prefixrouter.errors import PrefixRouterError, exception_text
 from prefixrouter.gateway.cli import ADMIN_KEY_ENV
 from prefixrouter.gateway.dashboard.feed import ALL, HITS
 from prefixrouter.gateway.dashboard.routes import DASHBOARD_PATH
@@ -348,7 +348,7 @@ def _render(snap: dict[str, Any], url: str, newest: Newest | None = None) -> Ren
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise TopError(
             f"{url} sent a dashboard snapshot this top cannot read "
-            f"({type(exc).__name__}: {exc}): is the gateway another prefixrouter version?"
+            f"({exception_text(exc)}): is the gateway another prefixrouter version?"
         ) from None
 
 
