@@ -289,6 +289,10 @@ def ratio_lines(results: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 def plot_pressure(runs: list[RouterRun], path: Path) -> None:
     """TTFT distributions, mean TTFT and cached share per router (cache-pressure runs)."""
     import matplotlib
@@ -321,8 +325,14 @@ def plot_pressure(runs: list[RouterRun], path: Path) -> None:
     ax_cdf.legend(fontsize=7)
     names = list(dict.fromkeys(r.spec.name for r in done))
     sums = {n: [r.summary() for r in done if r.spec.name == n] for n in names}
-    means = [sum(s["ttft_ms"]["mean"] for s in sums[n]) / len(sums[n]) / 1e3 for n in names]
-    cached = [100 * sum(s["cached_token_share"] for s in sums[n]) / len(sums[n]) for n in names]
+    # Over the runs that measured each figure (null: all requests failed, an engine unread).
+    means = [_mean([s["ttft_ms"]["mean"] / 1e3 for s in sums[n] if s["ttft_ms"]]) for n in names]
+    cached = [
+        _mean(
+            [100 * s["cached_token_share"] for s in sums[n] if s["cached_token_share"] is not None]
+        )
+        for n in names
+    ]
     xs = list(range(len(names)))
     ax_mean.bar(xs, means, color="tab:gray")
     ax_mean.set_xticks(xs, names, rotation=25, fontsize=7)
@@ -337,25 +347,30 @@ def plot_pressure(runs: list[RouterRun], path: Path) -> None:
     plt.close(fig)
 
 
+def _sec(t: dict[str, float] | None, key: str) -> str:
+    """A TTFT statistic in seconds; ``-`` when nothing was measured (null in the summary)."""
+    return "-" if t is None else f"{t[key] / 1e3:.3f} s"
+
+
 def rows(results: list[dict[str, Any]]) -> list[tuple[str, ...]]:
-    """One row per run: figures, or why the router did not run."""
+    """One row per run: figures (``-`` where none was measured), or why the router did not run."""
     out: list[tuple[str, ...]] = []
     for r in results:
         head = (r["workload"], r["router"], str(r["repeat"] + 1))
-        if "ttft_ms" not in r:
+        if "requests" not in r:
             reason = r.get("skipped") or r.get("error") or ""
             out.append((*head, reason, "", "", "", "", ""))
             continue
-        t = r["ttft_ms"]
+        t, share, prefill = r["ttft_ms"], r["cached_token_share"], r["prefill_tokens"]
         out.append(
             (
                 *head,
-                f"{t['mean'] / 1e3:.3f} s",
-                f"{t['p50'] / 1e3:.3f} s",
-                f"{t['p99'] / 1e3:.3f} s",
-                f"{r['cached_token_share']:.1%}",
-                f"{r['prefill_tokens']:,}",
-                " ".join(str(n) for n in r["per_worker_requests"]),
+                _sec(t, "mean"),
+                _sec(t, "p50"),
+                _sec(t, "p99"),
+                "-" if share is None else f"{share:.1%}",
+                "-" if prefill is None else f"{prefill:,}",
+                " ".join("-" if n is None else str(n) for n in r["per_worker_requests"]),
             )
         )
     return out
@@ -382,7 +397,8 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "cores 0 and 1), the same traffic through each router in turn, caches reset between "
         "runs. doc-qa: 4 documents of 8,000 tokens, interleaved questions, one request every "
         f"{args.gap:g} s; multi-turn: 8 conversations with 1,500-token system prompts. "
-        "TTFT measured by the client (streaming); cached share from the engines' counters.",
+        "TTFT measured by the client (streaming), from each request's scheduled send; "
+        "cached share from the engines' counters.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

@@ -244,3 +244,30 @@ def test_real_peer_routers(tmp_path: Path, tokenizer_cache: str) -> None:
     for o in overhead["results"]:
         assert "skipped" not in o and "error" not in o, o
         assert o["errors"] == 0 and o["rps_max"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kv_blocks", "message"),
+    [
+        # Planned longer than the cache: the simulator's own test refuses it.
+        ("1000", "doc-qa: --kv-blocks 1000: request 0 needs 20,207 tokens (20,119 prompt + 88 "
+                 "output), more than an engine's KV cache holds (16,000: 1,000 blocks of 16)"),
+        # Planned to fit (20,321 <= 20,480) but its text is longer, as the engines count it.
+        ("1280", "doc-qa: --kv-blocks 1280: request 7 needs 20,495 tokens (20,347 prompt + 148 "
+                 "output), more than an engine's KV cache holds (20,480: 1,280 blocks of 16)"),
+    ],
+)  # fmt: skip
+def test_requests_too_long_for_the_kv_cache_are_refused_before_any_engine_starts(
+    monkeypatch: pytest.MonkeyPatch, kv_blocks: str, message: str
+) -> None:
+    def no_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("engines started for requests every engine refuses")
+
+    monkeypatch.setattr("prefixrouter.bench.runner.run_scenario", no_run)
+    out = CliRunner().invoke(
+        app,
+        ["bench", "--scenario", "doc-qa", "--routers", "round_robin", "--requests", "10",
+         "--warmup", "2", "--no-overhead", "--kv-blocks", kv_blocks],
+    )  # fmt: skip
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert out.output.strip().splitlines()[-1] == f"error: {message}"

@@ -79,6 +79,11 @@ def analyze(
             f"{log}: {skipped.count - MAX_ERRORS_SHOWN:,} more malformed lines skipped",
             soft_wrap=True,
         )
+    if not report["requests"] and report["unserved_requests"]:
+        raise fail(
+            f"{log}: no served request in it: its {report['unserved_requests']:,} records all "
+            "have an error status (no engine served them)"
+        )
     if not report["requests"]:
         raise fail(
             f"{log}: {skipped.none_usable('request')} (expected JSON lines of request bodies "

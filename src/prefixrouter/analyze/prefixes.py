@@ -46,6 +46,12 @@ With the defaults (2^18 sampled blocks, 2^18 prefix nodes, 256 exemplars of
 (measured: 400,000 requests, 86 MB peak resident memory, sampling rate 1/32
 at the end). Tokenized text is never kept beyond its batch.
 
+Records whose status says no engine served them (:attr:`LogRecord.served
+<prefixrouter.analyze.reader.LogRecord.served>`: a 400 for a prompt too
+long, a 502) are counted apart (:attr:`Analysis.unserved_requests`) and
+left out of everything else: their prompts were never prefilled, so they
+neither cost prefill nor warm a cache.
+
 Gateway decision records logged without a body carry only a ``prefix_key``
 (the id of the first ``prefix_key_tokens`` tokens): such a record becomes a
 chain of that many tokens' blocks derived from the key, so the same
@@ -440,6 +446,8 @@ class Analysis:
     """Prompt tokens of prefix-key records beyond the key's depth: whether they
     repeat, the log cannot show, so reuse is a lower bound while this is > 0."""
     memory: dict[str, int] = field(default_factory=dict)
+    unserved_requests: int = 0
+    """Records left out because their status says no engine served them."""
 
 
 class Tokenized(Protocol):
@@ -512,10 +520,19 @@ class PrefixAnalyzer:
         self.observed_cached_tokens = 0
         self.key_only = 0
         self.key_only_unseen = 0
+        self.unserved = 0
+
+    def _served(self, records: Iterable[LogRecord]) -> Iterator[LogRecord]:
+        """The records an engine served; the others are only counted (module doc)."""
+        for rec in records:
+            if rec.served:
+                yield rec
+            else:
+                self.unserved += 1
 
     def feed(self, records: Iterable[LogRecord]) -> None:
-        """Analyze records in order (tokenized in batches in token mode)."""
-        it: Iterator[LogRecord] = iter(records)
+        """Analyze the served records in order (tokenized in batches in token mode)."""
+        it: Iterator[LogRecord] = self._served(records)
         if self.encoder is None:
             for rec in it:
                 self._one(rec, render_body(rec.body), None)
@@ -664,6 +681,7 @@ class PrefixAnalyzer:
                 "prefix_nodes": len(self.counter),
                 "prefix_ends": len(self._ends),
             },
+            unserved_requests=self.unserved,
         )
 
 

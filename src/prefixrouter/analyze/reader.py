@@ -16,6 +16,10 @@ of:
   ``estimated_prompt_tokens``), ``actual_cached_tokens`` and
   ``prefix_class`` are kept; the analysis then works on prefix keys.
 
+A wrapper or decision record's HTTP ``status`` is kept too: a request the
+engines (or the gateway) refused, a 400 for a prompt too long, say, was
+never served, and the analysis leaves it out (:attr:`LogRecord.served`).
+
 A line that is none of these (invalid JSON, not an object, a ``messages``
 that is not a list of objects, a body-less record without a prompt length) is
 reported through ``on_error(line, reason)`` and skipped (:class:`SkippedLines`
@@ -40,6 +44,8 @@ from prefixrouter.core.types import CacheNamespace, PrefixClass
 from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER, parse_prefix_class
 
 BODY_KEYS = ("request", "body", "request_body")
+CLIENT_GONE = 499
+"""The gateway's status for a request whose client went away."""
 
 ErrorHandler = Callable[[int, str], None]
 
@@ -60,6 +66,8 @@ class LogRecord:
         cached_tokens: Cached prompt tokens the engine reported, if logged.
         prefix_key: For a decision record without a body (``body`` is then
             empty): the id of the prompt's leading prefix.
+        status: The HTTP status the record states (a wrapper's or decision
+            record's ``status``); None when it states none.
     """
 
     line: int
@@ -69,6 +77,18 @@ class LogRecord:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     prefix_key: str | None = None
+    status: int | None = None
+
+    @property
+    def served(self) -> bool:
+        """Whether an engine served it, as far as its status tells.
+
+        No status stated, a success, or 499 (the client left: the engine had
+        the prompt, and usually prefilled it before the client went) count as
+        served; an error status (the engine's 400 for a prompt too long, the
+        gateway's 429 or 502) is a request no engine prefilled.
+        """
+        return self.status is None or self.status < 400 or self.status == CLIENT_GONE
 
 
 @dataclass(slots=True)
@@ -174,6 +194,8 @@ def parse_record(obj: Any, line: int = 0) -> LogRecord | str:
         namespace=namespace,
         prompt_tokens=_int(usage.get("prompt_tokens", record.get("prompt_tokens"))),
         cached_tokens=_int(details.get("cached_tokens", _first(record, _CACHED_KEYS))),
+        # A bare body's fields are the request's own: only a record states a status.
+        status=_int(record.get("status")) if body is not record else None,
     )
 
 
@@ -192,6 +214,7 @@ def _key_record(obj: Mapping[str, Any], line: int) -> LogRecord | str:
         prompt_tokens=tokens,
         cached_tokens=_int(obj.get("actual_cached_tokens")),
         prefix_key=str(obj["prefix_key"]),
+        status=_int(obj.get("status")),
     )
 
 

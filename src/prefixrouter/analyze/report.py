@@ -21,6 +21,14 @@ The verdict answers two questions from the measured shares:
 
 Near-identical requests that diverge early (a hidden timestamp or trace id)
 are named in the verdict: fixing them comes before any routing change.
+
+Without a tokenizer (text mode) every token count is an estimate at
+``chars_per_token`` characters per token (``tokens_estimated`` in the JSON):
+the tables write such counts ``~N`` and say how they were estimated, and the
+verdict says so, since text with another ratio (code, non-English, syllable
+text) can be off by half or more. Records no engine served (their status,
+:attr:`~prefixrouter.analyze.reader.LogRecord.served`) are counted apart as
+``unserved_requests`` and left out of every other figure.
 """
 
 from __future__ import annotations
@@ -71,7 +79,11 @@ def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0)
         "mode": a.mode,
         "block_size": bs,
         "kv_tokens": p.kv_tokens,
+        # Text mode counts characters: every token figure is an estimate.
+        "tokens_estimated": a.mode == "text",
+        "chars_per_token": p.chars_per_token,
         "requests": a.requests,
+        "unserved_requests": a.unserved_requests,
         "malformed_lines": malformed_lines,
         "key_only_requests": a.key_only_requests,
         "prefix_key_tokens": p.prefix_key_tokens,
@@ -129,6 +141,18 @@ def build_report(analysis: Analysis, *, log: str = "", malformed_lines: int = 0)
     return report
 
 
+def estimate_note(report: dict[str, Any]) -> str:
+    """How text mode's token counts were made, for a label (empty when they are exact)."""
+    if not report.get("tokens_estimated"):
+        return ""
+    return f"estimated at {report['chars_per_token']:g} chars/token; --tokenizer for exact"
+
+
+def _tokens(report: dict[str, Any], n: int) -> str:
+    """A token count as the tables write it: ``~N`` when estimated (module doc)."""
+    return f"~{n:,}" if report.get("tokens_estimated") else f"{n:,}"
+
+
 def verdict(report: dict[str, Any]) -> tuple[str, bool | None, str | None]:
     """(verdict sentence, whether prefix-aware routing pays, class to roll out first).
 
@@ -159,6 +183,7 @@ def verdict(report: dict[str, Any]) -> tuple[str, bool | None, str | None]:
         f"{report.get('prefix_key_tokens', 0):,} tokens"
     )
     observed = report["observed_cached_share"]
+    est = "~" if report.get("tokens_estimated") else ""
     kv_text = (
         f"{least}{sk:.0%} fit a {kv:,}-token KV cache under LRU" if kv else "no KV limit given"
     )
@@ -169,7 +194,7 @@ def verdict(report: dict[str, Any]) -> tuple[str, bool | None, str | None]:
         text = (
             f"Prefix-aware routing pays for this traffic: {least}{su:.0%} of prompt tokens "
             f"repeat an earlier prefix ({kv_text}). Roll it out first on {first} traffic: "
-            f"{least}{share:.0%} of its prompt tokens are reusable ({c[key]:,} tokens)."
+            f"{least}{share:.0%} of its prompt tokens are reusable ({est}{c[key]:,} tokens)."
         )
         if kv and sk < su / 2:
             text += (
@@ -209,6 +234,17 @@ def verdict(report: dict[str, Any]) -> tuple[str, bool | None, str | None]:
             f"repeat an earlier prefix ({kv_text}); keep load-based routing (least loaded)."
         )
         pays, first = False, None
+    if est:
+        text += (
+            f" Token counts are estimates at {report['chars_per_token']:g} characters per token "
+            "(--tokenizer for exact counts): the amounts, and how much of the KV cache they "
+            "fill, move with the text's real ratio."
+        )
+    if report.get("unserved_requests"):
+        text += (
+            f" {report['unserved_requests']:,} records no engine served (an error status) are "
+            "left out."
+        )
     hidden = [d for d in report["divergences"] if d["requests"] >= 2]
     if hidden:
         d = max(hidden, key=lambda d: d["requests"] * d["stable_tokens_after"])
@@ -229,25 +265,41 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
     unseen = report.get("key_only_unseen_tokens", 0)
     least = "at least " if unseen else ""  # prefix-key records: lower bounds (module doc)
     kv = report["kv_tokens"]
-    rows = [
-        ("requests", f"{report['requests']:,}"),
+    note = estimate_note(report)
+
+    def tokens(n: int) -> str:
+        return _tokens(report, n)
+
+    rows = [("requests", f"{report['requests']:,}")]
+    if report.get("unserved_requests"):
+        rows.append(
+            (
+                "records not served (error status), left out",
+                f"{report['unserved_requests']:,}",
+            )
+        )
+    rows += [
         ("malformed lines skipped", f"{report['malformed_lines']:,}"),
         ("mode / block size", f"{report['mode']} / {report['block_size']}"),
-        ("prompt tokens", f"{report['prompt_tokens']:,}"),
+        (f"prompt tokens ({note})" if note else "prompt tokens", tokens(report["prompt_tokens"])),
         (
             "reusable, unlimited cache",
-            f"{least}{report['reusable_tokens_unlimited']:,} "
+            f"{least}{tokens(report['reusable_tokens_unlimited'])} "
             f"({report['reusable_share_unlimited']:.1%})",
         ),
         (
             (
                 f"reusable, LRU {kv:,} KV tokens",
-                f"{least}{report['reusable_tokens_kv']:,} ({report['reusable_share_kv']:.1%})",
+                f"{least}{tokens(report['reusable_tokens_kv'])} "
+                f"({report['reusable_share_kv']:.1%})",
             )
             if kv
             else ("reusable, LRU", "no KV limit (--kv-tokens 0)")
         ),
-        ("shared prefix p50 / p90 / max", f"{sp['p50']:,} / {sp['p90']:,} / {sp['max']:,}"),
+        (
+            "shared prefix p50 / p90 / max",
+            f"{tokens(sp['p50'])} / {tokens(sp['p90'])} / {tokens(sp['max'])}",
+        ),
     ]
     if report["key_only_requests"]:
         rows.append(("records with a prefix key only", f"{report['key_only_requests']:,}"))
@@ -272,7 +324,7 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
         classes.add_row(
             name,
             f"{c['requests']:,}",
-            f"{c['prompt_tokens']:,}",
+            tokens(c["prompt_tokens"]),
             f"{c['reusable_share_unlimited']:.1%}",
             f"{c['reusable_share_kv']:.1%}" if c["reusable_share_kv"] is not None else "-",
         )
@@ -284,7 +336,7 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
         )
     for t in report["top_prefixes"]:
         top.add_row(
-            f"{t['tokens']:,}", f"{t['count']:,}", f"{t['saved_tokens']:,}",
+            tokens(t["tokens"]), f"{t['count']:,}", tokens(t["saved_tokens"]),
             t["text_start"][:50], t["text_end"][-40:],
         )  # fmt: skip
 
@@ -293,9 +345,9 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
         div.add_column(col, justify="left" if col == "text" else "right")
     for d in report["divergences"]:
         div.add_row(
-            f"{d['token_position']:,}",
+            tokens(d["token_position"]),
             f"{d['requests']:,}",
-            f"{d['stable_tokens_after']:,}",
+            tokens(d["stable_tokens_after"]),
             d["text"],
         )
     tables = [summary, classes]

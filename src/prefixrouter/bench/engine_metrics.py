@@ -10,6 +10,9 @@ the differences (pages read with :mod:`prefixrouter.prometheus`):
 * requests per engine = ``delta vllm:request_success_total`` (all finish
   reasons), i.e. where the router actually sent the work.
 
+:func:`scrape_each` reads past an engine that does not answer (None for it,
+and why), for the read after a run, when an engine may have stopped.
+
 :func:`kv_config` reads an engine's KV size as it reports it (what the
 ``cache-pressure`` scenario is sized from on real vLLM).
 """
@@ -65,8 +68,34 @@ async def scrape(urls: Sequence[str], timeout_s: float = 10.0) -> list[EngineCou
     return out
 
 
+async def scrape_each(
+    urls: Sequence[str], timeout_s: float = 10.0
+) -> tuple[list[EngineCounters | None], list[str]]:
+    """Every engine's counters, in ``urls`` order, reading past an engine that does not answer.
+
+    After a measured run, one engine that stopped must not cost the run the
+    others' counters (nor the client's figures): its entry is None and the
+    second list says why (``engine I (URL): reason``), one line per such
+    engine.
+    """
+    counters: list[EngineCounters | None] = []
+    problems: list[str] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        for i, url in enumerate(urls):
+            try:
+                async with session.get(url.rstrip("/") + "/metrics") as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"/metrics answered {resp.status}")
+                    counters.append(parse_counters(await resp.text()))
+            except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as exc:
+                counters.append(None)
+                why = f"{exc}".strip() or type(exc).__name__
+                problems.append(f"engine {i} ({url}): {why}")
+    return counters, problems
+
+
 def cached_share(deltas: Sequence[EngineCounters]) -> float:
-    """Prompt tokens found in the engines' prefix caches over tokens looked up."""
+    """Prompt tokens found in the engines' prefix caches over tokens looked up (0 if none)."""
     queries = sum(d.queries for d in deltas)
     return sum(d.hits for d in deltas) / queries if queries else 0.0
 

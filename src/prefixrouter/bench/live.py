@@ -27,15 +27,28 @@ The engines can also be started first (:func:`start_engines`) and handed to
 
 Figures per router (:meth:`RouterRun.summary`): client-side TTFT and end-to-end
 latency (mean, p50, p90, p99: :func:`prefixrouter.stats.percentiles`,
-successful requests only), the prefill tokens the engines reported (prompt
-minus cached tokens in the answers' ``usage``),
-throughput (successful requests over the time from the first send to the last
-answer), the engines' cached-token share and requests per engine (from their
-counters, see :mod:`prefixrouter.bench.engine_metrics`).
+successful requests only, each timed from its scheduled send time, see
+:mod:`prefixrouter.harness.replay`), the client-side wait before the send
+(mean and max over every request, and how many waited for a concurrency
+slot: any such request means the client, not only the router, shaped the
+figures), the prefill tokens the engines reported (prompt minus cached
+tokens in the answers' ``usage``), throughput (successful requests over the
+time from the first send to the last answer), the engines' cached-token
+share and requests per engine (from their counters, see
+:mod:`prefixrouter.bench.engine_metrics`).
+
+A figure nothing measured is None (JSON null), never 0: TTFT and latency
+when no request succeeded, the shares and prefill tokens when no prompt
+token was reported or looked up. The engines are read again after the run,
+apart from the run itself: an engine that stopped during the run loses only
+its own counters (its ``per_worker_requests`` entry and the fleet's
+``cached_token_share`` become None and ``unread`` says which engine and
+why), not the client's per-request results.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import time
@@ -46,7 +59,7 @@ from typing import Any
 
 import aiohttp
 
-from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scrape
+from prefixrouter.bench.engine_metrics import EngineCounters, cached_share, scrape, scrape_each
 from prefixrouter.bench.oracle import PIN_FILL, oracle_pins, write_pins
 from prefixrouter.bench.overhead import process_cpu_s
 from prefixrouter.bench.ratios import ttft_ratios
@@ -97,16 +110,30 @@ class LiveConfig:
 
 @dataclass(slots=True)
 class RouterRun:
-    """One router's run of one scenario."""
+    """One router's run of one scenario.
+
+    Attributes:
+        spec: The router.
+        results: Every measured request's result, in workload order.
+        elapsed_s: First send to last answer.
+        engines: Each engine's counter deltas over the run; None for an
+            engine that could not be read after it.
+        skipped: Why the router did not run (not installed).
+        error: Why the run failed before it measured anything.
+        replicas: Each gateway replica's figures (several replicas only).
+        round: Its round, from 1, under ``--rounds``.
+        unread: What could not be read after the run, and why (one line each).
+    """
 
     spec: RouterSpec
     results: list[ReplayResult] = field(default_factory=list)
     elapsed_s: float = 0.0
-    engines: list[EngineCounters] = field(default_factory=list)
+    engines: list[EngineCounters | None] = field(default_factory=list)
     skipped: str | None = None
     error: str | None = None
     replicas: list[ReplicaFigures] = field(default_factory=list)
     round: int | None = None  # its round, from 1, under --rounds (prefixrouter.bench.rounds)
+    unread: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -114,7 +141,7 @@ class RouterRun:
         return round_label(self.spec.name, self.round)
 
     def summary(self) -> dict[str, Any]:
-        """The JSON figures of this run (module doc)."""
+        """The JSON figures of this run (module doc); None where nothing was measured."""
         out: dict[str, Any] = {"router": self.spec.name, "label": self.spec.label}
         if self.round is not None:
             out["round"] = self.round
@@ -128,20 +155,34 @@ class RouterRun:
         errors = [r for r in self.results if not r.ok]
         prompt = sum(r.prompt_tokens for r in ok)
         cached = sum(r.cached_tokens for r in ok)
+        read = [c for c in self.engines if c is not None]
+        # The fleet's share needs every engine: a share of the engines left
+        # would pass for the fleet's. No token looked up: nothing measured.
+        whole = bool(read) and len(read) == len(self.engines)
+        looked_up = sum(c.queries for c in read)
+        waits = [r.wait_s * 1e3 for r in self.results]
         return {
             **out,
             "requests": len(self.results),
             "ok": len(ok),
             "errors": len(errors),
             "first_error": (errors[0].error or f"HTTP {errors[0].status}") if errors else None,
-            "ttft_ms": percentiles(ttft),
-            "e2e_ms": percentiles(e2e),
+            "ttft_ms": percentiles(ttft) if ttft else None,
+            "e2e_ms": percentiles(e2e) if e2e else None,
             "throughput_rps": len(ok) / self.elapsed_s if self.elapsed_s > 0 else 0.0,
-            "cached_token_share": cached_share(self.engines),
-            "per_worker_requests": [round(c.requests) for c in self.engines],
-            "client_cached_share": cached / max(1, prompt),
-            "prefill_tokens": prompt - cached,
+            "cached_token_share": cached_share(read) if whole and looked_up else None,
+            "per_worker_requests": [
+                round(c.requests) if c is not None else None for c in self.engines
+            ],
+            "client_cached_share": cached / prompt if prompt else None,
+            "prefill_tokens": prompt - cached if prompt else None,
+            "client_wait_ms": {
+                "mean": round(math.fsum(waits) / len(waits), 3) if waits else 0.0,
+                "max": round(max(waits, default=0.0), 3),
+            },
+            "client_queued": sum(1 for r in self.results if r.queued),
             "elapsed_s": self.elapsed_s,
+            **({"unread": list(self.unread)} if self.unread else {}),
             **(_replica_summary(self.replicas) if len(self.replicas) > 1 else {}),
         }
 
@@ -198,6 +239,7 @@ class ScenarioRun:
     workers: int
     profile: str
     runs: list[RouterRun] = field(default_factory=list)
+    concurrency: int | None = None  # the client's most requests in flight
 
     def report(self) -> dict[str, Any]:
         """``{"scenario", ..., "results": [...]}`` for the JSON file."""
@@ -217,6 +259,7 @@ class ScenarioRun:
             "load": round(w.load, 4),
             "time_scale": round(w.time_scale, 6),
             "kv_blocks": w.kv_blocks,
+            "client_concurrency": self.concurrency,
             "results": results,
             "ratios": ratios,
             **rounds,
@@ -286,14 +329,12 @@ async def run_router(
             timeout_s=cfg.timeout_s, on_done=on_done,
         )  # fmt: skip
         run.elapsed_s = time.perf_counter() - t0
-        after = await scrape(urls)
-        run.engines = [a - b for a, b in zip(after, before, strict=True)]
-        if replicas_before:
-            sent = [len(workload.requests[i :: len(routers)]) for i in range(len(routers))]
-            now = await _replica_state(routers)
-            run.replicas = list(map(_figures, sent, replicas_before, now))
     except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as exc:
         run.error = f"{exc}".strip() or type(exc).__name__
+    else:
+        # Outside the run's handler: a process that stopped during the run
+        # costs its own figures, not every request the client measured.
+        await _read_after(run, urls, before, routers, replicas_before, len(workload.requests))
     finally:
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
@@ -306,6 +347,34 @@ async def run_router(
             nats.close()
         shutil.rmtree(work, ignore_errors=True)
     return run
+
+
+async def _read_after(
+    run: RouterRun,
+    urls: Sequence[str],
+    before: Sequence[EngineCounters],
+    routers: Sequence[Server],
+    replicas_before: Sequence[_ReplicaState],
+    requests: int,
+) -> None:
+    """Read the engines' (and replicas') counters after ``run`` into it, never raising.
+
+    An engine that does not answer (it stopped during the run) gets None and
+    a line in ``run.unread``; so do the replicas' figures, all or none.
+    """
+    after, problems = await scrape_each(urls)
+    run.engines = [a - b if a is not None else None for a, b in zip(after, before, strict=True)]
+    run.unread += problems
+    if not replicas_before:
+        return
+    sent = [len(range(i, requests, len(routers))) for i in range(len(routers))]
+    try:
+        now = await _replica_state(routers)
+    except (OSError, aiohttp.ClientError, TimeoutError) as exc:
+        why = f"{exc}".strip() or type(exc).__name__
+        run.unread.append(f"gateway replicas: {why}")
+        return
+    run.replicas = list(map(_figures, sent, replicas_before, now))
 
 
 def _files(
@@ -414,7 +483,7 @@ async def run_scenario(
     """
     owned = engines is None
     fleet_engines = start_engines(cfg, workload, fleet) if engines is None else list(engines)
-    out = ScenarioRun(workload, cfg.workers, cfg.profile)
+    out = ScenarioRun(workload, cfg.workers, cfg.profile, concurrency=cfg.concurrency)
     try:
         await fleet.wait_healthy(fleet_engines)
         for k in range(rounds):

@@ -7,7 +7,14 @@ scenario and the overhead comparison) give a list of such objects. The overhead
 comparison is the object whose ``scenario`` is ``"overhead"``; its results hold
 ``added_p50_ms``, ``added_p99_ms``, ``rps_max``, ``cpu_ms_per_request`` and
 ``engine_cpu_ms_per_request`` per router. A skipped router has ``skipped`` (why,
-and the install command) instead of figures; a failed one has ``error``.
+and the install command) instead of figures; a failed one has ``error``. A
+figure nothing measured is null (a router whose requests all failed has no
+TTFT; an engine that stopped during the run has no counters) and the tables
+show it as ``-``. Under each scenario's table, notes say what a reader needs
+to weigh the figures: a router's failed requests and the first error, an
+engine that could not be read after the run, and requests that waited in the
+client for a concurrency slot (their TTFT includes that wait: the client,
+not only the router, limited them).
 
 PNG: one row per scenario (TTFT distribution, TTFT p50 and p99, cached-token
 share per router) and one row for the overhead comparison.
@@ -37,8 +44,68 @@ COLORS = {
 }
 
 
-def _ms(value: float) -> str:
+NOT_MEASURED = "-"
+"""A figure nothing measured (JSON null), in the tables."""
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return NOT_MEASURED
     return f"{value / 1e3:.2f} s" if value >= 10_000 else f"{value:.0f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return NOT_MEASURED if value is None else f"{value:.1%}"
+
+
+def _stat(figures: dict[str, float] | None, key: str) -> float | None:
+    """One statistic of a ``ttft_ms``/``e2e_ms`` object, None when not measured."""
+    return None if figures is None else figures[key]
+
+
+def _engines(per_worker: list[int | None]) -> str:
+    return " ".join(NOT_MEASURED if n is None else str(n) for n in per_worker)
+
+
+def result_notes(report: dict[str, Any]) -> list[str]:
+    """What a reader needs to weigh one scenario's figures, one line per finding.
+
+    A router's failed requests with the first error, engines that could not
+    be read after its run, and requests that waited in the client for a
+    concurrency slot (their TTFT counts that wait).
+    """
+    notes: list[str] = []
+    limit = report.get("client_concurrency")
+    for r in report["results"]:
+        if "requests" not in r:  # skipped or failed as a whole: its row says why
+            continue
+        name = _label(r)
+        # .get: a report written before these fields (a saved JSON) has no notes.
+        if r.get("errors"):
+            notes.append(
+                f"{name}: {r['errors']} of {r['requests']} requests failed; the first: "
+                f"{_one_line(r.get('first_error') or '')}"
+            )
+        for line in r.get("unread") or ():
+            notes.append(
+                f"{name}: not read after the run, its figures shown as {NOT_MEASURED}: {line}"
+            )
+        queued = r.get("client_queued") or 0
+        if queued:
+            wait = r["client_wait_ms"]
+            slots = f"all {limit} client slots" if limit else "every client slot"
+            notes.append(
+                f"{name}: {queued} of {r['requests']} requests found {slots} taken and waited "
+                f"(client-side wait up to {_ms(wait['max'])}, mean {_ms(wait['mean'])} over all "
+                "requests): the client limited these figures too; TTFT counts from the "
+                "scheduled send"
+            )
+    return notes
+
+
+def _one_line(text: str, width: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def scenario_table(report: dict[str, Any]) -> Table:
@@ -49,7 +116,10 @@ def scenario_table(report: dict[str, Any]) -> Table:
         f"{report['time_scale']:.3g}"
     )
     ratios = report.get("ratios") or []
-    caption = "\n".join(describe(r) for r in ratios) if "oracle" in _names(report) else None
+    lines = result_notes(report)
+    if "oracle" in _names(report):
+        lines += [describe(r) for r in ratios]
+    caption = "\n".join(lines) or None
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     cols = ["router", "ok", "TTFT mean", "p50", "p90", "p99", "e2e p50", "e2e p99", "req/s",
             "cached", "requests per engine"]  # fmt: skip
@@ -64,7 +134,7 @@ def scenario_table(report: dict[str, Any]) -> Table:
             no_wrap=col == "router",
         )
     for r in report["results"]:
-        if "ttft_ms" not in r:
+        if "requests" not in r:
             why = r.get("skipped") or r.get("error", "")
             table.add_row(_label(r), "skipped" if "skipped" in r else "failed", why[:150])
             continue
@@ -72,11 +142,11 @@ def scenario_table(report: dict[str, Any]) -> Table:
         cells = [
             _label(r),
             f"{r['ok']}/{r['requests']}",
-            _ms(t["mean"]), _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]),
-            _ms(e["p50"]), _ms(e["p99"]),
+            _ms(_stat(t, "mean")), _ms(_stat(t, "p50")), _ms(_stat(t, "p90")),
+            _ms(_stat(t, "p99")), _ms(_stat(e, "p50")), _ms(_stat(e, "p99")),
             f"{r['throughput_rps']:.2f}",
-            f"{r['cached_token_share']:.1%}",
-            " ".join(str(n) for n in r["per_worker_requests"]),
+            _pct(r["cached_token_share"]),
+            _engines(r["per_worker_requests"]),
         ]  # fmt: skip
         if replicated:
             cells += _replica_cells(r)
@@ -133,7 +203,8 @@ def rounds_table(report: dict[str, Any]) -> Table:
 
 
 def _names(report: dict[str, Any]) -> set[str]:
-    return {r["router"] for r in report["results"] if "ttft_ms" in r}
+    """The routers that measured a TTFT."""
+    return {r["router"] for r in report["results"] if r.get("ttft_ms") is not None}
 
 
 def _replica_cells(r: dict[str, Any]) -> list[str]:
@@ -217,17 +288,20 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
         ax_cdf.set_ylabel("share of requests")
         ax_cdf.set_title(f"{run.workload.scenario}: TTFT distribution")
         ax_cdf.grid(True, which="both", alpha=0.3)
-        ax_cdf.legend(fontsize=8)
+        if ax_cdf.get_legend_handles_labels()[0]:  # no router measured a TTFT: no legend
+            ax_cdf.legend(fontsize=8)
         summaries = [r.summary() for r in done]
         xs = range(len(done))
-        p50 = [s["ttft_ms"]["p50"] for s in summaries]
-        p99 = [s["ttft_ms"]["p99"] for s in summaries]
+        # Not measured: NaN, no bar (a zero bar would read as a measured 0).
+        p50 = [_nan(_stat(s["ttft_ms"], "p50")) for s in summaries]
+        p99 = [_nan(_stat(s["ttft_ms"], "p99")) for s in summaries]
         ax_ttft.bar([x - 0.2 for x in xs], p50, 0.4, color=colors, alpha=0.5, label="p50")
         ax_ttft.bar([x + 0.2 for x in xs], p99, 0.4, color=colors, label="p99")
         ax_ttft.set_xticks(list(xs), names, rotation=20, fontsize=8)
         ax_ttft.set_ylabel("TTFT (ms)")
         ax_ttft.set_title("TTFT p50 (light) and p99")
-        ax_cache.bar(list(xs), [100 * s["cached_token_share"] for s in summaries], color=colors)
+        cached = [100 * _nan(s["cached_token_share"]) for s in summaries]
+        ax_cache.bar(list(xs), cached, color=colors)
         ax_cache.set_xticks(list(xs), names, rotation=20, fontsize=8)
         ax_cache.set_ylim(0, 100)
         ax_cache.set_ylabel("prompt tokens from cache (%)")
@@ -259,7 +333,13 @@ def plot(runs: Sequence[ScenarioRun], overhead: Sequence[dict[str, Any]], path: 
         plt.close(fig)
 
 
-def _md_ms(value: float) -> str:
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _md_ms(value: float | None) -> str:
+    if value is None:
+        return NOT_MEASURED
     return f"{value / 1e3:.2f} s" if value >= 10_000 else f"{value:,.0f} ms"
 
 
@@ -306,7 +386,7 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
             + (" ---: | ---: | ---: | ---: |" if replicated else ""),
         ]
         for r in rep["results"]:
-            if "ttft_ms" not in r:
+            if "requests" not in r:
                 why = r.get("skipped") or r.get("error")
                 lines.append(f"| {_label(r)} | {why} | | | | | | | | | |")
                 continue
@@ -314,13 +394,17 @@ def markdown(doc: dict[str, Any] | list[dict[str, Any]]) -> str:
             ours = r["router"].startswith("prefix_aware")
             name = f"**{_label(r)}**" if ours else _label(r)
             lines.append(
-                f"| {name} | {r['ok']}/{r['requests']} | {_md_ms(t['mean'])} | "
-                f"{_md_ms(t['p50'])} | {_md_ms(t['p90'])} | {_md_ms(t['p99'])} | "
-                f"{_md_ms(e['p50'])} | {_md_ms(e['p99'])} | {r['throughput_rps']:.2f} | "
-                f"{r['cached_token_share']:.1%} | {' '.join(map(str, r['per_worker_requests']))} |"
+                f"| {name} | {r['ok']}/{r['requests']} | {_md_ms(_stat(t, 'mean'))} | "
+                f"{_md_ms(_stat(t, 'p50'))} | {_md_ms(_stat(t, 'p90'))} | "
+                f"{_md_ms(_stat(t, 'p99'))} | {_md_ms(_stat(e, 'p50'))} | "
+                f"{_md_ms(_stat(e, 'p99'))} | {r['throughput_rps']:.2f} | "
+                f"{_pct(r['cached_token_share'])} | {_engines(r['per_worker_requests'])} |"
                 + ("".join(f" {c} |" for c in _replica_cells(r)) if replicated else "")
             )
         lines.append("")
+        notes = result_notes(rep)
+        if notes:
+            lines += [f"- {n}" for n in notes] + [""]
         if "rounds" in rep:
             lines += [
                 "| " + " | ".join(ROUNDS_COLUMNS) + " |",

@@ -30,7 +30,8 @@ from typing import Any
 
 
 def _completed(r: dict[str, Any]) -> bool:
-    return "ttft_ms" in r and bool(r.get("ok"))
+    """A run that measured a TTFT (a failed, skipped or all-failed run did not)."""
+    return r.get("ttft_ms") is not None and bool(r.get("ok"))
 
 
 def _round(r: dict[str, Any]) -> int:
@@ -39,6 +40,10 @@ def _round(r: dict[str, Any]) -> int:
 
 def _spread(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def _shares(runs: Sequence[dict[str, Any]]) -> list[float]:
+    return [r["cached_token_share"] for r in runs if r.get("cached_token_share") is not None]
 
 
 def round_label(router: str, number: int | None) -> str:
@@ -59,7 +64,8 @@ def rounds_summary(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Each row: ``router``, ``rounds`` (how many it completed), ``ttft_mean_ms``,
     ``ttft_p99_ms`` and ``cached_share`` (each ``{"mean", "min", "max"}``, or
-    None when it completed none), ``vs_first`` (``{"router", "mean", "min",
+    None when it completed none; ``cached_share`` over the rounds whose
+    engines could all be read), ``vs_first`` (``{"router", "mean", "min",
     "max", "rounds"}`` over the rounds both completed; None for the first
     router itself or with no round in common).
     """
@@ -91,7 +97,8 @@ def rounds_summary(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "rounds": len(runs),
                 "ttft_mean_ms": _spread([r["ttft_ms"]["mean"] for r in runs]) if runs else None,
                 "ttft_p99_ms": _spread([r["ttft_ms"]["p99"] for r in runs]) if runs else None,
-                "cached_share": _spread([r["cached_token_share"] for r in runs]) if runs else None,
+                # Over the rounds whose engines could all be read (None: unread).
+                "cached_share": _spread(shares) if (shares := _shares(runs)) else None,
                 "vs_first": vs_first,
             }
         )

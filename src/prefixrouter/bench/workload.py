@@ -28,6 +28,16 @@ or the time scale is given and the load follows.
 ``cache-pressure`` is the bench's own scenario (:mod:`prefixrouter.bench.pressure`):
 it is sized from the engines' KV (``kv_blocks``, else its own default times
 ``scale``) instead of being cut by ``scale``.
+
+**Fit.** A request longer than an engine's KV cache is refused by every
+engine (HTTP 400), so a run of such requests measures nothing. Before any
+engine starts, :func:`check_live_fits` refuses the workload with one line
+naming the request, its length, the cache and the option that sized it: on
+the planned token counts first (the simulator's own test,
+:func:`prefixrouter.sim.runner.check_fits`), then on the text itself for the
+requests planned near the limit (the text comes within a few percent of its
+planned tokens, the chat template adds a few: those are tokenized as the
+engines tokenize them, with the same rule as the engines' 400).
 """
 
 from __future__ import annotations
@@ -45,13 +55,18 @@ from prefixrouter.errors import ConfigError
 from prefixrouter.harness.replay import ReplayRequest
 from prefixrouter.harness.texts import syllable_words
 from prefixrouter.sim.profiles import EngineProfile
-from prefixrouter.sim.runner import capacity_rps
+from prefixrouter.sim.runner import RequestTooLarge, capacity_rps, check_fits
 from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
 from prefixrouter.sim.workload import SimRequest, Workload
-from prefixrouter.tokenization import Tokenizer
+from prefixrouter.tokenization import Tokenizer, render_chat
 
 DEFAULT_SCENARIOS = ("doc-qa", "system-prompt", "multi-turn", "unique")
 CALIBRATION_WORDS = 4000
+TEXT_SLACK = 1.25
+TEXT_SLACK_TOKENS = 64
+"""A request planned within this of the KV cache (times, plus tokens) is tokenized
+to check that it fits: its text may run longer than planned (by up to a fifth on
+short prompts, ``tests/bench/test_workload.py``), and the chat template adds a few."""
 
 
 def live_scenarios() -> list[str]:
@@ -203,6 +218,12 @@ def build_bench_workload(
     else:
         load = rate / (time_scale * capacity)
     reqs = text_requests(scaled.scaled(rate), tokenizer, seed, model)
+    where = (
+        f"--kv-blocks {kv_blocks}" if kv_blocks is not None
+        else f"the scenario's KV cache at --scale {scale:g}" if scaled.default_kv_blocks
+        else f"--profile {profile.name}"
+    )  # fmt: skip
+    check_live_fits(scenario, scaled, reqs, profile, tokenizer, where)
     return BenchWorkload(
         scenario=scenario,
         description=base.description,
@@ -214,6 +235,102 @@ def build_bench_workload(
         kv_blocks=scaled.default_kv_blocks,
         block_size=profile.block_size,
     )
+
+
+def engine_refuses(req: ReplayRequest, tokenizer: Tokenizer, limit: int) -> tuple[int, int] | None:
+    """``(prompt, output)`` tokens of a chat request an engine of ``limit`` tokens refuses, or None.
+
+    The prompt is counted as the engines count it (the chat template, then the
+    tokenizer); the rule is theirs (vLLM's 400): the prompt alone, or the
+    prompt with its ``max_tokens``, longer than the limit.
+    """
+    text = render_chat(req.body["messages"], None, add_generation_prompt=True)
+    prompt = len(tokenizer.encode(text))
+    output = int(req.body.get("max_tokens") or 0)
+    return (prompt, output) if prompt >= limit or prompt + output > limit else None
+
+
+def fit_error(
+    scenario: str, where: str, index: int, prompt: int, output: int, blocks: int, block_size: int
+) -> ConfigError:
+    """The one line that refuses request ``index`` of ``scenario``: too long for the KV cache.
+
+    ``where`` names what sized the cache (``--kv-blocks 64``); unless it is
+    that option, the line ends by naming it.
+    """
+    hint = "" if where.startswith("--kv-blocks") else "; give more with --kv-blocks"
+    return ConfigError(
+        f"{scenario}: {where}: request {index} needs {prompt + output:,} tokens ({prompt:,} "
+        f"prompt + {output:,} output), more than an engine's KV cache holds "
+        f"({blocks * block_size:,}: {blocks:,} blocks of {block_size}){hint}"
+    )
+
+
+def check_requests_fit(
+    scenario: str,
+    requests: Sequence[ReplayRequest],
+    tokenizer: Tokenizer,
+    blocks: int,
+    block_size: int,
+    where: str,
+) -> None:
+    """Refuse ``requests`` if one is too long for an engine of ``blocks`` KV blocks.
+
+    Every request is tokenized (:func:`engine_refuses`): for workloads with no
+    planned token counts (the demo's).
+
+    Raises:
+        ConfigError: The first such request (:func:`fit_error`).
+    """
+    for i, req in enumerate(requests):
+        refused = engine_refuses(req, tokenizer, blocks * block_size)
+        if refused is not None:
+            raise fit_error(scenario, where, i, *refused, blocks, block_size)
+
+
+def check_live_fits(
+    scenario: str,
+    planned: Workload,
+    requests: Sequence[ReplayRequest],
+    profile: EngineProfile,
+    tokenizer: Tokenizer,
+    where: str,
+) -> None:
+    """Refuse a workload with a request no engine's KV cache can hold (module doc: fit).
+
+    The planned counts decide first, as the simulator decides
+    (:func:`~prefixrouter.sim.runner.check_fits`); then the requests planned
+    near the limit (:data:`TEXT_SLACK`) are tokenized, the others cannot
+    cross it.
+
+    Args:
+        scenario: Its name, for the message.
+        planned: The token-count workload ``requests`` were made from, in the same order.
+        requests: The chat requests the engines will get.
+        profile: The engines' profile (block size; KV size when ``planned`` has none).
+        tokenizer: The engines' tokenizer.
+        where: What sized the cache, for the message (``--kv-blocks 1000``).
+
+    Raises:
+        ConfigError: One line (:func:`fit_error`): the first request that
+            does not fit, its length, the cache, and what to change.
+    """
+    blocks = planned.default_kv_blocks or profile.kv_blocks
+    bs = profile.block_size
+    try:
+        check_fits(planned, profile, blocks)
+    except RequestTooLarge as exc:
+        big = exc.request
+        index = next(i for i, r in enumerate(planned.requests) if r is big)
+        raise fit_error(
+            scenario, where, index, big.prompt_tokens, big.output_tokens, blocks, bs
+        ) from None
+    for i, (plan, req) in enumerate(zip(planned.requests, requests, strict=True)):
+        if (plan.prompt_tokens + plan.output_tokens) * TEXT_SLACK + TEXT_SLACK_TOKENS < blocks * bs:
+            continue  # far enough below the limit, whatever its text's length
+        refused = engine_refuses(req, tokenizer, blocks * bs)
+        if refused is not None:
+            raise fit_error(scenario, where, i, *refused, blocks, bs)
 
 
 def warmup_requests(

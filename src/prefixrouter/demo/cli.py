@@ -1,9 +1,15 @@
 """The ``prefixrouter demo`` command (see :mod:`prefixrouter.demo.run`).
 
 Progress bars on stderr, then one table (TTFT p50, p99 and mean, the share
-of prompt tokens the engines served from cache, prefill tokens), the bench's
-PNG, and with ``--serve`` a gateway that stays up until Ctrl-C (it prints the
-gateway's address, the admin key of the run, and the dashboard's address).
+of prompt tokens the engines served from cache, prefill tokens; ``-`` where
+nothing was measured) with the bench's notes under it (failed requests and
+the first error, an engine not read after the run, requests that waited in
+the client for a slot), the bench's PNG, and with ``--serve`` a gateway that
+stays up until Ctrl-C (it prints the gateway's address, the admin key of the
+run, and the dashboard's address). A router whose run failed is a row with
+its error; the table and the PNG still show the others, then the demo exits
+with status 1 (and does not serve). Requests too long for ``--kv-blocks``
+are refused before any engine starts (status 2).
 ``--envoy`` instead starts engines, ``prefixrouter epp`` and a real Envoy in
 front of them (:mod:`prefixrouter.demo.envoy`) and keeps them up until Ctrl-C;
 Envoy's bootstrap is in a temporary folder (its path is printed, to read while
@@ -24,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from prefixrouter.errors import output_problem, unwritable
+from prefixrouter.errors import PrefixRouterError, output_problem, unwritable
 from prefixrouter.harness.processes import Fleet
 from prefixrouter.harness.replay import ReplayResult
 from prefixrouter.terminal import fail
@@ -51,6 +57,45 @@ def served_lines(url: str, admin_key: str, admin_url: str | None = None) -> list
         f"dashboard: {dashboard_url(admin, admin_key)}",
         f"in a terminal: {ADMIN_KEY_ENV}={admin_key} prefixrouter top --url {admin}",
     ]
+
+
+def demo_table(report: dict[str, Any], workers: int, requests: int, rate: float) -> Table:
+    """The demo's table, one row per router, from the bench's scenario report.
+
+    A figure nothing measured (every request failed, no usage reported) is
+    ``-``, never ``0``; a router whose run failed shows its error. The
+    bench's notes (:func:`prefixrouter.bench.report.result_notes`) are its
+    caption.
+    """
+    from prefixrouter.bench.report import NOT_MEASURED, result_notes
+
+    def ms(figures: dict[str, float] | None, key: str) -> str:
+        return NOT_MEASURED if figures is None else f"{figures[key]:.0f} ms"
+
+    notes = result_notes(report)
+    table = Table(
+        title=f"{workers} engines, {requests} requests per router, {rate:g} req/s",
+        caption="\n".join(notes) or None,
+        caption_justify="left",
+    )
+    for col in ("router", "ok", "TTFT p50", "TTFT p99", "TTFT mean", "cached", "prefill tokens"):
+        table.add_column(col, justify="left" if col == "router" else "right")
+    for s in report["results"]:
+        if "requests" not in s:  # the router's run failed as a whole
+            table.add_row(s["router"], "failed", str(s.get("error", ""))[:150])
+            continue
+        ttft, cached, prefill = s["ttft_ms"], s["client_cached_share"], s["prefill_tokens"]
+        table.add_row(
+            s["router"],
+            f"{s['ok']}/{s['requests']}",
+            ms(ttft, "p50"),
+            ms(ttft, "p99"),
+            ms(ttft, "mean"),
+            NOT_MEASURED if cached is None else f"{cached:.1%}",
+            NOT_MEASURED if prefill is None else f"{prefill:,}",
+            style="bold" if s["router"] == "prefix_aware" else None,
+        )
+    return table
 
 
 def demo(
@@ -102,38 +147,19 @@ def demo(
                 scenario, engines = asyncio.run(
                     run_demo(cfg, fleet, on_router=on_router, on_done=on_done)
                 )
+            except PrefixRouterError as exc:  # a request too long for the KV cache
+                raise fail(str(exc)) from None
             except RuntimeError as exc:
                 raise fail(str(exc), code=1) from None
-        table = Table(title=f"{workers} engines, {requests} requests per router, {rate:g} req/s")
-        for col in (
-            "router",
-            "ok",
-            "TTFT p50",
-            "TTFT p99",
-            "TTFT mean",
-            "cached",
-            "prefill tokens",
-        ):
-            table.add_column(col, justify="left" if col == "router" else "right")
-        for run in scenario.runs:
-            s = run.summary()
-            ttft = s["ttft_ms"]
-            table.add_row(
-                s["router"],
-                f"{s['ok']}/{s['requests']}",
-                f"{ttft['p50']:.0f} ms",
-                f"{ttft['p99']:.0f} ms",
-                f"{ttft['mean']:.0f} ms",
-                f"{s['client_cached_share']:.1%}",
-                f"{s['prefill_tokens']:,}",
-                style="bold" if s["router"] == "prefix_aware" else None,
-            )
-        console.print(table)
+        console.print(demo_table(scenario.report(), cfg.workers, requests, rate))
         try:
             plot_runs([scenario], [], plot)
         except OSError as exc:  # checked before the run; a full disk still shows here
             raise fail(f"--plot {unwritable(plot, exc)}") from None
         console.print(f"wrote {plot}")
+        failed = [r for r in scenario.runs if r.error is not None]
+        if failed:  # after the table: what the other routers measured is shown
+            raise fail(f"{failed[0].spec.label}: {failed[0].error}", code=1)
         if serve:
 
             async def keep_serving() -> None:
