@@ -204,7 +204,8 @@ async def test_gap_is_filled_from_the_replay_socket() -> None:
 
 async def test_replayed_clears_and_removals_do_not_undo_newer_live_events() -> None:
     # Lost live, heard only through the replay: a cache reset, an eviction and
-    # a stored block, all older than seq 2 (which stored the chain again).
+    # a stored block, all older than seq 2 (which stored the chain again). The
+    # live seq 2 is held until the replay is in, and applied after seq 1.
     lost = [["AllBlocksCleared"], ["BlockRemoved", [2], None], store([21], None, OTHER[:4])]
     requests: list[int] = []
     async with replay_feed({1: lost}, requests) as (sub, router):
@@ -218,10 +219,13 @@ async def test_replayed_clears_and_removals_do_not_undo_newer_live_events() -> N
             entry = router.index.entry(W, block)
             assert entry is not None and entry.source is EntrySource.EVENT
         assert sub.feed(W).translator.own_hash(2) == OURS[1]  # type: ignore[union-attr]
-        # The replayed stored block still counts, as a speculative entry.
+        # The replayed stored block still counts (speculative: this fake engine
+        # stamps its replayed batches at ts 1.0, long before the subscriber started).
         entry = router.index.entry(W, OTHERS[0])
         assert entry is not None and entry.source is EntrySource.SPECULATIVE
-        assert (stats.cleared, stats.removed, stats.stored) == (0, 0, 3)
+        # The clear was applied in its place, before seq 2; the removal named a
+        # block the clear had already dropped.
+        assert (stats.cleared, stats.removed, stats.stored) == (1, 0, 3)
         # The next live event extends the chain: the hash map was kept.
         sub.handle(frames("kv@w0", 3, [store([5], 4, OTHER[:4])]))
         assert router.index.entry(W, hash_token_blocks(OURS[3], OTHER[:4], BS)[0]) is not None
@@ -458,8 +462,9 @@ async def test_a_gap_is_replayed_from_the_engine_in_connect_mode() -> None:
             stats = sub.feed(W).stats  # type: ignore[union-attr]
             await wait_for(lambda s=stats: s.replayed == 1)
             assert (stats.gaps, stats.last_seq) == (1, 2)
-            # Blocks 1-2 were demoted at the gap; 3-4 came back through the replay.
-            assert sources(router, OURS) == [EntrySource.SPECULATIVE] * 4
+            # The replay repaired the gap completely: nothing was demoted, and
+            # 3-4 came back through it as exact entries.
+            assert sources(router, OURS) == [EntrySource.EVENT] * 4
         assert engine.replay_requests == [1, 1]  # each replica asked for itself
 
 

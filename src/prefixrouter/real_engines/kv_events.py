@@ -41,15 +41,24 @@ skips for free. Only KV-cache group 0 counts (hybrid models publish one group
 per attention kind; group 0 covers full attention).
 
 **Sequence numbers** (:class:`SequenceTracker`): a jump forward means lost
-messages (a gap): the worker's event-fed index entries are no longer exact and
-fall back to speculative, and the replay socket is asked for the missed range
-when one is configured. A number lower than expected means the publisher
-restarted (its sequence starts again at 0, though the first messages of the
-new process may be lost while it connects): the engine's cache is new.
+messages (a gap): the replay socket is asked for the missed range when one is
+configured, and the worker's event-fed index entries fall back to speculative
+unless the replay repairs the gap completely. A number lower than expected is
+either a **duplicate** (the same bytes under a number heard within the last
+``SEQ_WINDOW`` messages: the publisher is reached over two connections, e.g.
+two spellings of one address) or a **restart** (the publisher starts again at
+0, though the new process's first messages may be lost while it connects):
+only a restart means the engine's cache is new.
+
+**Bad events** (:func:`decode_batch`): a message whose frames or payload are
+not the format is refused whole; one malformed event inside a good batch
+(a token id out of range, a ``medium`` that is not a string) is counted and
+left out, and the batch's other events are kept.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,6 +91,37 @@ STORED_FIELDS = (
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """vLLM's replay socket ends a replay with this sequence frame."""
+TOKEN_LIMIT = 1 << 32
+"""Token ids are below this (the router packs them as uint32 to hash them)."""
+SEQ_WINDOW = 64
+"""Recent messages per topic whose content is remembered, to recognise a repeat."""
+
+
+def endpoint_key(address: str) -> str:
+    """``address`` in one spelling, so that two spellings of one ZMQ socket compare equal.
+
+    Pure text (no DNS, no file system): an ``ipc://`` path is normalised
+    (``/tmp/./e.ipc`` and ``/tmp/e.ipc``, ``a//b`` and ``a/b``), a ``tcp://``
+    host is lower-cased, ``localhost`` is ``127.0.0.1`` (ZMQ resolves it to
+    IPv4 unless IPv6 is enabled) and the port loses leading zeros. Two names
+    that only DNS or a symbolic link equate still differ here; the feed then
+    sees every message twice and says so (:class:`SequenceTracker`'s duplicates).
+    """
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        return address
+    scheme = scheme.lower()
+    if scheme == "ipc" and rest and not rest.startswith("@"):  # "@name": Linux abstract socket
+        return f"ipc://{posixpath.normpath(rest)}"
+    if scheme == "tcp" and ";" not in rest:  # "src;dst" binds a source address: left alone
+        host, colon, port = rest.rpartition(":")
+        if colon and port.isdigit():
+            host = host.lower()
+            if host == "localhost":
+                host = "127.0.0.1"
+            return f"tcp://{host}:{int(port)}"
+        return f"tcp://{rest.lower()}"
+    return f"{scheme}://{rest}"
 
 
 class KvEventDecodeError(ValueError):
@@ -121,11 +161,18 @@ EngineEvent = EngineBlockStored | EngineBlockRemoved | EngineAllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
-    """One published message: its events in order."""
+    """One published message: its events in order.
+
+    Attributes:
+        bad_events: Events left out as malformed (each a decode error).
+        error: Why the first of them was left out.
+    """
 
     ts: float
     events: tuple[EngineEvent, ...]
     dp_rank: int | None = None
+    bad_events: int = 0
+    error: str | None = None
 
 
 def _fields(raw: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -142,8 +189,26 @@ def _hashes(value: Any, what: str) -> tuple[EngineHash, ...]:
     return tuple(value)
 
 
+def _medium(value: Any, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise KvEventDecodeError(f"{what}: medium must be a string")
+    return value
+
+
+def _group(value: Any, what: str) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KvEventDecodeError(f"{what}: group_idx must be an integer")
+    return value
+
+
 def decode_event(raw: Any) -> EngineEvent | None:
     """One event (map or positional array); None for an event type we do not use.
+
+    Every field the translation uses is checked here, so a decoded event never
+    fails later: token ids are integers in ``[0, 2**32)`` (what the router's
+    hashing packs), ``medium`` is a string or absent, ``group_idx`` an integer.
 
     Raises:
         KvEventDecodeError: A known event type with malformed fields.
@@ -162,6 +227,8 @@ def decode_event(raw: Any) -> EngineEvent | None:
         size = f.get("block_size")
         if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
             raise KvEventDecodeError("BlockStored: token_ids must be a list of integers")
+        if tokens and (min(tokens) < 0 or max(tokens) >= TOKEN_LIMIT):
+            raise KvEventDecodeError("BlockStored: token_ids must be from 0 to 2**32-1")
         if not isinstance(size, int) or size <= 0:
             raise KvEventDecodeError("BlockStored: block_size must be a positive integer")
         parent = f.get("parent_block_hash")
@@ -175,15 +242,15 @@ def decode_event(raw: Any) -> EngineEvent | None:
             block_size=size,
             lora_name=lora if isinstance(lora, str) and lora else None,
             extra_keys=f.get("extra_keys"),
-            medium=f.get("medium"),
-            group=f.get("group_idx") or 0,
+            medium=_medium(f.get("medium"), "BlockStored"),
+            group=_group(f.get("group_idx"), "BlockStored"),
         )
     if kind == "BlockRemoved":
         f = _fields(raw, REMOVED_FIELDS)
         return EngineBlockRemoved(
             block_hashes=_hashes(f.get("block_hashes"), "BlockRemoved"),
-            medium=f.get("medium"),
-            group=f.get("group_idx") or 0,
+            medium=_medium(f.get("medium"), "BlockRemoved"),
+            group=_group(f.get("group_idx"), "BlockRemoved"),
         )
     if kind == "AllBlocksCleared":
         return EngineAllBlocksCleared()
@@ -192,6 +259,10 @@ def decode_event(raw: Any) -> EngineEvent | None:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """A message's msgpack payload ``[ts, [events...], dp_rank]``.
+
+    Each event is decoded on its own: a malformed one is left out and counted
+    in the batch's ``bad_events`` (with the first one's reason), and the
+    others are kept, as the engine did cache what they say.
 
     Raises:
         KvEventDecodeError: Not msgpack, or not that shape.
@@ -209,11 +280,24 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise KvEventDecodeError("payload must be [ts, [events...], data_parallel_rank]")
     if not isinstance(events, list | tuple):
         raise KvEventDecodeError("payload's events must be a list")
-    decoded = tuple(e for e in map(decode_event, events) if e is not None)
+    decoded: list[EngineEvent] = []
+    bad = 0
+    error: str | None = None
+    for raw in events:
+        try:
+            event = decode_event(raw)
+        except KvEventDecodeError as exc:
+            bad += 1
+            error = error or str(exc)
+            continue
+        if event is not None:
+            decoded.append(event)
     return EventBatch(
         float(ts) if isinstance(ts, int | float) else 0.0,
-        decoded,
+        tuple(decoded),
         rank if isinstance(rank, int) else None,
+        bad,
+        error,
     )
 
 
@@ -231,37 +315,78 @@ class SeqStatus(Enum):
     FIRST = "first"  # the first message heard from this publisher
     GAP = "gap"  # messages were lost
     RESTART = "restart"  # the publisher started again (from 0)
+    DUPLICATE = "duplicate"  # a message heard already (the same number and bytes)
 
 
 class SequenceTracker:
     """Expected next sequence number per topic, for the live feed only.
 
-    A live feed never repeats a number (replies to a replay request come on
-    another socket and are not checked here), so any number lower than
-    expected is a new publisher: usually 0, but a restarted engine's first
-    messages can be lost while its publisher reconnects (ZMQ's slow joiner).
+    One ZMQ connection delivers a publisher's messages in order and never
+    twice, so a number lower than expected has two causes, told apart by the
+    message's content (``digest``, any value that differs between different
+    payloads):
+
+    * the **same message again**: the number is one of the last
+      :data:`SEQ_WINDOW` heard and the digest is the one recorded for it. The
+      publisher is reached twice (two spellings of one address, two gateways'
+      configurations merged): the copy is a :attr:`SeqStatus.DUPLICATE`, to
+      ignore, and the expectation does not move;
+    * **another process**: any other lower number (a digest that differs,
+      since every batch carries the engine's timestamp, or a number too old
+      to remember): the publisher restarted, usually at 0, but its first
+      messages can be lost while it reconnects (ZMQ's slow joiner), so any
+      lower number counts. Two engines publishing on one topic look like a
+      restart at every switch; the subscriber recognises that pattern.
+
+    Replies to a replay request come on another socket and are not checked here.
     """
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
+        # topic -> seq -> digest of the last SEQ_WINDOW messages (insertion order is age).
+        self._recent: dict[str, dict[int, object]] = {}
 
     def expected(self, topic: str) -> int | None:
         """The next sequence number expected on ``topic`` (None before the first)."""
         return self._next.get(topic)
 
-    def check(self, topic: str, seq: int) -> SeqStatus:
-        """Classify ``seq`` and advance the expectation past it."""
+    def check(self, topic: str, seq: int, digest: object = None) -> SeqStatus:
+        """Classify ``seq`` and (unless it is a duplicate) advance the expectation past it.
+
+        Args:
+            digest: The message's content (its payload, or a hash of it);
+                None = unknown, and a lower number is never a duplicate.
+        """
         expected = self._next.get(topic)
-        self._next[topic] = seq + 1
+        recent = self._recent.setdefault(topic, {})
         if expected is None:
-            return SeqStatus.FIRST if seq == 0 else SeqStatus.GAP
-        if seq == expected:
-            return SeqStatus.OK
-        return SeqStatus.GAP if seq > expected else SeqStatus.RESTART
+            status = SeqStatus.FIRST if seq == 0 else SeqStatus.GAP
+        elif seq == expected:
+            status = SeqStatus.OK
+        elif seq > expected:
+            status = SeqStatus.GAP
+        elif digest is not None and seq in recent and recent[seq] == digest:
+            return SeqStatus.DUPLICATE
+        else:
+            status = SeqStatus.RESTART
+            recent.clear()  # a new process: the old one's numbers mean nothing now
+        self._next[topic] = seq + 1
+        if digest is not None:
+            recent.pop(seq, None)
+            recent[seq] = digest
+            if len(recent) > SEQ_WINDOW:
+                del recent[next(iter(recent))]
+        return status
+
+    def expect(self, topic: str, seq: int) -> None:
+        """Expect ``seq`` next on ``topic`` from a new process (forget what was heard)."""
+        self._next[topic] = seq
+        self._recent.pop(topic, None)
 
     def forget(self, topic: str) -> None:
         """Forget a topic (its worker was removed)."""
         self._next.pop(topic, None)
+        self._recent.pop(topic, None)
 
 
 NamespaceSeed = Callable[[str | None, str | None], int | None]
