@@ -346,3 +346,13 @@ def test_discover_completes_a_discovery_section_the_file_leaves_unfinished(
     )
     with pytest.raises(ConfigError, match=r"kind\.yaml:1: discovery: kind kubernetes needs"):
         build_config(path, None, 8080, "127.0.0.1", None, "prefix_aware")
+
+
+def test_one_publisher_under_two_spellings_is_refused() -> None:
+    """``tcp://localhost:P`` and ``tcp://127.0.0.1:P`` are one socket: each message twice."""
+    workers = [
+        {"url": "http://127.0.0.1:1", "kv_events_connect": "tcp://localhost:5557"},
+        {"url": "http://127.0.0.1:2", "kv_events_connect": "tcp://127.0.0.1:5557"},
+    ]
+    with pytest.raises(ConfigError, match=r"workers\.1\.kv_events_connect: duplicate"):
+        config_from_dict({"workers": workers, "routing": {"mode": "token"}})

@@ -70,7 +70,7 @@ from prefixrouter.core.hashing import (
     DEFAULT_MAX_PROMPT_TOKENS,
 )
 from prefixrouter.errors import ConfigError, PrefixRouterError, unreadable
-from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES
+from prefixrouter.real_engines.kv_events import ZMQ_SCHEMES, endpoint_key
 
 log = logging.getLogger("prefixrouter.gateway")
 
@@ -1159,7 +1159,8 @@ class GatewayConfig(_Model):
         for i, w in enumerate(self.workers):
             if w.kv_events_connect is None:
                 continue
-            if (first := publishers.setdefault(w.kv_events_connect, i)) != i:
+            # Two spellings of one socket (ipc://d/./e.ipc, tcp://localhost:P) are one publisher.
+            if (first := publishers.setdefault(endpoint_key(w.kv_events_connect), i)) != i:
                 # Two connections to one PUB socket would deliver each message twice.
                 raise FieldAt(
                     f"duplicate kv_events_connect {w.kv_events_connect!r} (also worker "
