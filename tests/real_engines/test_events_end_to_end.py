@@ -20,10 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from tests.admin_client import ADMIN_CONFIG, decisions, workers
 
 from prefixrouter.harness.ports import free_port
 from prefixrouter.harness.processes import Fleet, Server
+from tests.admin_client import ADMIN_CONFIG, decisions, workers
 
 KV_BLOCKS = 200  # 16-token blocks: room for about two of the documents below
 WORDS = [

@@ -10,50 +10,44 @@ whose first batches were lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
-import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from prefixrouter.core.dispatch import Dispatcher
-from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
+from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
 from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
-from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines import kv_subscriber
-from prefixrouter.real_engines.kv_events import END_SEQ
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber
-
-BS = 4
-SEED = 555
-W = WorkerId("w0")
-TOPIC = "kv@w0"
-TOKENS = list(range(100, 124))  # six blocks
-OURS = hash_token_blocks(SEED, TOKENS, BS)
-OTHER = list(range(300, 316))
-OTHERS = hash_token_blocks(SEED, OTHER, BS)
+from tests.real_engines import fake_publisher
+from tests.real_engines.fake_publisher import (
+    BS,
+    OTHER,
+    OTHERS,
+    OURS,
+    SEED,
+    TOKENS,
+    BoundEngine,
+    W,
+    payload,
+    sources,
+    subscribers,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def payload(events: list[object]) -> bytes:
-    """A batch stamped now (older stamps are backlog)."""
-    packed: bytes = msgpack.packb([time.time(), events, 0])
-    return packed
 
 
 def store(first: int, n: int, tokens: Sequence[int] = TOKENS) -> list[object]:
     """``BlockStored`` of blocks ``first .. first+n-1`` of ``tokens`` (engine hashes 1, 2, ...)."""
     hashes = list(range(first + 1, first + n + 1))
-    parent = first if first else None
-    return ["BlockStored", hashes, parent, list(tokens[first * BS : (first + n) * BS]), BS]
+    return fake_publisher.store(
+        hashes, first if first else None, tokens[first * BS : (first + n) * BS]
+    )
 
 
 class Clock:
@@ -66,101 +60,13 @@ class Clock:
         return self.now
 
 
-class Engine:
-    """An engine's publisher and replay socket as vLLM 0.32 runs them, both bound.
-
-    ``lose=True`` numbers and keeps a batch for replay without sending it: the
-    subscriber sees a gap. ``hold_replies``: each replay request is answered
-    with the batches kept *when it arrived*, but only once ``release`` is set
-    (a replay slower than the live feed).
-    """
-
-    def __init__(self, topic: str = TOPIC, hold_replies: bool = False) -> None:
-        self.topic = topic.encode()
-        self.publisher = f"tcp://127.0.0.1:{free_port()}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.seq = 0
-        self.buffer: list[tuple[int, bytes]] = []
-        self.requests: list[int] = []
-        self.release = asyncio.Event()
-        if not hold_replies:
-            self.release.set()
-        self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(self.publisher)
-        self.replay = self.ctx.socket(zmq.ROUTER)
-        self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(self.replay_endpoint)
-        self.server = asyncio.get_running_loop().create_task(self._serve())
-
-    async def publish(self, events: list[object], lose: bool = False) -> bytes:
-        seq, self.seq = self.seq, self.seq + 1
-        body = payload(events)
-        self.buffer.append((seq, body))
-        if not lose:
-            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), body])
-        return body
-
-    async def _serve(self) -> None:
-        while True:
-            ident, _, start_frame = await self.replay.recv_multipart()
-            start = int.from_bytes(start_frame, "big")
-            self.requests.append(start)
-            kept = [(s, p) for s, p in self.buffer if s >= start]
-            await self.release.wait()
-            for seq, body in kept:
-                reply = [ident, b"", self.topic, seq.to_bytes(8, "big"), body]
-                await self.replay.send_multipart(reply)
-            await self.replay.send_multipart([ident, b"", b"", END_SEQ, b""])
-
-    async def heard_by(self, sub: KvEventSubscriber) -> None:
-        """Probe on an unknown topic until the subscriber hears this publisher."""
-        start = sub.unknown_topics
-        for _ in range(300):
-            await self.pub.send_multipart([b"probe", bytes(8), payload([])])
-            await asyncio.sleep(0.01)
-            if sub.unknown_topics > start:
-                return
-        raise AssertionError("the subscriber never heard the publisher")
-
-    async def close(self) -> None:
-        self.server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.server
-        self.pub.close()
-        self.replay.close()
-        self.ctx.term()
-
-
 @asynccontextmanager
 async def connected(
-    engine: Engine, clock: Callable[[], float] = lambda: 10.0, replay: bool = True
+    engine: BoundEngine, clock: Callable[[], float] = lambda: 10.0, replay: bool = True
 ) -> AsyncIterator[tuple[KvEventSubscriber, Router]]:
     """A started subscriber connected to ``engine``'s publisher (as a gateway replica)."""
-    router = Router(create_policy("prefix_aware"), BlockHasher(block_size=BS))
-    sub = KvEventSubscriber(None, Dispatcher(router), clock)
-    sub.add_worker(
-        W,
-        TOPIC,
-        lambda lora, salt: SEED,
-        replay_endpoint=engine.replay_endpoint if replay else None,
-        publisher=engine.publisher,
-    )
-    await sub.start()
-    try:
-        await engine.heard_by(sub)
+    async with subscribers(engine, 1, clock, replay) as ((sub,), (router,)):
         yield sub, router
-    finally:
-        await sub.stop()
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def settle(sub: KvEventSubscriber) -> None:
@@ -170,13 +76,8 @@ async def settle(sub: KvEventSubscriber) -> None:
     await wait_for(lambda: not feed.replaying)
 
 
-def sources(router: Router, blocks: Sequence[BlockHash]) -> list[EntrySource | None]:
-    return [e.source if (e := router.index.entry(W, b)) is not None else None for b in blocks]
-
-
 def held(router: Router, blocks: Sequence[BlockHash] = OURS) -> int:
-    m = router.index.match(blocks, 10.0).get(W)
-    return m.blocks if m is not None else 0
+    return fake_publisher.held(router, blocks)
 
 
 def stats(sub: KvEventSubscriber) -> kv_subscriber.FeedStats:
@@ -195,7 +96,7 @@ def said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]
 async def test_a_repeated_message_is_ignored_not_taken_for_a_restart(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine, replay=False) as (sub, router):
             await engine.publish([store(0, 2)])
@@ -220,7 +121,7 @@ async def test_every_message_heard_twice_keeps_the_index(
 ) -> None:
     # The subscriber's socket reaches one publisher twice (what two spellings
     # of one address did): ZMQ delivers every message once per connection.
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine, replay=False) as (sub, router):
             assert sub._sock is not None
@@ -245,7 +146,7 @@ async def test_every_message_heard_twice_keeps_the_index(
 
 
 async def test_a_restart_is_logged_naming_the_worker(caplog: pytest.LogCaptureFixture) -> None:
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine, replay=False) as (sub, router):
             for first in range(0, 6, 2):
@@ -264,7 +165,7 @@ async def test_a_restart_is_logged_naming_the_worker(caplog: pytest.LogCaptureFi
 
 async def test_two_engines_on_one_topic_are_said_once(caplog: pytest.LogCaptureFixture) -> None:
     # Engine B was given engine A's topic by mistake: their numbers interleave.
-    a, b = Engine(), Engine()
+    a, b = BoundEngine(), BoundEngine()
     try:
         async with connected(a, replay=False) as (sub, _):
             assert sub._sock is not None
@@ -314,7 +215,7 @@ def test_endpoint_spellings_normalise() -> None:
 async def test_a_bad_event_is_a_decode_error_and_the_batch_is_kept(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine, replay=False) as (sub, router):
             negative = ["BlockStored", [90], None, [-1] * BS, BS]
@@ -338,7 +239,7 @@ async def test_a_bad_event_is_a_decode_error_and_the_batch_is_kept(
 
 async def test_a_repaired_gap_keeps_the_entries_exact() -> None:
     clock = Clock()
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine, clock) as (sub, router):
             await engine.publish([store(0, 4, OTHER)])  # an earlier document, P
@@ -359,7 +260,7 @@ async def test_a_repaired_gap_keeps_the_entries_exact() -> None:
 async def test_the_message_that_revealed_a_gap_is_applied_after_the_replay() -> None:
     # One BlockStored per prefill chunk, each naming the previous chunk's last
     # block: chunk 2 cannot be translated before the lost chunk 1 is.
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine) as (sub, router):
             await engine.publish([store(0, 2)])
@@ -378,7 +279,7 @@ async def test_a_failed_replay_demotes_and_applies_what_was_held(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.2)
-    engine = Engine(hold_replies=True)  # never answers
+    engine = BoundEngine(hold_replies=True)  # never answers
     try:
         async with connected(engine) as (sub, router):
             await engine.publish([store(0, 4, OTHER)])
@@ -399,7 +300,7 @@ async def test_a_failed_replay_demotes_and_applies_what_was_held(
 async def test_a_second_gap_during_a_replay_is_replayed_too(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine = Engine(hold_replies=True)
+    engine = BoundEngine(hold_replies=True)
     try:
         async with connected(engine) as (sub, router):
             await engine.publish([store(0, 2)])
@@ -423,7 +324,7 @@ async def test_a_second_gap_during_a_replay_is_replayed_too(
 
 
 async def test_after_a_known_restart_lost_first_batches_are_replayed_from_0() -> None:
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine) as (sub, router):
             for first in range(0, 4, 2):
@@ -445,7 +346,7 @@ async def test_after_a_known_restart_lost_first_batches_are_replayed_from_0() ->
 
 
 async def test_a_restart_heard_late_is_replayed_from_0() -> None:
-    engine = Engine()
+    engine = BoundEngine()
     try:
         async with connected(engine) as (sub, router):
             for first in range(0, 16, 4):

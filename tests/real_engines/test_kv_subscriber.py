@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -18,7 +15,7 @@ from prefixrouter.core.events import AllBlocksCleared
 from prefixrouter.core.hashing import BlockHasher, hash_token_blocks
 from prefixrouter.core.policy import create_policy
 from prefixrouter.core.router import Router
-from prefixrouter.core.types import BlockHash, EntrySource, WorkerId
+from prefixrouter.core.types import EntrySource, WorkerId
 from prefixrouter.harness.ports import free_port
 from prefixrouter.real_engines.kv_events import END_SEQ
 from prefixrouter.real_engines.kv_subscriber import (
@@ -27,24 +24,24 @@ from prefixrouter.real_engines.kv_subscriber import (
     parse_replay_reply,
 )
 from prefixrouter.simulated_engine.kv_publisher import KvEventPublisher, binds
+from tests.real_engines import fake_publisher
+from tests.real_engines.fake_publisher import (
+    BS,
+    OTHER,
+    OTHERS,
+    SEED,
+    BoundEngine,
+    W,
+    frames,
+    payload,
+    sources,
+    store,
+    subscribers,
+    wait_for,
+)
 
-BS = 4
-SEED = 555
-W = WorkerId("w0")
-TOKENS = list(range(100, 116))  # four blocks
-OURS = hash_token_blocks(SEED, TOKENS, BS)
-OTHER = list(range(300, 316))  # four other blocks
-OTHERS = hash_token_blocks(SEED, OTHER, BS)
-
-
-def frames(topic: str, seq: int, events: list[object]) -> list[bytes]:
-    """A message as vLLM publishes it, stamped now (older stamps are backlog)."""
-    payload = msgpack.packb([time.time(), events, 0])
-    return [topic.encode(), seq.to_bytes(8, "big"), payload]
-
-
-def store(hashes: list[int], parent: int | None, tokens: list[int]) -> list[object]:
-    return ["BlockStored", hashes, parent, tokens, BS, None, None]
+TOKENS = fake_publisher.TOKENS[:16]  # the shared document's first four blocks
+OURS = fake_publisher.OURS[:4]
 
 
 @asynccontextmanager
@@ -73,14 +70,6 @@ async def feed() -> AsyncIterator[tuple[KvEventSubscriber, zmq.asyncio.Socket, R
         await sub.stop()
 
 
-async def wait_for(cond, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
-
-
 def exported(sub: KvEventSubscriber) -> str:
     """The collector's samples, one ``name{labels} value`` a line."""
     return "\n".join(
@@ -89,8 +78,7 @@ def exported(sub: KvEventSubscriber) -> str:
 
 
 def held(router: Router) -> int:
-    m = router.index.match(OURS, 10.0).get(W)
-    return m.blocks if m is not None else 0
+    return fake_publisher.held(router, OURS)
 
 
 async def test_events_over_zmq_reach_the_index() -> None:
@@ -175,9 +163,8 @@ async def replay_feed(
         requests.append(int.from_bytes(start, "big"))
         for seq, events in buffered.items():
             if seq >= requests[-1]:
-                payload = msgpack.packb([1.0, events, 0])
-                frames = [ident, b"", b"kv@w0", seq.to_bytes(8, "big"), payload]
-                await replay.send_multipart(frames)
+                reply = [ident, b"", b"kv@w0", seq.to_bytes(8, "big"), payload(events, 1.0)]
+                await replay.send_multipart(reply)
         await replay.send_multipart([ident, b"", b"", END_SEQ, b""])
 
     server = asyncio.get_running_loop().create_task(serve_replay())
@@ -271,20 +258,12 @@ def test_backlog_from_before_the_subscriber_started_is_speculative() -> None:
     )
     sub.add_worker(W, "t", lambda lora, salt: SEED)
     # Published at wall time 900, queued by the engine's PUB socket, heard now.
-    stale = [
-        b"t",
-        (7).to_bytes(8, "big"),
-        msgpack.packb([900.0, [store([1, 2], None, TOKENS[:8])], 0]),
-    ]
+    stale = frames("t", 7, [store([1, 2], None, TOKENS[:8])], ts=900.0)
     sub.handle(stale)
     entry = router.index.entry(W, OURS[0])
     assert entry is not None and entry.source is EntrySource.SPECULATIVE
     assert sub.feed(W).stats.backlog == 1  # type: ignore[union-attr]
-    fresh = [
-        b"t",
-        (8).to_bytes(8, "big"),
-        msgpack.packb([999.5, [store([3, 4], 2, TOKENS[8:])], 0]),
-    ]
+    fresh = frames("t", 8, [store([3, 4], 2, TOKENS[8:])], ts=999.5)
     sub.handle(fresh)
     entry = router.index.entry(W, OURS[3])
     assert entry is not None and entry.source is EntrySource.EVENT
@@ -305,105 +284,17 @@ def test_simulated_engines_publisher_drops_silently_when_nobody_listens() -> Non
 # ------------------------------------------------------------------ connect mode
 
 
-class BoundEngine:
-    """An engine's publisher as vLLM runs it with ``"endpoint": "tcp://*:P"``.
-
-    vLLM's ``ZmqEventPublisher`` *binds* its PUB socket (an endpoint with
-    ``*``) and its replay ROUTER socket, numbers batches from 0, keeps each
-    sent batch for replay, and answers ``[id, b"", start]`` with one
-    ``[id, b"", topic, seq, payload]`` per kept batch from ``start`` on and an
-    end marker. Bound on loopback here. ``lose=True`` numbers and keeps a
-    batch without sending it: the subscriber sees a gap.
-    """
-
-    def __init__(self, topic: str, pub_port: int, replay_port: int) -> None:
-        self.topic = topic.encode()
-        self.publisher = f"tcp://127.0.0.1:{pub_port}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
-        self.seq = 0
-        self.buffer: list[tuple[int, bytes]] = []
-        self.replay_requests: list[int] = []
-        self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(self.publisher)
-        self.replay = self.ctx.socket(zmq.ROUTER)
-        self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(self.replay_endpoint)
-        self.server = asyncio.get_running_loop().create_task(self._serve_replay())
-
-    async def publish(self, events: list[object], lose: bool = False) -> None:
-        seq, self.seq = self.seq, self.seq + 1
-        _, seq_frame, payload = frames("", seq, events)
-        self.buffer.append((seq, payload))
-        if not lose:
-            await self.pub.send_multipart([self.topic, seq_frame, payload])
-
-    async def _serve_replay(self) -> None:
-        while True:
-            ident, _, start_frame = await self.replay.recv_multipart()
-            start = int.from_bytes(start_frame, "big")
-            self.replay_requests.append(start)
-            for seq, payload in self.buffer:
-                if seq >= start:
-                    reply = [ident, b"", self.topic, seq.to_bytes(8, "big"), payload]
-                    await self.replay.send_multipart(reply)
-            await self.replay.send_multipart([ident, b"", b"", END_SEQ, b""])
-
-    async def heard_by(self, subs: list[KvEventSubscriber]) -> None:
-        """Probe on an unknown topic until every subscriber hears this publisher.
-
-        A bound PUB socket drops what it sends before a subscriber's connection
-        and subscription have arrived (ZMQ's slow joiner).
-        """
-        start = [s.unknown_topics for s in subs]
-        for _ in range(300):
-            await self.pub.send_multipart(frames("probe", 0, []))
-            await asyncio.sleep(0.01)
-            if all(s.unknown_topics > n for s, n in zip(subs, start, strict=True)):
-                return
-        raise AssertionError("a subscriber never heard the publisher")
-
-    async def close(self) -> None:
-        if self.ctx.closed:
-            return
-        self.server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.server
-        self.pub.close()
-        self.replay.close()
-        self.ctx.term()
-
-
 @asynccontextmanager
 async def replicas(
     n: int,
 ) -> AsyncIterator[tuple[BoundEngine, list[KvEventSubscriber], list[Router]]]:
     """An engine that binds, and ``n`` subscribers (as ``n`` gateway replicas) connected to it."""
-    pub_port, replay_port = free_port(), free_port()
-    engine = BoundEngine("kv@w0", pub_port, replay_port)
-    routers = [Router(create_policy("prefix_aware"), BlockHasher(block_size=BS)) for _ in range(n)]
-    subs = [KvEventSubscriber(None, Dispatcher(r), lambda: 10.0) for r in routers]
-    for sub in subs:
-        sub.add_worker(
-            W,
-            "kv@w0",
-            lambda lora, salt: SEED,
-            replay_endpoint=engine.replay_endpoint,
-            publisher=engine.publisher,
-        )
-        await sub.start()
+    engine = BoundEngine("kv@w0")
     try:
-        await engine.heard_by(subs)
-        yield engine, subs, routers
+        async with subscribers(engine, n) as (subs, routers):
+            yield engine, subs, routers
     finally:
-        for sub in subs:
-            await sub.stop()
         await engine.close()
-
-
-def sources(router: Router, blocks: Sequence[BlockHash]) -> list[EntrySource | None]:
-    return [e.source if (e := router.index.entry(W, b)) is not None else None for b in blocks]
 
 
 async def test_two_replicas_connected_to_one_bound_publisher_apply_the_same_events() -> None:
@@ -412,7 +303,7 @@ async def test_two_replicas_connected_to_one_bound_publisher_apply_the_same_even
         await engine.publish([store([3, 4], 2, TOKENS[8:]), store([21], None, OTHER[:4])])
         await engine.publish([["BlockRemoved", [21], None]])
         for router in routers:
-            await wait_for(lambda r=router: held(r) == 4)
+            await wait_for(lambda r=router: held(r) == 4)  # type: ignore[misc]
         for sub, router in zip(subs, routers, strict=True):
             stats = sub.feed(W).stats  # type: ignore[union-attr]
             assert (stats.messages, stats.stored, stats.removed, stats.gaps) == (3, 3, 1, 0)
@@ -440,7 +331,7 @@ async def test_engine_restart_is_a_sequence_reset_in_connect_mode() -> None:
         await engine.close()
         engine = BoundEngine("kv@w0", pub_port, replay_port)
         try:
-            await engine.heard_by([sub])
+            await engine.heard_by(sub)
             await engine.publish([store([11, 12, 13, 14], None, OTHER)])
             stats = sub.feed(W).stats  # type: ignore[union-attr]
             await wait_for(lambda: stats.restarts == 1)
@@ -448,7 +339,7 @@ async def test_engine_restart_is_a_sequence_reset_in_connect_mode() -> None:
             assert held(router) == 0  # the old process's blocks are gone
             assert sources(router, OTHERS) == [EntrySource.EVENT] * 4
             assert sub.feed(W).translator.own_hash(1) is None  # type: ignore[union-attr]
-            assert engine.replay_requests == []
+            assert engine.requests == []
         finally:
             await engine.close()
 
@@ -460,12 +351,12 @@ async def test_a_gap_is_replayed_from_the_engine_in_connect_mode() -> None:
         await engine.publish([])
         for sub, router in zip(subs, routers, strict=True):
             stats = sub.feed(W).stats  # type: ignore[union-attr]
-            await wait_for(lambda s=stats: s.replayed == 1)
+            await wait_for(lambda s=stats: s.replayed == 1)  # type: ignore[misc]
             assert (stats.gaps, stats.last_seq) == (1, 2)
             # The replay repaired the gap completely: nothing was demoted, and
             # 3-4 came back through it as exact entries.
             assert sources(router, OURS) == [EntrySource.EVENT] * 4
-        assert engine.replay_requests == [1, 1]  # each replica asked for itself
+        assert engine.requests == [1, 1]  # each replica asked for itself
 
 
 async def test_a_publisher_is_one_workers_and_removal_disconnects_it() -> None:
@@ -476,7 +367,7 @@ async def test_a_publisher_is_one_workers_and_removal_disconnects_it() -> None:
             )
         sub.remove_worker(W)
         sub.add_worker(W, "kv@w0", lambda lora, salt: SEED, publisher=engine.publisher)
-        await engine.heard_by([sub])
+        await engine.heard_by(sub)
         await engine.publish([store([1, 2, 3, 4], None, TOKENS)])
         await wait_for(lambda: held(router) == 4)
         await engine.publish([])
