@@ -165,10 +165,15 @@ async def serve_forever(
     return gateway
 
 
-async def wait_for_interrupt() -> None:
-    """Block until SIGINT or SIGTERM."""
+def interrupted() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM, from now on (call it in the running loop).
+
+    Installed before the lines that tell the user (or a script) the demo is
+    up: a Ctrl-C sent as soon as they appear then sets the event, the one way
+    out, instead of landing between the print and the wait.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
