@@ -158,3 +158,19 @@ def test_salts_vllm_would_refuse_are_replaced_by_a_derived_one() -> None:
     assert with_client is not None and vllm_accepts_salt(with_client)
     assert plain != with_client  # the client's salt still separates caches
     assert not vllm_accepts_salt("a" * 129) and not vllm_accepts_salt("a\\b")
+
+
+def test_the_overflow_label_is_no_tenant_a_header_or_the_configuration_may_name() -> None:
+    """A tenant named ``_other`` would merge with the metrics' overflow series."""
+    from prefixrouter.errors import ConfigError
+    from prefixrouter.gateway.config import OTHER_TENANTS
+    from prefixrouter.gateway.errors import BadRequest
+
+    t = _tenancy(trust_tenant_header=True, api_keys={})
+    assert t.resolve(None, "team-a", None).tenant == "team-a"
+    with pytest.raises(BadRequest, match="reserved"):
+        t.resolve(None, OTHER_TENANTS, None)
+    with pytest.raises(ConfigError, match=r"tenants: .*'_other' is reserved"):
+        config_from_dict({"tenants": {OTHER_TENANTS: {"share_cache": True}}})
+    with pytest.raises(ConfigError, match=r"api_keys: .*'_other' is reserved"):
+        config_from_dict({"api_keys": {"k": OTHER_TENANTS}})

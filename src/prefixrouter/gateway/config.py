@@ -117,6 +117,11 @@ def engine_key(url: str) -> tuple[str, str, int, str]:
     return parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/")
 
 
+OTHER_TENANTS = "_other"
+"""The ``tenant`` label the metrics give every tenant past their limit: no tenant's name."""
+_RESERVED_WHY = "the metrics' label of the tenants past their limit"
+
+
 def default_worker_id(url: str) -> str:
     """A worker's id when none is set: ``host:port`` of its validated URL."""
     return url.split("://", 1)[1].split("/", 1)[0]
@@ -1103,6 +1108,13 @@ class GatewayConfig(_Model):
             )
         return value
 
+    @field_validator("tenants")
+    @classmethod
+    def _no_reserved_tenant(cls, value: dict[str, TenantRule]) -> dict[str, TenantRule]:
+        if OTHER_TENANTS in value:
+            raise ValueError(f"{OTHER_TENANTS!r} is reserved: {_RESERVED_WHY}")
+        return value
+
     @field_validator("api_keys")
     @classmethod
     def _strip_api_keys(cls, value: dict[str, str]) -> dict[str, str]:
@@ -1115,6 +1127,8 @@ class GatewayConfig(_Model):
                 raise ValueError(f"an empty key (tenant {tenant!r})")
             if bare in out:
                 raise ValueError(f"two keys differ only in surrounding whitespace ({tenant!r}'s)")
+            if tenant == OTHER_TENANTS:
+                raise ValueError(f"tenant {OTHER_TENANTS!r} is reserved: {_RESERVED_WHY}")
             out[bare] = tenant
         return out
 

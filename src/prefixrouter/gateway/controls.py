@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixrouter.gateway.config import GatewayConfig, TenantRule
+from prefixrouter.gateway.config import OTHER_TENANTS, GatewayConfig, TenantRule
 from prefixrouter.gateway.errors import BadRequest, Overloaded, TooManyRequests
 from prefixrouter.gateway.limits import Refusal, TenantLimit, TenantLimiter, WaitQueue
 from prefixrouter.gateway.metrics import (
@@ -59,7 +59,6 @@ from prefixrouter.gateway.metrics import (
 PRIORITY_HEADER = "X-Priority"
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 TENANT_LABELS_MAX = 64
-OTHER_TENANTS = "_other"
 
 
 def _limit(rule: TenantRule) -> TenantLimit:

@@ -45,7 +45,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from prefixrouter.gateway.config import GatewayConfig
+from prefixrouter.gateway.config import OTHER_TENANTS, GatewayConfig
 from prefixrouter.gateway.errors import BadRequest, Forbidden, Unauthorized
 
 _MEMO_MAX = 10_000
@@ -185,6 +185,13 @@ class Tenancy:
         if not tenant.isprintable() or tenant != tenant.encode("utf-8", "ignore").decode():
             raise BadRequest(
                 "X-Tenant must be printable UTF-8", code="invalid_tenant", param="X-Tenant"
+            )
+        if tenant == OTHER_TENANTS:  # its series would merge with the overflow's
+            raise BadRequest(
+                f"X-Tenant {OTHER_TENANTS!r} is reserved (the metrics' label of the tenants "
+                "past their limit)",
+                code="invalid_tenant",
+                param="X-Tenant",
             )
         if tenant and (tenant in self._keyed or not self.config.tenant_rule(tenant).share_cache):
             raise Forbidden(
