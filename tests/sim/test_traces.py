@@ -224,3 +224,13 @@ def test_bundled_trace_has_multi_turn_reuse() -> None:
     # Later turns of a conversation reuse blocks past the shared block 0 (same arrays).
     seen = {id(s) for r in wl.requests[:200] for s in r.segments[1:]}
     assert any(id(s) in seen for r in wl.requests[200:] for s in r.segments[1:])
+
+
+def test_a_titles_arrival_says_the_rate_scale_of_a_replayed_trace() -> None:
+    """``--rate-scale 2`` replays the trace twice as fast: the title said its own times."""
+    from prefixrouter.sim.report import arrival_text
+
+    assert arrival_text({"load": None, "rate_rps": None}) == "trace arrival times"
+    assert arrival_text({"rate_rps": None, "rate_scale": 2.0}) == "trace arrival times x2"
+    assert arrival_text({"load": 0.9, "rate_rps": 3.0}) == "load 0.90 (3.00 req/s)"
+    assert arrival_text({"rate_rps": 5.0, "rate_scale": 2.0}) == "5.00 req/s"

@@ -210,11 +210,14 @@ def total_prefill_tokens(summary: dict[str, Any]) -> int:
 def arrival_text(report: dict[str, Any]) -> str:
     """How a simulate report's requests arrived, for titles: the load that applied
     (with its rate), else the rate given (``--rate`` overrides a load), else the
-    trace's own times."""
+    trace's own times (with ``--rate-scale``'s factor)."""
     load, rate = report.get("load"), report.get("rate_rps")
     if load is not None:
         return f"load {load:.2f} ({rate:.2f} req/s)"
-    return f"{rate:.2f} req/s" if rate else "trace arrival times"
+    if rate:
+        return f"{rate:.2f} req/s"
+    scale = report.get("rate_scale")  # --rate-scale: the trace's times sped up
+    return f"trace arrival times x{scale:g}" if scale else "trace arrival times"
 
 
 def cached_share(cached_tokens: int, prompt_tokens: int) -> float:
