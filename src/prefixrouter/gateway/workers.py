@@ -101,7 +101,7 @@ from prefixrouter.gateway.config import GatewayConfig, WorkerConfig, engine_key
 from prefixrouter.gateway.metrics import WorkerGauges
 from prefixrouter.gateway.upstream import Endpoint
 from prefixrouter.prometheus import samples
-from prefixrouter.real_engines.kv_events import NamespaceSeed
+from prefixrouter.real_engines.kv_events import NamespaceSeed, endpoint_key
 from prefixrouter.real_engines.kv_subscriber import KvEventSubscriber, WorkerFeed
 from prefixrouter.sim.profiles import get_profile
 
@@ -418,13 +418,15 @@ class WorkerRegistry:
         return None
 
     def publisher_owner(self, publisher: str) -> WorkerId | None:
-        """The worker whose engine's KV-event publisher is ``publisher``, if any."""
+        """The worker whose engine's KV-event publisher is ``publisher``, if any (two
+        spellings of one socket are one publisher: :func:`endpoint_key`)."""
+        key = endpoint_key(publisher)
         for w in self.workers.values():
-            if w.config.kv_events_connect == publisher:
+            if w.config.kv_events_connect and endpoint_key(w.config.kv_events_connect) == key:
                 return w.id
         if self.events is not None:
             for feed in self.events.feeds():
-                if feed.publisher == publisher:
+                if feed.publisher and endpoint_key(feed.publisher) == key:
                     return feed.worker_id
         return None
 
@@ -594,7 +596,7 @@ class WorkerRegistry:
         self._routable = [w for w in self.workers.values() if not w.draining]
         self._views = [w.view for w in self._routable]
         for w in self._routable:
-            w.view.healthy = w.healthy and not w.suspect and w.ready and not w.ejected
+            w.view.healthy = w.routable
         live = self._routable
         self._models = frozenset().union(*(w.models for w in live)) if live else frozenset()
         self._adapters = frozenset().union(*(w.adapters for w in live)) if live else frozenset()
