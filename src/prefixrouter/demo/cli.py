@@ -118,7 +118,8 @@ def demo(
 ) -> None:
     """Start engines and the gateway on loopback; compare round robin and prefixrouter live."""
     from prefixrouter.bench.report import plot as plot_runs
-    from prefixrouter.demo.run import DemoConfig, interrupted, run_demo, serve_forever
+    from prefixrouter.demo.run import DemoConfig, run_demo, serve_forever
+    from prefixrouter.gateway.cli import stop_on_signals
 
     cfg = DemoConfig(workers=workers, requests=requests, rate=rate, kv_blocks=kv_blocks, seed=seed)
     if not envoy and (why := output_problem(plot, suffix=".png")) is not None:
@@ -166,7 +167,7 @@ def demo(
                 # so it is never open without one.
                 admin_key = secrets.token_urlsafe(24)
                 gateway = await serve_forever(fleet, engines, admin_key)
-                stop = interrupted()  # before the lines a user acts on
+                stop = stop_on_signals("demo")  # before the lines a user acts on
                 console.print(f"prefixrouter gateway on {gateway.url} (Ctrl-C stops everything)")
                 for line in served_lines(gateway.url, admin_key):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -178,7 +179,7 @@ def demo(
 def _envoy(cfg: Any) -> None:
     """``--envoy``: the endpoint picker behind a real Envoy (:mod:`prefixrouter.demo.envoy`)."""
     from prefixrouter.demo.envoy import serve_envoy
-    from prefixrouter.demo.run import interrupted
+    from prefixrouter.gateway.cli import stop_on_signals
 
     async def keep_serving() -> None:
         admin_key = secrets.token_urlsafe(24)
@@ -194,7 +195,7 @@ def _envoy(cfg: Any) -> None:
             except RuntimeError as exc:
                 raise fail(str(exc), code=1) from None
             url, picker = stack.envoy.url, stack.picker.url
-            stop = interrupted()  # before the lines a user acts on
+            stop = stop_on_signals("demo")  # before the lines a user acts on
             console.print(f"Envoy on {url}, asking prefixrouter epp on grpc://127.0.0.1:"
                           f"{stack.grpc_port} (Ctrl-C stops everything)")  # fmt: skip
             console.print(f"the picker's metrics: curl -s {picker}/metrics", highlight=False)

@@ -32,8 +32,6 @@ ends, whatever happened.
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -163,17 +161,3 @@ async def serve_forever(
     gateway = fleet.start_command("gateway", cmd, port, env=env)
     await fleet.wait_healthy([gateway])
     return gateway
-
-
-def interrupted() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM, from now on (call it in the running loop).
-
-    Installed before the lines that tell the user (or a script) the demo is
-    up: a Ctrl-C sent as soon as they appear then sets the event, the one way
-    out, instead of landing between the print and the wait.
-    """
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

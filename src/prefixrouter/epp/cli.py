@@ -26,7 +26,7 @@ from typing import Annotated
 
 import typer
 
-from prefixrouter.errors import PrefixRouterError
+from prefixrouter.errors import PrefixRouterError, unreadable
 from prefixrouter.gateway.cli import (
     DEFAULT_HOST,
     DEFAULT_POLICY,
@@ -86,7 +86,7 @@ def _pem(path: Path, kind: str) -> bytes:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise fail(f"{path}: {exc.strerror or exc}") from None
+        raise fail(unreadable(path, exc)) from None
     if b"-----BEGIN " not in data or kind.encode() not in data:
         raise fail(f"{path}: not a PEM file holding a {kind.lower()}")
     return data

@@ -119,7 +119,7 @@ def engine_key(url: str) -> tuple[str, str, int, str]:
 
 OTHER_TENANTS = "_other"
 """The ``tenant`` label the metrics give every tenant past their limit: no tenant's name."""
-_RESERVED_WHY = "the metrics' label of the tenants past their limit"
+RESERVED_WHY = "the metrics' label of the tenants past their limit"
 
 
 def default_worker_id(url: str) -> str:
@@ -1112,7 +1112,7 @@ class GatewayConfig(_Model):
     @classmethod
     def _no_reserved_tenant(cls, value: dict[str, TenantRule]) -> dict[str, TenantRule]:
         if OTHER_TENANTS in value:
-            raise ValueError(f"{OTHER_TENANTS!r} is reserved: {_RESERVED_WHY}")
+            raise ValueError(f"{OTHER_TENANTS!r} is reserved: {RESERVED_WHY}")
         return value
 
     @field_validator("api_keys")
@@ -1128,7 +1128,7 @@ class GatewayConfig(_Model):
             if bare in out:
                 raise ValueError(f"two keys differ only in surrounding whitespace ({tenant!r}'s)")
             if tenant == OTHER_TENANTS:
-                raise ValueError(f"tenant {OTHER_TENANTS!r} is reserved: {_RESERVED_WHY}")
+                raise ValueError(f"tenant {OTHER_TENANTS!r} is reserved: {RESERVED_WHY}")
             out[bare] = tenant
         return out
 

@@ -560,7 +560,7 @@ class Proxy:
                 try:
                     chunk = await resp.readany()
                 except _UPSTREAM_ERRORS as exc:
-                    upstream_error = _describe(exc)
+                    upstream_error = exception_text(exc)
                     stalled = isinstance(exc, StallTimeout)
                     # The total timeout (proxy.request_timeout_s) is no break either.
                     timed_out = isinstance(exc, TimeoutError)
@@ -702,9 +702,9 @@ def _failed(exc: BaseException, hdrs: dict[str, str]) -> Attempt:
     if isinstance(exc, TotalTimeout):
         return _cut(exc, hdrs)
     if isinstance(exc, FirstByteTimeout):
-        return Attempt(None, 504, error=_describe(exc), suspect=True)
+        return Attempt(None, 504, error=exception_text(exc), suspect=True)
     status = 504 if isinstance(exc, TimeoutError) else 502
-    return Attempt(None, status, error=_describe(exc), unreachable=True)
+    return Attempt(None, status, error=exception_text(exc), unreachable=True)
 
 
 def _cut(exc: BaseException, hdrs: dict[str, str]) -> Attempt:
@@ -720,7 +720,7 @@ def _cut(exc: BaseException, hdrs: dict[str, str]) -> Attempt:
     frozen worker is caught by the first-byte and stall timeouts and its
     health checks; a 504 does not count toward outlier ejection either.
     """
-    why = _describe(exc)
+    why = exception_text(exc)
     if isinstance(exc, TimeoutError):
         silent = isinstance(exc, FirstByteTimeout | StallTimeout)
         msg = f"the worker's answer timed out ({why})"
@@ -747,8 +747,3 @@ def _passed_headers(engine: dict[str, str]) -> dict[str, str]:
     if named:
         drop = drop | {name.strip().lower() for name in named.split(",")}
     return {name: value for name, value in engine.items() if name not in drop}
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -45,7 +45,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from prefixrouter.gateway.config import OTHER_TENANTS, GatewayConfig
+from prefixrouter.gateway.config import OTHER_TENANTS, RESERVED_WHY, GatewayConfig
 from prefixrouter.gateway.errors import BadRequest, Forbidden, Unauthorized
 
 _MEMO_MAX = 10_000
@@ -188,8 +188,7 @@ class Tenancy:
             )
         if tenant == OTHER_TENANTS:  # its series would merge with the overflow's
             raise BadRequest(
-                f"X-Tenant {OTHER_TENANTS!r} is reserved (the metrics' label of the tenants "
-                "past their limit)",
+                f"X-Tenant {OTHER_TENANTS!r} is reserved ({RESERVED_WHY})",
                 code="invalid_tenant",
                 param="X-Tenant",
             )
