@@ -58,6 +58,8 @@ from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.runner import RequestTooLarge, capacity_rps, check_fits
 from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
 from prefixrouter.sim.workload import SimRequest, Workload
+from prefixrouter.simulated_engine.config import DEFAULT_MAX_MODEL_LEN
+from prefixrouter.simulated_engine.protocol import length_error
 from prefixrouter.tokenization import Tokenizer, render_chat
 
 DEFAULT_SCENARIOS = ("doc-qa", "system-prompt", "multi-turn", "unique")
@@ -237,17 +239,23 @@ def build_bench_workload(
     )
 
 
+def engine_limit(blocks: int, block_size: int) -> int:
+    """The longest request a bench engine takes: its ``max_model_len`` as the simulated
+    engine sets it (:attr:`EngineServerConfig.effective_max_model_len`)."""
+    return min(DEFAULT_MAX_MODEL_LEN, blocks * block_size)
+
+
 def engine_refuses(req: ReplayRequest, tokenizer: Tokenizer, limit: int) -> tuple[int, int] | None:
     """``(prompt, output)`` tokens of a chat request an engine of ``limit`` tokens refuses, or None.
 
     The prompt is counted as the engines count it (the chat template, then the
-    tokenizer); the rule is theirs (vLLM's 400): the prompt alone, or the
-    prompt with its ``max_tokens``, longer than the limit.
+    tokenizer); the rule is theirs (:func:`~prefixrouter.simulated_engine.protocol.length_error`,
+    vLLM's 400).
     """
     text = render_chat(req.body["messages"], None, add_generation_prompt=True)
     prompt = len(tokenizer.encode(text))
     output = int(req.body.get("max_tokens") or 0)
-    return (prompt, output) if prompt >= limit or prompt + output > limit else None
+    return (prompt, output) if length_error(prompt, output, limit) is not None else None
 
 
 def fit_error(
@@ -258,6 +266,12 @@ def fit_error(
     ``where`` names what sized the cache (``--kv-blocks 64``); unless it is
     that option, the line ends by naming it.
     """
+    if engine_limit(blocks, block_size) < blocks * block_size:  # the context, not the KV
+        return ConfigError(
+            f"{scenario}: request {index} needs {prompt + output:,} tokens ({prompt:,} "
+            f"prompt + {output:,} output), more than an engine's context takes "
+            f"({DEFAULT_MAX_MODEL_LEN:,})"
+        )
     hint = "" if where.startswith("--kv-blocks") else "; give more with --kv-blocks"
     return ConfigError(
         f"{scenario}: {where}: request {index} needs {prompt + output:,} tokens ({prompt:,} "
@@ -283,7 +297,7 @@ def check_requests_fit(
         ConfigError: The first such request (:func:`fit_error`).
     """
     for i, req in enumerate(requests):
-        refused = engine_refuses(req, tokenizer, blocks * block_size)
+        refused = engine_refuses(req, tokenizer, engine_limit(blocks, block_size))
         if refused is not None:
             raise fit_error(scenario, where, i, *refused, blocks, block_size)
 
@@ -325,10 +339,11 @@ def check_live_fits(
         raise fit_error(
             scenario, where, index, big.prompt_tokens, big.output_tokens, blocks, bs
         ) from None
+    limit = engine_limit(blocks, bs)
     for i, (plan, req) in enumerate(zip(planned.requests, requests, strict=True)):
-        if (plan.prompt_tokens + plan.output_tokens) * TEXT_SLACK + TEXT_SLACK_TOKENS < blocks * bs:
+        if (plan.prompt_tokens + plan.output_tokens) * TEXT_SLACK + TEXT_SLACK_TOKENS < limit:
             continue  # far enough below the limit, whatever its text's length
-        refused = engine_refuses(req, tokenizer, blocks * bs)
+        refused = engine_refuses(req, tokenizer, limit)
         if refused is not None:
             raise fit_error(scenario, where, i, *refused, blocks, bs)
 
