@@ -55,16 +55,22 @@ def _traffic(url: str, rounds: int, unique: int, seed: int) -> int:
 
 
 @pytest.mark.timeout(120)
+def chromium_path() -> str:
+    """Debian's chromium, installed on a fresh machine as the README's test command needs."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        subprocess.run(["bash", str(SETUP_CHROMIUM)], check=False, timeout=600)
+        chromium = shutil.which("chromium")
+    assert chromium, f"the dashboard test drives Debian's chromium ({SETUP_CHROMIUM.name} failed)"
+    return chromium
+
+
 def test_the_dashboard_shows_live_figures_and_explains_a_decision(
     live: Live, tmp_path: Path
 ) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    chromium = shutil.which("chromium")
-    if chromium is None:  # a fresh machine: Debian's chromium, as the README's test command needs
-        subprocess.run(["bash", str(SETUP_CHROMIUM)], check=False, timeout=600)
-        chromium = shutil.which("chromium")
-    assert chromium, f"the dashboard test drives Debian's chromium ({SETUP_CHROMIUM.name} failed)"
+    chromium = chromium_path()
     assert _traffic(live.url, rounds=3, unique=3, seed=1) == 12
 
     outside: list[str] = []

@@ -17,8 +17,6 @@ profile). The test checks that:
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ import pytest
 from prefixrouter.gateway.dashboard import dashboard_url
 from prefixrouter.harness.faults import until
 from prefixrouter.harness.ports import HOST, free_port
-from tests.dashboard.test_browser import CHROMIUM_ARGS, SETUP_CHROMIUM, SHOW_MS
+from tests.dashboard.test_browser import CHROMIUM_ARGS, SHOW_MS, chromium_path
 from tests.dashboard.threaded import Served, served_gateway
 from tests.gateway.helpers import Env
 
@@ -41,15 +39,6 @@ def test_dashboard_url_encodes_the_key() -> None:
     assert url == "http://127.0.0.1:8080/dashboard#key=s3cr%25zz%26x%3D1"
     assert dashboard_url("http://h:1", "Ab-_9") == "http://h:1/dashboard#key=Ab-_9"
     assert dashboard_url("http://h:1") == "http://h:1/dashboard"
-
-
-def _chromium() -> str:
-    chromium = shutil.which("chromium")
-    if chromium is None:  # a fresh machine: Debian's chromium, as the README's test command needs
-        subprocess.run(["bash", str(SETUP_CHROMIUM)], check=False, timeout=600)
-        chromium = shutil.which("chromium")
-    assert chromium, f"the dashboard test drives Debian's chromium ({SETUP_CHROMIUM.name} failed)"
-    return chromium
 
 
 async def _state(env: Env, worker: str) -> str:
@@ -84,7 +73,7 @@ def test_the_page_with_keys_people_type_a_gateway_without_one_and_worker_states(
 ) -> None:
     from playwright.sync_api import expect, sync_playwright
 
-    chromium = _chromium()
+    chromium = chromium_path()
     nobody = f"http://{HOST}:{free_port()}"  # nothing listens there
     keyed: dict[str, Any] = {
         "overrides": {"server": {"admin_api_key": KEY}, "outlier": EJECT},
