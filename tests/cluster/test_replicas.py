@@ -436,6 +436,8 @@ def test_with_tls_files_replicas_share_over_tls_and_a_plain_server_is_refused(
             # Without the CA the server's certificate does not verify: said once, not ready.
             plain = write_config(tmp_path / "no-ca.yaml", engines)
             c = start_replica(fleet, plain, secure.url, "c")
+            # Listening first: it tries NATS as it starts, and can say so before it serves.
+            await fleet.wait_healthy([c])
 
             async def said() -> bool:
                 return "CERTIFICATE_VERIFY_FAILED" in c.log_tail(1_000_000)
