@@ -75,6 +75,10 @@ def test_decodes_map_and_array_events_alike() -> None:
     [
         ["BlockStored", "nope", None, [1, 2, 3, 4], 4],
         ["BlockStored", [1], None, "tokens", 4],
+        ["BlockStored", [1], None, [1, 2, 3.0, 4], 4],
+        ["BlockStored", [1], None, [1, 2, "3", 4], 4],
+        ["BlockStored", [1], None, [1, 2, -3, 4], 4],
+        ["BlockStored", [1], None, [1, 2, 1 << 32, 4], 4],
         ["BlockStored", [1], None, [1, 2, 3, 4], 0],
         ["BlockRemoved", [1.5]],
         42,

@@ -59,6 +59,7 @@ left out, and the batch's other events are kept.
 from __future__ import annotations
 
 import posixpath
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,8 +92,6 @@ STORED_FIELDS = (
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """vLLM's replay socket ends a replay with this sequence frame."""
-TOKEN_LIMIT = 1 << 32
-"""Token ids are below this (the router packs them as uint32 to hash them)."""
 SEQ_WINDOW = 64
 """Recent messages per topic whose content is remembered, to recognise a repeat."""
 
@@ -134,7 +133,7 @@ class EngineBlockStored:
 
     block_hashes: tuple[EngineHash, ...]
     parent_hash: EngineHash | None
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     block_size: int
     lora_name: str | None = None
     extra_keys: Any = None
@@ -225,10 +224,17 @@ def decode_event(raw: Any) -> EngineEvent | None:
         f = _fields(raw, STORED_FIELDS)
         tokens = f.get("token_ids")
         size = f.get("block_size")
-        if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
+        if not isinstance(tokens, list | tuple):
             raise KvEventDecodeError("BlockStored: token_ids must be a list of integers")
-        if tokens and (min(tokens) < 0 or max(tokens) >= TOKEN_LIMIT):
-            raise KvEventDecodeError("BlockStored: token_ids must be from 0 to 2**32-1")
+        try:
+            # One pass in C checks and packs: a non-integer is a TypeError, an
+            # id outside uint32 an OverflowError. The packed ids are what the
+            # translation hashes (hash_token_blocks takes them as they are).
+            packed = array("I", tokens)
+        except TypeError:
+            raise KvEventDecodeError("BlockStored: token_ids must be a list of integers") from None
+        except OverflowError:
+            raise KvEventDecodeError("BlockStored: token_ids must be from 0 to 2**32-1") from None
         if not isinstance(size, int) or size <= 0:
             raise KvEventDecodeError("BlockStored: block_size must be a positive integer")
         parent = f.get("parent_block_hash")
@@ -238,7 +244,7 @@ def decode_event(raw: Any) -> EngineEvent | None:
         return EngineBlockStored(
             block_hashes=_hashes(f.get("block_hashes"), "BlockStored"),
             parent_hash=parent,
-            token_ids=tuple(tokens),
+            token_ids=packed,
             block_size=size,
             lora_name=lora if isinstance(lora, str) and lora else None,
             extra_keys=f.get("extra_keys"),

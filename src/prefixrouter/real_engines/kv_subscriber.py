@@ -108,7 +108,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -582,12 +582,7 @@ class KvEventSubscriber:
     def _first_missing(self, feed: WorkerFeed) -> int | None:
         """The lowest number from the gap to the newest held message neither replayed nor held."""
         assert feed.gap_from is not None
-        held, replayed = feed.held, feed.replayed
-        top = max(held, default=feed.gap_from - 1)
-        for seq in range(feed.gap_from, top + 1):
-            if seq not in held and seq not in replayed:
-                return seq
-        return None
+        return next(_unfilled(feed.gap_from, feed.held, feed.replayed), None)
 
     async def _replay_task(self, feed: WorkerFeed) -> None:
         """Fetch the missed range (more rounds for gaps heard meanwhile), then settle.
@@ -623,7 +618,7 @@ class KvEventSubscriber:
         if start is None:
             return
         top = max(held, default=start - 1)
-        missing = [s for s in range(start, top + 1) if s not in held and s not in replayed]
+        missing = list(_unfilled(start, held, replayed))
         now = self.clock()
         last_hole = missing[-1] if missing else start - 1
         if missing:
@@ -842,3 +837,11 @@ class KvEventCollector(Collector):
             "KV-event messages on no worker's topic (or not three frames)",
             value=self.subscriber.unknown_topics,
         )
+
+
+def _unfilled(
+    start: int, held: Mapping[int, object], replayed: Mapping[int, object]
+) -> Iterator[int]:
+    """The numbers from ``start`` to the newest held message that are neither held nor replayed."""
+    top = max(held, default=start - 1)
+    return (seq for seq in range(start, top + 1) if seq not in held and seq not in replayed)
