@@ -55,6 +55,12 @@ class Env:
         """An admin API call with the admin key."""
         return await self.client.request(method, path, headers=ADMIN_HEADERS, **kw)
 
+    async def decisions(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The gateway's last ``limit`` decision records, newest first (asserts a 200)."""
+        r = await self.admin("GET", "/admin/decisions", params={"limit": limit})
+        assert r.status == 200, await r.text()
+        return list((await r.json())["decisions"])
+
 
 @asynccontextmanager
 async def gateway_env(

@@ -88,12 +88,6 @@ async def odd_env(
             await s.close()
 
 
-async def decisions(env: Env) -> list[dict[str, Any]]:
-    """The gateway's decision records, newest first."""
-    r = await env.admin("GET", "/admin/decisions?limit=100")
-    return list((await r.json())["decisions"])
-
-
 def chunk(content: str | None, *, usage: Any = "absent", choices: bool = True) -> dict[str, Any]:
     """An OpenAI chat.completion.chunk (``usage``: left out unless given, None included)."""
     obj: dict[str, Any] = {

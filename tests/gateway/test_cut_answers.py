@@ -9,20 +9,13 @@ client as if complete.
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 
 from prefixrouter.gateway.sse import SseRelay
 from tests.gateway.fakes import FakeEngine
-from tests.gateway.helpers import Env, gateway_env, run
+from tests.gateway.helpers import gateway_env, run
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60
-
-
-async def _last_decision(env: Env) -> dict[str, Any]:
-    r = await env.admin("GET", "/admin/decisions?limit=1")
-    return dict((await r.json())["decisions"][0])
 
 
 def test_the_relay_knows_whether_done_went_through() -> None:
@@ -48,7 +41,7 @@ def test_a_stream_ended_before_done_gets_an_error_event() -> None:
             assert "[DONE]" not in events and text.count('"content"') == 2
             err = orjson.loads(events[-1])["error"]
             assert err["code"] == "502" and "[DONE]" in err["message"]
-            assert (await _last_decision(env))["status"] == 502
+            assert (await env.decisions(1))[0]["status"] == 502
             # A whole stream is untouched.
             env.engines[0].end_after_chunks = None
             r = await env.chat(LONG + " again", stream=True, max_tokens=6)
@@ -66,6 +59,6 @@ def test_an_unstreamed_body_that_is_not_json_is_a_502() -> None:
             err = (await r.json())["error"]
             assert err["code"] == "502" and "not JSON" in err["message"]
             assert r.headers["X-Request-Id"]
-            assert (await _last_decision(env))["status"] == 502
+            assert (await env.decisions(1))[0]["status"] == 502
 
     run(body)

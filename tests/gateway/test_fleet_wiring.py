@@ -63,8 +63,7 @@ def test_a_share_keeps_each_document_in_one_group_and_each_group_in_its_pool() -
                     assert r.status == 200
                     rid = r.headers["X-Request-Id"]
                     worker = r.headers["X-Prefixrouter-Worker"]
-                    log = await env.admin("GET", "/admin/decisions?limit=100")
-                    rec = {d["request_id"]: d for d in (await log.json())["decisions"]}[rid]
+                    rec = {d["request_id"]: d for d in await env.decisions()}[rid]
                     policies.setdefault(doc, set()).add(rec["policy"])
                     if rec["policy"] == "round_robin":
                         assert worker == "w0"  # the baseline's pool

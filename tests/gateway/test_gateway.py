@@ -15,7 +15,7 @@ from prefixrouter.core.types import WorkerId
 from prefixrouter.gateway.config import WorkerConfig
 from tests.admin_client import ADMIN_HEADERS
 from tests.gateway.fakes import FakeEngine
-from tests.gateway.helpers import Env, gateway_env, run
+from tests.gateway.helpers import gateway_env, run
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~2,700 chars
 
@@ -25,11 +25,6 @@ def _error(data: Any) -> dict[str, Any]:
     err = data["error"]
     assert {"message", "type", "code"} <= set(err)
     return dict(err)
-
-
-async def _decisions(env: Env, n: int = 100) -> list[dict[str, Any]]:
-    r = await env.admin("GET", f"/admin/decisions?limit={n}")
-    return list((await r.json())["decisions"])
 
 
 def test_non_streaming_pass_through_and_affinity() -> None:
@@ -49,7 +44,7 @@ def test_non_streaming_pass_through_and_affinity() -> None:
                 req["vendor_field"] == {"a": 1} and req["temperature"] == 0.3 for req in sent
             )
             assert all("stream_options" not in req and "cache_salt" not in req for req in sent)
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert [d["actual_cached_tokens"] > 0 for d in logs] == [False, True, True, True, True]
             last = logs[-1]
             for key in (
@@ -86,7 +81,7 @@ def test_streaming_injects_and_strips_the_usage_chunk() -> None:
             )
             text = await r.text()
             assert text.count('"usage"') == 1 and '"choices":[]' in text
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert logs[0]["ttft_ms"] is not None and logs[0]["stream"]
             assert logs[1]["actual_cached_tokens"] > 0  # feedback from the stream's usage
 
@@ -182,7 +177,7 @@ def test_refusal_and_unreachable_workers_are_retried_before_the_first_byte() -> 
                 r = await env.chat(LONG + str(i), stream=i % 2 == 1)
                 assert r.status == 200 and r.headers["X-Prefixrouter-Worker"] == "w2"
                 await r.read()
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert all(d["selected_worker"] == "w2" and d["status"] == 200 for d in logs)
             retried = {w for d in logs for w in d["retried_from"]}
             assert retried == {"w0", "w1"}
@@ -204,7 +199,7 @@ def test_every_worker_failing_is_a_502_naming_each_and_is_logged() -> None:
             err = _error(await r.json())
             assert r.status == 502 and err["code"] == "upstream_unreachable"
             assert "w0:" in err["message"] and "w1:" in err["message"]
-            (log,) = await _decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 502 and log["attempts"] == 2
             assert sorted(log["retried_from"]) == ["w0", "w1"]
             assert "w0:" in log["error"] and "w1:" in log["error"]
@@ -242,7 +237,7 @@ def test_no_second_worker_after_bytes_reached_the_client() -> None:
             env.state.registry._rebuild()
             await asyncio.sleep(0.05)
             assert not engines[1].requests and not engines[2].requests
-            logs = await _decisions(env, 1)
+            logs = await env.decisions(1)
             assert logs[0]["status"] == 502 and logs[0]["attempts"] == 1
 
     run(body)
@@ -277,7 +272,7 @@ def test_client_disconnect_cancels_the_upstream_request() -> None:
                     break
                 await asyncio.sleep(0.02)
             assert engines[0].cancelled == 2
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert logs[-1]["status"] == 499
 
     run(body)
@@ -452,7 +447,7 @@ def test_tenant_isolation_and_cache_salt() -> None:
             r = await env.chat(LONG, headers={"Authorization": "Bearer k-globex"})
             data = await r.json()
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert logs[1]["tenant"] == "acme" and logs[1]["decision"]["tier"] == "exact"
             assert logs[2]["tenant"] == "globex" and logs[2]["predicted_cached_tokens"] == 0
             salts = {req.get("cache_salt") for e in env.engines for req in e.requests}
@@ -461,7 +456,7 @@ def test_tenant_isolation_and_cache_salt() -> None:
             r1 = await env.chat(LONG + "shared", headers={"Authorization": "Bearer k-a"})
             r2 = await env.chat(LONG + "shared", headers={"Authorization": "Bearer k-b"})
             assert r1.headers["X-Prefixrouter-Worker"] == r2.headers["X-Prefixrouter-Worker"]
-            assert (await _decisions(env, 1))[0]["decision"]["tier"] == "exact"
+            assert (await env.decisions(1))[0]["decision"]["tier"] == "exact"
 
     run(body)
 
@@ -525,7 +520,7 @@ def test_token_mode_routes_on_the_engines_block_size() -> None:
                 assert r.status == 200
                 workers.add(r.headers["X-Prefixrouter-Worker"])
             assert len(workers) == 1
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert logs[-1]["predicted_cached_tokens"] > 0 and logs[-1]["actual_cached_tokens"] > 0
 
     run(body)
@@ -583,7 +578,7 @@ def test_a_client_that_leaves_after_the_usage_chunk_still_leaves_its_feedback() 
             while b'"usage"' not in seen:
                 seen += await r.content.readany()
             r.close()  # gone before [DONE], as some clients do once they have the usage
-            logs = await _decisions(env, 1)
+            logs = await env.decisions(1)
             assert logs[0]["status"] == 499
             assert logs[0]["actual_cached_tokens"] is not None  # fed back all the same
 
@@ -618,7 +613,7 @@ def test_a_rejected_request_leaves_no_phantom_prefix_in_the_index() -> None:
                 assert r.status == 400 and "context length" in _error(await r.json())["message"]
             r = await env.chat("And the second part?", system=LONG)
             assert r.status == 200
-            logs = await _decisions(env)
+            logs = await env.decisions()
             doc, rejected = [logs[1], logs[-1]], logs[2:5]
             assert [d["status"] for d in rejected] == [400, 400, 400]
             assert rejected[1]["predicted_cached_tokens"] == 0  # the identical retry: cold
@@ -649,7 +644,7 @@ def test_attempts_without_prefill_take_their_routing_back() -> None:
                 if engines[1].cancelled and env.state.dispatch.load(WorkerId("w1")).in_flight == 0:
                     break
                 await asyncio.sleep(0.02)
-            (log,) = await _decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 499 and log["retried_from"] == ["w0"]
             assert len(engines[0].requests) == 1 and engines[1].cancelled == 1
             index = env.state.dispatch.router.index
@@ -716,7 +711,7 @@ def test_a_clients_sane_request_id_is_kept_in_the_answer_and_the_logs(tmp_path: 
             )
             assert first.status == second.status == 200
             assert first.headers["X-Request-Id"] == second.headers["X-Request-Id"] == "my-id-123"
-            records = [d for d in await _decisions(env) if d.get("client_request_id")]
+            records = [d for d in await env.decisions() if d.get("client_request_id")]
             assert [d["client_request_id"] for d in records] == ["my-id-123"] * 2
             assert len({d["request_id"] for d in records}) == 2
             assert all(d["request_id"].startswith("pr-") for d in records)

@@ -46,12 +46,6 @@ def _cached(data: Any) -> int:
     return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-async def _decisions(env: Env) -> list[dict[str, Any]]:
-    r = await env.admin("GET", "/admin/decisions?limit=100")
-    assert r.status == 200
-    return list((await r.json())["decisions"])
-
-
 # -- 1. the admin API -------------------------------------------------------------------------
 
 
@@ -178,7 +172,7 @@ def test_a_header_cannot_claim_a_tenant_or_its_cache() -> None:
                 )
                 assert r.status == 401
                 assert _error(await r.json())["code"] == "invalid_api_key"
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert [d["tenant"] for d in logs] == ["alice", "alice", ""]
             assert logs[2]["predicted_cached_tokens"] == 0
             assert "alice" not in logs[2]["namespace"]
@@ -200,7 +194,7 @@ def test_a_trusted_header_selects_only_tenants_without_keys_that_share() -> None
             assert r.status == 200
             r = await env.chat(LONG, headers={**ALICE, "X-Tenant": "carol"})  # the key wins
             assert r.status == 200
-            assert [d["tenant"] for d in await _decisions(env)] == ["carol", "alice"]
+            assert [d["tenant"] for d in await env.decisions()] == ["carol", "alice"]
 
     run(body)
 
@@ -215,7 +209,7 @@ def test_the_clients_cache_salt_stays_out_of_the_decision_log(tmp_path: Path) ->
             for headers in (None, None, ALICE, ALICE):
                 r = await env.chat(LONG, headers=headers, cache_salt=secret)
                 assert r.status == 200
-            logs = await _decisions(env)
+            logs = await env.decisions()
             # The salt still separates the cache, and the router still predicts within it.
             assert [d["actual_cached_tokens"] > 0 for d in logs] == [False, True, False, True]
             assert logs[1]["predicted_cached_tokens"] > 0
@@ -280,7 +274,7 @@ def test_with_expose_workers_off_clients_learn_no_worker_name_or_state() -> None
             r = await env.chat(LONG, headers=ALICE)
             assert r.status == 200 and "X-Prefixrouter-Worker" not in r.headers
             rid = r.headers["X-Request-Id"]
-            (record,) = [d for d in await _decisions(env) if d["request_id"] == rid]
+            (record,) = [d for d in await env.decisions() if d["request_id"] == rid]
             assert record["selected_worker"] in ("w0", "w1")
             r = await env.chat(LONG, headers={"Authorization": "Bearer k-bob"})  # not served
             msg = _error(await r.json())["message"]

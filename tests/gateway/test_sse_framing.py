@@ -26,7 +26,7 @@ from aiohttp import ClientResponse, web
 
 from prefixrouter.gateway.sse import SseRelay, usage_figures
 from tests.gateway.helpers import Env, run
-from tests.gateway.odd_engines import USAGE, chunk, decisions, odd_env, wants_usage
+from tests.gateway.odd_engines import USAGE, chunk, odd_env, wants_usage
 
 # Every way two line ends make a blank line, as the last line end of an event.
 ENDINGS = [b"\n\n", b"\r\n\r\n", b"\r\r", b"\r\n\n", b"\n\r\n", b"\r\r\n", b"\n\r"]
@@ -194,7 +194,7 @@ def test_a_crlf_stream_is_relayed_event_by_event_and_ends_clean() -> None:
             assert bytes(seen) == expected + b"data: [DONE]\r\n\r\n"
             assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
             assert wants_usage(odds[0].requests[0])
-            (log,) = await decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 200 and log["error"] is None
 
     run(body)
@@ -211,7 +211,7 @@ def test_crlf_streams_leave_healthy_workers_in_routing() -> None:
                 assert text.endswith("data: [DONE]\r\n\r\n") and '"error"' not in text
             workers = env.state.registry.workers.values()
             assert not any(w.ejected for w in workers)
-            assert all(d["status"] == 200 for d in await decisions(env))
+            assert all(d["status"] == 200 for d in await env.decisions())
 
     run(body)
 
@@ -222,7 +222,7 @@ def test_done_without_a_space_ends_a_stream_clean() -> None:
             r = await _stream(env)
             text = await r.text()
             assert text.endswith("data:[DONE]\n\n") and '"error"' not in text
-            (log,) = await decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 200
 
     run(body)
@@ -246,7 +246,7 @@ def test_a_stream_answered_with_json_is_relayed_as_json() -> None:
             r = await _stream(env)
             assert r.status == 200 and r.headers["Content-Type"].startswith("application/json")
             assert await r.json() == answer
-            (log,) = await decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 200 and log["error"] is None
 
     run(body)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -35,11 +34,6 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 5.0) -
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-async def _decisions(env: Env) -> list[dict[str, Any]]:
-    r = await env.admin("GET", "/admin/decisions?limit=100")
-    return list((await r.json())["decisions"])
 
 
 def _worker(env: Env, wid: str) -> Worker:
@@ -74,7 +68,7 @@ def test_a_silent_worker_is_retried_elsewhere_and_marked_suspect(
             # The first-byte timeout, once the worker was silent for its
             # liveness window (a poll interval and a check), not the 30 s freeze.
             assert took < 5.0
-            (log,) = [d for d in await _decisions(env) if d["attempts"] == 2]
+            (log,) = [d for d in await env.decisions() if d["attempts"] == 2]
             assert log["retried_from"] == [warm]
             # Out of routing: marked suspect by the timeout, or down by the
             # failed health check that ended the benefit of the doubt, whichever came first.
@@ -106,7 +100,7 @@ def test_a_suspect_worker_whose_check_fails_is_marked_down_and_keeps_its_index()
             r = await env.chat(LONG + " again?", stream=True)
             await r.read()
             assert r.headers["X-Prefixrouter-Worker"] != warm
-            logs = await _decisions(env)
+            logs = await env.decisions()
             assert all(d["attempts"] == 1 for d in logs)  # never sent to the suspect worker
 
     run(body)
@@ -133,7 +127,7 @@ def test_a_stream_that_stalls_after_its_first_byte_ends_with_an_error_event() ->
             assert last.startswith("data: {") and '"error"' in last and '"504"' in last
             assert "stalled" in last
             await _until(lambda: engines[0].cancelled == 1, "the engine request to be aborted")
-            (log,) = await _decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 504 and log["attempts"] == 1  # never retried
 
     run(body)
@@ -199,7 +193,7 @@ def test_a_unary_request_without_max_tokens_has_no_first_byte_timeout() -> None:
             r = await env.chat(LONG, max_tokens=None)
             assert r.status == 200
             await r.read()
-            (log,) = await _decisions(env)
+            (log,) = await env.decisions()
             assert log["attempts"] == 1 and log["status"] == 200
             assert not _worker(env, "w0").suspect
 
@@ -262,7 +256,7 @@ def test_every_worker_timing_out_is_a_504_not_a_502(stream: bool) -> None:
             assert time.monotonic() - t0 < 10.0  # the first-byte timeouts, not the freeze
             assert r.status == 504 and err["code"] == "upstream_timeout"
             assert err["type"] == "upstream_error" and "FirstByteTimeout" in err["message"]
-            (log,) = await _decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 504 and log["attempts"] >= 1
 
     run(body)
@@ -297,7 +291,7 @@ def test_a_stream_whose_connection_breaks_takes_its_worker_out_until_a_check_pas
             again = await env.chat(LONG + " again?", stream=True, max_tokens=6)
             await again.read()
             assert again.headers["X-Prefixrouter-Worker"] == "w1"
-            assert all(d["attempts"] == 1 for d in await _decisions(env))
+            assert all(d["attempts"] == 1 for d in await env.decisions())
             # Alive after all (the connection broke, the engine did not): back.
             engines[0].health_delay_s = 0.0
             await _until(lambda: w0.healthy and not w0.suspect, "w0 back in routing")

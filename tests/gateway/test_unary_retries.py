@@ -22,7 +22,7 @@ from aiohttp import web
 from prefixrouter.core.types import WorkerId
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import gateway_env, run
-from tests.gateway.odd_engines import decisions, odd_env
+from tests.gateway.odd_engines import odd_env
 
 # A short total timeout; no first-byte timeout (a long generation is not silent).
 TIMEOUT = {"proxy": {"request_timeout_s": 1.0, "first_byte_timeout_floor_s": None}}
@@ -57,7 +57,7 @@ def test_an_answer_that_breaks_after_its_headers_is_not_sent_again() -> None:
             assert r.headers["X-Prefixrouter-Worker"] == "w0"
             # One engine generated it; the other never saw it.
             assert [len(o.requests) for o in odds] == [1, 0]
-            (log,) = await decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 502 and log["attempts"] == 1 and not log["retried_from"]
             # Not marked unreachable (down): it answered. A broken answer has it
             # checked at once (suspect), and the check finds it alive.
@@ -79,7 +79,7 @@ def test_the_total_timeout_is_one_504_and_leaves_live_workers_in_routing(stream:
             assert r.status == 504 and err["code"] == "upstream_timeout"
             assert took < 2.2  # one timeout (1 s), not one per worker (3 s)
             assert sum(len(e.requests) for e in engines) == 1
-            (log,) = await decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 504 and log["attempts"] == 1
             # Both answer their health checks: neither leaves routing.
             for w in env.state.registry.workers.values():
@@ -98,7 +98,7 @@ def test_the_total_timeout_mid_stream_is_a_timeout_event() -> None:
             assert 2 <= sum('"content"' in e for e in events) < 30
             err = orjson.loads(events[-1])["error"]
             assert err["code"] == "504" and "timed out" in err["message"]
-            (log,) = await decisions(env)
+            (log,) = await env.decisions()
             assert log["status"] == 504
             w0 = env.state.registry.workers[WorkerId("w0")]
             assert w0.healthy and not w0.suspect  # a long answer, not a sick worker
