@@ -68,13 +68,20 @@ async def gateway_env(
     overrides: dict[str, Any] | None = None,
     engines: list[FakeEngine] | None = None,
     worker_options: list[dict[str, Any]] | None = None,
+    apps: list[web.Application] | None = None,
 ) -> AsyncIterator[Env]:
     """``n`` fake engines and a gateway in front of them (admin key: ``ADMIN_CONFIG``).
 
     ``worker_options``: more settings of each worker's entry, in order.
+    ``apps``: engines' applications built by the caller instead (``Env.engines``
+    is then empty).
     """
-    engines = engines or [FakeEngine() for _ in range(n)]
-    servers = [TestServer(make_app(e)) for e in engines]
+    if apps is None:
+        engines = engines or [FakeEngine() for _ in range(n)]
+        apps = [make_app(e) for e in engines]
+    else:
+        engines = []
+    servers = [TestServer(app) for app in apps]
     for s in servers:
         await s.start_server()
     options = worker_options or [{}] * len(servers)

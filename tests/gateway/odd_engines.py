@@ -18,13 +18,9 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
-from prefixrouter.gateway.app import create_app
-from prefixrouter.gateway.config import config_from_dict
-from tests.admin_client import ADMIN_CONFIG
 from tests.gateway.fakes import FakeEngine, make_app
-from tests.gateway.helpers import Env
+from tests.gateway.helpers import Env, gateway_env
 
 Handler = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -64,28 +60,11 @@ async def odd_env(
     ``overrides`` are merged into the gateway's configuration sections.
     """
     odds = [OddEngine(h) for h in handlers]
-    servers = [TestServer(_app(o)) for o in odds]
-    for s in servers:
-        await s.start_server()
-    data: dict[str, Any] = {
-        "server": dict(ADMIN_CONFIG),
-        "workers": [{"url": str(s.make_url("")), "id": f"w{i}"} for i, s in enumerate(servers)],
-        "policy": {"name": "round_robin"},
-        "metrics_poll": {"interval_s": 0.2},
-        "health": {"backoff_initial_s": 0.1, "backoff_max_s": 0.5, "timeout_s": 1.0},
-        "decision_log": {"flush_interval_s": 0.1},
-    }
-    for key, value in (overrides or {}).items():
-        data[key] = {**data[key], **value} if isinstance(data.get(key), dict) else value
-    config = config_from_dict(data)
-    client = TestClient(TestServer(create_app(config)))
-    await client.start_server()
-    try:
-        yield Env(client, [], servers, config), odds
-    finally:
-        await client.close()
-        for s in servers:
-            await s.close()
+    round_robin: dict[str, Any] = {"policy": {"name": "round_robin"}}
+    async with gateway_env(
+        overrides={**round_robin, **(overrides or {})}, apps=[_app(o) for o in odds]
+    ) as env:
+        yield env, odds
 
 
 def chunk(content: str | None, *, usage: Any = "absent", choices: bool = True) -> dict[str, Any]:
