@@ -547,8 +547,7 @@ class Proxy:
     ) -> tuple[bool, Attempt]:
         relay = SseRelay(strip_usage=not built.client_wants_usage)
         chunk = first
-        upstream_error: str | None = None
-        stalled = timed_out = broke = False
+        cut: _Break | None = None
         try:
             while chunk:
                 data = relay.feed(chunk)
@@ -560,29 +559,21 @@ class Proxy:
                 try:
                     chunk = await resp.readany()
                 except _UPSTREAM_ERRORS as exc:
-                    upstream_error = exception_text(exc)
-                    stalled = isinstance(exc, StallTimeout)
-                    # The total timeout (proxy.request_timeout_s) is no break either.
-                    timed_out = isinstance(exc, TimeoutError)
-                    broke = isinstance(exc, ConnectionError)
+                    cut = _Break.of(exc)
                     break
             tail = relay.finish()
             if tail:
                 await out.write(tail)
-            if upstream_error is None and not relay.done:
+            if cut is None and not relay.done:
                 # A clean end of body without [DONE]: the engine cut its answer
                 # short; the client must not take it for a complete one.
-                upstream_error = "the stream ended before data: [DONE]"
-            if upstream_error is not None:
-                if timed_out:
-                    what, code = ("stalled" if stalled else "timed out"), "504"
-                else:
-                    what, code = "broke", "502"
-                msg = f"upstream stream {what}: {upstream_error}"
+                cut = _Break(502, "the stream ended before data: [DONE]")
+            if cut is not None:
+                msg = f"upstream stream {cut.what}: {cut.why}"
                 # An event the break cut short is ended first (a blank line,
                 # whatever its last line end), so the error is an event of its own.
                 lead = b"\n\n" if tail else b""
-                event = error_body(msg, "upstream_error", code)
+                event = error_body(msg, "upstream_error", str(cut.status))
                 await out.write(lead + b"data: " + event + b"\n\n")
             await out.write_eof()
         except ConnectionResetError:
@@ -591,11 +582,10 @@ class Proxy:
             )
             gone.ok = progress.ok  # the engine finished if its usage chunk came
             return False, gone
-        if upstream_error is not None:
-            status = 504 if timed_out else 502
+        if cut is not None:
             return False, Attempt(
-                out, status, usage=relay.usage, ttft_s=ttft, error=upstream_error,
-                suspect=stalled, broke=broke,
+                out, cut.status, usage=relay.usage, ttft_s=ttft, error=cut.why,
+                suspect=cut.suspect, broke=cut.broke,
             )  # fmt: skip
         return True, Attempt(out, 200, ok=True, usage=relay.usage, ttft_s=ttft)
 
@@ -720,15 +710,44 @@ def _cut(exc: BaseException, hdrs: dict[str, str]) -> Attempt:
     frozen worker is caught by the first-byte and stall timeouts and its
     health checks; a 504 does not count toward outlier ejection either.
     """
-    why = exception_text(exc)
-    if isinstance(exc, TimeoutError):
-        silent = isinstance(exc, FirstByteTimeout | StallTimeout)
-        msg = f"the worker's answer timed out ({why})"
+    cut = _Break.of(exc)
+    if cut.status == 504:
+        msg = f"the worker's answer timed out ({cut.why})"
         resp = error_response(UpstreamTimeout(msg, headers=hdrs))
-        return Attempt(resp, 504, error=why, suspect=silent)
-    body = error_body(f"upstream answer broke: {why}", "upstream_error", "502")
+        return Attempt(resp, 504, error=cut.why, suspect=cut.suspect)
+    body = error_body(f"upstream answer broke: {cut.why}", "upstream_error", "502")
     out = web.Response(body=body, status=502, content_type=JSON, headers=hdrs)
-    return Attempt(out, 502, error=why, broke=isinstance(exc, ConnectionError))
+    return Attempt(out, 502, error=cut.why, broke=cut.broke)
+
+
+@dataclass(frozen=True, slots=True)
+class _Break:
+    """How an answer the engine had begun ended early, and what that says of the worker.
+
+    A timeout is a 504; ``suspect`` when the worker went silent (the
+    first-byte or stall timeout), not for the total timeout, which measures
+    the request. Anything else is a 502; ``broke`` when the connection broke
+    (it counts toward outlier ejection).
+    """
+
+    status: int
+    why: str
+    suspect: bool = False
+    broke: bool = False
+
+    @property
+    def what(self) -> str:
+        """What happened, in a word or two: timed out, stalled (went silent) or broke."""
+        if self.status == 504:
+            return "stalled" if self.suspect else "timed out"
+        return "broke"
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Break:
+        why = exception_text(exc)
+        if isinstance(exc, TimeoutError):
+            return cls(504, why, suspect=isinstance(exc, FirstByteTimeout | StallTimeout))
+        return cls(502, why, broke=isinstance(exc, ConnectionError))
 
 
 def _passed_headers(engine: dict[str, str]) -> dict[str, str]:
