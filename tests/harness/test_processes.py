@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,3 +101,37 @@ def test_the_fleet_stops_every_server_on_exit_even_after_an_error() -> None:
         raise RuntimeError("failed half-way")
     assert all(not s.alive() for s in servers)
     assert fleet.servers == []
+
+
+# A run that starts a server through a Fleet, prints its PID and waits to be killed.
+RUN = """
+import os, sys, time
+from prefixrouter.harness.processes import Fleet
+fleet = Fleet()
+server = fleet.start_command("s", [sys.executable, "-c", "import time; time.sleep(600)"], port=1)
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_ends_when_its_run_is_killed_outright() -> None:
+    run = subprocess.Popen([sys.executable, "-c", RUN], stdout=subprocess.PIPE)
+    assert run.stdout is not None
+    server_pid = int(run.stdout.readline())
+    try:
+        # The guard exec'd the command: the PID the fleet holds is the server's own.
+        deadline = time.monotonic() + 10
+        while "time.sleep(600)" not in Path(f"/proc/{server_pid}/cmdline").read_text():
+            assert time.monotonic() < deadline, "the guard never exec'd the command"
+            time.sleep(0.05)
+        kill_process(run)  # SIGKILL: no finally, no Fleet.stop_all
+        assert _gone(server_pid), "the server outlived its run"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+        kill_process(run)
+
+
+def test_a_missing_program_fails_at_once_in_the_caller() -> None:
+    with Fleet() as fleet, pytest.raises(FileNotFoundError, match="no-such-program-here"):
+        fleet.start_command("s", ["no-such-program-here", "--port", "1"], port=1)

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import IO
 
 from prefixrouter.harness.ports import HOST, free_port
-from prefixrouter.harness.processes import stop_process
+from prefixrouter.harness.processes import spawn, stop_process
 
 BINARY = "nats-server"
 
@@ -112,9 +112,7 @@ class NatsServer:
         if self.tls is not None:
             cmd += ["--tls", "--tlscert", str(self.tls[0]), "--tlskey", str(self.tls[1])]
         cmd += ["-p", str(self.port), "-a", HOST]
-        self.process = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
-        )
+        self.process = spawn(cmd, self._log)
         deadline = time.monotonic() + timeout_s
         while not _listening(self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -15,7 +15,15 @@ leave one behind, even when it fails half-way:
 * :class:`Fleet`: the servers of one run, started in their own sessions
   (so each is stopped with everything it spawned), health-waited with
   :func:`prefixrouter.harness.health.wait_healthy`, and stopped in reverse
-  order on exit.
+  order on exit;
+* :func:`spawn`: how each of them starts. A run that is killed outright
+  (``SIGKILL``, the OOM killer, a CI timeout) runs no ``finally``, and its
+  servers, in sessions of their own, would outlive it holding their ports
+  and memory. So on Linux a server started from the main thread asks the
+  kernel for ``SIGTERM`` when its parent dies (``PR_SET_PDEATHSIG``, set by
+  a few lines of Python that then ``exec`` the command: same PID, same
+  process; the kernel ties the signal to the *thread* that forked, so a
+  server started from a worker thread, which may end first, goes without).
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +84,46 @@ class Server:
         self.log.flush()
         self.log.seek(0)
         return self.log.read().decode(errors="replace").strip()[-chars:]
+
+
+_ORPHAN_GUARD = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os._exit(70)  # the parent died before the request took hold: nobody waits for us
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+"""Run by :func:`spawn` before the command: ``SIGTERM`` when the parent dies, then ``exec``."""
+
+
+def spawn(
+    cmd: Sequence[str],
+    output: IO[bytes],
+    env: Mapping[str, str] | None = None,
+    *,
+    new_session: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (stdin from ``/dev/null``, stdout and stderr to ``output``)
+    so that it ends when this process dies (module doc).
+
+    ``new_session``: its own session and process group, stopped as a whole.
+    The command is resolved on ``PATH`` first, so a missing program raises
+    :class:`FileNotFoundError` here, as ``Popen`` would, not in the child.
+    """
+    program = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0])
+    if program is None:
+        raise FileNotFoundError(f"no such program on PATH: {cmd[0]!r}")
+    args = [program, *cmd[1:]]
+    if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
+        args = [sys.executable, "-I", "-S", "-c", _ORPHAN_GUARD, str(os.getpid()), *args]
+    return subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=new_session,
+    )
 
 
 def _leads_group(pid: int) -> bool:
@@ -183,14 +233,7 @@ class Fleet:
             log = log_path.open("a+b")
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
-        proc = subprocess.Popen(
-            list(cmd),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,  # its own process group: stopped as a whole
-        )
+        proc = spawn(cmd, log, full_env, new_session=True)  # stopped as a whole
         server = Server(name, port, proc, log, log_path)
         self.servers.append(server)
         return server
