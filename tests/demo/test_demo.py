@@ -112,8 +112,10 @@ def test_demo_envoy_removes_its_temporary_folder_when_it_ends(
         proc.send_signal(signal.SIGINT)  # Ctrl-C, as soon as the line is there
         # The handler is in place before the lines are printed: a Ctrl-C that follows
         # them at once is the one way out (it could land between the print and the
-        # wait, as a KeyboardInterrupt: an exit of 130).
-        assert proc.wait(timeout=60) == 0
+        # wait, as a KeyboardInterrupt: an exit of 130). Both pipes are drained
+        # meanwhile: a demo blocked writing to a full pipe would never exit.
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
