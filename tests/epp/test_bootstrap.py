@@ -49,6 +49,26 @@ def test_envoy_accepts_the_file_and_every_rendering(tmp_path: Path, mode: str) -
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_bounded_fail_closed_and_streamed_responses() -> None:
+    """The picker's answers are bounded; errors are 503; a BUFFERED request's response streams."""
+    data = load_bootstrap()
+    hcm = data["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    cfg = hcm["typed_config"]
+    ext_proc = {f["name"]: f["typed_config"] for f in cfg["http_filters"]}[
+        "envoy.filters.http.ext_proc"
+    ]
+    assert ext_proc["message_timeout"] == cfg["stream_idle_timeout"] == "45s"  # was 1000s
+    assert ext_proc["status_on_error"] == {"code": 503}
+    assert "response.code_details" in ext_proc["response_attributes"]
+    buffered = render(1, 2, 3, [], body_mode="BUFFERED")
+    chain = buffered["static_resources"]["listeners"][0]["filter_chains"][0]
+    filters = {
+        f["name"]: f["typed_config"] for f in chain["filters"][0]["typed_config"]["http_filters"]
+    }
+    mode = filters["envoy.filters.http.ext_proc"]["processing_mode"]
+    assert (mode["request_body_mode"], mode["response_body_mode"]) == ("BUFFERED", "STREAMED")
+
+
 def test_an_unknown_body_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="STREAMED"):
         render(1, 2, 3, [], body_mode="STREAMED")

@@ -43,18 +43,17 @@ def _set(answer: pb.ProcessingResponse) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
 
-async def test_fallbacks_follow_the_pick_and_the_metadata_says_the_same() -> None:
+async def test_fallbacks_follow_the_pick_in_the_metadata() -> None:
     st = _state()
     ex = Exchange(st, RequestFlow(st), fallbacks=2)
     answer = await _pick(ex, orjson.dumps(chat_body("fallbacks")))
     dest = _set(answer)[protocol.DESTINATION]
-    listed = dest.split(",")
+    md = answer.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value
+    listed = md.fields[protocol.DESTINATION].string_value.split(",")
     assert len(listed) == 3 and set(listed) == set(WORKERS)
     assert ex.picked is not None
     chosen = st.registry.workers[ex.picked.adm.decision.worker_id]
-    assert listed[0] == f"127.0.0.1:{chosen.endpoint.port}"  # the pick first
-    md = answer.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value
-    assert md.fields[protocol.DESTINATION].string_value == dest
+    assert listed[0] == dest == f"127.0.0.1:{chosen.endpoint.port}"  # the pick first, alone
     ex.close()
 
 
@@ -162,37 +161,59 @@ async def test_a_completion_request_without_a_body_gets_the_gateways_400() -> No
     assert orjson.loads(answer.immediate_response.body)["error"]["code"] == "invalid_json"
 
 
-async def test_envoys_own_503_makes_the_picked_worker_suspect_an_engines_does_not() -> None:
+async def test_envoys_503_makes_the_worker_suspect_only_when_envoy_dialled_it() -> None:
+    """Envoy's ``response.code_details`` says whether it dialled the endpoint and failed.
+
+    ``no_healthy_upstream`` (a destination the cluster would not take: the
+    endpoint was never dialled) made the worker suspect, flapping it with
+    every request; an engine's own 503 never did.
+    """
+    from google.protobuf import struct_pb2
+
     st = _state()
     flow = RequestFlow(st)
 
-    async def answered(content_type: str) -> Exchange:
+    async def answered(content_type: str, details: str) -> Exchange:
         ex = Exchange(st, flow)
-        await _pick(ex, orjson.dumps(chat_body(content_type)))
+        await _pick(ex, orjson.dumps(chat_body(details)))
+        attrs = struct_pb2.Struct()
+        attrs.fields[protocol.CODE_DETAILS].string_value = details
         msg = ext_proc_headers({":status": "503", "content-type": content_type})
-        await ex.on(pb.ProcessingRequest(response_headers=msg))
+        await ex.on(
+            pb.ProcessingRequest(
+                response_headers=msg, attributes={protocol.EXT_PROC_ATTRIBUTES: attrs}
+            )
+        )
         ex.close()
         return ex
 
-    engine = await answered("application/json")  # the engine's own 503: overloaded, say
+    engine = await answered("application/json", "via_upstream")  # overloaded, say
     assert engine.picked is not None and not engine.picked.worker.suspect
-    envoy = await answered("text/plain")  # Envoy's: upstream connect error
+    never = await answered("application/json", "no_healthy_upstream")
+    assert never.picked is not None and not never.picked.worker.suspect
+    refused = "upstream_reset_before_response_started{remote_connection_failure}"
+    envoy = await answered("application/json", refused)
     assert envoy.picked is not None and envoy.picked.worker.suspect
     views = {v.worker_id: v for v in st.registry.views()}
     assert not views[envoy.picked.worker.id].healthy  # out of routing until a check passes
 
 
-def test_readiness_needs_a_worker_kubernetes_calls_ready() -> None:
-    """gRPC ``readiness``: a healthy engine in a pod that is not ready takes no request."""
-    from prefixrouter.epp.server import ready
+def test_readiness_is_able_to_pick_not_a_worker_ready() -> None:
+    """Readiness (gRPC and HTTP) is the protocol's: serving picks; shutdown ends it.
+
+    No ready worker keeps the picker ready: it answers 503 JSON with
+    ``Retry-After`` itself, better than the gateway's empty 500 without it.
+    """
+    from prefixrouter.epp.server import Lifecycle, readiness
 
     st = _state()
-    assert ready(st)
+    life = Lifecycle()
+    assert readiness(st, life) == (True, "ready")
     for w in st.registry.workers.values():
-        w.ready = False  # the pods' readiness (discovery), as the routing views read it
-    assert not ready(st)  # was SERVING while every pick answered 503
-    next(iter(st.registry.workers.values())).ready = True
-    assert ready(st)
+        w.ready = False
+    assert readiness(st, life) == (True, "ready")
+    life.draining = True
+    assert readiness(st, life) == (False, "shutting_down")
 
 
 async def test_a_stream_answered_with_one_json_body_is_read_as_a_whole_answer() -> None:

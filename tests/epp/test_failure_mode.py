@@ -4,15 +4,15 @@ Two Envoys on the shipped bootstrap in front of one picker and two engines:
 one with ``failure_mode_allow: false`` (the bootstrap's setting, the
 InferencePool's ``FailClose``), and two with ``true`` (``FailOpen``), one per
 body mode. While the picker runs all route through it. Once it is killed
-(``SIGKILL``, as a crash), the fail-closed Envoy answers 500 ("if the gRPC
-stream fails, Envoy returns a 500 error to the client unless the filter was
-configured to ignore errors"); the fail-open ones carry on without it, where
+(``SIGKILL``, as a crash), the fail-closed Envoy answers the bootstrap's
+``status_on_error`` (503, where Envoy's default is 500) with an OpenAI-shaped
+JSON body (its ``local_reply_config``); the fail-open ones carry on without it, where
 Envoy can: the request has no picked endpoint, so the bootstrap's second
 route sends it to the pool by Envoy's own round robin, and Envoy counts it
 in ``ext_proc.failure_mode_allowed``. With ``FULL_DUPLEX_STREAMED`` bodies
 Envoy fails open only until the first body chunk was streamed to the
 processor (envoyproxy/envoy#41276: it keeps no copy of the chunks), so there
-a request with a body still gets 500 and only one without a body goes on.
+a request with a body still gets the error and only one without a body goes on.
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def test_failure_mode_allow_as_envoy_documents_it(tmp_path: Path) -> None:
                     assert routed.status == 200 and routed.worker in names
                 kill_process(picker.server.process)
 
-                # Fail closed: a 500, nothing forwarded.
+                # Fail closed: a 503 in the OpenAI shape (was an empty 500), nothing forwarded.
                 refused = await post(s, closed.url, chat_body("after the crash"))
-                assert refused.status == 500 and refused.worker is None
+                assert refused.status == 503 and refused.worker is None
+                assert refused.body["error"]["code"] == "endpoint_picker_unavailable"
 
                 # Fail open, buffered body: on without the picker, by the pool's round robin.
                 served = [await post(s, buffered.url, chat_body(f"after {i}")) for i in range(2)]
@@ -87,7 +88,7 @@ def test_failure_mode_allow_as_envoy_documents_it(tmp_path: Path) -> None:
                 # chunk went to the processor (it keeps no copy of the chunks it streamed),
                 # so a request with a body is refused; one without a body goes on.
                 lost = await post(s, duplex.url, chat_body("a body after the crash"))
-                assert lost.status == 500
+                assert lost.status == 503
                 async with s.get(duplex.url + "/v1/models") as r:
                     assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
                 assert await _stat(s, duplex.admin_url, FAIL_OPEN) >= 1

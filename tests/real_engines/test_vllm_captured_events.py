@@ -81,7 +81,7 @@ def test_captured_chains_translate_to_our_hashes_of_the_same_tokens() -> None:
     # Its decode block: the event names the whole chain of 20, ours extended.
     dec_raw, dec = stored[1]
     assert dec_raw.parent_hash == chat_raw.block_hashes[-1]
-    full = chat_raw.token_ids + dec_raw.token_ids
+    full = [*chat_raw.token_ids, *dec_raw.token_ids]
     assert tuple(dec.block_hashes) == hash_token_blocks(BASE, full, 32)
     # The salted chat lands in the salt's namespace.
     salted_raw, salted = next((r, ev) for r, ev in stored if r.extra_keys and r.extra_keys[0])

@@ -5,10 +5,17 @@ The configuration is the gateway's (``--config`` file, ``--worker URL``,
 shared from :mod:`prefixrouter.gateway.cli`). ``--port`` is the ext_proc gRPC
 port Envoy connects to (the extension's default, 9002), ``--http-port`` the
 port of ``/metrics``, ``/admin/*`` and ``/health`` (``server.port``).
-``--fallbacks N`` names up to N more endpoints after the pick (for data
-planes that retry down the list; Envoy's ``ORIGINAL_DST`` cluster takes one).
-Worker URLs should name IP addresses: Envoy connects to the picked
-``IP:PORT`` as given.
+``--fallbacks N`` names up to N more endpoints after the pick, in the
+``envoy.lb`` metadata only (for data planes that retry down the list, such
+as Envoy's ``override_host`` load-balancing policy); the destination header
+holds the pick alone, as Envoy's ``ORIGINAL_DST`` cluster (the shipped
+bootstrap's) needs: it cannot use fallbacks. Worker URLs should name IP
+addresses: Envoy connects to the picked ``IP:PORT`` as given.
+
+SIGTERM (or SIGINT) drains (:meth:`~prefixrouter.epp.server.Running.drain`):
+not ready at once, new requests refused with a 503, open streams given
+``--shutdown-grace-s`` (default :data:`DEFAULT_SHUTDOWN_GRACE_S`) to finish;
+the Deployment's ``terminationGracePeriodSeconds`` must exceed it.
 
 The first lines printed are ``prefixrouter epp listening on grpc://HOST:PORT``
 and ``prefixrouter epp http on http://HOST:PORT``. Errors the user can fix
@@ -52,6 +59,8 @@ from prefixrouter.terminal import fail
 
 DEFAULT_GRPC_PORT = 9002
 DEFAULT_HTTP_PORT = 9090
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+"""Long enough for most completions to finish; a longer stream is cut off (its client retries)."""
 
 
 async def run_picker(
@@ -60,8 +69,9 @@ async def run_picker(
     grpc_port: int,
     fallbacks: int,
     tls: tuple[bytes, bytes] | None = None,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
 ) -> None:
-    """Serve until SIGINT or SIGTERM (``tls``: certificate chain and key, PEM)."""
+    """Serve until SIGINT or SIGTERM, then drain (``tls``: certificate chain and key, PEM)."""
     from prefixrouter.epp.server import start_picker
 
     running = await start_picker(config, grpc_host, grpc_port, fallbacks, tls)
@@ -73,8 +83,10 @@ async def run_picker(
     print(f"prefixrouter epp http on http://{config.server.host}:{running.http_port}", flush=True)
     try:
         await stop.wait()
-    finally:
+    except BaseException:  # cancelled: no drain
         await running.stop()
+        raise
+    await running.drain(shutdown_grace_s)
 
 
 def _pem(path: Path, kind: str) -> bytes:
@@ -121,7 +133,13 @@ def epp(
     replica_id: ReplicaIdOption = None,
     discover: DiscoverOption = None,
     fallbacks: Annotated[
-        int, typer.Option(min=0, max=8, help="More endpoints after the pick, for retries.")
+        int,
+        typer.Option(
+            min=0,
+            max=8,
+            help="More endpoints after the pick, in the envoy.lb metadata (not the header): "
+            "for data planes that retry down the list (not ORIGINAL_DST).",
+        ),
     ] = 0,
     profile: ProfileOption = None,
     log_level: LogLevelOption = LogLevel.info,
@@ -135,6 +153,13 @@ def epp(
     tls_key_file: Annotated[
         Path | None, typer.Option(help="The private key (PEM) of --tls-cert-file.")
     ] = None,
+    shutdown_grace_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="On SIGTERM: seconds the open requests get to finish (new ones get 503).",
+        ),
+    ] = DEFAULT_SHUTDOWN_GRACE_S,
 ) -> None:
     """Run the endpoint picker: Envoy's ext_proc server, routing as the gateway does."""
     start_logging(log_level)
@@ -166,7 +191,7 @@ def epp(
         typer.echo(f"warning: worker {url} is not an IP address: Envoy needs IP:PORT", err=True)
     try:
         # asyncio's own loop: grpcio's asyncio server supports no other.
-        asyncio.run(run_picker(cfg, host, port, fallbacks, tls))
+        asyncio.run(run_picker(cfg, host, port, fallbacks, tls, shutdown_grace_s))
     except (PrefixRouterError, RuntimeError) as exc:  # ListenError, a gRPC port in use
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None

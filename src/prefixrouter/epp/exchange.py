@@ -17,10 +17,14 @@ headers and the response body. An :class:`Exchange` answers each message:
    ``BUFFERED`` body Envoy waits for this answer before sending the body,
    so it is answered at once (no change); in ``FULL_DUPLEX_STREAMED`` mode
    the body follows without waiting and the answer is held until the pick;
-2. **request body**, once whole: admission exactly as the gateway's
+2. **request body**, once whole (the chunk with ``end_of_stream``; the one
+   message of a ``BUFFERED`` body; or, for an HTTP/2 request that ends with
+   trailers, the body read when the **request trailers** come): admission
+   exactly as the gateway's
    (:class:`~prefixrouter.gateway.flow.RequestFlow`: parse, tenant, model,
    route), over the workers the subset hint allows. The answer names the
-   endpoint (header and ``envoy.lb`` metadata, :mod:`.protocol`) and
+   endpoint (the header; the ``envoy.lb`` metadata with ``--fallbacks``
+   after it, :mod:`.protocol`) and
    carries the body as the worker must get it (``cache_salt`` for a tenant
    that must not share cache, ``stream_options.include_usage`` for a
    stream), with its new ``Content-Length``. Any refusal is the gateway's
@@ -30,8 +34,10 @@ headers and the response body. An :class:`Exchange` answers each message:
    is not the one picked, a fallback served: the pick is taken back and no
    usage is fed back for it, since its worker's prefill is unknown). The
    gateway's ``X-Prefixrouter-Worker`` and ``X-Request-Id`` are added.
-   Envoy's own 503 (plain text: the endpoint could not be reached) makes
-   the picked worker suspect, out of routing until a health check passes;
+   Envoy's own 503 after it dialled the endpoint and failed (its
+   ``response.code_details``) makes the picked worker suspect, out of
+   routing until a health check passes; a 503 for an endpoint Envoy never
+   dialled (``no_healthy_upstream``) does not;
 4. **response body**: the first chunk is the time to first token of a
    stream (measured from the pick: the engine's queue, prefill and Envoy's
    forwarding); a stream runs through the gateway's
@@ -44,6 +50,9 @@ headers and the response body. An :class:`Exchange` answers each message:
 A stream that ends before its request was settled (the client left, Envoy
 gave up) settles as the gateway's client-gone case: status 499, and for a
 stream without its first byte, ``reject`` (the engine aborted before prefill).
+The ext_proc stream ends the same way when the engine's connection broke
+mid-answer, so 499 also counts those: the picker cannot tell them apart from
+the stream alone (Envoy sends no message saying why it closed it).
 """
 
 from __future__ import annotations
@@ -102,6 +111,7 @@ class Exchange:
         self.ticket: Ticket | None = None  # the tenant's limits, taken at the headers
         self.full_duplex_request = False
         self.full_duplex_response = False
+        self.buffered_request = False  # BUFFERED: the one body message is the whole body
         self.body = bytearray()
         self.subset: list[str] | None = None
         self.picked: Picked | None = None
@@ -124,6 +134,9 @@ class Exchange:
             cfg = req.protocol_config
             self.full_duplex_request = cfg.request_body_mode == protocol.FULL_DUPLEX
             self.full_duplex_response = cfg.response_body_mode == protocol.FULL_DUPLEX
+            self.buffered_request = cfg.request_body_mode == protocol.BUFFERED
+        elif which == "request_headers":
+            _no_protocol_config()
         if which == "request_headers":
             return await self._request_headers(req)
         if which == "request_body":
@@ -133,7 +146,7 @@ class Exchange:
         if which == "response_body":
             return self._response_body(req.response_body)
         if which == "request_trailers":
-            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            return await self._request_trailers()
         if which == "response_trailers":
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
@@ -208,12 +221,38 @@ class Exchange:
             limit = self.flow.max_body
             exc = PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
             return [self._refuse(exc)]
-        if not body.end_of_stream:
+        # BUFFERED: Envoy sends the whole body in one message, without end_of_stream
+        # when trailers follow (HTTP/2): that message is the body, picked on now.
+        if not body.end_of_stream and not self.buffered_request:
             return [] if self.full_duplex_request else [_continue_body()]
         raw, self.body = bytes(self.body), bytearray()
         return await self._pick(raw)
 
-    async def _pick(self, raw: bytes) -> Responses:
+    async def _request_trailers(self) -> Responses:
+        """The request's trailers: its body ended without ``end_of_stream`` on a body chunk.
+
+        An HTTP/2 request may end with trailers: then no body chunk carries
+        ``end_of_stream`` and the trailers end the body. A completion request
+        not yet picked is picked now on the body read so far; else Envoy would
+        forward it with no endpoint (fail closed: a 503 route; fail open: the
+        pool's round robin, past every rule of the picker). In
+        ``FULL_DUPLEX_STREAMED`` mode the headers' and the body's answers go
+        before the trailers' (Envoy expects them in that order).
+        """
+        trailers = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        if self.kind is None or self.picked is not None or self.done:
+            return [trailers]
+        raw, self.body = bytes(self.body), bytearray()
+        answers = await self._pick(raw, trailers=True)
+        if self.done:  # refused: the ImmediateResponse ends the request
+            return answers
+        return [*answers, trailers]
+
+    async def _pick(self, raw: bytes, trailers: bool = False) -> Responses:
+        """Route the whole body ``raw``; the answer names the endpoint (module docstring).
+
+        ``trailers``: the request's trailers follow (a streamed body then does not end here).
+        """
         st = self.st
         h = self.headers
         assert self.kind is not None
@@ -258,13 +297,17 @@ class Exchange:
         worker = st.registry.workers[adm.decision.worker_id]
         payload = self.flow.payload(built, worker)
         self.picked = Picked(built, adm, worker, st.clock(), steer)
-        dest = protocol.join_endpoints([_destination(worker), *self._fallbacks(adm, worker)])
+        # The header holds the pick alone (what ORIGINAL_DST can route on); the metadata
+        # the pick and its fallbacks, for a data plane that retries down a list (protocol).
+        dest = _destination(worker)
         set_headers = {protocol.DESTINATION: dest}
         mutated = payload is not built.raw
         if mutated or self.full_duplex_request:
             set_headers["content-length"] = str(len(payload))
         mutation = protocol.header_mutation(set_headers)
-        md = protocol.destination_metadata(dest)
+        md = protocol.destination_metadata(
+            protocol.join_endpoints([dest, *self._fallbacks(adm, worker)])
+        )
         if self.full_duplex_request:
             return [
                 pb.ProcessingResponse(
@@ -273,7 +316,7 @@ class Exchange:
                     ),
                     dynamic_metadata=md,
                 ),
-                _streamed_body(payload, True),
+                _streamed_body(payload, not trailers),
             ]
         common = pb.CommonResponse(header_mutation=mutation)
         if mutated:
@@ -319,11 +362,11 @@ class Exchange:
         add: dict[str, str] = {}
         if picked is not None:
             served = protocol.served_endpoint(req)
-            if self.status == 503 and h.get("content-type", "").startswith("text/plain"):
-                # Envoy's own answer (an engine's 503 is JSON): it could not reach the
-                # picked endpoint. Out of routing until a check passes, checked now, as the
-                # gateway does with a worker gone silent; else the next requests meet the
-                # same dead endpoint until the next scheduled check.
+            if self.status == 503 and _dialled_and_failed(req, h):
+                # Envoy's own answer: it dialled the picked endpoint and could not reach
+                # it. Out of routing until a check passes, checked now, as the gateway
+                # does with a worker gone silent; else the next requests meet the same
+                # dead endpoint until the next scheduled check.
                 self.st.registry.mark_suspect(picked.worker, "unreachable through Envoy")
             if served is not None and served != _destination(picked.worker):
                 self._fallback_served(picked, served)
@@ -442,6 +485,43 @@ class Exchange:
     def _release(self, built: BuiltRequest) -> None:
         if built.blocks is not None:  # parsed on the parse thread: a large body
             self.flow.release(built)
+
+
+def _dialled_and_failed(req: pb.ProcessingRequest, headers: protocol.Headers) -> bool:
+    """Whether Envoy's 503 says it dialled the picked endpoint and failed.
+
+    Envoy's ``response.code_details`` tells (the shipped bootstrap asks for
+    it): ``upstream_reset_before_response_started{...}`` is a connect
+    failure or reset. ``no_healthy_upstream`` (the endpoint was never
+    dialled: a destination the cluster would not take, no host) says
+    nothing about the worker. A data plane that sends no details: Envoy's
+    plain-text answer with the endpoint it dialled known (an engine's 503
+    is JSON).
+    """
+    details = protocol.code_details(req)
+    if details:
+        return details.startswith(protocol.DIALLED_AND_FAILED)
+    plain = headers.get("content-type", "").startswith("text/plain")
+    return plain and protocol.served_endpoint(req) is not None
+
+
+_warned_no_config = False
+
+
+def _no_protocol_config() -> None:
+    """Say once that the data plane sends no ``protocol_config``.
+
+    The body modes are read from it: without it the picker answers as for
+    ``BUFFERED``/``STREAMED``, which breaks a ``FULL_DUPLEX_STREAMED``
+    stream (Envoy sends it since 1.33; another data plane may not).
+    """
+    global _warned_no_config
+    if not _warned_no_config:
+        _warned_no_config = True
+        log.warning(
+            "the data plane sent no protocol_config: assuming non-duplex body modes; "
+            "a FULL_DUPLEX_STREAMED stream will break (use an Envoy that sends it)"
+        )
 
 
 def api_path(raw: str) -> str:

@@ -2,10 +2,20 @@
 
 From the Gateway API Inference Extension's endpoint-picker protocol:
 
-* the pick goes back as the request header :data:`DESTINATION`
-  (``IP:PORT``, a comma-separated list for fallbacks, the first one used) and,
-  with the same value, in the dynamic metadata namespace :data:`LB_NAMESPACE`
-  (``envoy.lb``) under the same key;
+* the pick goes back as the request header :data:`DESTINATION` and in the
+  dynamic metadata namespace :data:`LB_NAMESPACE` (``envoy.lb``) under the
+  same key. The protocol allows a comma-separated list (the primary, then
+  fallbacks for a data plane that retries down it) in either. The header
+  holds the primary alone: the data plane that routes on the header,
+  Envoy's ``ORIGINAL_DST`` cluster (the extension's reference bootstrap and
+  ours), cannot parse a list: it rejects the whole value (``no healthy
+  upstream``, counted as ``original_dst_host_invalid``). The metadata holds
+  the list (:func:`destination_metadata`), for a data plane that reads it
+  (Envoy's ``override_host`` load-balancing policy reads ``envoy.lb`` /
+  ``x-gateway-destination-endpoint`` and retries down the list). Without
+  fallbacks both hold the same single endpoint; with them the first entry
+  of the list is the header's value (the protocol asks for the same value in
+  both: its first entry is, which is all a one-endpoint data plane reads);
 * the data plane may restrict the pick to a subset: filter metadata
   :data:`SUBSET_NAMESPACE` (``envoy.lb.subset_hint``), key :data:`SUBSET`, a
   list of ``IP:PORT``; an empty or wholly ineligible subset is a 503;
@@ -39,6 +49,11 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
 """The key under which Envoy's ext_proc filter sends the attributes it was asked for."""
 UPSTREAM_ADDRESS = "upstream.address"
+CODE_DETAILS = "response.code_details"
+"""Why Envoy answered as it did (``via_upstream``, ``no_healthy_upstream``,
+``upstream_reset_before_response_started{remote_connection_failure,...}``)."""
+DIALLED_AND_FAILED = "upstream_reset_before_response_started"
+"""The code details' prefix of an answer Envoy made after it dialled the endpoint and failed."""
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
@@ -72,7 +87,7 @@ def header_mutation(values: Mapping[str, str]) -> pb.HeaderMutation:
 
 
 def destination_metadata(endpoints: str) -> struct_pb2.Struct:
-    """``{"envoy.lb": {"x-gateway-destination-endpoint": endpoints}}``."""
+    """``{"envoy.lb": {"x-gateway-destination-endpoint": endpoints}}`` (one, or a list)."""
     md = struct_pb2.Struct()
     md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = endpoints
     return md
@@ -116,6 +131,17 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
         fields = attrs[EXT_PROC_ATTRIBUTES].fields
         if UPSTREAM_ADDRESS in fields:
             return fields[UPSTREAM_ADDRESS].string_value or None
+    return None
+
+
+def code_details(request: pb.ProcessingRequest) -> str | None:
+    """Envoy's ``response.code_details`` attribute (None: the data plane did not send it)."""
+    attrs = request.attributes
+    if EXT_PROC_ATTRIBUTES in attrs:
+        fields = attrs[EXT_PROC_ATTRIBUTES].fields
+        if CODE_DETAILS in fields:
+            details: str = fields[CODE_DETAILS].string_value
+            return details
     return None
 
 

@@ -3,14 +3,15 @@
 * **gRPC** (grpcio's asyncio server): ``envoy.service.ext_proc.v3.ExternalProcessor/Process``,
   one :class:`~prefixrouter.epp.exchange.Exchange` per stream, and the gRPC
   health service (``grpc.health.v1``) for the names in
-  :data:`~prefixrouter.epp.protocol.HEALTH_SERVICES`: ``liveness`` and the
-  ext_proc service are serving while the process runs (Envoy's health check
-  of the picker asks for the ext_proc name; a picker with no ready worker
-  still answers, with a 503); the overall service and ``readiness`` follow
-  whether the picker can place a request (a ready worker, and a cluster
-  replica's replay done), refreshed every :data:`READINESS_INTERVAL_S`.
-* **HTTP** (aiohttp): the gateway's ``/health``, ``/ready``, ``/metrics`` and
-  ``/admin/*`` (:func:`~prefixrouter.gateway.admin.add_observability_routes`),
+  :data:`~prefixrouter.epp.protocol.HEALTH_SERVICES`: ``liveness`` is
+  serving while the process runs; ``readiness``, the overall service and the
+  ext_proc service (Envoy's health check of the picker asks for that name;
+  the protocol gives it readiness's criteria) follow :func:`readiness`,
+  refreshed every :data:`READINESS_INTERVAL_S`.
+* **HTTP** (aiohttp): the gateway's ``/health`` (liveness: 200 while the
+  process serves; its body says whether a worker is ready), the picker's
+  ``/ready`` (the same answer as gRPC ``readiness``), the gateway's
+  ``/metrics`` and ``/admin/*`` (:func:`~prefixrouter.gateway.admin.add_observability_routes`),
   ``/dashboard`` (:func:`~prefixrouter.gateway.dashboard.add_dashboard_routes`),
   with the gateway's background work (:func:`~prefixrouter.gateway.app.background`:
   health and metrics pollers, KV events, the decision-log flusher, the
@@ -18,6 +19,20 @@
 
 Both run in one event loop, so the picker's routing state is the gateway's,
 touched from one thread.
+
+**Readiness** is "able to serve picks" (the protocol's: datastore synced):
+started, a cluster replica's replay done, and not shutting down. It does not
+ask for a ready worker: a pool with none (vLLM still loading, a rollout of
+every engine) must not take the picker out of its Service, since the picker
+then answers each request a 503 with ``Retry-After`` in the OpenAI shape,
+where a gateway without a picker answers an empty 500 or skips the picker.
+
+**Shutdown** (:meth:`Running.drain`, on SIGTERM): readiness goes
+``NOT_SERVING`` (gRPC) and 503 (HTTP) at once, so the gateway and Kubernetes
+send no more; a request that still comes is answered 503 ``shutting_down``
+with ``Retry-After`` (not picked); the open streams (every response body of
+a ``FULL_DUPLEX_STREAMED`` request flows through the picker) finish within
+the grace period; then the servers stop.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -41,32 +56,74 @@ from prefixrouter.gateway.admin import Admin, add_observability_routes
 from prefixrouter.gateway.app import background
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.dashboard import add_dashboard_routes
-from prefixrouter.gateway.errors import NotFound, error_response
+from prefixrouter.gateway.errors import NotFound, error_body, error_response
 from prefixrouter.gateway.flow import RequestFlow
 from prefixrouter.gateway.server import start_server
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
 
 log = logging.getLogger("prefixrouter.epp")
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 READINESS_INTERVAL_S = 0.5
+SHUTDOWN_RETRY_AFTER_S = 1
+"""``Retry-After`` of a request refused while shutting down: another replica takes it."""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The ext_proc service: one exchange per stream."""
+class Lifecycle:
+    """Whether the picker is shutting down, and the ext_proc streams still open."""
 
-    def __init__(self, state: GatewayState, fallbacks: int = 0) -> None:
+    def __init__(self) -> None:
+        self.draining = False
+        self.open_streams = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def opened(self) -> None:
+        self.open_streams += 1
+        self._idle.clear()
+
+    def closed(self) -> None:
+        self.open_streams -= 1
+        if self.open_streams == 0:
+            self._idle.set()
+
+    async def idle(self, timeout_s: float) -> bool:
+        """Wait until no stream is open (at most ``timeout_s``); whether none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The ext_proc service: one exchange per stream (none while shutting down)."""
+
+    def __init__(
+        self, state: GatewayState, fallbacks: int = 0, life: Lifecycle | None = None
+    ) -> None:
         self.st = state
         self.flow = RequestFlow(state)
         self.fallbacks = fallbacks
+        self.life = life if life is not None else Lifecycle()
 
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        if self.life.draining:
+            # A request that still comes while shutting down: not picked here, a clear
+            # 503 (the first message is the request's headers; the answer ends it).
+            async for _ in request_iterator:
+                self.st.metrics.request_done("", "none", 503)
+                yield _shutting_down()
+                return
+            return
         ex = Exchange(self.st, self.flow, self.fallbacks)
+        self.life.opened()
         try:
             async for req in request_iterator:
                 for resp in await ex.on(req):
@@ -75,19 +132,28 @@ class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     break
         finally:
             ex.close()
+            self.life.closed()
 
     def close(self) -> None:
         self.flow.close()
 
 
-def ready(state: GatewayState) -> bool:
-    """Whether the picker can place a request now."""
+def _shutting_down() -> pb.ProcessingResponse:
+    body = error_body(
+        "the endpoint picker is shutting down; retry", "service_unavailable", "shutting_down"
+    )
+    headers = {"content-type": "application/json", "retry-after": str(SHUTDOWN_RETRY_AFTER_S)}
+    return protocol.immediate(503, body, headers)
+
+
+def readiness(state: GatewayState, life: Lifecycle) -> tuple[bool, str]:
+    """Whether the picker can serve picks, and why (module docstring): gRPC and HTTP alike."""
+    if life.draining:
+        return False, "shutting_down"
     node = state.cluster
     if node is not None and not node.ready:
-        return False
-    # Kubernetes' readiness too: a pod that is not ready takes no request.
-    workers = state.registry.workers.values()
-    return any(w.healthy and w.ready and not w.draining for w in workers)
+        return False, node.status
+    return True, "ready"
 
 
 @dataclass
@@ -100,20 +166,60 @@ class Running:
     grpc_server: grpc.aio.Server
     runner: web.AppRunner
     picker: Picker
-    readiness: asyncio.Task[None]
+    follow: asyncio.Task[None]
+    health: health_aio.HealthServicer
+
+    @property
+    def life(self) -> Lifecycle:
+        return self.picker.life
+
+    async def drain(self, grace_s: float) -> bool:
+        """Shut down as the module docstring says; whether every stream finished in time."""
+        self.life.draining = True
+        await _publish(self.health, False)  # at once, not at the next refresh
+        finished = await self.life.idle(grace_s)
+        if not finished:
+            log.warning(
+                "shutdown: %d ext_proc streams still open after %.0f s; cutting them off",
+                self.life.open_streams,
+                grace_s,
+            )
+        await self.stop()
+        return finished
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        self.readiness.cancel()
+        self.follow.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await self.readiness
+            await self.follow
         await self.grpc_server.stop(grace_s)
         await self.runner.cleanup()
         self.picker.close()
 
 
-def observability_app(state: GatewayState) -> web.Application:
-    """The HTTP side: the gateway's observability routes and background work."""
-    app = web.Application()
+async def _publish(health: health_aio.HealthServicer, ready: bool) -> None:
+    """Readiness on the gRPC names that follow it (module docstring)."""
+    status = SERVING if ready else NOT_SERVING
+    for name in protocol.HEALTH_SERVICES:
+        if name != "liveness":
+            await health.set(name, status)
+
+
+def observability_app(state: GatewayState, life: Lifecycle | None = None) -> web.Application:
+    """The HTTP side: the gateway's observability routes and background work.
+
+    ``/ready`` is the picker's :func:`readiness` (the gateway's route under it
+    knows neither shutdown nor the picker's rule), so HTTP and gRPC agree.
+    """
+    lifecycle = life if life is not None else Lifecycle()
+
+    @web.middleware
+    async def picker_ready(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/ready" or request.method not in ("GET", "HEAD"):
+            return await handler(request)
+        ok, status = readiness(state, lifecycle)
+        return web.json_response({"status": status}, status=200 if ok else 503)
+
+    app = web.Application(middlewares=[picker_ready])
     app[STATE] = state
     admin = Admin(state)
     add_observability_routes(app, admin)
@@ -146,10 +252,11 @@ async def start_picker(
         RuntimeError: The gRPC address cannot be bound.
     """
     state = build_state(config)
-    app = observability_app(state)
+    life = Lifecycle()
+    app = observability_app(state, life)
     srv = config.server
     listening = await start_server(app, srv.host, srv.port, config.limits)
-    picker = Picker(state, fallbacks)
+    picker = Picker(state, fallbacks, life)
     server = grpc.aio.server(
         options=[
             # A port another process holds is an error, not a shared port.
@@ -161,10 +268,8 @@ async def start_picker(
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    for name in protocol.HEALTH_SERVICES:
-        await health.set(
-            name, SERVING if name in ("liveness", protocol.EXT_PROC_SERVICE) else NOT_SERVING
-        )
+    await health.set("liveness", SERVING)
+    await _publish(health, False)  # until the first readiness check
     try:
         address = f"{grpc_host}:{grpc_port}"
         if tls is None:
@@ -180,13 +285,11 @@ async def start_picker(
     async def follow_readiness() -> None:
         last: bool | None = None
         while True:
-            now = ready(state)
+            now, _ = readiness(state, life)
             if now != last:
-                status = SERVING if now else NOT_SERVING
-                await health.set("", status)
-                await health.set("readiness", status)
+                await _publish(health, now)
                 last = now
             await asyncio.sleep(READINESS_INTERVAL_S)
 
     task = asyncio.get_running_loop().create_task(follow_readiness(), name="epp-readiness")
-    return Running(port, listening.port, state, server, listening.runner, picker, task)
+    return Running(port, listening.port, state, server, listening.runner, picker, task, health)
