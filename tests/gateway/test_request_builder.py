@@ -56,7 +56,7 @@ def _chat(*messages: object, **extra: Any) -> dict[str, Any]:
         ({"model": "tiny", "messages": []}, CHAT, "messages", "invalid_field"),
         ({"model": "tiny", "messages": "hi"}, CHAT, "messages", "invalid_field"),
         (_chat(SYS, {"content": "x"}), CHAT, "messages[1].role", "missing_field"),
-        (_chat({"role": "wizard", "content": "x"}), CHAT, "messages[0].role", "invalid_field"),
+        (_chat({"role": "", "content": "x"}), CHAT, "messages[0].role", "invalid_field"),
         (_chat({"role": "user", "content": 5}), CHAT, "messages[0].content", "invalid_field"),
         (_chat(SYS, "not an object"), CHAT, "messages[1]", "invalid_field"),
         (_chat(SYS, stream="yes"), CHAT, "stream", "invalid_field"),
@@ -144,8 +144,9 @@ def test_completions_prompts() -> None:
     assert _build({"model": "tiny", "prompt": "abc"}, COMPLETIONS).routing.text == "abc"
     rr = _build({"model": "tiny", "prompt": [1, 2, 3]}, COMPLETIONS).routing
     assert list(rr.tokens or []) == [1, 2, 3] and rr.prompt_tokens == 3
-    rr = _build({"model": "tiny", "prompt": [[1, 2], [3]]}, COMPLETIONS).routing
-    assert list(rr.tokens or []) == [1, 2, 3]
+    batch = _build({"model": "tiny", "prompt": [[1, 2], [3]]}, COMPLETIONS)
+    assert list(batch.routing.tokens or []) == [1, 2]  # a batch routes on its first prompt
+    assert batch.batch and batch.batch_tokens == 3
     long = _build({"model": "tiny", "prompt": "x" * 5000}, COMPLETIONS).routing
     assert long.prefix_class is PrefixClass.DOCUMENT
 

@@ -43,17 +43,21 @@ def test_token_mode() -> None:
     assert list(req.prompt.tokens or []) == tok.encode_chat([SYS, USER])
     assert req.prompt.rendered is not None  # the linter still reads the spans
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
-    with pytest.raises(PromptError) as info:  # a text-only model: refused in token mode
-        build_prompt_request({"model": "tiny", "messages": [image]}, CHAT, tokenizer=tok)
-    assert info.value.field == "messages[0].content[0].type"
+    # Media: routed on the tokens before the message that holds it (less the last).
+    req = build_prompt_request({"model": "tiny", "messages": [SYS, image]}, CHAT, tokenizer=tok)
+    before = tok.encode(render_chat([SYS], add_generation_prompt=False) + "<|im_start|>user\n")
+    assert list(req.prompt.tokens or []) == before[:-1]
     assert build_prompt_request({"model": "tiny", "messages": [image]}, CHAT).prompt.text
 
 
 def test_completions_and_the_stated_class() -> None:
-    req = build_prompt_request({"model": "m", "prompt": ["a", "b"]}, COMPLETIONS)
-    assert req.prompt.text == "a\nb" and req.prompt.first_user_text is None
+    # A batch: each prompt is its own sequence, routed on the first, counted whole.
+    req = build_prompt_request({"model": "m", "prompt": ["a", "bc"]}, COMPLETIONS)
+    assert req.prompt.text == "a" and req.prompt.first_user_text is None
+    assert req.prompt.text_chars == 3
     req = build_prompt_request({"model": "m", "prompt": [[1, 2], [3]]}, COMPLETIONS)
-    assert list(req.prompt.tokens or []) == [1, 2, 3] and req.prompt.rendered is None
+    assert list(req.prompt.tokens or []) == [1, 2] and req.prompt.rendered is None
+    assert req.prompt.batch_tokens == 3
     req = build_prompt_request({"model": "m", "prompt": "x"}, COMPLETIONS, prefix_class="Session")
     assert req.prompt.prefix_class is PrefixClass.SESSION
     params = ClassifierParams(document_chars=3)
@@ -68,7 +72,7 @@ def test_completions_and_the_stated_class() -> None:
         ({"messages": [SYS]}, CHAT, "model", "missing_field"),
         ({"model": "m"}, CHAT, "messages", "missing_field"),
         ({"model": "m", "messages": [SYS], "tools": {}}, CHAT, "tools", "invalid_field"),
-        ({"model": "m", "messages": [{"role": "x"}]}, CHAT, "messages[0].role", "invalid_field"),
+        ({"model": "m", "messages": [{"role": ""}]}, CHAT, "messages[0].role", "invalid_field"),
         ({"model": "m", "prompt": [1, -2]}, COMPLETIONS, "prompt", "invalid_field"),
         ({"model": "m", "prompt": "x", "stream": 1}, COMPLETIONS, "stream", "invalid_field"),
     ],

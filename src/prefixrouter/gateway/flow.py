@@ -42,6 +42,7 @@ from typing import Any
 import orjson
 
 from prefixrouter.core.dispatch import Admission
+from prefixrouter.core.hashing import PromptBlocks
 from prefixrouter.core.policy import Outcome
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId, WorkerView
@@ -190,11 +191,22 @@ class RequestFlow:
             body = large_json.loads(raw) if large else orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
-        built = self.st.builder.build(body, raw, kind, scope_of, prefix_class)
-        if large:
+        built = self.st.builder.build(
+            body, raw, kind, scope_of, prefix_class, served_models=self._served_models
+        )
+        if large or built.batch:
             built.blocks = self.st.dispatch.hash(built.routing)
+            if built.batch:
+                _count_batch(built, built.blocks)
+        if large:
             _pack_token_ids(built)
         return built
+
+    def _served_models(self) -> frozenset[str]:
+        """The fleet's models (adapters not counted): a body that names no
+        model is for the one served, as vLLM serves it with its own."""
+        registry = self.st.registry
+        return frozenset(registry.models()) - registry.adapters()
 
     def release(self, built: BuiltRequest) -> None:
         """Free a large request's parsed body on the parse thread, not the loop.
@@ -304,10 +316,16 @@ class RequestFlow:
         """The body to forward to ``worker`` (``built.raw`` itself when nothing is to change).
 
         A tenant that must not share cache gets its ``cache_salt`` (on workers
-        that take one); a stream whose client did not ask for the usage chunk
-        asks for it (``stream_options.include_usage``), because the usage is
-        the only place a stream reports its prefix-cache reuse, and without
-        the client's ``continuous_usage_stats``, which applies only with it.
+        that take one); a stream whose client sent no ``stream_options`` (or
+        ``include_usage: false``) asks for the usage chunk
+        (``stream_options.include_usage``), because the usage is the only
+        place a stream reports its prefix-cache reuse, and without the
+        client's ``continuous_usage_stats``, which applies only with it (the
+        relay keeps the chunk from the client). A client that sent
+        ``stream_options`` without ``include_usage`` (or null) gets the
+        engine's default, vLLM's True: its body goes as it is,
+        ``continuous_usage_stats`` included, and the engine's usage reaches it
+        (:attr:`BuiltRequest.client_wants_usage`).
         """
         salt = built.cache_salt_on(worker.config.supports_cache_salt)
         inject = built.stream and not built.client_wants_usage
@@ -444,6 +462,22 @@ class RequestFlow:
                 client_request_id=built.client_id,
             ),
         )
+
+
+def _count_batch(built: BuiltRequest, blocks: PromptBlocks) -> None:
+    """A completions batch's prompt tokens are all its prompts': the load it puts on a worker.
+
+    Its blocks are the first prompt's (each prompt is its own sequence on the
+    engine, and the first one's prefix is the one routing can predict); its
+    length is the batch's: the exact sum in token mode, in text mode the first
+    prompt's estimate scaled to all the batch's characters.
+    """
+    if built.batch_tokens:
+        blocks.prompt_tokens = built.batch_tokens
+        return
+    text = built.routing.text
+    if text:
+        blocks.prompt_tokens = max(1, round(blocks.prompt_tokens * built.text_chars / len(text)))
 
 
 def _pack_token_ids(built: BuiltRequest) -> None:

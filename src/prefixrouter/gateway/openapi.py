@@ -38,7 +38,7 @@ from prefixrouter.gateway.controls import PRIORITY_HEADER, PRIORITY_MAX, PRIORIT
 from prefixrouter.gateway.dashboard.routes import DASHBOARD_PATH
 from prefixrouter.gateway.errors import JSON
 from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER
-from prefixrouter.prompt.render import OPENAI_ROLES, TEXT_PART_TYPES
+from prefixrouter.prompt.render import OPENAI_ROLES, TEXT_PART_FIELDS
 from prefixrouter.prompt.request import MAX_TOKEN_ID
 
 OPENAPI_PATH = "/openapi.json"
@@ -75,7 +75,7 @@ def _options_properties() -> dict[str, Any]:
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {
             "type": ["object", "null"],
-            "properties": {"include_usage": {"type": "boolean"}},
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
         },
         "max_tokens": _POSITIVE_OR_NULL,
         "max_completion_tokens": _POSITIVE_OR_NULL,
@@ -86,7 +86,9 @@ def _options_properties() -> dict[str, Any]:
 
 def _chat_schema(text_only: bool) -> dict[str, Any]:
     """``messages`` and ``tools`` as :func:`prefixrouter.prompt.render.render_chat` reads them."""
-    if text_only:  # token mode: the text-only template's rules
+    if text_only:  # token mode: the text-only template's rules, media routed before it
+        text_types = sorted(t for t, f in TEXT_PART_FIELDS.items() if f == "text")
+        other_text = {t: f for t, f in TEXT_PART_FIELDS.items() if f != "text"}
         part: dict[str, Any] = {
             "anyOf": [
                 {"type": "string"},
@@ -94,9 +96,22 @@ def _chat_schema(text_only: bool) -> dict[str, Any]:
                     "type": "object",
                     "required": ["text"],
                     "properties": {
-                        "type": {"enum": sorted(TEXT_PART_TYPES)},
+                        "type": {"enum": text_types},
                         "text": {"type": "string"},
                     },
+                },
+                *(
+                    {
+                        "type": "object",
+                        "required": ["type", field],
+                        "properties": {"type": {"const": kind}, field: {"type": "string"}},
+                    }
+                    for kind, field in sorted(other_text.items())
+                ),
+                {  # media: an image, audio, a video, a file...
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"not": {"enum": sorted(TEXT_PART_FIELDS)}}},
                 },
             ]
         }
@@ -121,7 +136,8 @@ def _chat_schema(text_only: bool) -> dict[str, Any]:
         "type": "object",
         "required": ["role"],
         "properties": {
-            "role": {"enum": sorted(OPENAI_ROLES)},
+            # Any role, as vLLM hands any to the template (OpenAI's are examples).
+            "role": {"type": "string", "minLength": 1, "examples": sorted(OPENAI_ROLES)},
             "content": {"type": ["string", "null", "array"], "items": part},
             "tool_calls": tool_calls,
         },
@@ -133,12 +149,18 @@ def _chat_schema(text_only: bool) -> dict[str, Any]:
             **_options_properties(),
             "messages": {"type": "array", "minItems": 1, "items": message},
             "tools": {"type": ["array", "null"], "items": tool},
+            # What :func:`prefixrouter.prompt.request.template_options` reads.
+            "add_generation_prompt": {"type": ["boolean", "null"]},
+            "continue_final_message": {"type": ["boolean", "null"]},
+            "documents": {"type": ["array", "null"], "items": {"type": "object"}},
+            "chat_template_kwargs": {"type": ["object", "null"]},
+            "chat_template": {"type": ["string", "null"]},
         },
     }
 
 
 def _completion_schema() -> dict[str, Any]:
-    """``prompt`` as :func:`prefixrouter.prompt.request.completion_prompt` reads it."""
+    """``prompt`` as :func:`prefixrouter.prompt.request.completion_prompts` reads it."""
     prompt = {
         "anyOf": [
             {"type": "string"},

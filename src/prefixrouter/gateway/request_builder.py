@@ -9,9 +9,13 @@ other driver of the router. This module adds what only the gateway has:
 * the tenant scope (:mod:`prefixrouter.gateway.tenancy`), resolved with the
   body's ``cache_salt`` between the request's options and its prompt, so a
   request that names a bad field and a bad key is answered as before;
+* the model of a body that names none: the fleet's one model
+  (``served_models``, :func:`~prefixrouter.prompt.request.request_options`);
 * the namespace: model, tokenizer revision, adapter (a model name the workers
-  list as a LoRA adapter, or SGLang's ``lora_path``), template version and the
-  tenant's namespace;
+  list as a LoRA adapter, or SGLang's ``lora_path``), template version (in
+  text mode with the request's template fields folded in, when it sets any:
+  :attr:`~prefixrouter.prompt.request.TemplateOptions.key`) and the tenant's
+  namespace;
 * the mapping of :class:`~prefixrouter.prompt.render.PromptError` to the
   OpenAI-style 400 (:class:`~prefixrouter.gateway.errors.BadRequest`), the
   same message, ``param`` the field.
@@ -20,7 +24,7 @@ other driver of the router. This module adds what only the gateway has:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -55,10 +59,13 @@ class BuiltRequest:
         body: The parsed body (forwarded as is unless a field must be set).
         raw: The body bytes as received.
         stream: The client asked for a stream.
-        client_wants_usage: The client asked for the usage chunk itself.
+        client_wants_usage: The client gets the stream's usage chunk as the
+            engine sends it (it asked for it, or sent ``stream_options``
+            without ``include_usage``: vLLM's default is on); else the gateway
+            asks for the chunk and keeps it from the client.
         scope: The tenant and its cache scope.
-        text_chars: Characters of the rendered prompt (text mode; 0 otherwise):
-            with the engine's ``prompt_tokens`` they teach the estimator.
+        text_chars: Characters of the rendered prompt (text mode; 0 otherwise;
+            a batch's all): with the engine's ``prompt_tokens`` they teach the estimator.
         model: The requested model.
         prompt: The rendered prompt with its message spans (the linter reads
             it; None for a prompt of token ids).
@@ -67,6 +74,11 @@ class BuiltRequest:
         note: The request's access-log note, filled in as it is served.
         client_id: The client's own ``X-Request-Id``, when sane
             (:func:`~prefixrouter.gateway.access_log.client_request_id`).
+        batch: A completions batch (a list of prompts): routed on the first
+            one's prefix, its load all of them (:meth:`RequestFlow.build
+            <prefixrouter.gateway.flow.RequestFlow.build>`).
+        batch_tokens: A batch in token mode: the tokens of all its prompts
+            (``routing.tokens`` are the first one's); else 0.
     """
 
     routing: RoutingRequest
@@ -81,6 +93,8 @@ class BuiltRequest:
     blocks: PromptBlocks | None = None
     note: RequestNote | None = None
     client_id: str | None = None
+    batch: bool = False
+    batch_tokens: int = 0
 
     @property
     def reply_id(self) -> str:
@@ -124,7 +138,7 @@ class RequestBuilder:
         self._tokenizer_revision = config.routing.tokenizer_revision or (
             tokenizer.revision if tokenizer is not None else ""
         )
-        self._namespaces: dict[tuple[str, str, str], CacheNamespace] = {}
+        self._namespaces: dict[tuple[str, str, str, str], CacheNamespace] = {}
         self._ids = count(1)
         self._id_prefix = f"pr-{secrets.token_hex(4)}-"
 
@@ -137,18 +151,29 @@ class RequestBuilder:
         """The namespaces' tokenizer revision (configured, else the loaded tokenizer's)."""
         return self._tokenizer_revision
 
-    def namespace(self, model: str, adapter: str, tenant_ns: str) -> CacheNamespace:
-        """The (memoized) cache namespace."""
-        key = (model, adapter, tenant_ns)
+    def namespace(
+        self, model: str, adapter: str, tenant_ns: str, template_key: str = ""
+    ) -> CacheNamespace:
+        """The (memoized) cache namespace.
+
+        ``template_key``: text mode's request template fields
+        (:attr:`~prefixrouter.prompt.request.TemplateOptions.key`), folded into
+        the template version after a ``+``; ``""`` leaves it as configured,
+        so a request that sets none keeps the namespace it always had.
+        """
+        key = (model, adapter, tenant_ns, template_key)
         ns = self._namespaces.get(key)
         if ns is None:
             if len(self._namespaces) >= _NS_MEMO_MAX:
                 self._namespaces.clear()
+            version = self.routing.template_version
+            if template_key:
+                version = f"{version}+{template_key}"
             ns = self._namespaces[key] = CacheNamespace(
                 model_revision=model,
                 tokenizer_revision=self._tokenizer_revision,
                 adapter_id=adapter,
-                template_version=self.routing.template_version,
+                template_version=version,
                 tenant=tenant_ns,
             )
         return ns
@@ -161,6 +186,7 @@ class RequestBuilder:
         scope_of: Callable[[str | None], TenantScope],
         prefix_class_header: str | None,
         request_id: str | None = None,
+        served_models: Callable[[], Collection[str]] = frozenset,
     ) -> BuiltRequest:
         """Validate ``body`` and build the routing request.
 
@@ -171,13 +197,15 @@ class RequestBuilder:
             scope_of: Resolves the tenant scope given the body's ``cache_salt``.
             prefix_class_header: The ``X-Prefix-Class`` header, if any.
             request_id: Use this id (default: a new one).
+            served_models: The fleet's models, asked only for a body that
+                names none (the one served model is its model).
 
         Raises:
             BadRequest: Naming the offending field.
             Unauthorized: From ``scope_of``.
         """
         try:
-            options = request_options(body, self.routing.default_max_tokens)
+            options = request_options(body, self.routing.default_max_tokens, served_models)
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise PromptError("cache_salt", "must be a string")
@@ -194,7 +222,13 @@ class RequestBuilder:
             adapter = model
         routing = RoutingRequest(
             request_id=RequestId(request_id or self.new_request_id()),
-            namespace=self.namespace(model, adapter, scope.namespace),
+            # Token mode renders the template fields into the tokens themselves.
+            namespace=self.namespace(
+                model,
+                adapter,
+                scope.namespace,
+                prompt.template_key if self.tokenizer is None else "",
+            ),
             tokens=prompt.tokens,
             text=prompt.text,
             max_tokens=options.max_tokens,
@@ -214,6 +248,8 @@ class RequestBuilder:
             text_chars=prompt.text_chars,
             model=model,
             prompt=prompt.rendered,
+            batch=bool(prompt.batch_chars or prompt.batch_tokens),
+            batch_tokens=prompt.batch_tokens,
         )
 
 

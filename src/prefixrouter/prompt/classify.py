@@ -5,8 +5,8 @@ log analyzer, so that all three label the same traffic alike. It reads a
 :class:`~prefixrouter.prompt.render.RenderedPrompt` (the spans say which text
 came from which role) and applies these rules, first match wins:
 
-1. ``session``: an earlier turn (assistant, tool or function) before the
-   last message, or more than one user message;
+1. ``session``: an earlier turn (assistant, tool or function, or any role
+   outside OpenAI's) before the last message, or more than one user message;
 2. ``rag``: a user message (or completion prompt) holds retrieved context:
    a :data:`~prefixrouter.prompt.render.RAG_MARKERS` marker, or several
    numbered or marked passages (``[1]`` and ``[2]``, two ``<document``, two
@@ -32,7 +32,6 @@ from functools import lru_cache
 
 from prefixrouter.core.types import PrefixClass
 from prefixrouter.prompt.render import (
-    HISTORY_ROLES,
     RAG_MARKERS,
     SYSTEM_ROLES,
     MessageSpan,
@@ -150,11 +149,13 @@ def classify(prompt: RenderedPrompt, params: ClassifierParams = DEFAULT_PARAMS) 
         role = s.role
         if role == "user" or role == "prompt":
             users.append(s)
-        elif role in HISTORY_ROLES:
-            if s.index < last:
-                return PrefixClass.SESSION
         elif role in SYSTEM_ROLES or s.index == -1:
             has_system = True
+        elif s.index < last:
+            # assistant, tool, function, or a role outside OpenAI's (Llama's
+            # ``ipython`` tool results, a ``narrator``): an earlier turn, not
+            # instructions (HISTORY_ROLES).
+            return PrefixClass.SESSION
     if len(users) > 1:
         return PrefixClass.SESSION
     text = prompt.text

@@ -10,9 +10,10 @@ tested equal to it). The format is that of the bundled model's template::
 
 * ``content`` may be a string, null (``""``) or a list of parts, joined with
   ``\\n`` as vLLM joins them for a string template; a text part is its
-  ``text``; any other part (an image) becomes ``<{type}:{hash}>``, the hash
-  of its canonical JSON, so equal parts render equally and different ones do
-  not (a text-only template refuses them instead);
+  text (:data:`TEXT_PART_FIELDS`: a ``refusal`` part's ``refusal``); any
+  other part (an image) becomes ``<{type}:{hash}>``, the hash of its
+  canonical JSON, so equal parts render equally and different ones do not (a
+  text-only template refuses them instead);
 * an assistant's ``tool_calls`` follow its content, one
   ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` each,
   separated by newlines; ``arguments`` (JSON text or an object) is written as
@@ -25,8 +26,8 @@ tested equal to it). The format is that of the bundled model's template::
 
 How strictly it reads the messages is a :class:`RenderRules`:
 :data:`LENIENT` (never raises: anything unreadable becomes a deterministic
-placeholder, so a log of any shape can be analyzed), :data:`GATEWAY` (OpenAI
-roles, content types; errors name the field: :class:`PromptError`) and
+placeholder, so a log of any shape can be analyzed), :data:`GATEWAY` (any
+non-empty role, as vLLM; content types; errors name the field: :class:`PromptError`) and
 :data:`TEMPLATE` (the text-only chat template's rules: any role, text parts
 only, well-formed tool calls and tools).
 
@@ -48,11 +49,24 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-"""The roles of OpenAI chat messages (what the gateway accepts)."""
+"""The roles of OpenAI chat messages. The gateway takes any non-empty role
+(vLLM hands any role to the template: Llama's ``ipython``, a ``narrator``)."""
 HISTORY_ROLES = frozenset({"assistant", "tool", "function"})
-"""Roles of earlier turns: content already fixed when the next user turn is written."""
+"""Roles of earlier turns: content already fixed when the next user turn is written.
+A role outside OpenAI's (``ipython``, ``narrator``) is read as one too: it is
+neither the instructions nor the user's question."""
 SYSTEM_ROLES = frozenset({"system", "developer"})
-TEXT_PART_TYPES = frozenset({"text", "input_text"})
+TEXT_PART_FIELDS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+"""Content part types vLLM reads as text, and the field holding the text
+(``{"type": "refusal", "refusal": ...}``); a part without ``type`` is ``text``.
+Any other part (``image_url``, ``input_audio``, ``video_url``, ``file``) is media."""
+TEXT_PART_TYPES = frozenset(TEXT_PART_FIELDS)
 
 RAG_MARKERS = (
     "<retrieved",
@@ -110,7 +124,7 @@ class RenderRules:
 
 
 LENIENT = RenderRules(strict=False)
-GATEWAY = RenderRules(strict=True, roles=OPENAI_ROLES)
+GATEWAY = RenderRules(strict=True)
 TEMPLATE = RenderRules(strict=True, text_only=True)
 
 
@@ -175,15 +189,18 @@ class RenderedPrompt:
 
     @property
     def live(self) -> tuple[MessageSpan, ...]:
-        """The spans written for this call (system, tools, last user message);
-        earlier turns are history, already fixed."""
+        """The spans written for this call (system, tools, last user message,
+        a completion prompt); earlier turns are history, already fixed, and so
+        is a message of a role outside OpenAI's (:data:`HISTORY_ROLES`)."""
         if self._live is None:
             chat = [s for s in self.spans if s.index >= 0]
             last_user = max((s.index for s in chat if s.role == "user"), default=-1)
             self._live = tuple(
                 s
                 for s in self.spans
-                if s.role not in HISTORY_ROLES and (s.role != "user" or s.index == last_user)
+                if s.index < 0
+                or s.role in SYSTEM_ROLES
+                or (s.role == "user" and s.index == last_user)
             )
         return self._live
 
@@ -273,19 +290,53 @@ def content_parts(content: Any, where: str, rules: RenderRules = TEMPLATE) -> li
             add(_placeholder(part))
         elif rules.text_only:
             kind = part.get("type", "text")
-            if kind not in TEXT_PART_TYPES:
+            field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
+            if field is None:
                 raise PromptError(
                     f"{where}[{i}].type",
                     f"unsupported content part {kind!r} (this model is text only)",
                 )
-            text = part.get("text")
+            text = part.get(field)
             if not isinstance(text, str):
-                raise PromptError(f"{where}[{i}].text", "must be a string")
+                raise PromptError(f"{where}[{i}].{field}", "must be a string")
             add(text)
         else:
-            text = part.get("text")
-            add(text if isinstance(text, str) else _placeholder(part))
+            text = part_text(part)
+            add(text if text is not None else _placeholder(part))
     return texts
+
+
+def part_text(part: Mapping[str, Any]) -> str | None:
+    """The text of a content part vLLM reads as text (:data:`TEXT_PART_FIELDS`), else None."""
+    kind = part.get("type", "text")
+    field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
+    text = part.get(field) if field is not None else None
+    return text if isinstance(text, str) else None
+
+
+def is_media_part(part: Any) -> bool:
+    """A content part that is an object of a type vLLM does not read as text (an image...)."""
+    if not isinstance(part, Mapping):
+        return False
+    kind = part.get("type", "text")
+    return not (isinstance(kind, str) and kind in TEXT_PART_FIELDS)
+
+
+def first_media_message(messages: Sequence[Any]) -> int | None:
+    """Index of the first message with a media content part (:func:`is_media_part`), else None.
+
+    Token mode routes such a request on the prompt rendered before that
+    message's content: everything up to there is text the template renders in
+    order, so the engine's prefix too, while where the media's tokens go inside
+    the message is the engine's choice (vLLM's string content format puts the
+    placeholders ahead of the message's text, the OpenAI one where the part is).
+    """
+    for i, msg in enumerate(messages):
+        if isinstance(msg, Mapping):
+            content = msg.get("content")
+            if isinstance(content, list) and any(is_media_part(p) for p in content):
+                return i
+    return None
 
 
 def content_text(content: Any, where: str = "content", rules: RenderRules = TEMPLATE) -> str:
@@ -375,15 +426,11 @@ def _role(msg: Mapping[str, Any], where: str, rules: RenderRules) -> str:
     role = msg.get("role")
     if not rules.strict:
         return str(role or "user")
-    if rules.roles is None:
-        if not isinstance(role, str) or not role:
-            raise PromptError(f"{where}.role", "must be a non-empty string")
-        return role
-    if not isinstance(role, str):
-        if role is None:
-            raise PromptError(f"{where}.role", "missing required field", "missing_field")
-        raise PromptError(f"{where}.role", "must be a string")
-    if role not in rules.roles:
+    if role is None:
+        raise PromptError(f"{where}.role", "missing required field", "missing_field")
+    if not isinstance(role, str) or not role:
+        raise PromptError(f"{where}.role", "must be a non-empty string")
+    if rules.roles is not None and role not in rules.roles:
         raise PromptError(f"{where}.role", f"unknown role {role!r}")
     return role
 

@@ -16,10 +16,12 @@ the same:
   with ``ensure_ascii=False`` (and ``indent``, ``separators``, ``sort_keys``),
   and the globals ``raise_exception`` and ``strftime_now``, which is what
   ``transformers`` (and hence vLLM) offers templates.
-* **Variables**: ``messages``, ``tools`` (None when absent),
-  ``add_generation_prompt`` and the special tokens of the config
+* **Variables**: ``messages``, ``tools`` (None when absent), ``documents``,
+  ``add_generation_prompt``, the special tokens of the config
   (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``), strings or
-  ``{"content": ...}`` objects.
+  ``{"content": ...}`` objects, and the request's ``chat_template_kwargs``;
+  ``continue_final_message`` cuts the text after the final message
+  (:func:`continue_final`).
 * **The messages as vLLM hands them over** (:func:`vllm_messages`), copies,
   other fields kept:
 
@@ -28,8 +30,11 @@ the same:
     content gets a list of ``{"type": "text", "text": ...}`` parts (a string
     is one part, null none); any other gets a string, the text parts joined
     with a newline (null: ``""``). A tool message's text parts are joined
-    either way. Text only, as :func:`~prefixrouter.tokenization.render_chat`:
-    other part types are refused.
+    either way. Text only (a ``refusal`` part is text), as
+    :func:`~prefixrouter.tokenization.render_chat`: other part types are
+    refused here; the request path renders a prompt with media only up to
+    the message that holds it
+    (:func:`~prefixrouter.prompt.render.first_media_message`).
   - an assistant's ``tool_calls``: each ``function.arguments`` is an object
     (OpenAI's JSON text parsed, keys in their order; ``{}`` for anything that
     is not a JSON object); an empty list is dropped.
@@ -265,24 +270,73 @@ class ModelChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        documents: Sequence[Any] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text of the messages as vLLM hands them over (:func:`vllm_messages`).
+
+        Args:
+            messages: The chat messages.
+            tools: The tool definitions, if any.
+            add_generation_prompt: The template's variable of that name.
+            continue_final_message: Cut the text after the final message's
+                text (:func:`continue_final`), as Hugging Face does.
+            documents: The template's ``documents`` (RAG templates).
+            variables: More variables (a request's ``chat_template_kwargs``:
+                Qwen3's ``enable_thinking``, gpt-oss's ``reasoning_effort``);
+                they may override the special tokens, not the above.
 
         Raises:
             ChatTemplateError: A malformed message, or the template rejected the messages.
         """
         prepared = vllm_messages(messages, self.content_format)
+        context: dict[str, Any] = {k: self.special_tokens.get(k, "") for k in SPECIAL_TOKEN_KEYS}
+        context.update(variables or {})
+        context.update(
+            messages=prepared,
+            tools=[dict(t) for t in tools] if tools else None,
+            documents=list(documents) if documents is not None else None,
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
-            return self._template.render(
-                messages=prepared,
-                tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                **{k: self.special_tokens.get(k, "") for k in SPECIAL_TOKEN_KEYS},
-            )
+            text = self._template.render(**context)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
             raise ChatTemplateError("messages", f"the chat template failed: {exc}") from None
+        if continue_final_message and prepared:
+            text = continue_final(text, prepared[-1].get("content"))
+        return text
+
+
+def continue_final(text: str, final_content: Any) -> str:
+    """``text`` cut just after the final message's text: ``continue_final_message``.
+
+    Hugging Face's rule, which vLLM applies: the final message's content (a
+    string, or the text of its last text part), stripped, is looked for from
+    the end of the rendered text, and everything after it (the end-of-turn
+    tokens) is dropped, so the model continues that message.
+
+    Raises:
+        ChatTemplateError: The final message has no text, or the template did not render it.
+    """
+    final = final_content
+    if isinstance(final, list):
+        texts = [p["text"] for p in final if isinstance(p, Mapping) and "text" in p]
+        if not texts:
+            raise ChatTemplateError(
+                "continue_final_message", "the final message has no text to continue"
+            )
+        final = texts[-1]
+    stripped = str(final or "").strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message",
+            "the final message does not appear in the chat after applying the chat template",
+        )
+    return text[: at + len(stripped)]
 
 
 def find_chat_template(folder: Path) -> ModelChatTemplate | None:

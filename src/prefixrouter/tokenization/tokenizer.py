@@ -42,6 +42,7 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,12 @@ from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from prefixrouter.errors import ConfigError
-from prefixrouter.prompt.render import IM_END, IM_START, json_text
-from prefixrouter.tokenization.chat_template import ModelChatTemplate, find_chat_template
+from prefixrouter.prompt.render import IM_END, IM_START, content_text, json_text
+from prefixrouter.tokenization.chat_template import (
+    ModelChatTemplate,
+    continue_final,
+    find_chat_template,
+)
 from prefixrouter.tokenization.chatml import CHAT_TEMPLATE_JINJA, ChatTemplateError, render_chat
 
 __all__ = [
@@ -76,6 +81,8 @@ VOCAB_SIZE = 8192
 CORPUS_CHARS = 1_000_000
 PER_FILE_CHARS = 40_000
 SPECIAL_TOKENS = ("<|endoftext|>", IM_START, IM_END)
+PROJECT_SPECIAL_TOKENS = {"eos_token": IM_END, "pad_token": "<|endoftext|>"}
+"""The project model's named special tokens (its ``special_tokens_map.json``)."""
 
 # ----------------------------------------------------------------- building
 
@@ -189,7 +196,7 @@ def hf_tokenizer_dir(directory: str | os.PathLike[str] | None = None) -> Path:
         "chat_template": CHAT_TEMPLATE_JINJA,
         "clean_up_tokenization_spaces": False,
     }
-    special = {"eos_token": IM_END, "pad_token": "<|endoftext|>"}
+    special = PROJECT_SPECIAL_TOKENS
     files = {
         "tokenizer.json": data,
         "tokenizer_config.json": json_text(config) + "\n",
@@ -296,13 +303,37 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        documents: Sequence[Any] | None = None,
+        variables: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The prompt text of chat messages: the model's template, else :func:`render_chat`."""
-        if self.template is not None:
-            return self.template.render(
-                messages, tools, add_generation_prompt=add_generation_prompt
+        """The prompt text of chat messages: the model's template, else :func:`render_chat`.
+
+        The keywords are a chat request's fields of those names
+        (``variables``: its ``chat_template_kwargs``), as
+        :meth:`ModelChatTemplate.render` takes them; ``chat_template`` is a
+        template the request brings (compiled once per source), rendered with
+        this tokenizer's special tokens.
+        """
+        template = self.template
+        if chat_template is not None:
+            special = template.special_tokens if template is not None else PROJECT_SPECIAL_TOKENS
+            template = _compiled(chat_template, tuple(sorted(special.items())))
+        if template is not None:
+            return template.render(
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                documents=documents,
+                variables=variables,
             )
-        return render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        # ChatML takes no variables nor documents (its Jinja twin reads none).
+        text = render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            text = continue_final(text, content_text(messages[-1].get("content")))
+        return text
 
     def encode_chat(
         self,
@@ -315,6 +346,12 @@ class Tokenizer:
         return self.encode(
             self.apply_chat_template(messages, tools, add_generation_prompt=add_generation_prompt)
         )
+
+
+@lru_cache(maxsize=16)
+def _compiled(source: str, special: tuple[tuple[str, str], ...]) -> ModelChatTemplate:
+    """A request's own chat template, compiled once (clients send the same few)."""
+    return ModelChatTemplate(source, dict(special))
 
 
 _loaded: dict[Path, Tokenizer] = {}
