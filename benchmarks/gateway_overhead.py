@@ -212,7 +212,12 @@ class _FakeUpstream:
     content_type = "application/json"
 
     async def post(
-        self, endpoint: Any, path: str, body: bytes, first_byte_timeout_s: float | None = None
+        self,
+        endpoint: Any,
+        path: str,
+        body: bytes,
+        first_byte_timeout_s: float | None = None,
+        headers: bytes = b"",
     ) -> _FakeUpstream:
         return self
 

@@ -69,9 +69,16 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type=JSON)
 
 
-def _model_card(model: str) -> dict[str, Any]:
-    """OpenAI's model object of one served model (``/v1/models`` and ``/v1/models/{model}``)."""
-    return {"id": model, "object": "model", "created": 0, "owned_by": "prefixrouter"}
+def _model_card(model: str, reported: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's model object of one served model (``/v1/models`` and ``/v1/models/{model}``).
+
+    ``reported``: vLLM's extra fields as the workers listed them
+    (:meth:`~prefixrouter.gateway.workers.WorkerRegistry.model_card`:
+    ``root``, ``parent``, ``max_model_len``, the smallest of the workers'),
+    included only when a worker reported them: clients size their context
+    from ``max_model_len`` and tell adapters by ``parent``.
+    """
+    return {"id": model, "object": "model", "created": 0, "owned_by": "prefixrouter", **reported}
 
 
 def check_admin_key(request: web.Request, key: bytes) -> None:
@@ -112,7 +119,8 @@ class Admin:
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the union of the workers' models and adapters."""
-        data = [_model_card(m) for m in self.st.registry.models()]
+        reg = self.st.registry
+        data = [_model_card(m, reg.model_card(m)) for m in reg.models()]
         return _json({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -121,7 +129,7 @@ class Admin:
         model = request.match_info["model"]
         if model not in self.st.registry.models():
             return error_response(model_not_found(model))
-        return _json(_model_card(model))
+        return _json(_model_card(model, self.st.registry.model_card(model)))
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: liveness: 200 while the process serves, whatever the engines' state.

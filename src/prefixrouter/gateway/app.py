@@ -9,7 +9,15 @@
   (:mod:`.admin`), ``/dashboard`` (:mod:`.dashboard`); ``GET /openapi.json``,
   their OpenAPI document (:mod:`.openapi`); any other path answers 404 in
   OpenAI's shape, and a known path asked with another method 405 with
-  ``Allow`` (:func:`_unrouted`).
+  ``Allow`` (:func:`_unrouted`);
+* from the catch-all (:func:`_unrouted`), ``POST`` to an engine endpoint the
+  gateway relays without routing (:data:`~.proxy.PASSTHROUGH_PATHS`:
+  ``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/v1/score``,
+  ``/score``, ``/v1/rerank``, ``/rerank``, ``/v2/rerank``;
+  :meth:`Proxy.passthrough`), and ``/v1/responses`` answered 404 saying why it
+  is not routed. They are served there, not as routes, so that
+  ``/openapi.json`` (whose every route must be documented) stays as it is
+  until it documents them; another method on them gets 405 with ``Allow: POST``.
 
 Its cleanup contexts (aiohttp's lifespan) open the proxy's upstream client
 (:mod:`.upstream`, keep-alive connections to every worker) and
@@ -39,7 +47,7 @@ from prefixrouter.gateway.dashboard import add_dashboard_routes
 from prefixrouter.gateway.errors import MethodNotAllowed, error_response
 from prefixrouter.gateway.metrics import UpstreamCollector, UpstreamGauges
 from prefixrouter.gateway.openapi import OPENAPI_PATH, openapi_handler
-from prefixrouter.gateway.proxy import Proxy
+from prefixrouter.gateway.proxy import PASSTHROUGH_PATHS, RESPONSES_PREFIX, Proxy
 from prefixrouter.gateway.request_builder import ChatTokenizer
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
 from prefixrouter.gateway.upstream import UpstreamClient
@@ -143,14 +151,27 @@ async def background(app: web.Application) -> AsyncIterator[None]:
         st.session = None
 
 
-def _unrouted(admin: Admin) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The catch-all route's handler: 405 with ``Allow`` for a known path, else 404.
+def _unrouted(admin: Admin, proxy: Proxy) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The catch-all route's handler: the passthrough paths and ``/v1/responses``
+    (module docstring), else 405 with ``Allow`` for a known path, else 404.
 
-    Runs only for requests no route took, so the walk over the routes costs
-    the served requests nothing.
+    Runs only for requests no route took, so neither the set lookup nor the
+    walk over the routes costs the completions anything.
     """
 
-    async def handler(request: web.Request) -> web.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path in PASSTHROUGH_PATHS:
+            if request.method == "POST":
+                return await proxy.passthrough(request)
+            return error_response(
+                MethodNotAllowed(
+                    f"method {request.method} is not allowed on {path}; allowed: POST",
+                    headers={"Allow": "POST"},
+                )
+            )
+        if path == RESPONSES_PREFIX or path.startswith(RESPONSES_PREFIX + "/"):
+            return proxy.responses_refused()
         allowed: set[str] = set()
         for resource in request.app.router.resources():
             if resource.raw_match("/{tail:.*}"):
@@ -195,7 +216,7 @@ def create_app(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) ->
     add_observability_routes(app, admin)
     add_dashboard_routes(app)  # GET /dashboard and its live feed (.dashboard)
     r.add_get(OPENAPI_PATH, openapi_handler(config))
-    r.add_route("*", "/{tail:.*}", _unrouted(admin))
+    r.add_route("*", "/{tail:.*}", _unrouted(admin, proxy))
     app.cleanup_ctx.append(_upstream)
     app.cleanup_ctx.append(background)
 

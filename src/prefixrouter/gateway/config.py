@@ -26,7 +26,7 @@ Shape of the YAML file (all keys optional)::
     health:        {timeout_s, backoff_initial_s, backoff_max_s, backoff_factor, unhealthy_after}
     outlier:       {enabled, consecutive_failures, base_ejection_s, max_ejection_s,
                     max_ejected_share}
-    metrics_poll:  {interval_s, timeout_s}
+    metrics_poll:  {interval_s, timeout_s, models_interval_s}
     proxy:         {max_attempts, retry_statuses, connect_timeout_s, request_timeout_s,
                     idle_connection_s, drain_timeout_s, retry_after_s,
                     first_byte_timeout_floor_s, first_byte_timeout_factor, stall_timeout_s}
@@ -262,7 +262,19 @@ class ServerConfig(_Model):
     Attributes:
         host: Listen address.
         port: Listen port.
-        max_body_bytes: Larger request bodies get 413.
+        max_body_bytes: Larger request bodies get 413 (its message names this
+            setting). 64 MiB by default (it was 8 MiB): vLLM sets no limit, and
+            a request that works against an engine should work through the
+            gateway. A 128k-token prompt is about 0.5 MB of text (1 MB as
+            token ids), but images travel inline as base64 (4/3 of their
+            size): a few photos or scanned pages pass 8 MiB, and OpenAI
+            accepts up to 50 MB of images per request (67 MB as base64 is
+            past even this default: raise it for such traffic). The limit
+            bounds one request, not the gateway's memory: a body is held
+            while its request runs (once parsed as well), so the number of
+            requests at once (``overload.max_in_flight``,
+            ``limits.max_connections``) is what bounds the total; lower it on
+            a gateway whose clients send text only.
         admin_api_key: The key every ``/admin/*`` call needs (``Authorization:
             Bearer KEY``, compared in constant time). None = the admin API is
             off: each ``/admin/*`` call gets 403 naming this setting (never an
@@ -282,7 +294,7 @@ class ServerConfig(_Model):
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
-    max_body_bytes: PosInt = 8 * 1024 * 1024
+    max_body_bytes: PosInt = 64 * 1024 * 1024
     admin_api_key: str | None = None
     expose_workers: bool = True
 
@@ -311,7 +323,8 @@ class LimitsConfig(_Model):
             long is cut (408, connection closed).
         body_timeout_s: The whole body must arrive within this long of the end
             of the headers (stops a body trickled a byte at a time, which an
-            idle timeout alone never cuts): 60 s lets 8 MiB through at 140 kB/s.
+            idle timeout alone never cuts): 60 s lets 8 MiB through at 140 kB/s,
+            and a body of the default ``server.max_body_bytes`` (64 MiB) at 1.1 MB/s.
         keepalive_timeout_s: A keep-alive connection idle this long between
             requests is closed. Above the idle timeouts of common clients and
             load balancers (httpx 5 s, aiohttp 15 s, AWS ALB 60 s), so it is
@@ -536,10 +549,19 @@ class MetricsPollConfig(_Model):
     Attributes:
         interval_s: How often each worker is checked and its metrics scraped.
         timeout_s: Time allowed for one scrape of a worker's ``/metrics``.
+        models_interval_s: How often each healthy worker's model list
+            (``GET /v1/models``) is read again, for the adapters an engine
+            loads or unloads at runtime (vLLM's ``/v1/load_lora_adapter``).
+            A worker that restarted (its ``/metrics`` show a new process) or
+            comes back after being down is listed again at once, and so is
+            one that answers 404 for a model it listed. A model a worker
+            stops listing is no longer routed to it. Workers whose
+            ``models`` are configured are never listed.
     """
 
     interval_s: PosFloat = 2.0
     timeout_s: PosFloat = 2.0
+    models_interval_s: PosFloat = 30.0
 
 
 class ProxyConfig(_Model):

@@ -16,6 +16,7 @@ Mapping (exception -> HTTP status, ``type``, ``code``)::
     │   │                                                         | tenant_header_refused
     │   │                                                         | tenant_not_served
     │   ├── NotFound                 404  invalid_request_error  model_not_found | not_found
+    │   │                                                         | unsupported_endpoint
     │   ├── MethodNotAllowed         405  invalid_request_error  method_not_allowed  (+ Allow)
     │   ├── RequestTimeout           408  invalid_request_error  request_timeout  (slow body)
     │   ├── Conflict                 409  invalid_request_error  conflict  (id or topic taken)
@@ -54,6 +55,16 @@ when it already has the OpenAI shape and wrapped into it otherwise
 "type", "code"}`` shape is converted, and so is its ``{"error": {...}}`` whose
 ``code`` is the status as an integer (OpenAI's is a string or null: the
 fuzzer found clients being handed ``"code": 400``).
+
+Why the integer ``code`` is not kept as vLLM sends it: OpenAI's error object
+has ``code`` as a string or null, and so does the gateway's published
+schema (``/openapi.json``). openai-python and openai-node copy the field
+without checking it, but typed clients decode it into a string field
+(``Option<String>`` in Rust's async-openai, ``String?`` in Dart, ``*string``
+in several Go clients): an integer there fails the decode of the whole error,
+and the client reports a parse failure instead of the engine's message. The
+string ``"400"`` is read by every one of them, and the status itself is
+unchanged. The gateway's own errors have always had string codes.
 """
 
 from __future__ import annotations
@@ -170,11 +181,32 @@ class RequestTimeout(GatewayError):
 
 
 class PayloadTooLarge(GatewayError):
-    """413: the body is larger than ``server.max_body_bytes``."""
+    """413: the body is larger than ``server.max_body_bytes``.
+
+    Every message names the setting (appended here, whoever raises it: the
+    Content-Length check, the body read, the endpoint picker), so a client
+    whose request is refused learns what an operator would have to raise;
+    the raiser's message gives the limit in bytes.
+    """
 
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            f"{message} (the gateway's server.max_body_bytes setting)",
+            code=code,
+            param=param,
+            headers=headers,
+        )
 
 
 class TooManyRequests(GatewayError):

@@ -110,17 +110,20 @@ from prefixrouter.core.dispatch import Admission
 from prefixrouter.core.router import Decision
 from prefixrouter.core.types import WorkerId
 from prefixrouter.errors import NoWorkerAvailable, exception_text
-from prefixrouter.gateway.access_log import note_of
+from prefixrouter.gateway.access_log import RequestNote, note_of
 from prefixrouter.gateway.controls import PRIORITY_HEADER, Ticket
 from prefixrouter.gateway.errors import (
     JSON,
     BadRequest,
     GatewayError,
+    NotFound,
     PayloadTooLarge,
+    ServiceUnavailable,
     UpstreamFailed,
     UpstreamTimeout,
     error_body,
     error_response,
+    model_not_found,
     upstream_error_body,
 )
 from prefixrouter.gateway.fleet import Steer
@@ -133,10 +136,31 @@ from prefixrouter.gateway.upstream import (
     StallTimeout,
     TotalTimeout,
     UpstreamResponse,
+    forwarded_headers,
 )
 from prefixrouter.gateway.workers import CLIENT_GONE, Worker
 
 log = logging.getLogger("prefixrouter.gateway")
+
+PASSTHROUGH_PATHS = frozenset(
+    (
+        "/v1/embeddings", "/tokenize", "/detokenize",
+        "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
+    )
+)  # fmt: skip
+"""Engine endpoints relayed to one worker without prefix routing (:meth:`Proxy.passthrough`)."""
+
+PASSTHROUGH = "passthrough"
+"""The ``decision`` label of passthrough requests in ``prefixrouter_requests_total``."""
+
+RESPONSES_PREFIX = "/v1/responses"
+RESPONSES_NOT_ROUTED = (
+    "the gateway does not route the Responses API (/v1/responses): vLLM keeps a"
+    " response's state (previous_response_id, background responses, retrieval and"
+    " cancel) in the memory of the one server that made it, so a follow-up routed to"
+    " another replica would not find it. Send Responses API calls to one engine"
+    " directly (its own base_url), or use /v1/chat/completions through the gateway."
+)
 
 # Connect failures are OSErrors; a broken connection is an UpstreamError (also one).
 _UPSTREAM_ERRORS = (TimeoutError, OSError)
@@ -216,6 +240,9 @@ class Proxy:
         self.flow = RequestFlow(state)
         self.first_byte_floor = cfg.proxy.first_byte_timeout_floor_s
         self.first_byte_factor = cfg.proxy.first_byte_timeout_factor
+        # Passthrough requests in flight per worker (the ledger counts only
+        # routed completions): least-in-flight picking sees them too.
+        self._relayed: dict[WorkerId, int] = {}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
@@ -290,17 +317,7 @@ class Proxy:
     async def _build(self, request: web.Request, kind: str) -> BuiltRequest:
         # A missing or unknown key is refused from the headers alone, before a
         # body of up to max_body_bytes is read and parsed for nothing.
-        self.flow.check_headers(request.headers.get("Authorization"), request.content_length)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"request body exceeds the limit of {self.max_body} bytes"
-            ) from None
-        except (HttpProcessingError, RequestPayloadError) as exc:  # bad chunking, short body
-            raise BadRequest(
-                f"malformed request body ({type(exc).__name__})", code="invalid_body"
-            ) from None
+        raw = await self._read_body(request)
         headers = request.headers
         return await self.flow.build(
             raw,
@@ -309,6 +326,225 @@ class Proxy:
             headers.get("X-Tenant"),
             headers.get("X-Prefix-Class"),
         )
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request's body, once its headers passed (key, ``Content-Length``).
+
+        Raises:
+            Unauthorized: A missing or unknown key where one is required.
+            PayloadTooLarge: Over ``server.max_body_bytes``.
+            BadRequest: A body that could not be read (bad chunking, short body).
+        """
+        self.flow.check_headers(request.headers.get("Authorization"), request.content_length)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(
+                f"request body exceeds the limit of {self.max_body} bytes"
+            ) from None
+        except (HttpProcessingError, RequestPayloadError) as exc:  # bad chunking, short body
+            raise BadRequest(
+                f"malformed request body ({type(exc).__name__})", code="invalid_body"
+            ) from None
+
+    # ------------------------------------------------------------------ passthrough
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """``POST`` to one of :data:`PASSTHROUGH_PATHS`: relayed to one worker, not routed.
+
+        For a client that points one ``base_url`` at the gateway and uses an
+        engine's other endpoints beside its completions (embeddings for RAG,
+        tokenize, score, rerank). The rules:
+
+        * the same tenant rules as a completion: the API key (401), a refused
+          ``X-Tenant`` (403), the tenant's limits (429) and, under overload,
+          the priority queue; the body limit (413);
+        * the body must be a JSON object (400); its ``model``, when it names
+          one, picks among the workers that list it (404 for a name no
+          worker ever listed, 503 with ``Retry-After`` for one whose workers
+          are all out of routing); without one, any routable worker will do;
+          a worker reserved for other tenants is never picked;
+        * of those, the one with the fewest requests in flight (the gateway's
+          completions and relays, plus the engine's own queue): no prefix
+          hashing, no index, no cost model, no decision-log record;
+        * forwarded as it came, with the request id and trace context
+          (:func:`~prefixrouter.gateway.upstream.forwarded_headers`), and
+          retried on another worker under the completions' rules: only
+          before the engine answered (unreachable, a refusal status in
+          ``proxy.retry_statuses``, a 404 for the model, which also lists
+          that worker's models again), up to ``proxy.max_attempts``;
+        * the answer relayed as the engine sent it: status, body, content
+          type, and an error's end-to-end headers.
+
+        Counted in ``prefixrouter_requests_total`` with ``decision`` set to
+        ``passthrough``, and in the access log (worker, tenant, status).
+        """
+        st = self.st
+        st.requests_seen += 1
+        note = note_of(request)
+        headers = request.headers
+        try:
+            tenant = st.tenancy.tenant_of(headers.get("Authorization"), headers.get("X-Tenant"))
+            note.tenant = tenant
+            ticket = st.controls.acquire(tenant, headers.get(PRIORITY_HEADER))
+        except GatewayError as exc:
+            return self._relay_refused(note, exc)
+        note.priority = ticket.priority
+        try:
+            try:
+                raw = await self._read_body(request)
+                model = _body_model(raw)
+                await st.controls.wait(ticket)
+            except GatewayError as exc:
+                note.queue_wait_s = ticket.waited_s
+                return self._relay_refused(note, exc)
+            note.queue_wait_s = ticket.waited_s
+            return await self._relay_request(request, raw, model, tenant)
+        finally:
+            st.controls.release(ticket)
+
+    def _relay_refused(self, note: RequestNote, exc: GatewayError) -> web.Response:
+        """A passthrough request refused before any worker was tried."""
+        self.st.metrics.request_done("", PASSTHROUGH, exc.status)
+        note.error = exc.code
+        return error_response(exc)
+
+    def _relay_worker(self, model: str | None, tenant: str, tried: set[WorkerId]) -> Worker | None:
+        """The routable worker, not tried yet, that may take a passthrough request for
+        ``model`` (any, when None) from ``tenant``, with the fewest requests in flight."""
+        load = self.st.dispatch.load
+        side = self._relayed
+        best: Worker | None = None
+        best_load = 0
+        for w in self.st.registry.workers.values():
+            if not w.routable or w.id in tried:
+                continue
+            # A worker that lists nothing may serve any model, as routing has it.
+            models, adapters = w.models, w.adapters
+            if (
+                model is not None
+                and (models or adapters)
+                and model not in models
+                and model not in adapters
+            ):
+                continue
+            tenants = w.view.tenants
+            if tenants is not None and tenant not in tenants:
+                continue
+            n = load(w.id).in_flight + side.get(w.id, 0) + w.foreign
+            if best is None or n < best_load:
+                best, best_load = w, n
+        return best
+
+    async def _relay_request(
+        self, request: web.Request, raw: bytes, model: str | None, tenant: str
+    ) -> web.StreamResponse:
+        st = self.st
+        upstream = st.upstream
+        assert upstream is not None
+        note = note_of(request)
+        rid = note.request_id or st.builder.new_request_id()
+        note.request_id = rid
+        path = request.path
+        fwd = forwarded_headers(
+            rid, request.headers.get("traceparent"), request.headers.get("tracestate")
+        )
+        tried: set[WorkerId] = set()
+        errors: list[str] = []
+        fallback: web.Response | None = None
+        timed_out = True
+        for _ in range(self.max_attempts):
+            worker = self._relay_worker(model, tenant, tried)
+            if worker is None:
+                break
+            tried.add(worker.id)
+            hdrs = {"X-Request-Id": rid}
+            if st.config.server.expose_workers:
+                hdrs["X-Prefixrouter-Worker"] = worker.id
+            self._relayed[worker.id] = self._relayed.get(worker.id, 0) + 1
+            try:
+                att = await self._relay_once(worker, path, raw, hdrs, fwd)
+            except asyncio.CancelledError:
+                note.worker = worker.id
+                raise
+            except Exception as exc:  # a bug must not crash the gateway
+                log.exception("passthrough failed for %s", rid)
+                att = Attempt(error_response(exc), 500, error=exception_text(exc))
+            finally:
+                left = self._relayed[worker.id] - 1
+                if left:
+                    self._relayed[worker.id] = left
+                else:
+                    del self._relayed[worker.id]
+            if att.response is not None:
+                st.registry.observe(worker, att.status, suspect=att.suspect)
+                if att.broke:
+                    st.registry.mark_suspect(worker, att.error or "connection broke")
+                st.metrics.request_done(worker.id, PASSTHROUGH, att.status)
+                note.worker = worker.id
+                if att.error is not None:
+                    note.error = att.error
+                return att.response
+            # Failed before the engine answered: another worker may take it.
+            st.registry.observe(
+                worker, att.status, unreachable=att.unreachable, suspect=att.suspect
+            )
+            if att.unreachable:
+                st.registry.mark_failed(worker, att.error or "unreachable")
+            elif att.suspect:
+                st.registry.mark_suspect(worker, att.error or "timed out")
+            st.metrics.retried(worker.id, str(att.status))
+            errors.append(f"{worker.id}: {att.error}")
+            timed_out = timed_out and att.status == 504
+            if att.fallback is not None:
+                fallback = att.fallback
+        resp: web.Response
+        if fallback is not None:
+            resp = fallback  # the last refusal's own answer keeps its status
+        elif tried:
+            detail = (
+                "; ".join(errors)
+                if st.config.server.expose_workers
+                else f"{len(errors)} tried; their errors are in the access log"
+            )
+            failed = UpstreamTimeout if timed_out else UpstreamFailed
+            resp = error_response(failed(f"no worker could serve the request ({detail})"))
+        elif model is not None and not st.registry.serves(model):
+            resp = error_response(model_not_found(model))
+        else:
+            what = f"model {model!r}" if model is not None else "this request"
+            resp = error_response(
+                ServiceUnavailable(
+                    f"no healthy worker can serve {what}",
+                    headers={"Retry-After": self.retry_after},
+                )
+            )
+        resp.headers["X-Request-Id"] = rid
+        st.metrics.request_done("", PASSTHROUGH, resp.status)
+        note.error = "; ".join(errors) or (
+            "model_not_found" if resp.status == 404 else "no_healthy_worker"
+        )
+        return resp
+
+    async def _relay_once(
+        self, worker: Worker, path: str, raw: bytes, hdrs: dict[str, str], fwd: bytes
+    ) -> Attempt:
+        """One passthrough attempt: the answer read whole (:meth:`_whole`'s rules)."""
+        upstream = self.st.upstream
+        assert upstream is not None
+        try:
+            resp = await upstream.post(worker.endpoint, path, raw, None, fwd)
+        except _UPSTREAM_ERRORS as exc:
+            return _failed(exc, hdrs)
+        try:
+            return await self._whole(resp, hdrs, worker)
+        finally:
+            resp.release()  # reused only if read to the end
+
+    def responses_refused(self) -> web.Response:
+        """``/v1/responses`` (any method, any sub-path): 404 saying why it is not routed."""
+        self.st.metrics.request_done("", PASSTHROUGH, 404)
+        return error_response(NotFound(RESPONSES_NOT_ROUTED, code="unsupported_endpoint"))
 
     def close(self) -> None:
         """Stop the parse thread (the application's cleanup)."""
@@ -330,6 +566,10 @@ class Proxy:
         except GatewayError as exc:
             st.metrics.request_done("", "none", exc.status)
             return error_response(exc)
+        # Built once: every attempt sends the same id and trace context.
+        fwd = forwarded_headers(
+            built.reply_id, request.headers.get("traceparent"), request.headers.get("tracestate")
+        )
         for _ in range(self.max_attempts):
             try:
                 adm = self.flow.admit(built, adm, st.registry.views(), steer, path)
@@ -348,10 +588,10 @@ class Proxy:
                 first_byte_s = self._first_byte_timeout(decision, built)
                 if built.stream:
                     att = await self._stream(
-                        request, built, adm, worker, path, progress, first_byte_s
+                        request, built, adm, worker, path, progress, first_byte_s, fwd
                     )
                 else:
-                    att = await self._unary(built, worker, path, first_byte_s)
+                    att = await self._unary(built, worker, path, first_byte_s, fwd)
             except asyncio.CancelledError:
                 # A stream's client that left before the first upstream byte:
                 # the engine, aborted now, has not prefilled it.
@@ -404,23 +644,28 @@ class Proxy:
         return {"X-Request-Id": built.reply_id}
 
     async def _unary(
-        self, built: BuiltRequest, worker: Worker, path: str, first_byte_s: float | None
+        self,
+        built: BuiltRequest,
+        worker: Worker,
+        path: str,
+        first_byte_s: float | None,
+        fwd: bytes,
     ) -> Attempt:
         upstream = self.st.upstream
         assert upstream is not None
         hdrs = self._answer_headers(built, worker)
         try:
             resp = await upstream.post(
-                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
+                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s, fwd
             )
         except _UPSTREAM_ERRORS as exc:
             return _failed(exc, hdrs)
         try:
-            return await self._whole(resp, hdrs)
+            return await self._whole(resp, hdrs, worker)
         finally:
             resp.release()  # reused only if read to the end
 
-    async def _whole(self, resp: UpstreamResponse, hdrs: dict[str, str]) -> Attempt:
+    async def _whole(self, resp: UpstreamResponse, hdrs: dict[str, str], worker: Worker) -> Attempt:
         """Read an answer whole and answer it: a non-streamed one, or an error status.
 
         The engine has answered (status and headers are in): whatever happens
@@ -435,7 +680,7 @@ class Proxy:
                 return _cut(exc, hdrs)
             body = b""  # still the engine's error: answered with its status
         if status != 200:
-            return self._upstream_error(status, body, hdrs, resp.headers)
+            return self._upstream_error(status, body, hdrs, resp.headers, worker)
         try:
             usage = answer_usage(orjson.loads(body))
         except orjson.JSONDecodeError:
@@ -452,7 +697,12 @@ class Proxy:
         return Attempt(out, 200, ok=True, usage=usage)
 
     def _upstream_error(
-        self, status: int, body: bytes, hdrs: dict[str, str], engine: dict[str, str]
+        self,
+        status: int,
+        body: bytes,
+        hdrs: dict[str, str],
+        engine: dict[str, str],
+        worker: Worker,
     ) -> Attempt:
         """An engine's error status, answered with its body and end-to-end headers.
 
@@ -460,6 +710,13 @@ class Proxy:
         (see :func:`_passed_headers`). The body is passed through when it has
         OpenAI's shape, with the engine's JSON content type as sent, else
         wrapped into that shape (:func:`upstream_error_body`) as JSON.
+
+        A 404 for the model (:func:`_model_missing`) from a worker the gateway
+        routed that model to means its model list is stale (a restart with
+        another model, an adapter unloaded): the worker is listed again
+        (:meth:`WorkerRegistry.rediscover`) and the request is retried as a
+        refusal is, on another worker serving the model: a 404 comes before
+        any generation.
         """
         out_body = upstream_error_body(body, status)
         headers = _passed_headers(engine)
@@ -470,7 +727,9 @@ class Proxy:
         out = web.Response(body=out_body, status=status, headers=headers)
         # An error status before any body byte: the engine did no prefill
         # (a 400 for a prompt past the context length, an overload refusal).
-        if status in self.retry_statuses:
+        if status in self.retry_statuses or (status == 404 and _model_missing(out_body)):
+            if status == 404:
+                self.st.registry.rediscover(worker)
             # A refusal: try another worker; if none succeeds, the client gets this one.
             return Attempt(None, status, error=f"answered {status}", fallback=out, no_prefill=True)
         return Attempt(out, status, error=f"upstream answered {status}", no_prefill=True)
@@ -484,6 +743,7 @@ class Proxy:
         path: str,
         progress: Attempt,
         first_byte_s: float | None,
+        fwd: bytes,
     ) -> Attempt:
         st = self.st
         upstream = st.upstream
@@ -492,7 +752,7 @@ class Proxy:
         hdrs = self._answer_headers(built, worker)
         try:
             resp = await upstream.post(
-                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s
+                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s, fwd
             )
         except _UPSTREAM_ERRORS as exc:
             return _failed(exc, hdrs)
@@ -500,7 +760,7 @@ class Proxy:
         try:
             if resp.status != 200:
                 done = True  # released: the connection is reused if read to the end
-                return await self._whole(resp, hdrs)
+                return await self._whole(resp, hdrs, worker)
             if resp.content_type not in _SSE_TYPES:
                 # The engine ignored "stream": true and answered whole (JSON):
                 # answered as it came, like a non-streamed answer, never with
@@ -508,7 +768,7 @@ class Proxy:
                 # come with the answer: the prefill is done.
                 done = True
                 st.dispatch.first_token(adm, st.clock())
-                return await self._whole(resp, hdrs)
+                return await self._whole(resp, hdrs, worker)
             try:
                 first = await resp.readany()
             except _UPSTREAM_ERRORS as exc:
@@ -677,6 +937,24 @@ class Proxy:
         return resp
 
 
+def _body_model(raw: bytes) -> str | None:
+    """A passthrough body's ``model`` (None: it names none).
+
+    Raises:
+        BadRequest: The body is not a JSON object, or its ``model`` is not a string.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model: must be a string", param="model")
+    return model
+
+
 def _output_bounded(body: dict[str, Any]) -> bool:
     """Whether the client bounded the output (``max_tokens`` or ``max_completion_tokens``)."""
     return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
@@ -748,6 +1026,27 @@ class _Break:
         if isinstance(exc, TimeoutError):
             return cls(504, why, suspect=isinstance(exc, FirstByteTimeout | StallTimeout))
         return cls(502, why, broke=isinstance(exc, ConnectionError))
+
+
+def _model_missing(body: bytes) -> bool:
+    """Whether an engine's 404 body (in OpenAI's shape) says the model does not exist.
+
+    OpenAI's ``code`` ``model_not_found``; vLLM's ``type`` ``NotFoundError``
+    (its only 404 on a route it serves is an unknown model; its ``code`` is the
+    status), or any error whose ``param`` is ``model``. A 404 for the path
+    itself (FastAPI's ``{"detail": "Not Found"}``, wrapped) is none of these.
+    """
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    if not isinstance(err, dict):
+        return False
+    return (
+        err.get("code") == "model_not_found"
+        or err.get("type") == "NotFoundError"
+        or err.get("param") == "model"
+    )
 
 
 def _passed_headers(engine: dict[str, str]) -> dict[str, str]:

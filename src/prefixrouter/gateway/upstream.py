@@ -67,6 +67,13 @@ fires, either finds the deadline moved (and re-arms for it) or closes the
 connection. A steady stream therefore costs one clock read per chunk and
 one timer wake-up per ``stall_timeout_s``.
 
+**Per-request headers.** The fixed header block (``Host``, ``Content-Type``,
+the worker's API key) is built once per :class:`Endpoint`; what changes per
+request (the request id and the client's W3C trace context,
+:func:`forwarded_headers`) is one small preformatted block that the proxy
+builds once per request and sends on every attempt, so a retry on another
+worker carries the same id.
+
 **Flow control.** A body that arrives faster than the reader takes it
 buffers at most ``high_water_bytes``; then reading from the socket pauses
 until the reader has drained the buffer to half of that.
@@ -91,6 +98,43 @@ import httptools
 
 DEFAULT_KEEPALIVE_S = 4.0
 DEFAULT_HIGH_WATER_BYTES = 256 * 1024
+TRACE_HEADER_MAX_CHARS = 512
+"""The longest ``traceparent`` / ``tracestate`` passed on (W3C Trace Context:
+vendors need only propagate 512 characters of ``tracestate``)."""
+
+
+def _trace_safe(value: str) -> bool:
+    """A trace header that is safe to copy into a request head: 1 to
+    :data:`TRACE_HEADER_MAX_CHARS` printable ASCII characters (spaces allowed:
+    ``tracestate`` members may be separated by them), so no CR/LF can split the head."""
+    # isascii + isprintable: exactly " " to "~", in C (a generator over the
+    # characters cost 4 µs per traced request).
+    return 0 < len(value) <= TRACE_HEADER_MAX_CHARS and value.isascii() and value.isprintable()
+
+
+def forwarded_headers(
+    request_id: str, traceparent: str | None = None, tracestate: str | None = None
+) -> bytes:
+    """The per-request header lines sent to the engine (each ending in CRLF).
+
+    * ``X-Request-Id``: the id the client gets back in its ``X-Request-Id``
+      (its own when sane, :func:`~prefixrouter.gateway.access_log.client_request_id`,
+      else the gateway's). vLLM uses it as its request id (the answer's ``id``
+      becomes ``chatcmpl-<id>``, its logs and aborts name it), so engine logs
+      and the gateway's decision and access logs can be matched.
+    * ``traceparent`` and ``tracestate`` (W3C Trace Context), as the client
+      sent them, when sane (:func:`_trace_safe`): vLLM continues the client's
+      OpenTelemetry trace from them. ``tracestate`` without a ``traceparent``
+      means nothing (the specification says to drop it) and is not sent.
+
+    ``request_id`` must already be a sane token (printable ASCII, no CR/LF).
+    """
+    block = b"X-Request-Id: " + request_id.encode("ascii") + b"\r\n"
+    if traceparent is not None and _trace_safe(traceparent):
+        block += b"traceparent: " + traceparent.encode("ascii") + b"\r\n"
+        if tracestate is not None and _trace_safe(tracestate):
+            block += b"tracestate: " + tracestate.encode("ascii") + b"\r\n"
+    return block
 
 
 class UpstreamError(ConnectionError):
@@ -159,11 +203,16 @@ class Endpoint:
         block = "".join(line + "\r\n" for line in lines).encode("latin-1")
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), block)
 
-    def request_head(self, path: str, body_length: int) -> bytes:
-        """The request line and headers of a POST of ``body_length`` bytes to ``path``."""
-        return b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (
+    def request_head(self, path: str, body_length: int, extra: bytes = b"") -> bytes:
+        """The request line and headers of a POST of ``body_length`` bytes to ``path``.
+
+        ``extra``: the request's own header lines (:func:`forwarded_headers`),
+        after the endpoint's fixed ones.
+        """
+        return b"POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n" % (
             (self.base_path + path).encode("latin-1"),
             self.header_lines,
+            extra,
             body_length,
         )
 
@@ -563,6 +612,7 @@ class UpstreamClient:
         path: str,
         body: bytes,
         first_byte_timeout_s: float | None = None,
+        headers: bytes = b"",
     ) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``path`` on ``endpoint``; returns once the headers are in.
 
@@ -572,6 +622,7 @@ class UpstreamClient:
             body: The JSON body.
             first_byte_timeout_s: Time allowed from sending until the first
                 body byte (None: only the total timeout).
+            headers: The request's own header lines (:func:`forwarded_headers`).
 
         Raises:
             OSError: The connection could not be opened (refused, unreachable).
@@ -585,7 +636,10 @@ class UpstreamClient:
         if conn is None:
             conn = await self._connect(endpoint)
         return await conn.request(
-            endpoint.request_head(path, len(body)), body, self.total_timeout_s, first_byte_timeout_s
+            endpoint.request_head(path, len(body), headers),
+            body,
+            self.total_timeout_s,
+            first_byte_timeout_s,
         )
 
     def heard_from(self, endpoint: Endpoint, alive: bool = True) -> None:

@@ -7,7 +7,17 @@ worker is healthy:
 1. checks health (``GET /health``; ``/v1/models`` for plain OpenAI servers);
 2. discovers the models and LoRA adapters it serves (``GET /v1/models``; an
    entry whose ``parent`` differs from its ``id`` is an adapter), unless the
-   configuration lists them;
+   configuration lists them: at its first passed check, again every
+   ``metrics_poll.models_interval_s`` (adapters loaded or unloaded at
+   runtime), and at once when the engine shows it may serve something else:
+   it restarted (step 3 saw a new process), it is back after being down, or
+   it answered 404 for a model it listed (:meth:`WorkerRegistry.rediscover`,
+   from the proxy, which retries that request elsewhere). A model it stops
+   listing leaves its routing at once, and the name stays known
+   (:meth:`WorkerRegistry.serves`: 503 while no worker lists it, as for a
+   removed worker's, not 404). A failed listing keeps the last list. Each
+   entry's ``root``, ``parent`` and ``max_model_len`` are kept for
+   ``GET /v1/models``;
 3. scrapes ``/metrics`` for the engine's queue (running, waiting), KV usage and
    KV size (vLLM's ``vllm:cache_config_info`` labels ``block_size`` and
    ``num_gpu_blocks``) and mirrors the KV room in the router's index
@@ -85,6 +95,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +122,16 @@ CLIENT_GONE = 499
 """The status of an attempt whose client left (nginx's): no verdict on the worker."""
 
 GONE_MODELS_KEPT = 1024
-"""How many model and adapter names of removed workers stay known (the newest)."""
+"""How many model and adapter names of removed workers, or that a worker stopped
+listing, stay known (the newest)."""
+
+REDISCOVER_MIN_S = 1.0
+"""A 404 for a listed model asks for a new listing only if the last is older than
+this: an engine that lists a model yet refuses it costs a listing a second, not
+one per request."""
+
+MODEL_CARD_FIELDS = ("root", "parent", "max_model_len")
+"""vLLM's model-card fields kept from a worker's listing for ``GET /v1/models``."""
 
 # Engine kind -> (running, waiting, KV usage 0-1) metric sample names.
 ENGINE_METRICS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
@@ -221,6 +241,11 @@ class Worker:
     models: frozenset[str] = frozenset()
     adapters: frozenset[str] = frozenset()
     discovered: bool = False
+    """Its model list is current: False makes the next passed check list it again."""
+    models_at: float = -math.inf
+    """When its models were last listed (the registry's clock)."""
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per listed name, the card fields it reported (:data:`MODEL_CARD_FIELDS`)."""
     engine: EngineStats = field(default_factory=EngineStats)
     foreign: int = 0
     task: asyncio.Task[None] | None = None
@@ -311,6 +336,22 @@ class Worker:
                 else None
             ),
         }
+
+
+def _card_fields(item: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`MODEL_CARD_FIELDS` of one ``/v1/models`` entry that have their
+    type (``root`` a string; ``parent`` a string or null, vLLM's null for a base
+    model; ``max_model_len`` a positive integer)."""
+    out: dict[str, Any] = {}
+    root = item.get("root")
+    if isinstance(root, str):
+        out["root"] = root
+    if "parent" in item and isinstance(item["parent"], str | None):
+        out["parent"] = item["parent"]
+    mml = item.get("max_model_len")
+    if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0:
+        out["max_model_len"] = mml
+    return out
 
 
 def _may_serve_any(w: Worker) -> bool:
@@ -579,16 +620,25 @@ class WorkerRegistry:
                 self.outliers.forget(w.id)
             if self.events is not None:
                 self.events.remove_worker(w.id)
-        gone = self._gone
-        for name in w.models | w.adapters:
-            gone.pop(name, None)  # to the newest end
-            gone[name] = None
-        while len(gone) > GONE_MODELS_KEPT:
-            del gone[next(iter(gone))]
+        self._remember_gone(w.models | w.adapters)
         self._rebuild()
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def _remember_gone(self, names: frozenset[str]) -> None:
+        """Keep ``names`` known (:meth:`serves`) after a worker stopped serving them.
+
+        A removed worker's names, and those a worker stopped listing: while
+        no worker lists one, its requests get 503 (an outage), not 404. The
+        newest :data:`GONE_MODELS_KEPT` are kept.
+        """
+        gone = self._gone
+        for name in names:
+            gone.pop(name, None)  # to the newest end
+            gone[name] = None
+        while len(gone) > GONE_MODELS_KEPT:
+            del gone[next(iter(gone))]
 
     # ------------------------------------------------------------- routing reads
 
@@ -852,13 +902,20 @@ class WorkerRegistry:
         w.backoff_s = self.config.health.backoff_initial_s
         if self.on_check is not None:
             self.on_check(w, True)
-        if not w.discovered:
-            await self._discover(session, w)
         outage_error = w.last_error
+        restarts = w.restarts
         if w.config.metrics_path:
             await self._scrape(session, w)
         if w.removed:
             return False
+        if w.restarts != restarts or not w.healthy:
+            # A new process, or back from an outage (a restart without
+            # /metrics): it may serve other models or adapters now.
+            w.discovered = False
+        if self._models_due(w):
+            await self._discover(session, w)
+            if w.removed:
+                return False
         # A check sent before the worker went silent does not clear it: the
         # check the mark asked for (next) decides.
         if not w.healthy or (w.suspect and w.suspect_since <= started):
@@ -887,6 +944,29 @@ class WorkerRegistry:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return False, f"{path}: {exception_text(exc)}"
 
+    def _models_due(self, w: Worker) -> bool:
+        """Whether ``w``'s models are to be listed now (module docstring, step 2)."""
+        if w.config.models:
+            return False  # configured: never listed
+        if not w.discovered:
+            return True
+        return self.clock() - w.models_at >= self.config.metrics_poll.models_interval_s
+
+    def rediscover(self, w: Worker) -> None:
+        """``w`` answered 404 for a model it listed: list its models again, now.
+
+        Its poller checks it at once (health, metrics, models). At most once
+        per :data:`REDISCOVER_MIN_S`: an engine that lists a model and refuses
+        it anyway must not be listed once per request.
+        """
+        if w.removed or w.config.models or not w.discovered:
+            return  # gone, configured, or a listing is already due
+        if self.clock() - w.models_at < REDISCOVER_MIN_S:
+            return
+        log.info("worker %s refused a model it listed: listing its models again", w.id)
+        w.discovered = False
+        w.wake.set()
+
     async def _discover(self, session: aiohttp.ClientSession, w: Worker) -> None:
         try:
             async with session.get(
@@ -896,23 +976,55 @@ class WorkerRegistry:
                     return
                 data = orjson.loads(await resp.read())
         except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
+            return  # the last list stands; the next check tries again
+        if w.removed:
             return
         models: set[str] = set()
         adapters: set[str] = set()
+        cards: dict[str, dict[str, Any]] = {}
         for item in data.get("data", []) if isinstance(data, dict) else []:
             if not isinstance(item, dict) or not isinstance(item.get("id"), str):
                 continue
+            name = item["id"]
             parent = item.get("parent")
-            if isinstance(parent, str) and parent and parent != item["id"]:
-                adapters.add(item["id"])
+            if isinstance(parent, str) and parent and parent != name:
+                adapters.add(name)
             else:
-                models.add(item["id"])
+                models.add(name)
+            card = _card_fields(item)
+            if card:
+                cards[name] = card
+        old = w.models | w.adapters
         w.models = frozenset(models) | frozenset(w.config.models)
         w.adapters = frozenset(adapters) | frozenset(w.config.adapters)
         w.view.models = w.models
         w.view.adapters = w.adapters
-        w.discovered = True
+        w.model_cards = cards
+        w.discovered, w.models_at = True, self.clock()
+        dropped = old - (w.models | w.adapters)
+        if dropped:
+            log.info("worker %s no longer lists %s", w.id, ", ".join(sorted(dropped)))
+            self._remember_gone(dropped)
         self._rebuild()
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        """The card fields the workers reported for ``name`` (``GET /v1/models``).
+
+        ``root`` and ``parent`` as the first worker (by id) that reported them
+        says; ``max_model_len`` the smallest any reported, so that a client
+        sizing its context from it fits on every worker it may be routed to.
+        """
+        out: dict[str, Any] = {}
+        for wid in sorted(self.workers):
+            card = self.workers[wid].model_cards.get(name)
+            if not card:
+                continue
+            for key, value in card.items():
+                if key == "max_model_len" and "max_model_len" in out:
+                    out[key] = min(out[key], value)
+                else:
+                    out.setdefault(key, value)
+        return out
 
     async def _scrape(self, session: aiohttp.ClientSession, w: Worker) -> None:
         try:
