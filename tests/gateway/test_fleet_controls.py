@@ -1,8 +1,9 @@
 """Fleet controls live: one-class rollout, the drift alarm and session affinity.
 
 Real HTTP on loopback: three ``python -m prefixrouter.simulated_engine``
-processes (real tokenizer and prefix cache; ``chat_template_kwargs.date_string``
-writes a date line ahead of the prompt, as Llama 3.x's chat template does)
+processes (real tokenizer and prefix cache; their ``template_clock`` fault
+writes the time ahead of every prompt, as a chat template calling
+``strftime_now`` does, where no router sees it)
 behind three ``python -m prefixrouter.gateway`` processes:
 
 * ``rollout`` (text mode): prefix routing for the ``document`` class only,
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ from tests.gateway.helpers import run as run_async
 
 ENGINE_ARGS = ["--profile", "tiny-cpu", "--time-scale", "4", "--model", "tiny"]
 ENGINE_ARGS += ["--kv-blocks", "8192"]  # no eviction in these tests but the ones they cause
+ENGINE_ARGS += ["--fault-injection"]  # the drift test's hidden timestamp
 SYSTEM = "You answer questions about the documents you are given."
 TEMPLATE_VERSION = "minutes-v7"
 BOUND_S = 20.0
@@ -158,6 +161,15 @@ async def metric(s: aiohttp.ClientSession, gw: Server, name: str, **labels: str)
     )
 
 
+async def set_faults(
+    s: aiohttp.ClientSession, engines: Iterable[Server], faults: dict[str, Any]
+) -> None:
+    """Set every engine's faults (``{}``: healthy)."""
+    for engine in engines:
+        async with s.post(f"{engine.url}/admin/faults", json=faults) as r:
+            assert r.status == 200, await r.text()
+
+
 def run(coro: Any) -> Any:
     async def bounded() -> Any:
         return await asyncio.wait_for(coro, 60)
@@ -229,16 +241,18 @@ def test_a_hidden_timestamp_fires_the_drift_alarm_and_clean_requests_clear_it(up
     async def main() -> None:
         async with aiohttp.ClientSession() as s:
             assert await metric(s, gw, alarm, prefix_class="document") == 0
-            # The engine's template writes a new date ahead of the document each
+            # The engines' template writes the time ahead of the document each
             # time; the router never sees it, so it predicts the document warm.
-            fired_after = None
-            for i in range(24):
-                date = f"1 Dec 2026 17:{i:02d}:05"
-                kwargs = {"date_string": date}
-                await ask(s, gw, chat(f"{doc}\n\nQuestion {i}?"), chat_template_kwargs=kwargs)
-                if await metric(s, gw, alarm, prefix_class="document") == 1:
-                    fired_after = i + 1
-                    break
+            await set_faults(s, up.engines.values(), {"template_clock": True})
+            try:
+                fired_after = None
+                for i in range(24):
+                    await ask(s, gw, chat(f"{doc}\n\nQuestion {i}?"))
+                    if await metric(s, gw, alarm, prefix_class="document") == 1:
+                        fired_after = i + 1
+                        break
+            finally:  # the template fixed: the other tests' engines are healthy
+                await set_faults(s, up.engines.values(), {})
             assert fired_after is not None, "the alarm never fired"
             assert (
                 await metric(s, gw, "prefixrouter_drift_alarms_total", prefix_class="document") == 1
@@ -258,7 +272,9 @@ def test_a_hidden_timestamp_fires_the_drift_alarm_and_clean_requests_clear_it(up
     assert len(lines) == 1, lines  # one line per firing
     (line,) = lines
     assert "prefix class 'document'" in line and f"template version {TEMPLATE_VERSION!r}" in line
-    assert "first divergent position: token 0 (char ~0 of" in line  # reuse ended at once
+    # Reuse ended in the date line, the engine's first block (16 tokens: tiny-cpu).
+    found = re.search(r"first divergent position: token (\d+) ", line)
+    assert found is not None and int(found.group(1)) <= 16, line
     assert "no volatile field there" in line  # the date is in no text the router saw
 
 

@@ -36,12 +36,13 @@ from typing import Any
 
 import yaml
 
+from prefixrouter.gateway.config import ServerConfig
 from prefixrouter.harness.ports import HOST, free_port
 from prefixrouter.harness.processes import Fleet, Server
 
 BOOTSTRAP = Path(__file__).with_name("envoy.yaml")
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
-BUFFERED_LIMIT_BYTES = 8 * 1024 * 1024
+BUFFERED_LIMIT_BYTES: int = ServerConfig.model_fields["max_body_bytes"].default
 """A ``BUFFERED`` body must fit Envoy's buffer: the gateway's default ``server.max_body_bytes``."""
 RESPONSE_BODY_MODE = {"FULL_DUPLEX_STREAMED": "FULL_DUPLEX_STREAMED", "BUFFERED": "STREAMED"}
 """The response body mode for each request body mode: never ``BUFFERED`` (a stream is not held)."""

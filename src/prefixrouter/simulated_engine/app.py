@@ -53,6 +53,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +218,7 @@ class EngineServer:
             except ChatTemplateError as exc:
                 param = "tools" if str(exc).startswith("tools") else "messages"
                 raise bad_request(str(exc), param) from None
-            return await self._encode(_date_header(body) + text)
+            return await self._encode(_date_header(body, self.faults.template_clock) + text)
         prompt = completion_prompt(body)
         if isinstance(prompt, str):
             return await self._encode(prompt)
@@ -555,19 +556,20 @@ SERVER_KEY = web.AppKey("simulated_engine", EngineServer)
 """Where :func:`create_app` keeps the :class:`EngineServer` (tests read it)."""
 
 
-def _date_header(body: dict[str, Any]) -> str:
+def _date_header(body: dict[str, Any], clock: bool = False) -> str:
     """The date line a request's ``chat_template_kwargs.date_string`` puts ahead of the prompt.
 
     Llama 3.x's chat template writes ``Today Date: {{ date_string }}`` into
-    the head of every prompt (vLLM passes ``chat_template_kwargs`` to it): a
-    field a router that renders the messages itself never sees, and which
-    ends the engine's prefix reuse at the first token when it changes. This
-    engine writes it the same way ("" when the request gives none).
+    the head of every prompt (vLLM passes ``chat_template_kwargs`` to it),
+    which ends the engine's prefix reuse at the first token when it changes.
+    This engine writes it the same way ("" when the request gives none).
+    Without one, ``clock`` (the ``template_clock`` fault) writes the time
+    now, as a template that calls ``strftime_now`` does.
     """
     kwargs = body.get("chat_template_kwargs")
     date = kwargs.get("date_string") if isinstance(kwargs, dict) else None
     if date is None:
-        return ""
+        return f"Today Date: {datetime.now():%d %b %Y %H:%M:%S.%f}\n\n" if clock else ""
     if not isinstance(date, str):
         raise bad_request(
             "chat_template_kwargs.date_string: must be a string", "chat_template_kwargs"

@@ -16,6 +16,12 @@ Two things a fault test needs from an engine, and a real one cannot give:
     ``data: [DONE]`` (unstreamed: the JSON cut in half);
   - ``bad_usage``: usage fields of the wrong sign and type (a negative
     ``prompt_tokens``, ``cached_tokens`` past the prompt, a string count);
+  - ``template_clock``: the engine's chat template writes the time ahead of
+    every chat prompt (``Today Date: 07 Dec 2026 23:59:01.123456``), as a
+    template that calls ``strftime_now`` does (Llama 3.2's writes the day,
+    so its prompts change at midnight; this one at every request): a head
+    the router never sees, which ends the engine's prefix reuse at the
+    first token;
   - ``drop_kv_events`` (int): the next that many KV-event batches are not sent,
     though their sequence numbers are used (the router sees a gap; the replay
     socket still has them);
@@ -57,6 +63,7 @@ class Faults:
     malformed: bool = False
     truncate: bool = False
     bad_usage: bool = False
+    template_clock: bool = False
     drop_kv_events: int = 0
     every: int = 1
 
@@ -92,7 +99,7 @@ def parse_faults(body: Any) -> Faults:
     ):
         raise bad_request("'status' must be an HTTP error status (400-599) or null.", "status")
     out.status = status
-    for name in ("malformed", "truncate", "bad_usage"):
+    for name in ("malformed", "truncate", "bad_usage", "template_clock"):
         value = body.get(name, False)
         if not isinstance(value, bool):
             raise bad_request(f"'{name}' must be a boolean.", name)
