@@ -28,6 +28,7 @@ from prefixrouter.core.types import WorkerId
 from prefixrouter.gateway import workers as workers_module
 from prefixrouter.gateway.config import WorkerConfig
 from prefixrouter.harness.ports import free_port
+from prefixrouter.prometheus import samples
 from tests.gateway.fakes import FakeEngine
 from tests.gateway.helpers import gateway_env, run
 
@@ -37,6 +38,11 @@ async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.01)
+
+
+def _sample(scrape: str, name: str, worker: str) -> float:
+    (value,) = [x.value for x in samples(scrape) if x.name == name and x.labels["worker"] == worker]
+    return value
 
 
 async def _error(r: ClientResponse) -> dict[str, Any]:
@@ -126,6 +132,10 @@ def test_a_drain_whose_caller_left_still_removes_the_worker() -> None:
             await _until(lambda: env.state.dispatch.load(wid).in_flight == 1)
             caller = asyncio.ensure_future(reg.drain_and_remove(wid, 5.0))
             await _until(lambda: w.draining)
+            # Out of routing on purpose: the metric the down alert leaves such a worker by.
+            scrape = await (await env.client.get("/metrics")).text()
+            assert _sample(scrape, "prefixrouter_worker_healthy", "w0") == 0
+            assert _sample(scrape, "prefixrouter_worker_draining", "w0") == 1
             caller.cancel()
             assert (await slow).status == 200
             # Not left draining for ever: removed once its request finished.

@@ -105,6 +105,7 @@ class WorkerGauges:
     ejected: bool = False
     ejections: int = 0
     speed_scale: float = 1.0
+    draining: bool = False
 
 
 class _Counter:
@@ -214,6 +215,11 @@ class _Collector(Collector):
             "Outlier ejections of the worker since it joined.",
             labels=["worker"],
         )
+        draining = GaugeMetricFamily(
+            "prefixrouter_worker_draining",
+            "1 while the worker is being removed: no new requests, its own finishing.",
+            labels=["worker"],
+        )
         speed = GaugeMetricFamily(
             "prefixrouter_worker_speed_scale",
             "The cost model's calibration factor: the worker's TTFTs over its speed "
@@ -228,6 +234,7 @@ class _Collector(Collector):
             kv.add_metric([w.worker], w.kv_usage)
             waiting.add_metric([w.worker], w.engine_waiting)
             speed.add_metric([w.worker], w.speed_scale)
+            draining.add_metric([w.worker], 1.0 if w.draining else 0.0)
         yield healthy
         yield flight
         yield kv
@@ -235,6 +242,7 @@ class _Collector(Collector):
         yield ejected
         yield ejections
         yield speed
+        yield draining
 
 
 @dataclass(frozen=True, slots=True)

@@ -718,6 +718,7 @@ class WorkerRegistry:
                 w.ejected,
                 w.ejections,
                 self.dispatch.speed_scale(w.id),
+                w.draining,
             )
             for w in self.workers.values()
         ]
