@@ -22,7 +22,10 @@ one line on stderr and exit with status 2; never a traceback.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -37,7 +40,9 @@ from prefixrouter.errors import PrefixRouterError, output_problem, unreadable, u
 from prefixrouter.terminal import err_console, fail, note
 
 if TYPE_CHECKING:
+    from prefixrouter.sim.report import FirstSeen
     from prefixrouter.sim.runner import RequestTooLarge
+    from prefixrouter.sim.workload import Workload
 
 app = typer.Typer(
     name="prefixrouter",
@@ -52,6 +57,13 @@ console = Console(width=None if sys.stdout.isatty() else 170)
 
 MAX_SEED = 2**64 - 1
 """The largest --seed: the JSON report writes it as an unsigned 64-bit integer."""
+MAX_WORKERS = 4096
+"""The largest --workers. Every arrival is scored against every engine, so a run's
+time grows with requests x workers x policies: measured on one core, 4,096 workers
+take about 15 s per 100 requests per policy, 8,192 about 40 s (superlinear), and a
+request on 100,000 of them takes seconds, so a run of the default size takes hours."""
+PROGRESS_EVERY_S = 0.1
+"""How often a progress bar is redrawn (a slow request still moves it)."""
 DEFAULT_SCENARIO = "doc-qa"
 
 
@@ -82,7 +94,14 @@ def _policy_list(spec: str) -> list[str]:
         alias = alias_note(name)
         if alias is not None:
             note(f"--policies: {alias}")
-    return [canonical_policy_name(n) for n in names]
+    out: list[str] = []
+    for name in map(canonical_policy_name, names):
+        if name in out:
+            # The same seed gives the same run: a second one adds a row, no figure.
+            note(f"--policies: {name} is named twice; it runs once")
+        else:
+            out.append(name)
+    return out
 
 
 def _results_table(report: dict[str, Any]) -> Table:
@@ -191,7 +210,13 @@ def simulate(
     ] = None,
     trace_format: Annotated[str, typer.Option(help="Trace format: mooncake.")] = "mooncake",
     workers: Annotated[
-        int | None, typer.Option(min=1, help="Engine replicas (scenario default).")
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"Engine replicas (scenario default), at most {MAX_WORKERS:,}: every "
+            "arrival is scored against every engine, so 4,096 take about 15 s per 100 "
+            "requests per policy.",
+        ),
     ] = None,
     profile: Annotated[str, typer.Option(help="Engine profile (see `profiles`).")] = (
         "llama3-8b-h100"
@@ -226,7 +251,12 @@ def simulate(
         ),
     ] = 1.0,
     arrival: Annotated[
-        str, typer.Option(help="Arrival process: poisson, gamma or gamma:CV.")
+        str,
+        typer.Option(
+            help="Arrival process: poisson, gamma or gamma:CV (the gaps' coefficient of "
+            "variation, 0.01 to 100: below, the gaps are constant; above, most are 0 and "
+            "a run's rate is not the one asked for)."
+        ),
     ] = "poisson",
     policies: Annotated[
         str, typer.Option(help="'all' or a comma-separated list of policies.")
@@ -285,7 +315,7 @@ def simulate(
     """Simulate a workload on a fleet under every routing policy, side by side."""
     from prefixrouter.core.dispatch import routing_mode
     from prefixrouter.sim.report import lower_bound_prefill_tokens, ttft_floor_ms
-    from prefixrouter.sim.runner import Replicas, RequestTooLarge, plan, run_plan
+    from prefixrouter.sim.runner import RateError, Replicas, RequestTooLarge, plan, run_plan
     from prefixrouter.sim.scenarios import SCENARIOS
 
     if list_:
@@ -303,14 +333,28 @@ def simulate(
             "which text-mode hashes (character chunks) never match"
         )
     _check_arrival_options(scenario, trace, trace_format, arrival, rate_scale, load, rate)
+    if workers is not None and workers > MAX_WORKERS:
+        raise fail(
+            f"--workers {workers}: at most {MAX_WORKERS:,} (every arrival is scored against "
+            "every engine; see --help)"
+        )
+    if not math.isfinite(sync_lag_ms):  # typer's min=0 lets inf through
+        raise fail(f"--sync-lag-ms {sync_lag_ms:g}: expected a finite number of milliseconds")
     if replicas == 1 and (not sync or sync_lag_ms):
         # A one-router cell of a replica sweep is run with the sweep's lag: note, not refuse.
         note("--no-sync and --sync-lag-ms have no effect on one router (--replicas 1)")
+    elif not sync and sync_lag_ms:
+        # The report records the lag that applied: none.
+        note("--sync-lag-ms has no effect with --no-sync: the replicas share nothing to delay")
+        sync_lag_ms = 0.0
     if rate is not None and load is not None:
         note(f"--rate {rate:g} overrides --load {load:g}")
+    # Neither output may be the trace it reads, nor the other output.
+    taken: dict[str, Path | None] = {"the trace it reads": trace}
     for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
-        if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
+        if path is not None and (why := output_problem(path, suffix=suffix, taken=taken)):
             raise fail(f"{option} {path}: {why}")
+        taken[f"the {option} output"] = path
     try:
         workload = _load_workload(
             scenario or DEFAULT_SCENARIO, trace, trace_format, requests, seed, arrival, rate_scale
@@ -335,30 +379,29 @@ def simulate(
             replicas=Replicas(replicas, sync, sync_lag_ms / 1e3),
             token_count=token_count,
             client_max_tokens=client_max_tokens,
+            scan=_scan_with_progress,
         )
     except OSError as exc:  # the trace file
         raise fail(unreadable(exc.filename, exc) if exc.filename else str(exc)) from None
     except RequestTooLarge as exc:
         raise fail(_too_large(exc, trace, kv_blocks, profile, scale)) from None
+    except RateError as exc:
+        raise fail(f"--{exc.option} {exc.value:g}: {exc}") from None
     except (PrefixRouterError, KeyError, ValueError) as exc:
         raise fail(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
 
-    with Progress(
-        TextColumn("[bold]{task.description:<22}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=False,
-    ) as progress:
-        task: list[Any] = []
+    # The bound, the floor and a load's capacity read one scan of the prompts: the
+    # plan's, if a load made one, else one made now (before the runs, with its bar).
+    seen = p.first_seen if p.first_seen is not None else _scan_with_progress(p.workload)
+    with _progress() as progress:
+        ticks: list[Callable[[int], None]] = []
 
         def on_start(name: str, total: int) -> None:
-            task.append(progress.add_task(name, total=total))
+            task = progress.add_task(name, total=total)
+            ticks.append(_every(lambda done: progress.update(task, completed=done), total))
 
         def on_progress(done: int) -> None:
-            if done % 50 == 0 or done == len(p.workload.requests):
-                progress.update(task[-1], completed=done)
+            ticks[-1](done)
 
         results, runs = run_plan(p, on_start=on_start, on_progress=on_progress)
 
@@ -385,8 +428,8 @@ def simulate(
         **({"token_count": False} if not token_count else {}),
         **({"requests": requests} if requests is not None else {}),
         **({"limit": limit} if limit is not None else {}),
-        "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload),
-        "ttft_floor_ms": ttft_floor_ms(p.workload, prof.speed),
+        "lower_bound_prefill_tokens": lower_bound_prefill_tokens(p.workload, seen),
+        "ttft_floor_ms": ttft_floor_ms(p.workload, prof.speed, seen),
         "results": results,
     }
     console.print(_results_table(report))
@@ -407,6 +450,46 @@ def simulate(
         except OSError as exc:
             raise fail(f"--plot {unwritable(plot, exc)}") from None
         console.print(f"wrote {plot}")
+
+
+def _progress() -> Progress:
+    """The progress bars of ``simulate`` (on stderr, kept when done)."""
+    return Progress(
+        TextColumn("[bold]{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=False,
+    )
+
+
+def _every(update: Callable[[int], None], total: int) -> Callable[[int], None]:
+    """``update(done)`` at most every :data:`PROGRESS_EVERY_S`, and at ``total``: by time,
+    not by count, so that a bar moves whatever one step costs (a request on thousands
+    of workers, or a long prompt to hash) and costs nothing when steps are quick."""
+    last = -math.inf
+
+    def tick(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == total or now - last >= PROGRESS_EVERY_S:
+            last = now
+            update(done)
+
+    return tick
+
+
+def _scan_with_progress(workload: Workload) -> FirstSeen:
+    """:func:`~prefixrouter.sim.report.first_seen` (it hashes every prompt) with its own bar."""
+    from prefixrouter.sim.report import first_seen
+
+    total = len(workload.requests)
+    with _progress() as progress:
+        task = progress.add_task("prefix bound", total=total)
+        return first_seen(
+            workload, on_progress=_every(lambda done: progress.update(task, completed=done), total)
+        )
 
 
 def _load_workload(
@@ -430,9 +513,13 @@ def _load_workload(
     if scenario == "mooncake-conversation":
         from prefixrouter.sim.traces import bundled_mooncake_path, load_mooncake
 
-        return load_mooncake(
+        # Reported as the scenario the user named, not after the file. Its request
+        # ids keep the file's stem, as this command always made them: policies seed
+        # their random choices with them, and new ids would change its figures.
+        workload = load_mooncake(
             bundled_mooncake_path(), limit=requests, rate_scale=rate_scale, seed=seed
         )
+        return dataclasses.replace(workload, name=spec.name)
     return spec.build(seed, requests, arrival)
 
 
@@ -445,7 +532,14 @@ def _check_arrival_options(
     load: float | None,
     rate: float | None,
 ) -> None:
-    """Refuse arrival options that the chosen workload would silently ignore."""
+    """Refuse arrival options that the chosen workload would silently ignore, or that
+    name no arrival process."""
+    from prefixrouter.sim.workload import arrival_cv
+
+    try:
+        arrival_cv(arrival)
+    except ValueError as exc:
+        raise fail(f"--arrival: {exc}") from None
     if trace is not None and scenario is not None:
         raise fail("--trace replaces the scenario: give --trace or --scenario, not both")
     if trace is None and trace_format != "mooncake":

@@ -11,13 +11,14 @@
 Callers at the edges (CLI, HTTP gateway) turn these into one-line messages or
 OpenAI-style JSON errors; nothing below them prints. The messages for files
 live here too: :func:`unreadable`, :func:`unwritable`, and :func:`output_problem`,
-which commands run on their output paths before a long run.
+which commands run on their output paths before a long run (with :func:`same_file`,
+so that no output overwrites an input or another output).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from os import PathLike
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def unwritable(path: str | PathLike[str], exc: OSError) -> str:
     return f"{path}: cannot write: {exc.strerror or exc}"
 
 
-def output_problem(path: Path, *, suffix: str | None = None) -> str | None:
+def output_problem(
+    path: Path, *, suffix: str | None = None, taken: Mapping[str, Path | None] | None = None
+) -> str | None:
     """Why ``path`` cannot be written as an output file, or None if it looks writable.
 
     Commands check their ``--json`` / ``--plot`` paths with this before a long
@@ -52,9 +55,16 @@ def output_problem(path: Path, *, suffix: str | None = None) -> str | None:
         suffix: The extension the file must have (``".png"``), compared
             case-insensitively; a writer that appends its own extension to a
             name without one would otherwise write another file than the one named.
+        taken: Files the output must not be, by what they are (``{"the trace it
+            reads": trace, "the --json output": json_out}``; None values are
+            skipped): an input the run reads would be overwritten with its
+            report, and two outputs in one file leave only the last.
     """
     if path.is_dir():
         return "is a directory"
+    for what, other in (taken or {}).items():
+        if other is not None and same_file(path, other):
+            return f"is {what}"
     if suffix is not None and path.suffix.lower() != suffix:
         return f"expected a file name ending in {suffix}"
     # The nearest existing folder above it must be a writable folder (the rest is made).
@@ -71,6 +81,15 @@ def output_problem(path: Path, *, suffix: str | None = None) -> str | None:
     elif parent.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"permission denied in {parent}"
     return None
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same file if both exist (hard and
+    symbolic links included), else the same absolute path once resolved."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet), or cannot be looked at
+        return a.resolve() == b.resolve()
 
 
 class PrefixRouterError(Exception):

@@ -276,10 +276,10 @@ def test_cli_lints_a_template_that_opens_with_a_brace(tmp_path: Path, head: str,
          "skipped as malformed; the first, line 1: invalid JSON: unexpected end of data"),
         ('{"a": 1}\n{"b"\n', ": no request body in it: 2 lines skipped as malformed; the first, "
          "line 1: no 'messages' or 'prompt'"),
-        ("[1, 2, 3]", ": no request body in it: 3 items skipped as malformed; the first, item 0: "
+        ("[1, 2, 3]", ": no request body in it: 3 items skipped as malformed; the first, item 1: "
          "expected a JSON object, got int"),
         ("[]", ": no request body in it: it is empty"),
-        ('[{"messages": [', ": line 1: invalid JSON: unexpected end of data"),
+        ('[{"messages": [', ":1: invalid JSON: unexpected end of data"),
     ],
 )  # fmt: skip
 def test_cli_a_json_file_with_no_body_is_an_error(

@@ -5,8 +5,9 @@ near-identical requests diverge and the verdict; optionally writes the JSON
 report and a PNG. Malformed lines are reported on stderr as ``FILE:LINE:
 reason`` (the first :data:`MAX_ERRORS_SHOWN`, then a count) and skipped. Errors
 the user can fix (no such file, a damaged ``.gz``, not a tokenizer, an output
-path that cannot be written, a log with no usable line) print one line and
-exit 2; the output paths are checked before the log is read.
+path that cannot be written or that is the log or the other output, a log
+with no usable line) print one line and exit 2; the output paths are checked
+before the log is read. A gzip log is known by its content, whatever its name.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _err = Console(stderr=True, highlight=False)
 
 def analyze(
     log: Annotated[
-        Path, typer.Argument(help="JSON lines of request bodies or decision-log records (.gz ok).")
+        Path, typer.Argument(help="JSON lines of request bodies or decision-log records (gzip ok).")
     ],
     tokenizer: Annotated[
         Path | None,
@@ -54,9 +55,12 @@ def analyze(
     """Analyze a request log: repeated prefixes, reusable prefill, hidden volatile fields."""
     if not log.is_file():
         raise fail(f"{log}: {'is a directory' if log.is_dir() else 'no such file'}")
+    # Neither output may be the log it reads, nor the other output.
+    taken: dict[str, Path | None] = {"the log it reads": log}
     for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
-        if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
+        if path is not None and (why := output_problem(path, suffix=suffix, taken=taken)):
             raise fail(f"{option} {path}: {why}")
+        taken[f"the {option} output"] = path
     try:
         encoder = load_encoder(tokenizer) if tokenizer is not None else None
     except (OSError, ValueError) as exc:

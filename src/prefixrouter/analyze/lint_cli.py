@@ -1,18 +1,26 @@
 """``prefixrouter lint FILE``: volatile fields placed before long stable content.
 
 ``FILE`` is read as, in order: one JSON request body (or a log record
-wrapping one), a JSON array of bodies, JSON lines of bodies (malformed lines
-are reported as ``FILE:LINE: reason`` on stderr and skipped), or else a prompt
-template (plain text). A file that does not parse as one JSON document is
-JSON lines when it starts as JSON does (``{"``, ``{}``, or ``[`` and ``{``,
-``[``, ``"`` or ``]``), else a template: one that opens with ``{{ now }}``,
-``{% if %}`` or ``[System]`` is linted as a template. Findings print as a
-table, or with ``--json`` as a JSON list of ``{"kind", "position", "text",
-"stable_tokens_after", "fix", ...}``.
+wrapping one), a JSON array of bodies (malformed items are reported as
+``FILE: item N: reason``, counted from 1, on stderr and skipped), JSON lines
+of bodies (malformed lines are reported as ``FILE:LINE: reason`` and skipped),
+or else a prompt template (plain text); gzip is decompressed first. A file
+that does not parse as one JSON document is JSON lines when it starts as JSON
+does (``{"``, ``{}``, or ``[`` and ``{``, ``[``, ``"`` or ``]``), else a
+template: one that opens with ``{{ now }}``, ``{% if %}`` or ``[System]`` is
+linted as a template. Findings print as a table, or with ``--json`` as a JSON
+list of ``{"kind", "position", "text", "stable_tokens_after", "fix", ...}``.
+
+In a request body, the last message is the call's own (its per-call tail: the
+last paragraph of a user message, all of a message of another role), so a
+field in it is not reported: a request of one system message is all tail. A
+field that varies from call to call is found by comparing calls: lint JSON
+lines of several requests.
 
 Exit status: 0 when there are at most ``--max-findings`` findings, 1 when
-there are more, 2 when the file cannot be read or holds no request body to
-lint (JSON that does not parse, or no line or item of it a body).
+there are more, 2 when the file cannot be read or holds nothing to lint (it
+is empty, not UTF-8 text, JSON that does not parse, or no line or item of it
+a body); such an error names ``FILE:LINE`` when it is on one line.
 
 The linter is :mod:`prefixrouter.prompt.lint`'s; the command lives here, with
 the log reader it reads files through (:mod:`.reader`), so that
@@ -21,8 +29,10 @@ the log reader it reads files through (:mod:`.reader`), so that
 
 from __future__ import annotations
 
+import gzip
 import re
 import sys
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,7 +42,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from prefixrouter.analyze.reader import SkippedLines, format_error, iter_records, parse_record
+from prefixrouter.analyze.reader import (
+    GZIP_MAGIC,
+    SkippedLines,
+    format_error,
+    iter_records,
+    parse_record,
+)
 from prefixrouter.prompt.lint import DEFAULT_MIN_STABLE_TOKENS, Finding, Linter, LintParams
 from prefixrouter.terminal import fail
 
@@ -44,19 +60,40 @@ _err = Console(stderr=True, highlight=False)
 _JSON_START = re.compile(r'\s*(?:\{\s*["}]|\[\s*[{\["\]])')
 
 
+class LintInputError(ValueError):
+    """A file with nothing to lint; ``line``: the 1-based line at fault (None: the file)."""
+
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+
+
 def lint_file(path: Path, linter: Linter) -> list[Finding]:
     """Lint a body, an array of bodies, JSON lines of bodies or a template.
 
     Raises:
         OSError: The file cannot be read.
+        LintInputError: It is empty, a damaged gzip file or not UTF-8 (the
+            line of the first bad byte), or JSON that does not parse as an
+            array (its line).
         ValueError: It is JSON but holds no request body (the message names
-            the line or item and why), or it is not UTF-8.
+            the line or item and why).
     """
     raw = path.read_bytes()
+    if raw[: len(GZIP_MAGIC)] == GZIP_MAGIC:  # as the log reader: by content, not name
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise LintInputError(f"not a valid gzip file: {exc}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise LintInputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", line) from None
+    if not text.strip():
+        # Not a template to lint: an empty template has nothing in it, and this is
+        # rather a file written by a failed export.
+        raise LintInputError(f"nothing to lint: {'it is empty' if not raw else 'only blanks'}")
     head = text.lstrip()
     if not head.startswith(("{", "[")):
         return linter.lint_template(text)
@@ -66,7 +103,7 @@ def lint_file(path: Path, linter: Linter) -> list[Finding]:
         if not _JSON_START.match(text):
             return linter.lint_template(text)
         if head.startswith("["):
-            raise ValueError(f"line {exc.lineno}: invalid JSON: {exc.msg}") from None
+            raise LintInputError(f"invalid JSON: {exc.msg}", exc.lineno) from None
         return _lint_json_lines(path, linter)
     if isinstance(doc, dict):
         rec = parse_record(doc, 1)
@@ -76,13 +113,13 @@ def lint_file(path: Path, linter: Linter) -> list[Finding]:
     # JSON text that starts with { or [ is an object or an array.
     skipped = SkippedLines()
     bodies: list[tuple[int, Mapping[str, Any]]] = []
-    for i, item in enumerate(doc):
-        rec = parse_record(item, i + 1)
+    for number, item in enumerate(doc, start=1):  # counted from 1, as lines are
+        rec = parse_record(item, number)
         if isinstance(rec, str):
-            _err.print(f"{path}: item {i}: {rec}", markup=False)
-            skipped(i, rec)
+            _err.print(f"{path}: item {number}: {rec}", markup=False, soft_wrap=True)
+            skipped(number, rec)
         else:
-            bodies.append((i + 1, rec.body))
+            bodies.append((number, rec.body))
     if not bodies:
         raise ValueError(skipped.none_usable("request body", "item"))
     return linter.lint_bodies(bodies)
@@ -141,10 +178,19 @@ def lint(
         typer.Option(min=0, help="Report a field only before at least this many stable tokens."),
     ] = DEFAULT_MIN_STABLE_TOKENS,
 ) -> None:
-    """Find volatile fields (timestamps, ids, counters) placed before long stable content."""
+    """Find volatile fields (timestamps, ids, counters) placed before long stable content.
+
+    A request's last message is its per-call tail and is not searched (a request
+    of one system message is all tail): to find a field that changes per call
+    there, lint several requests as JSON lines, which compares them.
+    """
     linter = Linter(LintParams(min_stable_tokens=min_stable_tokens))
     try:
         findings = lint_file(file, linter)
+    except LintInputError as exc:
+        raise fail(
+            format_error(file, exc.line, str(exc)) if exc.line else f"{file}: {exc}"
+        ) from None
     except (OSError, ValueError) as exc:
         raise fail(
             f"{file}: {(exc.strerror or exc) if isinstance(exc, OSError) else exc}"

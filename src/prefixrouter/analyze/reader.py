@@ -1,8 +1,8 @@
 """Streaming reader of request logs: OpenAI request bodies or decision-log records.
 
-One JSON object per line (``.gz`` files are decompressed on the fly); the file
-is read line by line, so memory does not grow with its length. A line is one
-of:
+One JSON object per line (gzip files, known by their magic bytes whatever
+their name, are decompressed on the fly); the file is read line by line, so
+memory does not grow with its length. A line is one of:
 
 * a request body: an object with ``messages`` (chat) or a string ``prompt``
   (completions);
@@ -21,11 +21,12 @@ engines (or the gateway) refused, a 400 for a prompt too long, say, was
 never served, and the analysis leaves it out (:attr:`LogRecord.served`).
 
 A line that is none of these (invalid JSON, not an object, a ``messages``
-that is not a list of objects, a body-less record without a prompt length) is
+that is not a list of objects, a body-less record without a prompt length, a
+record whose cached tokens outnumber its prompt's) is
 reported through ``on_error(line, reason)`` and skipped (:class:`SkippedLines`
 is such a handler: it keeps the count and the first reason, for the message
 when no line was usable); blank lines are skipped silently. Nothing here
-raises on bad input except for I/O errors and a damaged ``.gz``
+raises on bad input except for I/O errors and a damaged gzip file
 (:class:`gzip.BadGzipFile`, an :class:`OSError`).
 """
 
@@ -44,6 +45,8 @@ from prefixrouter.core.types import CacheNamespace, PrefixClass
 from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER, parse_prefix_class
 
 BODY_KEYS = ("request", "body", "request_body")
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first bytes of a gzip file (RFC 1952), as :mod:`prefixrouter.sim.traces` sniffs them."""
 CLIENT_GONE = 499
 """The gateway's status for a request whose client went away."""
 
@@ -187,23 +190,47 @@ def parse_record(obj: Any, line: int = 0) -> LogRecord | str:
     usage = usage if isinstance(usage, Mapping) else {}
     details = usage.get("prompt_tokens_details")
     details = details if isinstance(details, Mapping) else {}
+    prompt_tokens = _int(usage.get("prompt_tokens", record.get("prompt_tokens")))
+    cached_tokens = _int(details.get("cached_tokens", _first(record, _CACHED_KEYS)))
+    if (why := _cached_problem(cached_tokens, prompt_tokens)) is not None:
+        return why
     return LogRecord(
         line=line,
         body=body,
         prefix_class=cls,
         namespace=namespace,
-        prompt_tokens=_int(usage.get("prompt_tokens", record.get("prompt_tokens"))),
-        cached_tokens=_int(details.get("cached_tokens", _first(record, _CACHED_KEYS))),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         # A bare body's fields are the request's own: only a record states a status.
         status=_int(record.get("status")) if body is not record else None,
     )
 
 
+def _cached_problem(
+    cached: int | None, prompt: int | None, prompt_field: str = "prompt_tokens"
+) -> str | None:
+    """Why a record's cached and prompt token counts contradict each other, or None.
+
+    An engine reuses part of the prompt, never more: a record that says
+    otherwise has one of its counts wrong, and which one cannot be told, so
+    the record is skipped rather than clamped (its cached share would read
+    above 100%).
+    """
+    if cached is not None and prompt is not None and cached > prompt:
+        return f"cached_tokens {cached:,} > {prompt_field} {prompt:,}"
+    return None
+
+
 def _key_record(obj: Mapping[str, Any], line: int) -> LogRecord | str:
     """A body-less decision record: its prefix key and token counts."""
-    tokens = _int(obj.get("prompt_tokens")) or _int(obj.get("estimated_prompt_tokens"))
+    reported = _int(obj.get("prompt_tokens"))
+    field = "prompt_tokens" if reported else "estimated_prompt_tokens"
+    tokens = reported or _int(obj.get("estimated_prompt_tokens"))
     if not tokens:
         return "decision record without a body or a prompt length"
+    cached = _int(obj.get("actual_cached_tokens"))
+    if (why := _cached_problem(cached, tokens, field)) is not None:
+        return why
     cls = parse_prefix_class(obj.get("prefix_class"))
     namespace = obj.get("namespace")
     return LogRecord(
@@ -212,23 +239,26 @@ def _key_record(obj: Mapping[str, Any], line: int) -> LogRecord | str:
         prefix_class=None if cls is PrefixClass.UNKNOWN else cls,
         namespace=namespace if isinstance(namespace, str) else str(obj.get("model", "")),
         prompt_tokens=tokens,
-        cached_tokens=_int(obj.get("actual_cached_tokens")),
+        cached_tokens=cached,
         prefix_key=str(obj["prefix_key"]),
         status=_int(obj.get("status")),
     )
 
 
 def _open(path: Path) -> IO[bytes]:
-    if path.suffix == ".gz":
-        return cast(IO[bytes], gzip.open(path, "rb"))
-    return path.open("rb")
+    """The file's bytes, decompressed if it is gzip: known by its first bytes, not its
+    name (a gzipped log called ``.jsonl`` would otherwise read as invalid JSON)."""
+    with path.open("rb") as fh:
+        head = fh.read(len(GZIP_MAGIC))
+    # Opened again by name: a GzipFile over an open file would not close that file.
+    return cast(IO[bytes], gzip.open(path, "rb")) if head == GZIP_MAGIC else path.open("rb")
 
 
 def iter_records(path: Path, on_error: ErrorHandler | None = None) -> Iterator[LogRecord]:
     """Stream the usable records of a JSON-lines log.
 
     Args:
-        path: The log (``.gz`` is decompressed).
+        path: The log (gzip is decompressed).
         on_error: Called with (line number, reason) for each line skipped as malformed.
 
     Yields:
@@ -236,7 +266,7 @@ def iter_records(path: Path, on_error: ErrorHandler | None = None) -> Iterator[L
 
     Raises:
         OSError: The file cannot be opened or read (:class:`gzip.BadGzipFile`:
-            a ``.gz`` that is truncated or damaged).
+            a gzip file that is truncated or damaged).
     """
     try:
         yield from _iter_records(path, on_error)

@@ -70,6 +70,7 @@ Stale engine wakeups are dropped by comparing the engine's ``epoch``.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -223,8 +224,10 @@ class ClusterConfig:
             )
         if self.routers < 1:
             raise ValueError(f"router replicas must be at least 1, got {self.routers}")
-        if not self.sync_lag_s >= 0.0:  # also refuses NaN
-            raise ValueError(f"sync lag must be >= 0 seconds, got {self.sync_lag_s}")
+        # Also refuses NaN; an infinite lag is no sync at all (facts that never
+        # arrive), which `sync=False` says, and JSON cannot write.
+        if not (self.sync_lag_s >= 0.0 and math.isfinite(self.sync_lag_s)):
+            raise ValueError(f"sync lag must be finite and >= 0 seconds, got {self.sync_lag_s}")
         routing_mode(self.mode)  # a string from outside the type checker's view
         if self.kv_events and self.mode != "token":
             raise ValueError(

@@ -34,13 +34,14 @@ How far a policy's TTFT is above it is what routing and queueing cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prefixrouter.core.hashing import BlockHasher
 from prefixrouter.core.types import BlockHash, SpeedProfile
 from prefixrouter.sim.cluster import RequestRecord, SimRun
-from prefixrouter.sim.workload import SimRequest, Workload
+from prefixrouter.sim.workload import Workload
 from prefixrouter.stats import percentiles
 
 
@@ -54,46 +55,111 @@ Origin = tuple[float, int]
 """Where a block was first seen: that request's arrival and the blocks it reused."""
 
 
-def _first_seen(
-    workload: Workload,
-) -> Iterator[tuple[SimRequest, tuple[BlockHash, ...], int, dict[BlockHash, Origin]]]:
-    """Each request with its block hashes, how many leading blocks some earlier request
-    brought, and the origin of every block seen before it (one unlimited shared cache).
+@dataclass(frozen=True, slots=True)
+class FirstSeen:
+    """What one unlimited cache shared by every request holds when each arrives.
 
-    The map is read while the request is yielded; its new blocks are added after.
-    Block hashes are chained, so once one is new, every later one is too.
+    The one pass that hashes every prompt; the prefill bound, the TTFT floor
+    and the fleet's capacity (:func:`~prefixrouter.sim.runner.capacity_rps`)
+    all read it, so a run hashes its prompts once. It depends on the requests'
+    order and prompts only, not on their times: one scan serves a workload and
+    its rescaled copies (:meth:`~prefixrouter.sim.workload.Workload.scaled`),
+    whose times are read when the floor is computed.
+
+    Attributes:
+        request_ids: The requests scanned, in order (a scan is refused for
+            another workload).
+        held: Per request, its leading blocks that some earlier request brought.
+        reused: Per request, the blocks of those an engine reuses
+            (:func:`reusable_tokens`: it always recomputes the last prompt token).
+        runs: Per request, its reused blocks as runs of one origin: ``(end,
+            q)``, blocks up to depth ``end`` first seen with request ``q`` (an
+            index), which is the origin ``(arrival of q, reused[q])``.
+    """
+
+    request_ids: tuple[str, ...]
+    held: tuple[int, ...]
+    reused: tuple[int, ...]
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+
+    def check(self, workload: Workload) -> None:
+        """Refuse a scan of other requests than ``workload``'s.
+
+        Raises:
+            ValueError: Another request list.
+        """
+        if len(self.request_ids) != len(workload.requests) or any(
+            a != b.request_id for a, b in zip(self.request_ids, workload.requests, strict=True)
+        ):
+            raise ValueError(f"workload {workload.name}: the first-seen scan is of other requests")
+
+
+def first_seen(workload: Workload, on_progress: Callable[[int], None] | None = None) -> FirstSeen:
+    """Scan ``workload`` with one unlimited cache shared by all (see :class:`FirstSeen`).
+
+    Block hashes are chained, so once one is new, every later one is too: a
+    request's known blocks are a leading run. ``on_progress(done)`` is called
+    after each request (it hashes the whole prompt: the slow part of the scan).
     """
     hasher = BlockHasher(block_size=workload.block_size)
     bs = workload.block_size
-    first: dict[BlockHash, Origin] = {}
-    for req in workload.requests:
+    first: dict[BlockHash, int] = {}  # block -> the request that brought it
+    held_of: list[int] = []
+    reused_of: list[int] = []
+    runs_of: list[tuple[tuple[int, int], ...]] = []
+    for i, req in enumerate(workload.requests):
         hashes = hasher.token_blocks(req.namespace.seed, req.tokens()).hashes
         held = 0
+        origins: list[int] = []
         for h in hashes:
-            if h not in first:
+            q = first.get(h)
+            if q is None:
                 break
+            origins.append(q)
             held += 1
-        yield req, hashes, held, first
-        origin = (req.arrival, reusable_tokens(req.prompt_tokens, held, bs) // bs)
+        reused = reusable_tokens(req.prompt_tokens, held, bs) // bs
+        runs: list[tuple[int, int]] = []
+        for depth, q in enumerate(origins[:reused], start=1):
+            if runs and runs[-1][1] == q:
+                runs[-1] = (depth, q)
+            else:
+                runs.append((depth, q))
+        held_of.append(held)
+        reused_of.append(reused)
+        runs_of.append(tuple(runs))
         for h in hashes[held:]:
-            first[h] = origin
+            first[h] = i
+        if on_progress is not None:
+            on_progress(i + 1)
+    return FirstSeen(
+        tuple(r.request_id for r in workload.requests),
+        tuple(held_of),
+        tuple(reused_of),
+        tuple(runs_of),
+    )
 
 
-def first_seen_prefill(workload: Workload) -> list[int]:
-    """Per request, the tokens it must prefill with one unlimited shared cache."""
+def first_seen_prefill(workload: Workload, seen: FirstSeen | None = None) -> list[int]:
+    """Per request, the tokens it must prefill with one unlimited shared cache.
+
+    ``seen``: the workload's scan, if the caller has it (None: scanned here).
+    """
+    seen = _scan(workload, seen)
     bs = workload.block_size
     return [
         req.prompt_tokens - reusable_tokens(req.prompt_tokens, held, bs)
-        for req, _, held, _ in _first_seen(workload)
+        for req, held in zip(workload.requests, seen.held, strict=True)
     ]
 
 
-def lower_bound_prefill_tokens(workload: Workload) -> int:
+def lower_bound_prefill_tokens(workload: Workload, seen: FirstSeen | None = None) -> int:
     """Prefill tokens with one unlimited cache shared by every request (see module doc)."""
-    return sum(first_seen_prefill(workload))
+    return sum(first_seen_prefill(workload, seen))
 
 
-def ttft_floor(workload: Workload, speed: SpeedProfile) -> list[float]:
+def ttft_floor(
+    workload: Workload, speed: SpeedProfile, seen: FirstSeen | None = None
+) -> list[float]:
     """Per request, a time to first token (seconds) that no router can beat on ``speed``.
 
     An infinite fleet that never queues and one infinite cache shared by all:
@@ -116,27 +182,44 @@ def ttft_floor(workload: Workload, speed: SpeedProfile) -> list[float]:
     taken off the wait because an engine step pays one overhead for all the
     chunks it prefills.) Queues, decode steps and the engines' number are
     ignored: this is a floor, reached only by a fleet as large as the load.
+    A run is one origin ``(t_q, a)``: two requests with equal ones make one run.
+
+    ``seen``: the workload's scan, if the caller has it (None: scanned here).
     """
+    seen = _scan(workload, seen)
     bs = workload.block_size
     prefill = speed.prefill_time
     overhead = speed.prefill_overhead_s
+    reqs = workload.requests
     out: list[float] = []
-    for req, hashes, held, first in _first_seen(workload):
+    for req, runs in zip(reqs, seen.runs, strict=True):
         prompt, t_r = req.prompt_tokens, req.arrival
-        reused = reusable_tokens(prompt, held, bs) // bs
         best = prefill(prompt, 0)
         # Each run of blocks one earlier request brought, at its deepest block.
-        for depth in range(1, reused + 1):
-            run = first[hashes[depth - 1]]
-            if depth == reused or first[hashes[depth]] != run:
-                best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
+        for k, (depth, q) in enumerate(runs):
+            run = (reqs[q].arrival, seen.reused[q])
+            if k + 1 < len(runs):
+                after = runs[k + 1][1]
+                if (reqs[after].arrival, seen.reused[after]) == run:
+                    continue  # the same origin goes on deeper
+            best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
         out.append(best)
     return out
 
 
-def ttft_floor_ms(workload: Workload, speed: SpeedProfile) -> dict[str, float]:
+def ttft_floor_ms(
+    workload: Workload, speed: SpeedProfile, seen: FirstSeen | None = None
+) -> dict[str, float]:
     """The report's ``ttft_floor_ms``: mean and percentiles of :func:`ttft_floor`."""
-    return percentiles(t * 1e3 for t in ttft_floor(workload, speed))
+    return percentiles(t * 1e3 for t in ttft_floor(workload, speed, seen))
+
+
+def _scan(workload: Workload, seen: FirstSeen | None) -> FirstSeen:
+    """``seen``, checked against ``workload``, or a new scan of it."""
+    if seen is None:
+        return first_seen(workload)
+    seen.check(workload)
+    return seen
 
 
 def _reuse_floor(
@@ -213,11 +296,17 @@ def arrival_text(report: dict[str, Any]) -> str:
     trace's own times (with ``--rate-scale``'s factor)."""
     load, rate = report.get("load"), report.get("rate_rps")
     if load is not None:
-        return f"load {load:.2f} ({rate:.2f} req/s)"
+        return f"load {_number(load)} ({_number(rate)} req/s)"
     if rate:
-        return f"{rate:.2f} req/s"
+        return f"{_number(rate)} req/s"
     scale = report.get("rate_scale")  # --rate-scale: the trace's times sped up
     return f"trace arrival times x{scale:g}" if scale else "trace arrival times"
+
+
+def _number(value: Any) -> str:
+    """Two decimals, as a title shows a load or a rate; 3 significant digits from a
+    million up, where two decimals would print every digit of ``1e308``."""
+    return f"{value:.2f}" if abs(value) < 1e6 else f"{value:.3g}"
 
 
 def cached_share(cached_tokens: int, prompt_tokens: int) -> float:

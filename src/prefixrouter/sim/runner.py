@@ -14,8 +14,13 @@ So load 0.9 is close to saturation for a router that reuses every prefix
 once, and beyond saturation for one that recomputes prefixes: the regime in
 which routing decides the outcome. On ``unique`` (nothing to reuse) it is the
 plain cold capacity. Trace replays keep their own times unless a load or a
-rate is given; then their clock is stretched to that mean rate, keeping the
-trace's own burstiness.
+rate is given; then their clock, from the first arrival to the last, is
+stretched to that mean rate, keeping the trace's own burstiness.
+
+The capacity, the report's prefill bound and its TTFT floor all read one scan
+of the prompts (:func:`~prefixrouter.sim.report.first_seen`, which hashes
+every one): :func:`plan` keeps the scan it made in the plan
+(:attr:`RunPlan.first_seen`), so that a caller reuses it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from prefixrouter.core.policy import create_policy
 from prefixrouter.errors import ConfigError
 from prefixrouter.sim.cluster import ClusterConfig, SimRun, Simulation
 from prefixrouter.sim.profiles import EngineProfile
-from prefixrouter.sim.report import first_seen_prefill, summarize
+from prefixrouter.sim.report import FirstSeen, first_seen, first_seen_prefill, summarize
 from prefixrouter.sim.text import TextRenderer
 from prefixrouter.sim.workload import SimRequest, Workload
 
@@ -96,10 +101,15 @@ def check_fits(workload: Workload, profile: EngineProfile, kv_blocks: int | None
             raise RequestTooLarge(req, blocks, bs, source)
 
 
-def capacity_rps(workload: Workload, profile: EngineProfile, workers: int) -> float:
-    """Requests per second the fleet serves with ideal prefix reuse (module doc)."""
+def capacity_rps(
+    workload: Workload, profile: EngineProfile, workers: int, seen: FirstSeen | None = None
+) -> float:
+    """Requests per second the fleet serves with ideal prefix reuse (module doc).
+
+    ``seen``: the workload's scan, if the caller has it (None: scanned here).
+    """
     speed = profile.speed
-    new = first_seen_prefill(workload)
+    new = first_seen_prefill(workload, seen)
     b = min(REFERENCE_BATCH, profile.max_num_seqs)
     total = 0.0
     for req, fresh in zip(workload.requests, new, strict=True):
@@ -149,6 +159,21 @@ class RunPlan:
     replicas: Replicas = ONE_ROUTER
     token_count: bool = True
     client_max_tokens: int = 0
+    first_seen: FirstSeen | None = None
+    """The scan made for the capacity (a load), of the workload's requests; None if none was."""
+
+
+class RateError(ConfigError):
+    """A load or rate that gives no usable arrival rate (an overflow to infinity).
+
+    Attributes:
+        option: ``"load"`` or ``"rate"``: the argument to change.
+        value: Its value.
+    """
+
+    def __init__(self, option: str, value: float, message: str) -> None:
+        self.option, self.value = option, value
+        super().__init__(message)
 
 
 def plan(
@@ -165,6 +190,7 @@ def plan(
     replicas: Replicas = ONE_ROUTER,
     token_count: bool = True,
     client_max_tokens: int = 0,
+    scan: Callable[[Workload], FirstSeen] = first_seen,
 ) -> RunPlan:
     """Resolve defaults and the arrival rate; returns the plan with a scaled workload.
 
@@ -175,9 +201,12 @@ def plan(
     (:attr:`~prefixrouter.sim.cluster.ClusterConfig.token_count`);
     ``client_max_tokens``: the cap clients send
     (:attr:`~prefixrouter.sim.cluster.ClusterConfig.client_max_tokens`).
+    ``scan``: how to make the first-seen scan that a load needs (the command
+    line's shows progress); the plan keeps it.
 
     Raises:
         RequestTooLarge: A request does not fit the engines' KV cache.
+        RateError: The load or rate gives no finite arrival rate or times.
         ValueError: A bad argument.
         KeyError: An unknown policy.
     """
@@ -190,6 +219,8 @@ def plan(
     check_fits(workload, profile, kv_blocks)
     if rate is not None:
         load = None  # a rate overrides the load: the plan records what applies
+        if not (rate > 0 and math.isfinite(rate)):
+            raise RateError("rate", rate, "expected a positive finite number of requests/s")
     if workload.fixed_times:
         if load is None and rate is None:
             return RunPlan(
@@ -197,34 +228,57 @@ def plan(
                 token_count, client_max_tokens,
             )  # fmt: skip
         # A trace keeps its own burstiness; only its clock is stretched so its
-        # mean rate is the one asked for.
+        # mean rate is the one asked for. From its first arrival, not from 0: a
+        # trace that starts late (epoch times) is the same trace.
+        seen = None
         if rate is None:
             assert load is not None
-            rate = load * capacity_rps(workload, profile, n)
-        span = workload.duration or 1.0
+            seen = scan(workload)
+            rate = _rate(load, capacity_rps(workload, profile, n, seen))
+        first = workload.requests[0].arrival if workload.requests else 0.0
+        span = workload.span or 1.0
         factor = (len(workload.requests) / span) / rate
-        requests = [replace(r, arrival=r.arrival * factor) for r in workload.requests]
+        requests = [replace(r, arrival=(r.arrival - first) * factor) for r in workload.requests]
+        try:
+            stretched = replace(workload, requests=requests)
+        except ValueError as exc:  # times past a float's range (a tiny rate)
+            raise _times_error(load, rate, exc) from None
         return RunPlan(
-            replace(workload, requests=requests),
-            profile,
-            n,
-            kv,
-            policies,
-            rate,
-            load,
-            kv_events,
-            mode,
-            replicas,
-            token_count,
-            client_max_tokens,
-        )
+            stretched, profile, n, kv, policies, rate, load, kv_events, mode, replicas,
+            token_count, client_max_tokens, seen,
+        )  # fmt: skip
+    seen = None
     if rate is None:
         load = 0.6 if load is None else load
-        rate = load * capacity_rps(workload, profile, n)
+        seen = scan(workload)
+        rate = _rate(load, capacity_rps(workload, profile, n, seen))
+    try:
+        scaled = workload.scaled(rate)
+    except ValueError as exc:
+        raise _times_error(load, rate, exc) from None
     return RunPlan(
-        workload.scaled(rate), profile, n, kv, policies, rate, load, kv_events, mode, replicas,
-        token_count, client_max_tokens,
+        scaled, profile, n, kv, policies, rate, load, kv_events, mode, replicas,
+        token_count, client_max_tokens, seen,
     )  # fmt: skip
+
+
+def _rate(load: float, capacity: float) -> float:
+    """``load`` times the capacity, refused when that is no finite rate.
+
+    Raises:
+        RateError: Naming the load.
+    """
+    rate = load * capacity
+    if not (rate > 0 and math.isfinite(rate)):
+        raise RateError("load", load, f"the arrival rate it gives ({rate:g} req/s) is not finite")
+    return rate
+
+
+def _times_error(load: float | None, rate: float, cause: ValueError) -> RateError:
+    """The :class:`RateError` for arrival times that overflowed at ``rate``: naming the
+    load when the rate came from one."""
+    option, value = ("load", load) if load is not None else ("rate", rate)
+    return RateError(option, value, f"the arrival times it gives are not finite ({cause})")
 
 
 def _config(

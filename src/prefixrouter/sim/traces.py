@@ -5,7 +5,9 @@ line::
 
     {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, ...]}
 
-* ``timestamp``: arrival in milliseconds from the start of the trace.
+* ``timestamp``: arrival in milliseconds. The replay counts time from the trace's
+  first (smallest) timestamp, so a trace stamped with epoch times replays as
+  the same trace stamped from 0 (:func:`load_mooncake`).
 * ``input_length`` / ``output_length``: prompt and output tokens.
 * ``hash_ids``: one id per 512-token block of the prompt; block ``i``'s id stands
   for the whole prefix ``[0, 512*(i+1))``, so equal ids at the same position mean
@@ -74,6 +76,12 @@ __all__ = [
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per Mooncake ``hash_ids`` block."""
 
+MAX_SPAN_S = 2.0**53 / 1e6
+"""The longest replay (first to last arrival, in seconds after ``rate_scale``) that
+keeps microsecond times: a float's 53 bits of integer microseconds, about 285
+years. Past it, times lose microsecond precision, and far past it (1e15 s) a
+millisecond of prefill added to an arrival vanishes: every TTFT would read 0."""
+
 _BUNDLED = "data/conversation_trace.jsonl.gz"
 _GZIP_MAGIC = b"\x1f\x8b"
 _MASK64 = (1 << 64) - 1
@@ -121,18 +129,19 @@ def load_mooncake(
             (bytes or text); gzip is recognized by its magic bytes.
         block_size: The simulated engine's KV block size (not the trace's 512).
         limit: Keep only the first ``limit`` requests of the file (after ``start``).
-        start: Skip the first ``start`` requests: the rest replay as if the file
-            began at the first kept one, their times counted from it (a window
-            of the trace; 0 keeps the file's own times).
-        rate_scale: Replay speed: arrival = timestamp / 1000 / rate_scale, so
-            ``rate_scale > 1`` compresses the trace (higher load).
+        start: Skip the first ``start`` requests: the rest replay as a trace
+            of their own (a window of the trace).
+        rate_scale: Replay speed: arrival = (timestamp - first) / 1000 / rate_scale,
+            where ``first`` is the smallest timestamp kept, so ``rate_scale > 1``
+            compresses the trace (higher load) and the first request arrives at 0.
         seed: Seeds the made-up token ids (the sharing structure never changes).
         name: Workload name and request-id prefix (default: the file's stem).
         workers: ``default_workers`` of the workload (the paper's cluster has 16).
 
     Raises:
         TraceFormatError: The file is not valid JSON Lines / gzip, or a line
-            misses a field, has a wrong type or inconsistent lengths.
+            misses a field, has a wrong type or inconsistent lengths, or its
+            timestamps span more than :data:`MAX_SPAN_S` of replay time.
         ValueError: A bad argument (``limit < 1``, ``start < 0``, ``rate_scale <= 0``, ...).
         OSError: The file cannot be read.
     """
@@ -151,11 +160,11 @@ def load_mooncake(
     rows = _parse(label, data, limit, start)
     if not rows:
         raise TraceFormatError(f"{label}: no requests in the trace")
-    origin = rows[0][1] if start else 0.0
+    scale = 1.0 / (1000.0 * rate_scale)
+    origin = _origin(label, rows, scale)
     blocks = _expand_blocks(rows, seed)
 
     wl_name = name or _stem(label)
-    scale = 1.0 / (1000.0 * rate_scale)
     requests: list[SimRequest] = []
     for lineno, ts, input_length, output_length, ids in rows:
         last = input_length - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1)
@@ -164,7 +173,8 @@ def load_mooncake(
         requests.append(
             SimRequest(
                 request_id=trace_request_id(wl_name, lineno),
-                arrival=(ts - origin) * scale,
+                # Exact for integer ms (Python ints): only the span must fit a float.
+                arrival=float(ts - origin) * scale,
                 namespace=SIM_NAMESPACE,
                 segments=tuple(segments),
                 output_tokens=max(1, output_length),
@@ -215,7 +225,8 @@ def _read(src: TraceSource) -> tuple[str, bytes]:
     return label, raw
 
 
-_Row = tuple[int, float, int, int, list[int]]  # line, timestamp ms, input, output, hash_ids
+# line, timestamp ms (as written: an int stays exact), input, output, hash_ids
+_Row = tuple[int, int | float, int, int, list[int]]
 
 
 def count_requests(path_or_file: TraceSource) -> int:
@@ -279,7 +290,29 @@ def _check_row(where: str, lineno: int, obj: dict[str, Any]) -> _Row:
             f"{where}: field 'hash_ids': expected {expected} block ids for input_length "
             f"{n_in} (ceil({n_in}/{MOONCAKE_BLOCK_TOKENS})), got {len(ids)}"
         )
-    return lineno, float(ts), n_in, n_out, ids
+    return lineno, ts, n_in, n_out, ids
+
+
+def _origin(label: str, rows: list[_Row], scale: float) -> int | float:
+    """The smallest timestamp of ``rows``: the replay's time 0.
+
+    The smallest, not the first line's: a trace need not be sorted. Refuses a
+    trace whose span, times ``scale`` (ms to replay seconds), passes
+    :data:`MAX_SPAN_S`, naming the line of its last timestamp.
+
+    Raises:
+        TraceFormatError: The span is too long.
+    """
+    first = min(rows, key=lambda r: r[1])
+    last = max(rows, key=lambda r: r[1])
+    span_s = float(last[1] - first[1]) * scale
+    if span_s > MAX_SPAN_S:
+        raise TraceFormatError(
+            f"{label}:{last[0]}: field 'timestamp': {last[1]!r} ms is {span_s:.3g} s of "
+            f"replay after the first arrival (line {first[0]}); more than {MAX_SPAN_S:.3g} s "
+            f"(2**53 microseconds) loses microsecond precision"
+        )
+    return first[1]
 
 
 # --------------------------------------------------------------------------- expansion

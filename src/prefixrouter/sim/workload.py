@@ -53,6 +53,16 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GAMMA_CV = 2.0
 """Coefficient of variation of ``"gamma"`` arrivals when none is given."""
 
+MIN_GAMMA_CV = 0.01
+"""The smallest gamma ``cv``: gaps equal to within 1% are a clock already, and far below it
+``cv * cv`` underflows (a shape of ``1 / 0``)."""
+
+MAX_GAMMA_CV = 100.0
+"""The largest gamma ``cv``. At 100, 93% of the gaps are 0 s and a run needs about
+``cv**2`` = 10,000 requests before its mean rate nears the one asked for; past it the
+rate is fiction (at 1,000, 100,000 requests average 1e-10 s apart), and far past it
+``cv * cv`` overflows into infinite or NaN arrivals."""
+
 SIM_NAMESPACE = CacheNamespace(model_revision="sim-model")
 """The cache namespace of every simulated request that has no tenant of its own."""
 
@@ -143,6 +153,13 @@ class Workload:
             raise ValueError(f"workload {self.name}: block_size must be >= 1")
         prev = -math.inf
         for req in self.requests:
+            # NaN passes the order test (``nan < prev`` is False) and an infinite time
+            # never comes: either would stall the event loop or fill the report with NaN.
+            if not math.isfinite(req.arrival):
+                raise ValueError(
+                    f"workload {self.name}: request {req.request_id} arrives at "
+                    f"{req.arrival}, not a finite time"
+                )
             if req.arrival < prev:
                 raise ValueError(
                     f"workload {self.name}: requests not sorted by arrival at {req.request_id}"
@@ -156,6 +173,12 @@ class Workload:
     def duration(self) -> float:
         """Time from 0 to the last arrival (seconds; 0 for an empty workload)."""
         return self.requests[-1].arrival if self.requests else 0.0
+
+    @property
+    def span(self) -> float:
+        """Time from the first arrival to the last (seconds; 0 for an empty workload):
+        what a stretched clock stretches, wherever the times start."""
+        return self.requests[-1].arrival - self.requests[0].arrival if self.requests else 0.0
 
     def scaled(self, rate: float) -> Workload:
         """A copy whose arrivals have mean rate ``rate`` requests per second.
@@ -291,38 +314,59 @@ def make_arrivals(process: str, n: int, rng: np.random.Generator) -> FloatArray:
     """Unit-rate arrival times for a process named on the command line.
 
     ``"poisson"``, ``"gamma"`` (coefficient of variation :data:`DEFAULT_GAMMA_CV`)
-    or ``"gamma:<cv>"`` (e.g. ``"gamma:3"``).
+    or ``"gamma:<cv>"`` (e.g. ``"gamma:3"``), ``cv`` from :data:`MIN_GAMMA_CV` to
+    :data:`MAX_GAMMA_CV`.
+
+    Raises:
+        ValueError: Another name (``"poisson:"`` and ``"gamma:"`` included: a
+            colon promises a number), or a cv out of range.
     """
-    kind, _, arg = process.partition(":")
-    if kind == "poisson" and not arg:
+    cv = arrival_cv(process)  # validates the name first, whatever n is
+    if process == "poisson":
         return poisson_arrivals(n, rng)
-    if kind == "gamma":
-        if not arg:
-            return gamma_arrivals(n, rng, DEFAULT_GAMMA_CV)
-        try:
-            cv = float(arg)
-        except ValueError:
-            cv = math.nan
-        if cv > 0 and math.isfinite(cv):
-            return gamma_arrivals(n, rng, cv)
-    raise ValueError(
-        f"unknown arrival process {process!r}: expected 'poisson', 'gamma' or 'gamma:<cv>'"
-        " with cv > 0"
-    )
+    return gamma_arrivals(n, rng, cv)
 
 
 def arrival_cv(process: str) -> float:
-    """The gap coefficient of variation that :func:`make_arrivals` uses for ``process``."""
-    make_arrivals(process, 0, np.random.default_rng(0))  # validates the name
-    kind, _, arg = process.partition(":")
-    if kind == "poisson":
+    """The gap coefficient of variation that :func:`make_arrivals` uses for ``process``
+    (1 for ``"poisson"``).
+
+    Raises:
+        ValueError: Not a process :func:`make_arrivals` knows (the message
+            starts ``unknown arrival process``), or a gamma cv out of range.
+    """
+    if process == "poisson":
         return 1.0
-    return float(arg) if arg else DEFAULT_GAMMA_CV
+    if process == "gamma":
+        return DEFAULT_GAMMA_CV
+    kind, _, arg = process.partition(":")
+    try:
+        cv = float(arg) if kind == "gamma" else math.nan
+    except ValueError:
+        cv = math.nan
+    if not (cv > 0 and math.isfinite(cv)):
+        raise ValueError(
+            f"unknown arrival process {process!r}: expected 'poisson', 'gamma' or "
+            f"'gamma:<cv>' with {MIN_GAMMA_CV:g} <= cv <= {MAX_GAMMA_CV:g}"
+        )
+    if (why := _cv_problem(cv)) is not None:
+        raise ValueError(f"arrival process {process!r}: {why}")
+    return cv
+
+
+def _cv_problem(cv: float) -> str | None:
+    """Why ``cv`` is no gamma coefficient of variation to draw gaps with, or None."""
+    if not MIN_GAMMA_CV <= cv <= MAX_GAMMA_CV:  # NaN fails it too
+        return (
+            f"cv must be between {MIN_GAMMA_CV:g} and {MAX_GAMMA_CV:g}, got {cv:g} "
+            f"(below, the gaps are constant; above, the run's rate is not the one asked for)"
+        )
+    return None
 
 
 def _gamma_gaps(n: int, rng: np.random.Generator, cv: float) -> FloatArray:
-    if not (cv > 0 and math.isfinite(cv)):
-        raise ValueError(f"cv must be a positive finite number, got {cv}")
+    if (why := _cv_problem(cv)) is not None:
+        raise ValueError(why)
     var = cv * cv
     return rng.gamma(1.0 / var, var, size=n)
 
