@@ -463,7 +463,7 @@ class Proxy:
                 hdrs["X-Prefixrouter-Worker"] = worker.id
             self._relayed[worker.id] = self._relayed.get(worker.id, 0) + 1
             try:
-                att = await self._relay_once(worker, path, raw, hdrs, fwd)
+                att = await self._post_whole(worker, path, raw, None, fwd, hdrs)
             except asyncio.CancelledError:
                 note.worker = worker.id
                 raise
@@ -525,21 +525,6 @@ class Proxy:
             "model_not_found" if resp.status == 404 else "no_healthy_worker"
         )
         return resp
-
-    async def _relay_once(
-        self, worker: Worker, path: str, raw: bytes, hdrs: dict[str, str], fwd: bytes
-    ) -> Attempt:
-        """One passthrough attempt: the answer read whole (:meth:`_whole`'s rules)."""
-        upstream = self.st.upstream
-        assert upstream is not None
-        try:
-            resp = await upstream.post(worker.endpoint, path, raw, None, fwd)
-        except _UPSTREAM_ERRORS as exc:
-            return _failed(exc, hdrs)
-        try:
-            return await self._whole(resp, hdrs, worker)
-        finally:
-            resp.release()  # reused only if read to the end
 
     def responses_refused(self) -> web.Response:
         """``/v1/responses`` (any method, any sub-path): 404 saying why it is not routed."""
@@ -651,13 +636,27 @@ class Proxy:
         first_byte_s: float | None,
         fwd: bytes,
     ) -> Attempt:
+        hdrs = self._answer_headers(built, worker)
+        payload = self.flow.payload(built, worker)
+        return await self._post_whole(worker, path, payload, first_byte_s, fwd, hdrs)
+
+    async def _post_whole(
+        self,
+        worker: Worker,
+        path: str,
+        body: bytes,
+        first_byte_s: float | None,
+        fwd: bytes,
+        hdrs: dict[str, str],
+    ) -> Attempt:
+        """Send ``body`` to ``worker`` and read its answer whole (:meth:`_whole`'s rules).
+
+        A failure before the engine answered is :func:`_failed` (retried elsewhere).
+        """
         upstream = self.st.upstream
         assert upstream is not None
-        hdrs = self._answer_headers(built, worker)
         try:
-            resp = await upstream.post(
-                worker.endpoint, path, self.flow.payload(built, worker), first_byte_s, fwd
-            )
+            resp = await upstream.post(worker.endpoint, path, body, first_byte_s, fwd)
         except _UPSTREAM_ERRORS as exc:
             return _failed(exc, hdrs)
         try:
