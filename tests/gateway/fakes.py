@@ -40,6 +40,7 @@ class FakeEngine:
 
     model: str = "tiny"
     adapters: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # vLLM's --served-model-name with several names
     status: int = 200
     delay_s: float = 0.0
     chunk_delay_s: float = 0.0
@@ -127,7 +128,7 @@ def make_app(engine: FakeEngine) -> web.Application:
             return web.Response(
                 status=engine.status, body=orjson.dumps(err), content_type="application/json"
             )
-        if body.get("model") not in (engine.model, *engine.adapters):
+        if body.get("model") not in (engine.model, *engine.aliases, *engine.adapters):
             err = {
                 "error": {
                     "message": f"The model `{body.get('model')}` does not exist.",
@@ -233,13 +234,14 @@ def make_app(engine: FakeEngine) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         data = [
             {
-                "id": engine.model,
+                "id": name,
                 "object": "model",
                 "created": 1,
                 "owned_by": "vllm",
                 "root": engine.model,
                 "parent": None,
             }
+            for name in (engine.model, *engine.aliases)
         ]
         data += [
             {

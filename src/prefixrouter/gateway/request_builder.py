@@ -122,6 +122,10 @@ class RequestBuilder:
         config: The gateway configuration.
         adapters: Returns the adapter names the workers serve (a live set).
         tokenizer: The tokenizer for token mode (None = text mode).
+        cache_model: A base model's name -> the name its cache namespace goes
+            by, one for all its aliases
+            (:meth:`~prefixrouter.gateway.workers.WorkerRegistry.cache_model`;
+            default: its own).
     """
 
     def __init__(
@@ -129,8 +133,10 @@ class RequestBuilder:
         config: GatewayConfig,
         adapters: Callable[[], frozenset[str]],
         tokenizer: ChatTokenizer | None = None,
+        cache_model: Callable[[str], str] = str,
     ) -> None:
         self.config = config
+        self.cache_model = cache_model
         self.routing = config.routing
         self.tokenizer = tokenizer
         self.classifier = classifier_params(config)
@@ -224,7 +230,7 @@ class RequestBuilder:
             request_id=RequestId(request_id or self.new_request_id()),
             # Token mode renders the template fields into the tokens themselves.
             namespace=self.namespace(
-                model,
+                model if adapter else self.cache_model(model),
                 adapter,
                 scope.namespace,
                 prompt.template_key if self.tokenizer is None else "",

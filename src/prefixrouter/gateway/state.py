@@ -164,7 +164,7 @@ def build_state(config: GatewayConfig, tokenizer: ChatTokenizer | None = None) -
     dl = config.decision_log
     decisions = DecisionLog(dl.path, dl.ring_size, dl.flush_interval_s)
     tok = tokenizer if tokenizer is not None else _load_tokenizer(config)
-    builder = RequestBuilder(config, registry.adapters, tok)
+    builder = RequestBuilder(config, registry.adapters, tok, registry.cache_model)
     tenancy = Tenancy(config)
     fleet = FleetControls(config, dispatch)  # affinity, rollout, drift alarm
     metrics.registry.register(fleet.collector())
@@ -239,7 +239,7 @@ def _event_namespace(worker: Worker, builder: RequestBuilder, tenancy: Tenancy) 
         models = sorted(worker.models - worker.adapters)
         if not models:
             return None
-        return builder.namespace(models[0], "", tenant_ns).seed
+        return builder.namespace(builder.cache_model(models[0]), "", tenant_ns).seed
 
     return seed
 

@@ -96,7 +96,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -393,6 +393,7 @@ class WorkerRegistry:
         self._gone: dict[str, None] = {}
         """Names of removed workers' models and adapters, oldest first (GONE_MODELS_KEPT)."""
         self._serves_any = True  # until the first worker: any name may be served (serves)
+        self._cache_models: dict[str, str] = {}  # alias -> its class's name (cache_model)
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.health.timeout_s)
         self._poll_timeout = aiohttp.ClientTimeout(total=config.metrics_poll.timeout_s)
@@ -655,6 +656,21 @@ class WorkerRegistry:
         every = self.workers.values()
         self._known = frozenset(self._gone).union(*(w.models | w.adapters for w in every))
         self._serves_any = any(_may_serve_any(w) for w in every)
+        self._cache_models = alias_classes(w.models - w.adapters for w in every)
+
+    def cache_model(self, name: str) -> str:
+        """The name a model's cache namespace goes by: one for all its aliases.
+
+        vLLM's ``--served-model-name a b`` (SGLang likewise) serves one base
+        model under several names, and its prefix cache does not know which
+        name a request used: ``a`` and ``b`` requests share every block. So
+        the base-model names one worker lists are aliases of one model, and
+        the names of each such class (joined across workers that list a name
+        in common) hash in one namespace, the class's first name in sorted
+        order (the one a worker's KV events are put in, ``state._event_namespace``).
+        Adapters keep their own names: an adapter's blocks are its own.
+        """
+        return self._cache_models.get(name, name)
 
     def views(self) -> list[WorkerView]:
         """The routable workers' views with fresh in-flight figures (not draining)."""
@@ -1080,3 +1096,30 @@ class WorkerRegistry:
         if not w.kv_size_known:
             return  # capacity unknown: keep the index default
         self.dispatch.mirror_capacity((self.dispatch.fill(w.view, self.clock()),))
+
+
+def alias_classes(name_sets: Iterable[frozenset[str]]) -> dict[str, str]:
+    """Each name of the sets -> the first name (sorted) of its class, where names
+    that share a set are one class and classes that share a name are joined
+    (:meth:`WorkerRegistry.cache_model`)."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    for names in name_sets:
+        first = None
+        for name in names:
+            parent.setdefault(name, name)
+            if first is None:
+                first = root(name)
+                continue
+            a, b = root(name), first
+            if a != b:
+                low, high = (a, b) if a < b else (b, a)
+                parent[high] = low
+                first = low
+    return {name: root(name) for name in parent}
