@@ -52,17 +52,22 @@ def _app(odd: OddEngine) -> web.Application:
 
 @asynccontextmanager
 async def odd_env(
-    handlers: list[Handler], overrides: dict[str, Any] | None = None
+    handlers: list[Handler],
+    overrides: dict[str, Any] | None = None,
+    worker_options: list[dict[str, Any]] | None = None,
 ) -> AsyncIterator[tuple[Env, list[OddEngine]]]:
     """One :class:`OddEngine` per handler (workers ``w0``, ``w1``...) and a gateway.
 
     Round-robin routing, so a test knows which worker an attempt goes to;
-    ``overrides`` are merged into the gateway's configuration sections.
+    ``overrides`` are merged into the gateway's configuration sections;
+    ``worker_options``: more settings of each worker's entry, in order.
     """
     odds = [OddEngine(h) for h in handlers]
     round_robin: dict[str, Any] = {"policy": {"name": "round_robin"}}
     async with gateway_env(
-        overrides={**round_robin, **(overrides or {})}, apps=[_app(o) for o in odds]
+        overrides={**round_robin, **(overrides or {})},
+        apps=[_app(o) for o in odds],
+        worker_options=worker_options,
     ) as env:
         yield env, odds
 

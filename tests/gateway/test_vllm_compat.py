@@ -256,6 +256,30 @@ def test_stream_options_without_include_usage_get_the_engines_usage_as_vllm_does
     run(main)
 
 
+def test_an_engine_that_sends_no_usage_by_default_is_asked_and_the_client_gets_none() -> None:
+    """SGLang's ``include_usage`` defaults to False: the client gets no usage, as
+    from SGLang itself, but the gateway asks for it and learns the reuse."""
+
+    async def main() -> None:
+        sglang = [{"kind": "sglang"}]
+        async with odd_env([_usage_stream(False)], worker_options=sglang) as (env, odds):
+            assert not env.state.registry.workers[WorkerId("w0")].config.usage_by_default
+            for opts in ({}, {"include_usage": None}, {"continuous_usage_stats": True}):
+                body = {"model": "tiny", "messages": [_user("hi")], "stream": True}
+                body["stream_options"] = opts
+                r = await env.client.post("/v1/chat/completions", json=body)
+                text = await r.text()
+                assert r.status == 200, text
+                assert '"usage"' not in text, (opts, text)
+                sent = odds[0].requests[-1]
+                assert sent["stream_options"]["include_usage"] is True
+                assert "continuous_usage_stats" not in sent["stream_options"]
+            logs = await env.decisions(3)
+            assert all(d["prompt_tokens"] == USAGE["prompt_tokens"] for d in logs)
+
+    run(main)
+
+
 # ---------------------------------------------------------------- 6. max_tokens 3.0
 
 

@@ -378,7 +378,9 @@ class Exchange:
                 if self.status == 200 and picked.built.stream and event_stream:
                     # An engine that answers a stream with one JSON body (it
                     # ignored "stream") is read as a whole answer, as the gateway does.
-                    self.relay = SseRelay(strip_usage=not picked.built.client_wants_usage)
+                    default = picked.worker.config.usage_by_default
+                    to_client = picked.built.usage_to_client(default)
+                    self.relay = SseRelay(strip_usage=not to_client)
         common = pb.CommonResponse(header_mutation=protocol.header_mutation(add)) if add else None
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
         if req.response_headers.end_of_stream:

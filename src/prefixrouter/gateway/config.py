@@ -251,6 +251,13 @@ class WorkerConfig(_Model):
         return self
 
     @property
+    def usage_by_default(self) -> bool:
+        """vLLM streams a usage chunk for ``stream_options`` without
+        ``include_usage`` (its default is True); SGLang, llama.cpp and
+        OpenAI's API send none unless asked."""
+        return self.kind == "vllm"
+
+    @property
     def supports_cache_salt(self) -> bool:
         """vLLM isolates prefix caches per ``cache_salt``; other engines ignore it."""
         return self.kind == "vllm"

@@ -323,12 +323,12 @@ class RequestFlow:
         client's ``continuous_usage_stats``, which applies only with it (the
         relay keeps the chunk from the client). A client that sent
         ``stream_options`` without ``include_usage`` (or null) gets the
-        engine's default, vLLM's True: its body goes as it is,
-        ``continuous_usage_stats`` included, and the engine's usage reaches it
-        (:attr:`BuiltRequest.client_wants_usage`).
+        engine's default (:meth:`BuiltRequest.usage_to_client`): on vLLM,
+        usage, so its body goes as it is, ``continuous_usage_stats``
+        included; on the others, none, so it is asked for and kept back.
         """
         salt = built.cache_salt_on(worker.config.supports_cache_salt)
-        inject = built.stream and not built.client_wants_usage
+        inject = built.stream and not built.usage_to_client(worker.config.usage_by_default)
         if salt is None and not inject:
             return built.raw
         body = dict(built.body)

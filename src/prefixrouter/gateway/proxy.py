@@ -787,7 +787,8 @@ class Proxy:
             await out.prepare(request)
             # ---- bytes are reaching the client from here on: never retry ----
             progress.ttft_s = ttft
-            done, att = await self._relay(out, resp, first, built, ttft, progress)
+            to_client = built.usage_to_client(worker.config.usage_by_default)
+            done, att = await self._relay(out, resp, first, to_client, ttft, progress)
             return att
         finally:
             if done:
@@ -800,11 +801,11 @@ class Proxy:
         out: web.StreamResponse,
         resp: UpstreamResponse,
         first: bytes,
-        built: BuiltRequest,
+        usage_to_client: bool,
         ttft: float,
         progress: Attempt,
     ) -> tuple[bool, Attempt]:
-        relay = SseRelay(strip_usage=not built.client_wants_usage)
+        relay = SseRelay(strip_usage=not usage_to_client)
         chunk = first
         cut: _Break | None = None
         try:

@@ -59,10 +59,10 @@ class BuiltRequest:
         body: The parsed body (forwarded as is unless a field must be set).
         raw: The body bytes as received.
         stream: The client asked for a stream.
-        client_wants_usage: The client gets the stream's usage chunk as the
-            engine sends it (it asked for it, or sent ``stream_options``
-            without ``include_usage``: vLLM's default is on); else the gateway
-            asks for the chunk and keeps it from the client.
+        client_wants_usage: The client's ``stream_options.include_usage``:
+            True or False (False too without ``stream_options``), None for
+            ``stream_options`` without it: the engine's default
+            (:meth:`usage_to_client`).
         scope: The tenant and its cache scope.
         text_chars: Characters of the rendered prompt (text mode; 0 otherwise;
             a batch's all): with the engine's ``prompt_tokens`` they teach the estimator.
@@ -85,7 +85,7 @@ class BuiltRequest:
     body: dict[str, Any]
     raw: bytes
     stream: bool
-    client_wants_usage: bool
+    client_wants_usage: bool | None
     scope: TenantScope
     text_chars: int
     model: str
@@ -104,6 +104,19 @@ class BuiltRequest:
         unique per request: the load ledger and the replicas key on it.
         """
         return self.client_id or self.routing.request_id
+
+    def usage_to_client(self, engine_default: bool) -> bool:
+        """Whether the client gets the stream's usage chunk from a worker whose
+        engine sends it by default when ``stream_options`` leaves it unset
+        (``engine_default``: vLLM yes, SGLang and OpenAI no).
+
+        The client gets what the engine behind would have given it; when
+        that is no usage, the gateway still asks for the chunk (the usage is
+        the only place a stream reports its prefix-cache reuse) and keeps it
+        from the client.
+        """
+        wants = self.client_wants_usage
+        return engine_default if wants is None else wants
 
     def cache_salt_on(self, takes_salt: bool) -> str | None:
         """The ``cache_salt`` to send to a worker (``takes_salt``: it takes one); None for none."""

@@ -194,16 +194,17 @@ class RequestOptions:
     Attributes:
         model: The requested model.
         stream: The client asked for a stream.
-        wants_usage: The client gets the engine's usage chunk as the engine
-            sends it (:func:`_stream_flags`); else the gateway asks for one
-            and keeps it from the client.
+        wants_usage: ``stream_options.include_usage`` as the client sent it:
+            True or False, or None for ``stream_options`` without it (the
+            engine's default, :func:`_stream_flags`); False also when it
+            sent no ``stream_options``.
         max_tokens: The client's cap on the output; 0 when it sent none (the
             router learns what such requests decode, :mod:`prefixrouter.core.output`).
     """
 
     model: str
     stream: bool
-    wants_usage: bool
+    wants_usage: bool | None
     max_tokens: int
 
 
@@ -511,26 +512,27 @@ def token_ids_ok(seq: list[Any], slice_size: int = _CHECK_SLICE) -> bool:
     return True
 
 
-def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool | None]:
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise PromptError("stream", "must be a boolean")
     opts = body.get("stream_options")
-    wants_usage = False
+    wants_usage: bool | None = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise PromptError("stream_options", "must be an object")
         inc = opts.get("include_usage")
         if inc is not None and not isinstance(inc, bool):
             raise PromptError("stream_options.include_usage", "must be a boolean")
-        # Absent or null inside stream_options is vLLM's default, True
-        # (StreamOptions.include_usage): the engine sends the usage chunk, and
-        # the client gets it as the engine sends it. Only a client that sent no
-        # stream_options at all (or include_usage false) has the gateway ask
-        # for the chunk and keep it from the client.
-        wants_usage = inc is not False
+        # Absent or null inside stream_options is the engine's default (None):
+        # vLLM's is True (StreamOptions.include_usage), SGLang's and OpenAI's
+        # False, so the client gets what the engine behind would give it
+        # (BuiltRequest.usage_to_client). A client that sent no stream_options
+        # at all (or include_usage false) has the gateway ask for the chunk
+        # and keep it from the client.
+        wants_usage = inc
     return stream, wants_usage
 
 
