@@ -226,6 +226,32 @@ class _Retry:
     # Every attempt so far timed out (504): the final answer is a 504 then.
     timed_out: bool = True
 
+    def failed(self, worker: WorkerId, att: Attempt) -> None:
+        """An attempt on ``worker`` failed before the engine answered."""
+        self.tried.append(worker)
+        self.errors.append(f"{worker}: {att.error}")
+        self.timed_out = self.timed_out and att.status == 504
+        if not att.unreachable:
+            self.last_refusal = att
+
+    def answer(self, hdrs: dict[str, str], expose: bool, log_name: str) -> web.Response | None:
+        """The answer once no worker is left, if any was tried: the last refusal's
+        own (its status kept), else a 502 naming every worker tried (504 if every
+        attempt timed out; without ``expose``, their errors are in ``log_name``)."""
+        refusal = self.last_refusal
+        if refusal is not None and refusal.fallback is not None:
+            return refusal.fallback
+        if not self.tried:
+            return None
+        errors = self.errors
+        detail = (
+            "; ".join(errors)
+            if expose
+            else f"{len(errors)} tried; their errors are in the {log_name}"
+        )
+        failed = UpstreamTimeout if self.timed_out else UpstreamFailed
+        return error_response(failed(f"no worker could serve the request ({detail})", headers=hdrs))
+
 
 class Proxy:
     """The completion handlers of one gateway."""
@@ -409,7 +435,7 @@ class Proxy:
         note.error = exc.code
         return error_response(exc)
 
-    def _relay_worker(self, model: str | None, tenant: str, tried: set[WorkerId]) -> Worker | None:
+    def _relay_worker(self, model: str | None, tenant: str, tried: list[WorkerId]) -> Worker | None:
         """The routable worker, not tried yet, that may take a passthrough request for
         ``model`` (any, when None) from ``tenant``, with the fewest requests in flight."""
         load = self.st.dispatch.load
@@ -449,15 +475,11 @@ class Proxy:
         fwd = forwarded_headers(
             rid, request.headers.get("traceparent"), request.headers.get("tracestate")
         )
-        tried: set[WorkerId] = set()
-        errors: list[str] = []
-        fallback: web.Response | None = None
-        timed_out = True
+        retry = _Retry()
         for _ in range(self.max_attempts):
-            worker = self._relay_worker(model, tenant, tried)
+            worker = self._relay_worker(model, tenant, retry.tried)
             if worker is None:
                 break
-            tried.add(worker.id)
             hdrs = {"X-Request-Id": rid}
             if st.config.server.expose_workers:
                 hdrs["X-Prefixrouter-Worker"] = worker.id
@@ -486,45 +508,27 @@ class Proxy:
                     note.error = att.error
                 return att.response
             # Failed before the engine answered: another worker may take it.
-            st.registry.observe(
-                worker, att.status, unreachable=att.unreachable, suspect=att.suspect
-            )
-            if att.unreachable:
-                st.registry.mark_failed(worker, att.error or "unreachable")
-            elif att.suspect:
-                st.registry.mark_suspect(worker, att.error or "timed out")
-            st.metrics.retried(worker.id, str(att.status))
-            errors.append(f"{worker.id}: {att.error}")
-            timed_out = timed_out and att.status == 504
-            if att.fallback is not None:
-                fallback = att.fallback
-        resp: web.Response
-        if fallback is not None:
-            resp = fallback  # the last refusal's own answer keeps its status
-        elif tried:
-            detail = (
-                "; ".join(errors)
-                if st.config.server.expose_workers
-                else f"{len(errors)} tried; their errors are in the access log"
-            )
-            failed = UpstreamTimeout if timed_out else UpstreamFailed
-            resp = error_response(failed(f"no worker could serve the request ({detail})"))
-        elif model is not None and not st.registry.serves(model):
-            resp = error_response(model_not_found(model))
-        else:
-            what = f"model {model!r}" if model is not None else "this request"
-            resp = error_response(
-                ServiceUnavailable(
-                    f"no healthy worker can serve {what}",
-                    headers={"Retry-After": self.retry_after},
-                )
-            )
+            self._worker_failed(worker, att)
+            retry.failed(worker.id, att)
+        resp = retry.answer({}, st.config.server.expose_workers, "access log")
+        if resp is None:  # no worker was tried
+            resp = self._relay_unserved(model)
         resp.headers["X-Request-Id"] = rid
         st.metrics.request_done("", PASSTHROUGH, resp.status)
-        note.error = "; ".join(errors) or (
+        note.error = "; ".join(retry.errors) or (
             "model_not_found" if resp.status == 404 else "no_healthy_worker"
         )
         return resp
+
+    def _relay_unserved(self, model: str | None) -> web.Response:
+        """No worker could be tried: 404 for a model no worker lists, else 503."""
+        if model is not None and not self.st.registry.serves(model):
+            return error_response(model_not_found(model))
+        what = f"model {model!r}" if model is not None else "this request"
+        unavailable = ServiceUnavailable(
+            f"no healthy worker can serve {what}", headers={"Retry-After": self.retry_after}
+        )
+        return error_response(unavailable)
 
     def responses_refused(self) -> web.Response:
         """``/v1/responses`` (any method, any sub-path): 404 saying why it is not routed."""
@@ -595,11 +599,7 @@ class Proxy:
             self._abandon(adm, worker, att)
             if retry is None:
                 retry = _Retry()
-            retry.tried.append(worker.id)
-            retry.errors.append(f"{worker.id}: {att.error}")
-            retry.timed_out = retry.timed_out and att.status == 504
-            if not att.unreachable:
-                retry.last_refusal = att
+            retry.failed(worker.id, att)
         return self._no_worker(built, retry, "every attempt failed", adm, t0)
 
     def _first_byte_timeout(self, decision: Decision, built: BuiltRequest) -> float | None:
@@ -857,6 +857,12 @@ class Proxy:
         # nothing was prefilled there, so the routing is taken back and the
         # retry elsewhere leaves no phantom prefix on this worker.
         st.dispatch.reject(adm, st.clock())
+        self._worker_failed(worker, att)
+
+    def _worker_failed(self, worker: Worker, att: Attempt) -> None:
+        """What an attempt that failed before the engine answered says of ``worker``
+        (observed; unreachable: failed; silent: suspect), and the retry counted."""
+        st = self.st
         st.registry.observe(worker, att.status, unreachable=att.unreachable, suspect=att.suspect)
         if att.unreachable:
             st.registry.mark_failed(worker, att.error or "unreachable")
@@ -898,20 +904,11 @@ class Proxy:
         """
         why = str(no_worker)
         hdrs = {"X-Request-Id": built.reply_id}
-        refusal = retry.last_refusal if retry is not None else None
+        expose = self.st.config.server.expose_workers
+        tried = retry.answer(hdrs, expose, "decision log") if retry is not None else None
         resp: web.Response
-        if refusal is not None and refusal.fallback is not None:
-            resp = refusal.fallback  # the upstream's own error keeps its status
-        elif retry is not None and retry.tried:
-            detail = (
-                "; ".join(retry.errors)
-                if self.st.config.server.expose_workers
-                else f"{len(retry.errors)} tried; their errors are in the decision log"
-            )
-            failed = UpstreamTimeout if retry.timed_out else UpstreamFailed
-            resp = error_response(
-                failed(f"no worker could serve the request ({detail})", headers=hdrs)
-            )
+        if tried is not None:
+            resp = tried
         else:
             resp = error_response(self.flow.no_worker_error(built, no_worker, hdrs))
         decision = adm.decision if adm is not None else None
