@@ -54,6 +54,7 @@ from prefixrouter.gateway.errors import (
     NotFound,
     Unauthorized,
     error_response,
+    json_body,
     model_not_found,
 )
 from prefixrouter.gateway.state import GatewayState
@@ -197,9 +198,7 @@ class Admin:
         try:
             self._check(request)
             try:
-                body = orjson.loads(await request.read())
-            except orjson.JSONDecodeError as exc:
-                raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+                body = json_body(await request.read())
             except (HttpProcessingError, RequestPayloadError) as exc:  # gzip that is not gzip
                 raise BadRequest(
                     f"malformed request body ({type(exc).__name__})", code="invalid_body"

@@ -69,6 +69,7 @@ unchanged. The gateway's own errors have always had string codes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -178,6 +179,18 @@ class RequestTimeout(GatewayError):
     type = "invalid_request_error"
     code = "request_timeout"
     close = True
+
+
+def json_body(raw: bytes, loads: Callable[[bytes], Any] = orjson.loads) -> Any:
+    """A request body's JSON value (``loads``: the parser, e.g. the large-body one).
+
+    Raises:
+        BadRequest: Not JSON (``invalid_json``, orjson's message with its position).
+    """
+    try:
+        return loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
 
 
 class PayloadTooLarge(GatewayError):

@@ -50,11 +50,11 @@ from prefixrouter.errors import NoWorkerAvailable
 from prefixrouter.gateway import body as large_json
 from prefixrouter.gateway.decision_log import RequestOutcome
 from prefixrouter.gateway.errors import (
-    BadRequest,
     Forbidden,
     GatewayError,
     PayloadTooLarge,
     ServiceUnavailable,
+    json_body,
     model_not_found,
 )
 from prefixrouter.gateway.fleet import Steer
@@ -187,10 +187,7 @@ class RequestFlow:
         difference of one observation's weight), and :meth:`admit` hands the
         blocks to ``Dispatcher.admit``.
         """
-        try:
-            body = large_json.loads(raw) if large else orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+        body = json_body(raw, large_json.loads if large else orjson.loads)
         built = self.st.builder.build(
             body, raw, kind, scope_of, prefix_class, served_models=self._served_models
         )

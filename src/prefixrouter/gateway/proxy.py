@@ -123,6 +123,7 @@ from prefixrouter.gateway.errors import (
     UpstreamTimeout,
     error_body,
     error_response,
+    json_body,
     model_not_found,
     upstream_error_body,
 )
@@ -940,10 +941,7 @@ def _body_model(raw: bytes) -> str | None:
     Raises:
         BadRequest: The body is not a JSON object, or its ``model`` is not a string.
     """
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON body: {exc}", code="invalid_json") from None
+    body = json_body(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     model = body.get("model")
