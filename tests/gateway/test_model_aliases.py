@@ -50,3 +50,18 @@ def test_a_prefix_sent_under_one_alias_is_warm_under_the_other() -> None:
             assert WorkerId(holder) in reg.workers
 
     run(body)
+
+
+def test_names_without_a_shared_root_stay_apart() -> None:
+    """A server that lists several models without roots (configured here, so
+    never listed) may serve different models: their prefixes must not mix."""
+
+    async def body() -> None:
+        engines = [FakeEngine(aliases=("gpt-4",))]
+        options = [{"models": ["tiny", "gpt-4"]}]
+        async with gateway_env(engines=engines, worker_options=options) as env:
+            reg = env.state.registry
+            assert reg.workers[WorkerId("w0")].models == {"tiny", "gpt-4"}
+            assert reg.cache_model("gpt-4") == "gpt-4" and reg.cache_model("tiny") == "tiny"
+
+    run(body)

@@ -96,7 +96,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -656,19 +656,22 @@ class WorkerRegistry:
         every = self.workers.values()
         self._known = frozenset(self._gone).union(*(w.models | w.adapters for w in every))
         self._serves_any = any(_may_serve_any(w) for w in every)
-        self._cache_models = alias_classes(w.models - w.adapters for w in every)
+        self._cache_models = alias_classes(s for w in every for s in _same_root(w))
 
     def cache_model(self, name: str) -> str:
         """The name a model's cache namespace goes by: one for all its aliases.
 
-        vLLM's ``--served-model-name a b`` (SGLang likewise) serves one base
-        model under several names, and its prefix cache does not know which
-        name a request used: ``a`` and ``b`` requests share every block. So
-        the base-model names one worker lists are aliases of one model, and
-        the names of each such class (joined across workers that list a name
-        in common) hash in one namespace, the class's first name in sorted
-        order (the one a worker's KV events are put in, ``state._event_namespace``).
-        Adapters keep their own names: an adapter's blocks are its own.
+        vLLM's ``--served-model-name a b`` serves one base model under
+        several names, and its prefix cache does not know which name a
+        request used: ``a`` and ``b`` requests share every block. Its listing
+        gives each name the same ``root`` (the model's path), so the
+        base-model names one worker lists with one ``root`` are aliases of one
+        model (:func:`_same_root`; a server that lists several models without
+        roots, Ollama's, keeps them apart), and the names of each such class
+        (joined across workers that list a name in common) hash in one
+        namespace, the class's first name in sorted order (the one a worker's
+        KV events are put in, ``state._event_namespace``). Adapters keep their
+        own names: an adapter's blocks are its own.
         """
         return self._cache_models.get(name, name)
 
@@ -1096,6 +1099,17 @@ class WorkerRegistry:
         if not w.kv_size_known:
             return  # capacity unknown: keep the index default
         self.dispatch.mirror_capacity((self.dispatch.fill(w.view, self.clock()),))
+
+
+def _same_root(w: Worker) -> Iterator[frozenset[str]]:
+    """The base-model names ``w`` listed, grouped by the ``root`` each reported
+    (names without one are not grouped): one group per model it serves."""
+    by_root: dict[str, set[str]] = {}
+    for name in w.models - w.adapters:
+        root = w.model_cards.get(name, {}).get("root")
+        if isinstance(root, str) and root:
+            by_root.setdefault(root, set()).add(name)
+    return (frozenset(names) for names in by_root.values())
 
 
 def alias_classes(name_sets: Iterable[frozenset[str]]) -> dict[str, str]:
