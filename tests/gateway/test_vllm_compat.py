@@ -199,6 +199,16 @@ def test_template_fields_reach_the_template_in_token_mode() -> None:
             own = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
             r = await env.client.post("/v1/chat/completions", json={**body, "chat_template": own})
             assert r.status == 200, await r.text()
+            # A template the request brings is not run by the gateway (vLLM refuses
+            # it unless trusted): the model's tokens, in a namespace of its own.
+            plain, brought = (
+                env.state.builder.build(
+                    b, b"", "chat", lambda salt: env.state.tenancy.resolve(None, None, salt), None
+                ).routing
+                for b in (body, {**body, "chat_template": own})
+            )
+            assert brought.tokens == plain.tokens
+            assert brought.namespace != plain.namespace
 
     run(main)
 

@@ -241,12 +241,13 @@ class RequestBuilder:
             adapter = model
         routing = RoutingRequest(
             request_id=RequestId(request_id or self.new_request_id()),
-            # Token mode renders the template fields into the tokens themselves.
+            # Token mode renders the template fields into the tokens themselves
+            # (its key holds only a template the request brings).
             namespace=self.namespace(
                 model if adapter else self.cache_model(model),
                 adapter,
                 scope.namespace,
-                prompt.template_key if self.tokenizer is None else "",
+                prompt.template_key,
             ),
             tokens=prompt.tokens,
             text=prompt.text,

@@ -104,9 +104,8 @@ class ChatTokenizer(Protocol):
         continue_final_message: bool = False,
         documents: Sequence[Any] | None = None,
         variables: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
     ) -> str:
-        """The prompt text of chat messages (the model's own template, or the request's)."""
+        """The prompt text of chat messages (the model's own template)."""
         ...
 
 
@@ -142,6 +141,21 @@ class TemplateOptions:
         if self.chat_template is not None:
             changed["chat_template"] = self.chat_template
         return json_text(changed) if changed else ""
+
+    @property
+    def request_template_key(self) -> str:
+        """Token mode's key: the request's own ``chat_template`` alone (canonical
+        JSON; ``""`` when it brings none).
+
+        Token mode renders the other fields into the tokens, but not a template
+        the request brings: compiling a client's Jinja in the gateway, once per
+        request that varies it, is a CPU and sandbox surface for a request vLLM
+        refuses unless started with ``--trust-request-chat-template``. Its
+        tokens are the model's template's, and its prefix is kept apart.
+        """
+        if self.chat_template is None:
+            return ""
+        return json_text({"chat_template": self.chat_template})
 
 
 DEFAULT_TEMPLATE_OPTIONS = TemplateOptions()
@@ -218,8 +232,10 @@ class BuiltPrompt:
         rendered: The rendered prompt with its message spans (None for token ids).
         prefix_class: Stated (``X-Prefix-Class``) or inferred.
         first_user_text: The text of the first user message (chat), else None.
-        template_key: :attr:`TemplateOptions.key` (``""``: none set); text
-            mode folds it into the namespace, token mode renders with them.
+        template_key: What the namespace folds in of the template fields
+            (``""``: none): text mode :attr:`TemplateOptions.key`; token mode,
+            which renders the rest into the tokens,
+            :attr:`TemplateOptions.request_template_key`.
         batch_chars: A batch of completions prompts in text mode: the
             characters of all of them (``text`` is the first one's); else 0.
         batch_tokens: A batch in token mode: the tokens of all of them
@@ -374,7 +390,8 @@ def _chat_prompt(
         content = messages[first.index].get("content")
         # The message's own string when it is one: a long content is not copied.
         first_user = content if isinstance(content, str) else rendered.content(first)
-    return BuiltPrompt(text, tokens, rendered, cls, first_user, options.key)
+    key = options.key if tokenizer is None else options.request_template_key
+    return BuiltPrompt(text, tokens, rendered, cls, first_user, key)
 
 
 def _chat_tokens(
@@ -415,7 +432,6 @@ def _chat_tokens(
             continue_final_message=options.continue_final_message and media is None,
             documents=options.documents,
             variables=options.variables,
-            chat_template=options.chat_template,
         )
     except PromptError:
         raise

@@ -42,7 +42,6 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +80,6 @@ VOCAB_SIZE = 8192
 CORPUS_CHARS = 1_000_000
 PER_FILE_CHARS = 40_000
 SPECIAL_TOKENS = ("<|endoftext|>", IM_START, IM_END)
-PROJECT_SPECIAL_TOKENS = {"eos_token": IM_END, "pad_token": "<|endoftext|>"}
-"""The project model's named special tokens (its ``special_tokens_map.json``)."""
 
 # ----------------------------------------------------------------- building
 
@@ -196,7 +193,7 @@ def hf_tokenizer_dir(directory: str | os.PathLike[str] | None = None) -> Path:
         "chat_template": CHAT_TEMPLATE_JINJA,
         "clean_up_tokenization_spaces": False,
     }
-    special = PROJECT_SPECIAL_TOKENS
+    special = {"eos_token": IM_END, "pad_token": "<|endoftext|>"}
     files = {
         "tokenizer.json": data,
         "tokenizer_config.json": json_text(config) + "\n",
@@ -306,20 +303,16 @@ class Tokenizer:
         continue_final_message: bool = False,
         documents: Sequence[Any] | None = None,
         variables: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
     ) -> str:
         """The prompt text of chat messages: the model's template, else :func:`render_chat`.
 
         The keywords are a chat request's fields of those names
         (``variables``: its ``chat_template_kwargs``), as
-        :meth:`ModelChatTemplate.render` takes them; ``chat_template`` is a
-        template the request brings (compiled once per source), rendered with
-        this tokenizer's special tokens.
+        :meth:`ModelChatTemplate.render` takes them. A template the request
+        brings is not compiled here
+        (:attr:`~prefixrouter.prompt.request.TemplateOptions.request_template_key`).
         """
         template = self.template
-        if chat_template is not None:
-            special = template.special_tokens if template is not None else PROJECT_SPECIAL_TOKENS
-            template = _compiled(chat_template, tuple(sorted(special.items())))
         if template is not None:
             return template.render(
                 messages,
@@ -346,12 +339,6 @@ class Tokenizer:
         return self.encode(
             self.apply_chat_template(messages, tools, add_generation_prompt=add_generation_prompt)
         )
-
-
-@lru_cache(maxsize=16)
-def _compiled(source: str, special: tuple[tuple[str, str], ...]) -> ModelChatTemplate:
-    """A request's own chat template, compiled once (clients send the same few)."""
-    return ModelChatTemplate(source, dict(special))
 
 
 _loaded: dict[Path, Tokenizer] = {}
