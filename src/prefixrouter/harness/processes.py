@@ -107,10 +107,12 @@ def spawn(
     so that it ends when this process dies (module doc).
 
     ``new_session``: its own session and process group, stopped as a whole.
-    The command is resolved on ``PATH`` first, so a missing program raises
+    The command is resolved first, on the ``PATH`` the child gets (``env``'s,
+    as ``Popen`` looks it up), so a missing program raises
     :class:`FileNotFoundError` here, as ``Popen`` would, not in the child.
     """
-    program = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0])
+    search = os.pathsep.join(os.get_exec_path(env))
+    program = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0], path=search)
     if program is None:
         raise FileNotFoundError(f"no such program on PATH: {cmd[0]!r}")
     args = [program, *cmd[1:]]

@@ -582,7 +582,9 @@ class KvEventSubscriber:
     def _first_missing(self, feed: WorkerFeed) -> int | None:
         """The lowest number from the gap to the newest held message neither replayed nor held."""
         assert feed.gap_from is not None
-        return next(_unfilled(feed.gap_from, feed.held, feed.replayed), None)
+        start, held = feed.gap_from, feed.held
+        top = max(held, default=start - 1)
+        return next(_unfilled(start, top, held, feed.replayed), None)
 
     async def _replay_task(self, feed: WorkerFeed) -> None:
         """Fetch the missed range (more rounds for gaps heard meanwhile), then settle.
@@ -618,7 +620,7 @@ class KvEventSubscriber:
         if start is None:
             return
         top = max(held, default=start - 1)
-        missing = list(_unfilled(start, held, replayed))
+        missing = list(_unfilled(start, top, held, replayed))
         now = self.clock()
         last_hole = missing[-1] if missing else start - 1
         if missing:
@@ -840,8 +842,8 @@ class KvEventCollector(Collector):
 
 
 def _unfilled(
-    start: int, held: Mapping[int, object], replayed: Mapping[int, object]
+    start: int, top: int, held: Mapping[int, object], replayed: Mapping[int, object]
 ) -> Iterator[int]:
-    """The numbers from ``start`` to the newest held message that are neither held nor replayed."""
-    top = max(held, default=start - 1)
+    """The numbers from ``start`` to ``top`` (the newest held message) that are
+    neither held nor replayed."""
     return (seq for seq in range(start, top + 1) if seq not in held and seq not in replayed)
