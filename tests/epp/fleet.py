@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,26 @@ from typing import Any
 import aiohttp
 import orjson
 
-from prefixrouter.epp.envoy import Envoy, render, start_envoy
+from prefixrouter.epp.envoy import BODY_MODES, Envoy, render, start_envoy
 from prefixrouter.harness.health import wait_healthy
 from prefixrouter.harness.ports import HOST, free_port
 from prefixrouter.harness.processes import Fleet, Server
+from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
 
-ENGINE_ARGS = ["--profile", "tiny-cpu", "--time-scale", "50", "--model", "tiny"]
-ENGINE_ARGS += ["--kv-blocks", "8192"]
+MODES = BODY_MODES
+"""The request body modes the tests run Envoy in: every one the bootstrap renders."""
+
+TIME_SCALE = 50
+"""The simulated engines' speed-up: fast answers (1 is about 4 ms a token)."""
+
+
+def engine_args(time_scale: float = TIME_SCALE) -> list[str]:
+    """A simulated engine's arguments (tiny model, ``time_scale`` times faster than real)."""
+    scale = ["--time-scale", str(time_scale)]
+    return ["--profile", "tiny-cpu", *scale, "--model", "tiny", "--kv-blocks", "8192"]
+
+
+ENGINE_ARGS = engine_args()
 BOUND_S = 30.0
 """Every start and wait is bounded (a loaded machine is slow, never this slow)."""
 
@@ -46,6 +60,35 @@ class Picker:
     @property
     def http(self) -> str:
         return self.server.url
+
+
+@dataclass
+class Stack:
+    """Engines, the picker, and one Envoy per body mode (:func:`start_stack`)."""
+
+    engines: list[Server]
+    picker: Picker
+    envoys: dict[str, Envoy]
+
+
+@contextmanager
+def start_stack(tmp: Path, n_engines: int, *picker_args: str, **config: Any) -> Iterator[Stack]:
+    """``n_engines`` engines, a picker (admin key on, ``config`` extras), an Envoy per mode.
+
+    Yields once every server is up and the picker knows every worker's models;
+    everything is stopped on leaving.
+    """
+    with Fleet() as fleet:
+        engines = start_engines(fleet, n_engines)
+        path = write_config(tmp / "epp.yaml", engines, server=dict(ADMIN_CONFIG), **config)
+        picker = start_picker(fleet, path, *picker_args)
+        envoys = {
+            mode: start_proxy(fleet, picker, engines, tmp, body_mode=mode, name=f"envoy-{mode}")
+            for mode in MODES
+        }
+        asyncio.run(wait_up(fleet, [*engines, picker.server], list(envoys.values())))
+        asyncio.run(wait_discovered(picker, ADMIN_HEADERS))
+        yield Stack(engines, picker, envoys)
 
 
 def start_engines(fleet: Fleet, n: int) -> list[Server]:
@@ -210,6 +253,22 @@ def client() -> aiohttp.ClientSession:
 async def metric_lines(url: str, prefix: str) -> list[str]:
     async with client() as s, s.get(url + "/metrics") as r:
         return [line for line in (await r.text()).splitlines() if line.startswith(prefix)]
+
+
+async def envoy_stat(admin_url: str, name: str) -> int:
+    """The sum of Envoy's counters whose name ends with ``name`` (0: none yet)."""
+    async with client() as s, s.get(admin_url + "/stats", params={"filter": name}) as r:
+        return sum(
+            int(value)
+            for key, _, value in (line.partition(": ") for line in (await r.text()).splitlines())
+            if key.endswith(name)
+        )
+
+
+async def requests_done(picker_http: str, status: int) -> float:
+    """The picker's ``prefixrouter_requests_total`` of answers with ``status``, summed."""
+    lines = await metric_lines(picker_http, "prefixrouter_requests_total")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if f'status="{status}"' in line)
 
 
 def ext_proc_headers(values: dict[str, str]) -> Any:

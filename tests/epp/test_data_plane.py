@@ -9,6 +9,8 @@ closed), one per request body mode. Each test is one rule of the data plane:
 * an HTTP/2 request that ends with trailers is picked (it skipped the picker);
 * a ``BUFFERED`` request's stream is not held to its end;
 * a picker that hangs is a bounded 503 in the OpenAI error shape.
+
+(The bootstrap's routes, which need no Envoy to read, are checked in ``test_bootstrap``.)
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import h2.config
 import h2.connection
@@ -29,65 +29,32 @@ import h2.events
 import orjson
 import pytest
 
-from prefixrouter.epp.envoy import Envoy, render, start_envoy
+from prefixrouter.epp.envoy import EXT_PROC_FILTER, hcm, http_filter, render, start_envoy
 from prefixrouter.harness.ports import HOST, free_port
-from prefixrouter.harness.processes import Fleet, Server
-from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS
+from prefixrouter.harness.processes import Fleet
+from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS, workers
 from tests.epp.fleet import (
     BOUND_S,
-    Picker,
+    MODES,
+    Stack,
     chat_body,
     client,
-    metric_lines,
+    envoy_stat,
     post,
+    requests_done,
     start_engines,
     start_picker,
-    start_proxy,
+    start_stack,
     wait_discovered,
     wait_up,
     write_config,
 )
 
-MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
-
-
-@dataclass
-class Stack:
-    engines: list[Server]
-    picker: Picker
-    envoys: dict[str, Envoy]
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("epp-data-plane")
-    with Fleet() as fleet:
-        engines = start_engines(fleet, 2)
-        config = write_config(tmp / "epp.yaml", engines, server=dict(ADMIN_CONFIG))
-        picker = start_picker(fleet, config, "--fallbacks", "1")
-        envoys = {
-            mode: start_proxy(fleet, picker, engines, tmp, body_mode=mode, name=f"envoy-{mode}")
-            for mode in MODES
-        }
-        asyncio.run(wait_up(fleet, [*engines, picker.server], list(envoys.values())))
-        asyncio.run(wait_discovered(picker, ADMIN_HEADERS))
-        yield Stack(engines, picker, envoys)
-
-
-async def _stat(admin_url: str, name: str) -> int:
-    async with client() as s, s.get(admin_url + "/stats", params={"filter": name}) as r:
-        return sum(
-            int(value)
-            for key, _, value in (line.partition(": ") for line in (await r.text()).splitlines())
-            if key.endswith(name)
-        )
-
-
-async def _suspects(picker: Picker) -> list[str]:
-    url = picker.http + "/admin/workers"
-    async with client() as s, s.get(url, headers=ADMIN_HEADERS) as r:
-        workers = (await r.json())["workers"]
-    return [w["id"] for w in workers if not w["healthy"]]
+    with start_stack(tmp_path_factory.mktemp("epp-data-plane"), 2, "--fallbacks", "1") as s:
+        yield s
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -102,8 +69,9 @@ async def test_fallbacks_with_the_shipped_bootstrap_serve_every_request(
         streamed = await post(s, envoy.url, chat_body(f"fallbacks {mode}", stream=True))
     assert [(a.status, a.worker in names) for a in answers] == [(200, True)] * 4, answers[0].body
     assert streamed.status == 200 and streamed.done
-    assert await _stat(envoy.admin_url, "original_dst_host_invalid") == 0
-    assert await _suspects(stack.picker) == []  # Envoy's 503s made workers suspect
+    assert await envoy_stat(envoy.admin_url, "original_dst_host_invalid") == 0
+    suspects = [i for i, w in (await workers(stack.picker.http)).items() if not w["healthy"]]
+    assert suspects == []  # Envoy's 503s made workers suspect
 
 
 def _h2_post(port: int, body: bytes, trailers: bool) -> tuple[dict[bytes, bytes], bytes]:
@@ -148,14 +116,13 @@ async def test_an_http2_request_with_trailers_is_picked(stack: Stack, mode: str)
     assert headers[b":status"] == b"200", body[:300]
     assert headers[b"x-prefixrouter-worker"] in {e.name.encode() for e in stack.engines}
     assert body.rstrip().endswith(b"data: [DONE]")
-    # The picker's rules apply: an unknown model is its 404, not the engine's answer.
+    # The picker's rules apply: an unknown model is its 404, not the engine's answer,
+    # counted by the picker (once: this request's own count, not an earlier case's).
     unknown = orjson.dumps({**chat_body("trailers"), "model": "no-such-model"})
+    before = await requests_done(stack.picker.http, 404)
     headers, body = await asyncio.to_thread(_h2_post, port, unknown, True)
     assert headers[b":status"] == b"404" and b"model_not_found" in body
-    rid = headers.get(b"x-request-id")
-    assert rid is None  # refused by the picker, before any engine
-    done = await metric_lines(stack.picker.http, "prefixrouter_requests_total")
-    assert any('status="404"' in line for line in done)
+    assert await requests_done(stack.picker.http, 404) == before + 1
 
 
 async def test_a_buffered_request_streams_its_response(stack: Stack) -> None:
@@ -179,24 +146,29 @@ async def test_a_buffered_request_streams_its_response(stack: Stack) -> None:
     assert arrivals[0] < total / 2, (arrivals[0], total)
 
 
-async def test_a_hung_picker_is_a_bounded_503_in_the_openai_shape(tmp_path: Path) -> None:
-    """A stopped picker: Envoy's ``message_timeout`` ends the wait; ``status_on_error`` 503.
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_hung_picker_is_a_bounded_503_in_the_openai_shape(
+    tmp_path: Path, mode: str
+) -> None:
+    """A stopped picker: the wait for its answer is bounded; a 503 in the OpenAI shape.
 
-    The bootstrap's bound is 45 s (the overload queue's wait and a margin):
-    ``message_timeout`` in ``BUFFERED`` mode, ``stream_idle_timeout`` before
-    the pick in ``FULL_DUPLEX_STREAMED`` mode (Envoy has no message timeout
-    there); this test renders both at 2 s and uses the shipped mode. The
-    body is the OpenAI error shape, from the bootstrap's ``local_reply_config``.
+    The bootstrap's bound is 45 s (the overload queue's wait and a margin),
+    here rendered at 2 s: in ``BUFFERED`` mode the ext_proc filter's
+    ``message_timeout`` ends the wait and its ``status_on_error`` is the 503;
+    in ``FULL_DUPLEX_STREAMED`` mode (Envoy has no message timeout there)
+    the connection manager's ``stream_idle_timeout`` before the pick ends it.
+    The body is the OpenAI error shape, from the bootstrap's ``local_reply_config``.
     """
     with Fleet() as fleet:
         engines = start_engines(fleet, 1)
         config = write_config(tmp_path / "epp.yaml", engines, server=dict(ADMIN_CONFIG))
         picker = start_picker(fleet, config)
-        boot = render(free_port(), picker.grpc_port, free_port(), [(HOST, engines[0].port)])
-        ext_proc = _ext_proc(boot)
-        ext_proc["message_timeout"] = "2s"  # BUFFERED's bound
-        hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        hcm["typed_config"]["stream_idle_timeout"] = "2s"  # FULL_DUPLEX_STREAMED's
+        pool = [(HOST, engines[0].port)]
+        boot = render(free_port(), picker.grpc_port, free_port(), pool, body_mode=mode)
+        if mode == "BUFFERED":
+            http_filter(hcm(boot), EXT_PROC_FILTER)["message_timeout"] = "2s"
+        else:
+            hcm(boot)["stream_idle_timeout"] = "2s"
         envoy = start_envoy(fleet, boot, name="envoy-hung", workdir=tmp_path)
         await wait_up(fleet, [*engines, picker.server], [envoy])
         await wait_discovered(picker, ADMIN_HEADERS)
@@ -214,31 +186,3 @@ async def test_a_hung_picker_is_a_bounded_503_in_the_openai_shape(tmp_path: Path
     assert hung.headers["content-type"] == "application/json"
     assert hung.body["error"]["code"] == "endpoint_picker_unavailable"
     assert after.status == 200
-
-
-def _ext_proc(boot: dict[str, Any]) -> dict[str, Any]:
-    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    for f in hcm["typed_config"]["http_filters"]:
-        if f["name"] == "envoy.filters.http.ext_proc":
-            cfg: dict[str, Any] = f["typed_config"]
-            return cfg
-    raise AssertionError("no ext_proc filter")
-
-
-async def test_no_route_serves_an_unpicked_request_when_failing_closed(stack: Stack) -> None:
-    """Fail closed: a request without a pick is the bootstrap's 503, never the pool's."""
-    boot = render(1, 2, 3, [(HOST, 4)])
-    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-        "typed_config"
-    ]["route_config"]["virtual_hosts"][0]["routes"]
-    clusters = [r["route"]["cluster"] for r in routes if "route" in r]
-    assert clusters == ["original_destination_cluster"]
-    assert routes[-1]["direct_response"]["status"] == 503
-    opened = render(1, 2, 3, [(HOST, 4)], failure_mode_allow=True)
-    routes = opened["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-        "typed_config"
-    ]["route_config"]["virtual_hosts"][0]["routes"]
-    assert routes[-1]["route"]["cluster"] == "inference_pool"
-    # Through Envoy: a GET the picker routes still goes (it names an endpoint).
-    async with client() as s, s.get(stack.envoys["BUFFERED"].url + "/v1/models") as r:
-        assert r.status == 200

@@ -10,9 +10,7 @@ and its gRPC side is also spoken to directly (health, the subset hint).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -23,60 +21,34 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixrouter.epp import protocol
-from prefixrouter.epp.envoy import Envoy
-from prefixrouter.harness.processes import Fleet, Server
-from tests.admin_client import ADMIN_CONFIG, ADMIN_HEADERS, decisions
+from tests.admin_client import decisions
 from tests.epp.fleet import (
-    Picker,
+    MODES,
+    Stack,
     chat_body,
     client,
     ext_proc_headers,
     metric_lines,
     post,
-    start_engines,
-    start_picker,
-    start_proxy,
-    wait_discovered,
-    wait_up,
-    write_config,
+    start_stack,
 )
 
-MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 KEYS = {"team-a": "sk-team-a", "team-b": "sk-team-b"}
 COLD = 50
 """Cached tokens of a question whose document was not reused (the system prompt's first block)."""
 WARM = 200
 """Cached tokens of a question whose document was (a document is about 900 tokens)."""
-
-
-@dataclass
-class Stack:
-    engines: list[Server]
-    picker: Picker
-    envoys: dict[str, Envoy]
+TENANCY: dict[str, Any] = {
+    "api_keys": {key: tenant for tenant, key in KEYS.items()},
+    "tenants": {t: {"share_cache": False} for t in KEYS},
+    "salt_secret": "epp-test-secret",
+}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("epp-envoy")
-    with Fleet() as fleet:
-        engines = start_engines(fleet, 3)
-        config = write_config(
-            tmp / "epp.yaml",
-            engines,
-            server=dict(ADMIN_CONFIG),
-            api_keys={key: tenant for tenant, key in KEYS.items()},
-            tenants={t: {"share_cache": False} for t in KEYS},
-            salt_secret="epp-test-secret",
-        )
-        picker = start_picker(fleet, config)
-        envoys = {
-            mode: start_proxy(fleet, picker, engines, tmp, body_mode=mode, name=f"envoy-{mode}")
-            for mode in MODES
-        }
-        asyncio.run(wait_up(fleet, [*engines, picker.server], list(envoys.values())))
-        asyncio.run(wait_discovered(picker, ADMIN_HEADERS))
-        yield Stack(engines, picker, envoys)
+    with start_stack(tmp_path_factory.mktemp("epp-envoy"), 3, **TENANCY) as s:
+        yield s
 
 
 def _doc(tag: str) -> str:

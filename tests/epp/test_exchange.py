@@ -166,18 +166,21 @@ async def test_envoys_503_makes_the_worker_suspect_only_when_envoy_dialled_it() 
 
     ``no_healthy_upstream`` (a destination the cluster would not take: the
     endpoint was never dialled) made the worker suspect, flapping it with
-    every request; an engine's own 503 never did.
+    every request; an engine's own 503 never did. A data plane that sends
+    no details: Envoy's plain-text 503 from the endpoint it dialled does.
     """
     from google.protobuf import struct_pb2
 
     st = _state()
     flow = RequestFlow(st)
 
-    async def answered(content_type: str, details: str) -> Exchange:
+    async def answered(content_type: str, details: str | None) -> Exchange:
         ex = Exchange(st, flow)
-        await _pick(ex, orjson.dumps(chat_body(details)))
+        picked = _set(await _pick(ex, orjson.dumps(chat_body(f"{content_type} {details}"))))
         attrs = struct_pb2.Struct()
-        attrs.fields[protocol.CODE_DETAILS].string_value = details
+        attrs.fields[protocol.UPSTREAM_ADDRESS].string_value = picked[protocol.DESTINATION]
+        if details is not None:
+            attrs.fields[protocol.CODE_DETAILS].string_value = details
         msg = ext_proc_headers({":status": "503", "content-type": content_type})
         await ex.on(
             pb.ProcessingRequest(
@@ -196,6 +199,11 @@ async def test_envoys_503_makes_the_worker_suspect_only_when_envoy_dialled_it() 
     assert envoy.picked is not None and envoy.picked.worker.suspect
     views = {v.worker_id: v for v in st.registry.views()}
     assert not views[envoy.picked.worker.id].healthy  # out of routing until a check passes
+    # No details: Envoy's own answer is plain text, an engine's JSON.
+    quiet_engine = await answered("application/json", None)
+    assert quiet_engine.picked is not None and not quiet_engine.picked.worker.suspect
+    quiet_envoy = await answered("text/plain", None)
+    assert quiet_envoy.picked is not None and quiet_envoy.picked.worker.suspect
 
 
 def test_readiness_is_able_to_pick_not_a_worker_ready() -> None:
@@ -204,16 +212,17 @@ def test_readiness_is_able_to_pick_not_a_worker_ready() -> None:
     No ready worker keeps the picker ready: it answers 503 JSON with
     ``Retry-After`` itself, better than the gateway's empty 500 without it.
     """
-    from prefixrouter.epp.server import Lifecycle, readiness
+    from prefixrouter.epp.server import Lifecycle, picker_admin
 
     st = _state()
     life = Lifecycle()
-    assert readiness(st, life) == (True, "ready")
+    admin = picker_admin(st, life)
+    assert admin.readiness() == (True, {"status": "ready"})
     for w in st.registry.workers.values():
         w.ready = False
-    assert readiness(st, life) == (True, "ready")
+    assert admin.readiness() == (True, {"status": "ready"})
     life.draining = True
-    assert readiness(st, life) == (False, "shutting_down")
+    assert admin.readiness() == (False, {"status": "shutting_down"})
 
 
 async def test_a_stream_answered_with_one_json_body_is_read_as_a_whole_answer() -> None:

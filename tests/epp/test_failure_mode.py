@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import aiohttp
-
 from prefixrouter.harness.processes import Fleet, kill_process
 from tests.epp.fleet import (
     chat_body,
     client,
+    envoy_stat,
     post,
     start_engines,
     start_picker,
@@ -35,15 +34,6 @@ from tests.epp.fleet import (
 )
 
 FAIL_OPEN = "ext_proc.failure_mode_allowed"
-
-
-async def _stat(session: aiohttp.ClientSession, admin_url: str, name: str) -> int:
-    async with session.get(admin_url + "/stats", params={"filter": name}) as r:
-        for line in (await r.text()).splitlines():
-            key, _, value = line.partition(": ")
-            if key.endswith(name):
-                return int(value)
-    return 0
 
 
 def test_failure_mode_allow_as_envoy_documents_it(tmp_path: Path) -> None:
@@ -82,7 +72,7 @@ def test_failure_mode_allow_as_envoy_documents_it(tmp_path: Path) -> None:
                 served = [await post(s, buffered.url, chat_body(f"after {i}")) for i in range(2)]
                 assert [(a.status, a.worker) for a in served] == [(200, None)] * 2
                 assert all(a.text for a in served)
-                assert await _stat(s, buffered.admin_url, FAIL_OPEN) >= 2
+                assert await envoy_stat(buffered.admin_url, FAIL_OPEN) >= 2
 
                 # Fail open, full-duplex body: Envoy fails open only until the first body
                 # chunk went to the processor (it keeps no copy of the chunks it streamed),
@@ -91,7 +81,7 @@ def test_failure_mode_allow_as_envoy_documents_it(tmp_path: Path) -> None:
                 assert lost.status == 503
                 async with s.get(duplex.url + "/v1/models") as r:
                     assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
-                assert await _stat(s, duplex.admin_url, FAIL_OPEN) >= 1
-                assert await _stat(s, closed.admin_url, FAIL_OPEN) == 0
+                assert await envoy_stat(duplex.admin_url, FAIL_OPEN) >= 1
+                assert await envoy_stat(closed.admin_url, FAIL_OPEN) == 0
 
     asyncio.run(asyncio.wait_for(body(), 90))

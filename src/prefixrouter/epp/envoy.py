@@ -73,17 +73,33 @@ def load_bootstrap(path: Path = BOOTSTRAP) -> dict[str, Any]:
     return data
 
 
-def _hcm(listener: dict[str, Any]) -> dict[str, Any]:
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+
+
+def hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """The listener's HTTP connection manager (its ``typed_config``), in place."""
+    listener = bootstrap["static_resources"]["listeners"][0]
     cfg: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
     return cfg
 
 
-def _filter(hcm: dict[str, Any], name: str) -> dict[str, Any]:
-    for f in hcm["http_filters"]:
+def http_filter(manager: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ``typed_config`` of the connection manager's HTTP filter ``name``, in place.
+
+    Raises:
+        KeyError: No such filter.
+    """
+    for f in manager["http_filters"]:
         if f["name"] == name:
             cfg: dict[str, Any] = f["typed_config"]
             return cfg
     raise KeyError(f"the bootstrap has no {name} filter")
+
+
+def routes(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The listener's routes, in order (the last is the catch-all), in place."""
+    found: list[dict[str, Any]] = hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"]
+    return found
 
 
 def _cluster(data: dict[str, Any], name: str) -> dict[str, Any]:
@@ -129,17 +145,18 @@ def render(
         # Envoy answers a body past its buffer limit with its own 413; the
         # bootstrap's small limit suits streamed bodies (flow control) only.
         listener["per_connection_buffer_limit_bytes"] = BUFFERED_LIMIT_BYTES
-    hcm = _hcm(listener)
-    ext_proc = _filter(hcm, "envoy.filters.http.ext_proc")
+    manager = hcm(data)
+    ext_proc = http_filter(manager, EXT_PROC_FILTER)
     if not picker:
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["typed_config"] is not ext_proc]
+        manager["http_filters"] = [
+            f for f in manager["http_filters"] if f["typed_config"] is not ext_proc
+        ]
     mode = ext_proc["processing_mode"]
     mode["request_body_mode"] = body_mode
     mode["response_body_mode"] = RESPONSE_BODY_MODE[body_mode]
     ext_proc["failure_mode_allow"] = failure_mode_allow
     if failure_mode_allow or not picker:  # the file's last route is the fail-closed 503
-        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-        routes[-1] = copy.deepcopy(FAIL_OPEN_ROUTE)
+        routes(data)[-1] = copy.deepcopy(FAIL_OPEN_ROUTE)
     epp = _cluster(data, "ext_proc")["load_assignment"]["endpoints"][0]["lb_endpoints"]
     epp[0]["endpoint"]["address"] = _socket(epp_host, epp_port)
     _cluster(data, "inference_pool")["load_assignment"]["endpoints"][0]["lb_endpoints"] = [

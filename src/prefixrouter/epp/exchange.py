@@ -347,10 +347,7 @@ class Exchange:
         self.done = True
         self.settled = True
         picked = self.picked
-        tier = picked.adm.decision.tier if picked is not None else "none"
-        self.st.metrics.request_done("", tier, exc.status)
-        body = error_body(exc.message, exc.type, exc.code, exc.param)
-        return protocol.immediate(exc.status, body, {**_JSON, **exc.headers})
+        return refusal(self.st, exc, picked.adm.decision.tier if picked is not None else "none")
 
     # ------------------------------------------------------------------ response
 
@@ -487,6 +484,13 @@ class Exchange:
     def _release(self, built: BuiltRequest) -> None:
         if built.blocks is not None:  # parsed on the parse thread: a large body
             self.flow.release(built)
+
+
+def refusal(st: GatewayState, exc: GatewayError, tier: str = "none") -> pb.ProcessingResponse:
+    """``exc`` as the gateway's OpenAI-style error, Envoy's answer to the client; counted."""
+    st.metrics.request_done("", tier, exc.status)
+    body = error_body(exc.message, exc.type, exc.code, exc.param)
+    return protocol.immediate(exc.status, body, {**_JSON, **exc.headers})
 
 
 def _dialled_and_failed(req: pb.ProcessingRequest, headers: protocol.Headers) -> bool:

@@ -121,28 +121,28 @@ def subset_hint(request: pb.ProcessingRequest) -> list[str] | None:
     return []
 
 
+def _attribute(request: pb.ProcessingRequest, key: str) -> str | None:
+    """One of the attributes Envoy sent with the message (None: it sent no such one)."""
+    attrs = request.attributes
+    if EXT_PROC_ATTRIBUTES in attrs:
+        fields = attrs[EXT_PROC_ATTRIBUTES].fields
+        if key in fields:
+            value: str = fields[key].string_value
+            return value
+    return None
+
+
 def served_endpoint(request: pb.ProcessingRequest) -> str | None:
     """The endpoint that served (protocol metadata, else Envoy's ``upstream.address``)."""
     md = request.metadata_context.filter_metadata
     if LB_NAMESPACE in md and SERVED in md[LB_NAMESPACE].fields:
         return md[LB_NAMESPACE].fields[SERVED].string_value or None
-    attrs = request.attributes
-    if EXT_PROC_ATTRIBUTES in attrs:
-        fields = attrs[EXT_PROC_ATTRIBUTES].fields
-        if UPSTREAM_ADDRESS in fields:
-            return fields[UPSTREAM_ADDRESS].string_value or None
-    return None
+    return _attribute(request, UPSTREAM_ADDRESS) or None
 
 
 def code_details(request: pb.ProcessingRequest) -> str | None:
     """Envoy's ``response.code_details`` attribute (None: the data plane did not send it)."""
-    attrs = request.attributes
-    if EXT_PROC_ATTRIBUTES in attrs:
-        fields = attrs[EXT_PROC_ATTRIBUTES].fields
-        if CODE_DETAILS in fields:
-            details: str = fields[CODE_DETAILS].string_value
-            return details
-    return None
+    return _attribute(request, CODE_DETAILS)
 
 
 def endpoint_text(host: str, port: int) -> str:

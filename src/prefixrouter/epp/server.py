@@ -6,12 +6,13 @@
   :data:`~prefixrouter.epp.protocol.HEALTH_SERVICES`: ``liveness`` is
   serving while the process runs; ``readiness``, the overall service and the
   ext_proc service (Envoy's health check of the picker asks for that name;
-  the protocol gives it readiness's criteria) follow :func:`readiness`,
-  refreshed every :data:`READINESS_INTERVAL_S`.
+  the protocol gives it readiness's criteria) follow
+  :meth:`Admin.readiness <prefixrouter.gateway.admin.Admin.readiness>` (as
+  :func:`picker_admin` makes it), refreshed every :data:`READINESS_INTERVAL_S`.
 * **HTTP** (aiohttp): the gateway's ``/health`` (liveness: 200 while the
-  process serves; its body says whether a worker is ready), the picker's
-  ``/ready`` (the same answer as gRPC ``readiness``), the gateway's
-  ``/metrics`` and ``/admin/*`` (:func:`~prefixrouter.gateway.admin.add_observability_routes`),
+  process serves; its body says whether a worker is ready), ``/ready``
+  (the same rule as gRPC ``readiness``, the gateway's body), ``/metrics``
+  and ``/admin/*`` (:func:`~prefixrouter.gateway.admin.add_observability_routes`),
   ``/dashboard`` (:func:`~prefixrouter.gateway.dashboard.add_dashboard_routes`),
   with the gateway's background work (:func:`~prefixrouter.gateway.app.background`:
   health and metrics pollers, KV events, the decision-log flusher, the
@@ -40,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -51,22 +52,27 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from prefixrouter.epp import protocol
-from prefixrouter.epp.exchange import Exchange
+from prefixrouter.epp.exchange import Exchange, refusal
 from prefixrouter.gateway.admin import Admin, add_observability_routes
 from prefixrouter.gateway.app import background
 from prefixrouter.gateway.config import GatewayConfig
 from prefixrouter.gateway.dashboard import add_dashboard_routes
-from prefixrouter.gateway.errors import NotFound, error_body, error_response
+from prefixrouter.gateway.errors import NotFound, ServiceUnavailable, error_response
 from prefixrouter.gateway.flow import RequestFlow
 from prefixrouter.gateway.server import start_server
 from prefixrouter.gateway.state import STATE, GatewayState, build_state
 
 log = logging.getLogger("prefixrouter.epp")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 READINESS_INTERVAL_S = 0.5
 SHUTDOWN_RETRY_AFTER_S = 1
 """``Retry-After`` of a request refused while shutting down: another replica takes it."""
+SHUTTING_DOWN = ServiceUnavailable(
+    "the endpoint picker is shutting down; retry",
+    code="shutting_down",
+    headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)},
+)
+"""The answer to a request that comes while shutting down (module docstring)."""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -101,13 +107,11 @@ class Lifecycle:
 class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """The ext_proc service: one exchange per stream (none while shutting down)."""
 
-    def __init__(
-        self, state: GatewayState, fallbacks: int = 0, life: Lifecycle | None = None
-    ) -> None:
+    def __init__(self, state: GatewayState, life: Lifecycle, fallbacks: int = 0) -> None:
         self.st = state
         self.flow = RequestFlow(state)
         self.fallbacks = fallbacks
-        self.life = life if life is not None else Lifecycle()
+        self.life = life
 
     async def Process(
         self,
@@ -118,8 +122,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # A request that still comes while shutting down: not picked here, a clear
             # 503 (the first message is the request's headers; the answer ends it).
             async for _ in request_iterator:
-                self.st.metrics.request_done("", "none", 503)
-                yield _shutting_down()
+                yield refusal(self.st, SHUTTING_DOWN)
                 return
             return
         ex = Exchange(self.st, self.flow, self.fallbacks)
@@ -138,22 +141,13 @@ class Picker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.flow.close()
 
 
-def _shutting_down() -> pb.ProcessingResponse:
-    body = error_body(
-        "the endpoint picker is shutting down; retry", "service_unavailable", "shutting_down"
-    )
-    headers = {"content-type": "application/json", "retry-after": str(SHUTDOWN_RETRY_AFTER_S)}
-    return protocol.immediate(503, body, headers)
+def picker_admin(state: GatewayState, life: Lifecycle) -> Admin:
+    """The gateway's handlers, shutting down with ``life``: the one readiness rule.
 
-
-def readiness(state: GatewayState, life: Lifecycle) -> tuple[bool, str]:
-    """Whether the picker can serve picks, and why (module docstring): gRPC and HTTP alike."""
-    if life.draining:
-        return False, "shutting_down"
-    node = state.cluster
-    if node is not None and not node.ready:
-        return False, node.status
-    return True, "ready"
+    HTTP ``/ready`` and gRPC readiness both ask its
+    :meth:`~prefixrouter.gateway.admin.Admin.readiness` (module docstring).
+    """
+    return Admin(state, shutting_down=lambda: life.draining)
 
 
 @dataclass
@@ -173,19 +167,17 @@ class Running:
     def life(self) -> Lifecycle:
         return self.picker.life
 
-    async def drain(self, grace_s: float) -> bool:
-        """Shut down as the module docstring says; whether every stream finished in time."""
+    async def drain(self, grace_s: float) -> None:
+        """Shut down as the module docstring says (a warning if a stream outlived ``grace_s``)."""
         self.life.draining = True
         await _publish(self.health, False)  # at once, not at the next refresh
-        finished = await self.life.idle(grace_s)
-        if not finished:
+        if not await self.life.idle(grace_s):
             log.warning(
                 "shutdown: %d ext_proc streams still open after %.0f s; cutting them off",
                 self.life.open_streams,
                 grace_s,
             )
         await self.stop()
-        return finished
 
     async def stop(self, grace_s: float = 1.0) -> None:
         self.follow.cancel()
@@ -204,24 +196,14 @@ async def _publish(health: health_aio.HealthServicer, ready: bool) -> None:
             await health.set(name, status)
 
 
-def observability_app(state: GatewayState, life: Lifecycle | None = None) -> web.Application:
+def observability_app(admin: Admin) -> web.Application:
     """The HTTP side: the gateway's observability routes and background work.
 
-    ``/ready`` is the picker's :func:`readiness` (the gateway's route under it
-    knows neither shutdown nor the picker's rule), so HTTP and gRPC agree.
+    ``admin`` is :func:`picker_admin`'s: its ``/ready`` and gRPC readiness
+    follow one rule, so HTTP and gRPC agree.
     """
-    lifecycle = life if life is not None else Lifecycle()
-
-    @web.middleware
-    async def picker_ready(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/ready" or request.method not in ("GET", "HEAD"):
-            return await handler(request)
-        ok, status = readiness(state, lifecycle)
-        return web.json_response({"status": status}, status=200 if ok else 503)
-
-    app = web.Application(middlewares=[picker_ready])
-    app[STATE] = state
-    admin = Admin(state)
+    app = web.Application()
+    app[STATE] = admin.st
     add_observability_routes(app, admin)
     add_dashboard_routes(app)  # the gateway's live dashboard, from the picker's own state
 
@@ -253,10 +235,10 @@ async def start_picker(
     """
     state = build_state(config)
     life = Lifecycle()
-    app = observability_app(state, life)
+    admin = picker_admin(state, life)
     srv = config.server
-    listening = await start_server(app, srv.host, srv.port, config.limits)
-    picker = Picker(state, fallbacks, life)
+    listening = await start_server(observability_app(admin), srv.host, srv.port, config.limits)
+    picker = Picker(state, life, fallbacks)
     server = grpc.aio.server(
         options=[
             # A port another process holds is an error, not a shared port.
@@ -285,7 +267,7 @@ async def start_picker(
     async def follow_readiness() -> None:
         last: bool | None = None
         while True:
-            now, _ = readiness(state, life)
+            now, _ = admin.readiness()
             if now != last:
                 await _publish(health, now)
                 last = now

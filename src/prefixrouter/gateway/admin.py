@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -100,10 +101,17 @@ def check_admin_key(request: web.Request, key: bytes) -> None:
 
 
 class Admin:
-    """Admin and discovery handlers of one gateway."""
+    """Admin and discovery handlers of one gateway.
 
-    def __init__(self, state: GatewayState) -> None:
+    ``shutting_down``: whether the process is shutting down (then not ready,
+    whatever else holds; :meth:`readiness`).
+    """
+
+    def __init__(
+        self, state: GatewayState, shutting_down: Callable[[], bool] = lambda: False
+    ) -> None:
         self.st = state
+        self.shutting_down = shutting_down
         key = state.config.server.admin_api_key
         self._admin_key = key.encode() if key else None
 
@@ -151,10 +159,11 @@ class Admin:
         }
         return _json(body)
 
-    async def ready(self, request: web.Request) -> web.Response:
-        """``GET /ready``: 200 once this gateway may take traffic, else 503.
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Whether this gateway may take traffic, and ``/ready``'s body (:meth:`ready`).
 
-        A lone gateway is ready once started. A cluster replica is ready once it
+        Not while shutting down (``status`` ``shutting_down``), checked first. A
+        lone gateway is ready once started. A cluster replica is ready once it
         has replayed its peers' facts up to where the stream stood when it
         started, and its configuration was found compatible with the live
         peers': before, it would route documents its peers hold cold. One that
@@ -162,17 +171,23 @@ class Admin:
         ``cluster.ready_without_nats_s``. ``status`` says which
         (:attr:`ClusterNode.status <prefixrouter.cluster.node.ClusterNode.status>`).
         """
+        draining = self.shutting_down()
         node = self.st.cluster
         if node is None:
-            return _json({"status": "ready"})
+            return not draining, {"status": "shutting_down" if draining else "ready"}
         body = {
-            "status": node.status,
+            "status": "shutting_down" if draining else node.status,
             "replica": node.origin,
             "connected": node.connected,
             "replayed": node.link.replayed,
             "peers": [p.origin for p in node.registry.live()],
         }
-        return _json(body, 200 if node.ready else 503)
+        return not draining and node.ready, body
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """``GET /ready``: 200 once this gateway may take traffic, else 503 (:meth:`readiness`)."""
+        ok, body = self.readiness()
+        return _json(body, 200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """``GET /metrics``: Prometheus text format."""
