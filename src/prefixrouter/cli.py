@@ -36,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prefixrouter import __version__
-from prefixrouter.errors import PrefixRouterError, output_problem, unreadable, unwritable
+from prefixrouter.errors import PrefixRouterError, check_outputs, unreadable, unwritable
 from prefixrouter.terminal import err_console, fail, note
 
 if TYPE_CHECKING:
@@ -59,9 +59,13 @@ MAX_SEED = 2**64 - 1
 """The largest --seed: the JSON report writes it as an unsigned 64-bit integer."""
 MAX_WORKERS = 4096
 """The largest --workers. Every arrival is scored against every engine, so a run's
-time grows with requests x workers x policies: measured on one core, 4,096 workers
-take about 15 s per 100 requests per policy, 8,192 about 40 s (superlinear), and a
-request on 100,000 of them takes seconds, so a run of the default size takes hours."""
+time grows with requests x workers x policies. Measured with 4,096 workers on doc-qa,
+on the CPU of the review's machine, per 100 requests per policy: the first 25
+requests at 5 req/s, times 4, took 4.5 to 16 s over the 12 policies (most 5 to 8 s;
+kubeai_chwbl the 16 s); 100 requests at load 0.6 took 10.9 s (prefix_aware) and
+5.8 s (round_robin). Earlier, on one core: 8,192 workers about 40 s (superlinear),
+and a request on 100,000 of them seconds, so a run of the default size takes hours.
+The figures depend on the machine: the help says only "several seconds"."""
 PROGRESS_EVERY_S = 0.1
 """How often a progress bar is redrawn (a slow request still moves it)."""
 DEFAULT_SCENARIO = "doc-qa"
@@ -213,9 +217,10 @@ def simulate(
         int | None,
         typer.Option(
             min=1,
+            max=MAX_WORKERS,
             help=f"Engine replicas (scenario default), at most {MAX_WORKERS:,}: every "
-            "arrival is scored against every engine, so 4,096 take about 15 s per 100 "
-            "requests per policy.",
+            "arrival is scored against every engine, so thousands take several seconds "
+            "per 100 requests per policy.",
         ),
     ] = None,
     profile: Annotated[str, typer.Option(help="Engine profile (see `profiles`).")] = (
@@ -333,28 +338,21 @@ def simulate(
             "which text-mode hashes (character chunks) never match"
         )
     _check_arrival_options(scenario, trace, trace_format, arrival, rate_scale, load, rate)
-    if workers is not None and workers > MAX_WORKERS:
-        raise fail(
-            f"--workers {workers}: at most {MAX_WORKERS:,} (every arrival is scored against "
-            "every engine; see --help)"
-        )
-    if not math.isfinite(sync_lag_ms):  # typer's min=0 lets inf through
-        raise fail(f"--sync-lag-ms {sync_lag_ms:g}: expected a finite number of milliseconds")
+    # typer's min=0 lets inf and NaN through: refused here naming the option (the
+    # fleet's configuration refuses them too, for every other caller).
+    if not math.isfinite(sync_lag_ms):
+        raise fail(f"--sync-lag-ms {sync_lag_ms}: must be a finite number of milliseconds")
     if replicas == 1 and (not sync or sync_lag_ms):
         # A one-router cell of a replica sweep is run with the sweep's lag: note, not refuse.
         note("--no-sync and --sync-lag-ms have no effect on one router (--replicas 1)")
     elif not sync and sync_lag_ms:
-        # The report records the lag that applied: none.
+        # The report records the lag that applied, none (Replicas.as_dict says so).
         note("--sync-lag-ms has no effect with --no-sync: the replicas share nothing to delay")
-        sync_lag_ms = 0.0
     if rate is not None and load is not None:
         note(f"--rate {rate:g} overrides --load {load:g}")
-    # Neither output may be the trace it reads, nor the other output.
-    taken: dict[str, Path | None] = {"the trace it reads": trace}
-    for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
-        if path is not None and (why := output_problem(path, suffix=suffix, taken=taken)):
-            raise fail(f"{option} {path}: {why}")
-        taken[f"the {option} output"] = path
+    outputs = (("--json", json_out, None), ("--plot", plot, ".png"))
+    if (why := check_outputs(outputs, {"the trace it reads": trace})) is not None:
+        raise fail(why)
     try:
         workload = _load_workload(
             scenario or DEFAULT_SCENARIO, trace, trace_format, requests, seed, arrival, rate_scale

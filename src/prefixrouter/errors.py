@@ -10,14 +10,18 @@
 
 Callers at the edges (CLI, HTTP gateway) turn these into one-line messages or
 OpenAI-style JSON errors; nothing below them prints. The messages for files
-live here too: :func:`unreadable`, :func:`unwritable`, and :func:`output_problem`,
-which commands run on their output paths before a long run (with :func:`same_file`,
-so that no output overwrites an input or another output).
+live here too: :func:`unreadable`, :func:`unwritable`, and :func:`check_outputs`
+(:func:`output_problem` for each output), which commands run on their output paths
+before a long run (with :func:`same_file`, so that no output overwrites an input or
+another output). So does :func:`gunzip_if_gzip`, the one reading of a file that may
+be gzip, for the trace reader, the log reader and the linter.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from os import PathLike
 from pathlib import Path
@@ -83,6 +87,28 @@ def output_problem(
     return None
 
 
+def check_outputs(
+    outputs: Iterable[tuple[str, Path | None, str | None]],
+    inputs: Mapping[str, Path | None] | None = None,
+) -> str | None:
+    """The message for the first output that cannot be written, or None if all look writable.
+
+    Each output is ``(option, path, suffix)`` (``("--plot", plot, ".png")``; a None
+    path is an option not given) and is checked with :func:`output_problem`: it may
+    not be one of ``inputs`` (``{"the trace it reads": trace}``), whose report
+    would overwrite it, nor an output named before it, since two outputs in one
+    file leave only the last. The message is ``OPTION PATH: why``.
+    """
+    taken: dict[str, Path | None] = dict(inputs or {})
+    for option, path, suffix in outputs:
+        if path is None:
+            continue
+        if (why := output_problem(path, suffix=suffix, taken=taken)) is not None:
+            return f"{option} {path}: {why}"
+        taken[f"the {option} output"] = path
+    return None
+
+
 def same_file(a: Path, b: Path) -> bool:
     """Whether two paths name one file: the same file if both exist (hard and
     symbolic links included), else the same absolute path once resolved."""
@@ -90,6 +116,26 @@ def same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet), or cannot be looked at
         return a.resolve() == b.resolve()
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first bytes of a gzip file (RFC 1952): files are known as gzip by these, not by
+their name (a gzipped log called ``.jsonl`` would otherwise read as invalid JSON)."""
+
+
+def gunzip_if_gzip(raw: bytes) -> bytes:
+    """``raw`` decompressed if it starts with :data:`GZIP_MAGIC`, else ``raw`` itself.
+
+    Raises:
+        ValueError: It is gzip but truncated or damaged: ``not a valid gzip file: WHY``
+            (callers wrap it in their own error, which names the file).
+    """
+    if raw[: len(GZIP_MAGIC)] != GZIP_MAGIC:
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:  # BadGzipFile, a cut or a corrupt stream
+        raise ValueError(f"not a valid gzip file: {exc}") from exc
 
 
 class PrefixRouterError(Exception):

@@ -139,16 +139,6 @@ def test_a_trace_that_cannot_be_read_is_named_with_the_reason(tmp_path: Path) ->
 TINY = ["simulate", "--scenario", "doc-qa", "--requests", "20", "--policies", "round_robin"]
 
 
-def _no_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any simulation run fail the test: the error must come before the run."""
-    import prefixrouter.sim.runner as sim_runner
-
-    def must_not_run(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the simulation ran before the error")
-
-    monkeypatch.setattr(sim_runner, "run_plan", must_not_run)
-
-
 def _trace_line(input_length: int, output_length: int, timestamp: int = 0) -> str:
     ids = list(range(-(-input_length // 512)))
     return json.dumps({"timestamp": timestamp, "input_length": input_length,
@@ -156,9 +146,8 @@ def _trace_line(input_length: int, output_length: int, timestamp: int = 0) -> st
 
 
 def test_a_request_that_does_not_fit_the_kv_cache_is_refused_before_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, no_run: None
 ) -> None:
-    _no_run(monkeypatch)
     res = runner.invoke(app, [*TINY, "--kv-blocks", "10"])
     assert res.exit_code == 2, res.output
     assert (
@@ -189,10 +178,7 @@ def test_plan_refuses_a_request_that_does_not_fit() -> None:
     assert err.value.capacity_tokens == 160 < err.value.needed_tokens
 
 
-def test_output_paths_are_checked_before_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _no_run(monkeypatch)
+def test_output_paths_are_checked_before_the_run(tmp_path: Path, no_run: None) -> None:
     a_file = tmp_path / "a1.json"
     a_file.write_text("{}")
     cases = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from array import array
 from pathlib import Path
@@ -63,6 +64,12 @@ def test_cli_one_replica_writes_the_plain_report_byte_for_byte(tmp_path: Path) -
     res = runner.invoke(app, [*base, "--replicas", "1", "--sync-lag-ms", "50", "--json", str(one)])
     assert res.exit_code == 0, res.output
     assert plain.read_bytes() == one.read_bytes()
+
+
+def test_the_report_records_no_lag_without_sync() -> None:
+    """An API or bench caller's ``Replicas(2, False, 0.05)`` reported a lag that never applied."""
+    assert Replicas(2, False, 0.05).as_dict() == {"routers": 2, "sync": False, "sync_lag_ms": 0.0}
+    assert Replicas(2, True, 0.05).as_dict() == {"routers": 2, "sync": True, "sync_lag_ms": 50.0}
 
 
 def test_cli_several_replicas_report_pooled_and_per_replica_figures(tmp_path: Path) -> None:
@@ -262,3 +269,9 @@ def test_replicas_break_near_ties_by_their_own_salts_the_first_as_one_router() -
     # Distinct salts (so replicas that share a stale view spread their picks);
     # replica 0's is one router's, so routers=1 stays the plain simulation.
     assert [d.router.replica_salt for d in sim.routers] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("lag_s", [math.inf, math.nan, -0.001])
+def test_a_lag_that_is_not_a_finite_non_negative_number_is_refused(lag_s: float) -> None:
+    with pytest.raises(ValueError, match="sync lag must be finite"):
+        ClusterConfig(4, PROFILE, routers=2, sync_lag_s=lag_s)

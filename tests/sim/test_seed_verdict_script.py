@@ -124,7 +124,8 @@ def test_a_run_and_its_saved_figures_give_the_same_table(tmp_path: Path) -> None
     ("args", "message"),
     [
         (["--scenarios", "doc-qb"], "--scenarios: unknown scenario 'doc-qb'"),
-        (["--arrival", "gamma:-1"], "--arrival: unknown arrival process 'gamma:-1'"),
+        (["--arrival", "gamma:x"], "--arrival: unknown arrival process 'gamma:x'"),
+        (["--arrival", "gamma:-1"], "--arrival: arrival process 'gamma:-1': cv must be between"),
         (["--seeds", "a"], "--seeds / --loads"),
         (["--from-json", "/nonexistent/v.json"], "--from-json: no file"),
         (["--peers-from", "/nonexistent/v.json"], "--peers-from: no file"),

@@ -12,16 +12,15 @@ from prefixrouter.sim.profiles import get_profile
 from prefixrouter.sim.report import ttft_floor
 from prefixrouter.sim.runner import plan
 from prefixrouter.sim.scenarios import get_scenario
-from prefixrouter.sim.workload import SIM_NAMESPACE, SimRequest, Workload
+from prefixrouter.sim.workload import SimRequest, Workload
+from tests.sim.helpers import sim_request
 
 PROFILE = get_profile("llama3-8b-h100")
 SPEED = PROFILE.speed
 
 
 def _request(i: int, arrival: float, *segments: array[int]) -> SimRequest:
-    return SimRequest(
-        RequestId(f"r{i}"), arrival, SIM_NAMESPACE, segments, 8, PrefixClass.DOCUMENT, "g"
-    )
+    return sim_request(i, arrival, *segments, output_tokens=8, prefix_class=PrefixClass.DOCUMENT)
 
 
 def test_a_request_behind_a_prefix_being_computed_waits_for_it_or_computes_it() -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 
 import numpy as np
 import pytest
 
-from prefixrouter.core.types import PrefixClass, RequestId
+from prefixrouter.core.types import PrefixClass
+from prefixrouter.sim.scenarios import get_scenario
 from prefixrouter.sim.workload import (
     DEFAULT_GAMMA_CV,
-    SIM_NAMESPACE,
+    MAX_GAMMA_CV,
+    MIN_GAMMA_CV,
     SimRequest,
     Workload,
     arrival_cv,
@@ -20,6 +23,7 @@ from prefixrouter.sim.workload import (
     random_tokens,
     rate_ladder,
 )
+from tests.sim.helpers import sim_request
 
 
 def _gaps(times: np.ndarray) -> np.ndarray:
@@ -27,16 +31,10 @@ def _gaps(times: np.ndarray) -> np.ndarray:
 
 
 def _request(i: int, arrival: float, *segments: array[int]) -> SimRequest:
-    return SimRequest(
-        request_id=RequestId(f"r{i}"),
-        arrival=arrival,
-        namespace=SIM_NAMESPACE,
-        segments=segments,
-        output_tokens=10,
-        prefix_class=PrefixClass.SYSTEM,
-        group="g",
+    return sim_request(
+        i, arrival, *segments, output_tokens=10, prefix_class=PrefixClass.SYSTEM,
         first_user_offset=len(segments[0]),
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- tokens
@@ -97,11 +95,24 @@ def test_workload_scaled_keeps_fixed_times() -> None:
     assert same.requests is not wl.requests
 
 
+def test_workload_stretched_keeps_the_gaps_proportions_from_the_first_arrival() -> None:
+    seg = array("I", [1])
+    times = [1000.0, 1001.0, 1003.0, 1007.0]  # a late start: epoch times
+    wl = Workload("t", "d", [_request(i, t, seg) for i, t in enumerate(times)], fixed_times=True)
+    at2 = wl.stretched(2.0)  # 4 requests over 7 s, made 2 per second: 2 s
+    assert [r.arrival for r in at2.requests] == pytest.approx([0.0, 2 / 7, 6 / 7, 2.0])
+    assert [r.arrival for r in wl.requests] == times  # original untouched
+    burst = Workload("b", "d", [_request(i, 5.0, seg) for i in range(3)], fixed_times=True)
+    assert [r.arrival for r in burst.stretched(10.0).requests] == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("rate", [0.0, -1.0, float("inf"), float("nan")])
 def test_workload_scaled_rejects_bad_rates(rate: float) -> None:
     wl = Workload("w", "d", [])
     with pytest.raises(ValueError):
         wl.scaled(rate)
+    with pytest.raises(ValueError):
+        wl.stretched(rate)
 
 
 def test_workload_limited_and_validation() -> None:
@@ -109,7 +120,7 @@ def test_workload_limited_and_validation() -> None:
     wl = Workload("w", "d", [_request(i, float(i), seg) for i in range(10)])
     assert [r.request_id for r in wl.limited(3).requests] == ["r0", "r1", "r2"]
     assert len(wl.limited(100)) == 10
-    assert wl.duration == 9.0
+    assert wl.span == 9.0 and wl.limited(3).span == 2.0 and Workload("w", "d", []).span == 0.0
     with pytest.raises(ValueError):
         wl.limited(-1)
     with pytest.raises(ValueError, match="not sorted"):
@@ -221,3 +232,62 @@ def test_make_arrivals_parses_process_names() -> None:
     for bad in ("uniform", "gamma:x", "gamma:-1", "poisson:2", ""):
         with pytest.raises(ValueError, match="arrival process"):
             make_arrivals(bad, 10, rng)
+
+
+# --------------------------------------------------------------------------- arrival bounds
+# Arrival processes refuse what would give no usable times; workloads refuse such times.
+
+
+@pytest.mark.parametrize(
+    "cv", ["1e-300", "1e-160", "0.009", "100.5", "1e160", "1e300", "0", "-1", "inf", "nan"]
+)
+def test_a_gamma_cv_out_of_range_is_refused(cv: str) -> None:
+    """1e-300 divided by zero, 1e160 hung the event loop, 1e-160 gave a table of NaN;
+    every number out of range gets the range's message (0, -1 and inf were "unknown")."""
+    with pytest.raises(ValueError, match=r"cv must be between 0\.01 and 100"):
+        make_arrivals(f"gamma:{cv}", 10, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=rf"^arrival process 'gamma:{cv}': cv must be between"):
+        arrival_cv(f"gamma:{cv}")
+    with pytest.raises(ValueError, match="arrival process"):
+        get_scenario("rag").build(0, 10, f"gamma:{cv}")
+    with pytest.raises(ValueError, match="cv must be between"):
+        gamma_arrivals(10, np.random.default_rng(0), float(cv))
+    with pytest.raises(ValueError, match="cv must be between"):
+        rate_ladder(5, [1.0, 2.0], np.random.default_rng(0), cv=float(cv))
+
+
+@pytest.mark.parametrize("cv", [MIN_GAMMA_CV, 1.0, MAX_GAMMA_CV])
+def test_the_bounds_themselves_give_finite_increasing_times(cv: float) -> None:
+    times = make_arrivals(f"gamma:{cv:g}", 2000, np.random.default_rng(1))
+    assert np.isfinite(times).all() and (np.diff(times) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    "process", ["poisson:", "gamma:", "poisson:1", "gamma: ", ":", "gamma:x", "gamma:1e"]
+)
+def test_a_colon_promises_a_number(process: str) -> None:
+    """``poisson:`` ran as poisson and the report recorded ``"arrival": "poisson:"``."""
+    with pytest.raises(ValueError, match=r"^unknown arrival process"):
+        arrival_cv(process)
+    with pytest.raises(ValueError, match=r"^unknown arrival process"):
+        make_arrivals(process, 3, np.random.default_rng(0))
+
+
+def test_the_known_names_keep_their_draws() -> None:
+    """The default processes draw what they drew: published figures stay."""
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    assert list(make_arrivals("poisson", 5, rng_a)) == list(np.cumsum(rng_b.exponential(1.0, 5)))
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    assert list(make_arrivals("gamma", 5, rng_a)) == list(np.cumsum(rng_b.gamma(0.25, 4.0, 5)))
+    assert arrival_cv("poisson") == 1.0 and arrival_cv("gamma") == 2.0
+    assert arrival_cv("gamma:3") == 3.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_workload_refuses_a_time_that_is_not_finite(bad: float) -> None:
+    """NaN passed the order test (``nan < prev`` is False)."""
+    tokens = array("I", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"r1 arrives at .* not a finite time"):
+        Workload("w", "", [sim_request(i, t, tokens) for i, t in enumerate((0.0, bad, 5.0))])
+    with pytest.raises(ValueError, match="not a finite time"):
+        Workload("w", "", [sim_request(0, bad, tokens)])

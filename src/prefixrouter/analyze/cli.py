@@ -23,7 +23,7 @@ from rich.console import Console
 from prefixrouter.analyze import AnalyzeParams, analyze_log, format_error, load_encoder
 from prefixrouter.analyze.reader import SkippedLines
 from prefixrouter.analyze.report import plot_report, report_tables
-from prefixrouter.errors import output_problem, unreadable, unwritable
+from prefixrouter.errors import check_outputs, unreadable, unwritable
 from prefixrouter.terminal import fail
 
 MAX_ERRORS_SHOWN = 20
@@ -55,12 +55,9 @@ def analyze(
     """Analyze a request log: repeated prefixes, reusable prefill, hidden volatile fields."""
     if not log.is_file():
         raise fail(f"{log}: {'is a directory' if log.is_dir() else 'no such file'}")
-    # Neither output may be the log it reads, nor the other output.
-    taken: dict[str, Path | None] = {"the log it reads": log}
-    for option, path, suffix in (("--json", json_out, None), ("--plot", plot, ".png")):
-        if path is not None and (why := output_problem(path, suffix=suffix, taken=taken)):
-            raise fail(f"{option} {path}: {why}")
-        taken[f"the {option} output"] = path
+    outputs = (("--json", json_out, None), ("--plot", plot, ".png"))
+    if (why := check_outputs(outputs, {"the log it reads": log})) is not None:
+        raise fail(why)
     try:
         encoder = load_encoder(tokenizer) if tokenizer is not None else None
     except (OSError, ValueError) as exc:

@@ -29,10 +29,9 @@ the log reader it reads files through (:mod:`.reader`), so that
 
 from __future__ import annotations
 
-import gzip
+import io
 import re
 import sys
-import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,12 +42,12 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixrouter.analyze.reader import (
-    GZIP_MAGIC,
     SkippedLines,
     format_error,
-    iter_records,
     parse_record,
+    records_of_lines,
 )
+from prefixrouter.errors import gunzip_if_gzip
 from prefixrouter.prompt.lint import DEFAULT_MIN_STABLE_TOKENS, Finding, Linter, LintParams
 from prefixrouter.terminal import fail
 
@@ -79,12 +78,10 @@ def lint_file(path: Path, linter: Linter) -> list[Finding]:
         ValueError: It is JSON but holds no request body (the message names
             the line or item and why).
     """
-    raw = path.read_bytes()
-    if raw[: len(GZIP_MAGIC)] == GZIP_MAGIC:  # as the log reader: by content, not name
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise LintInputError(f"not a valid gzip file: {exc}") from None
+    try:
+        raw = gunzip_if_gzip(path.read_bytes())  # as the log reader: by content, not name
+    except ValueError as exc:
+        raise LintInputError(str(exc)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -104,7 +101,7 @@ def lint_file(path: Path, linter: Linter) -> list[Finding]:
             return linter.lint_template(text)
         if head.startswith("["):
             raise LintInputError(f"invalid JSON: {exc.msg}", exc.lineno) from None
-        return _lint_json_lines(path, linter)
+        return _lint_json_lines(path, raw, linter)
     if isinstance(doc, dict):
         rec = parse_record(doc, 1)
         if isinstance(rec, str):
@@ -125,8 +122,9 @@ def lint_file(path: Path, linter: Linter) -> list[Finding]:
     return linter.lint_bodies(bodies)
 
 
-def _lint_json_lines(path: Path, linter: Linter) -> list[Finding]:
-    """Lint JSON lines of bodies; a file with no body on any line is an error.
+def _lint_json_lines(path: Path, raw: bytes, linter: Linter) -> list[Finding]:
+    """Lint JSON lines of bodies (``raw``: the file's bytes, already read and
+    decompressed; ``path`` names it in messages); no body on any line is an error.
 
     Raises:
         ValueError: No line holds a request body.
@@ -141,7 +139,7 @@ def _lint_json_lines(path: Path, linter: Linter) -> list[Finding]:
 
     def bodies() -> Iterator[tuple[int, Mapping[str, Any]]]:
         nonlocal linted
-        for r in iter_records(path, on_error):
+        for r in records_of_lines(io.BytesIO(raw), on_error):
             linted += 1
             yield r.line, r.body
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
@@ -42,11 +42,10 @@ from typing import IO, Any, cast
 import orjson
 
 from prefixrouter.core.types import CacheNamespace, PrefixClass
+from prefixrouter.errors import GZIP_MAGIC
 from prefixrouter.prompt.classify import PREFIX_CLASS_HEADER, parse_prefix_class
 
 BODY_KEYS = ("request", "body", "request_body")
-GZIP_MAGIC = b"\x1f\x8b"
-"""The first bytes of a gzip file (RFC 1952), as :mod:`prefixrouter.sim.traces` sniffs them."""
 CLIENT_GONE = 499
 """The gateway's status for a request whose client went away."""
 
@@ -246,8 +245,9 @@ def _key_record(obj: Mapping[str, Any], line: int) -> LogRecord | str:
 
 
 def _open(path: Path) -> IO[bytes]:
-    """The file's bytes, decompressed if it is gzip: known by its first bytes, not its
-    name (a gzipped log called ``.jsonl`` would otherwise read as invalid JSON)."""
+    """The file's bytes, decompressed as they are read if it is gzip (known by its
+    first bytes, :data:`~prefixrouter.errors.GZIP_MAGIC`, not its name): a log is
+    streamed, never held whole."""
     with path.open("rb") as fh:
         head = fh.read(len(GZIP_MAGIC))
     # Opened again by name: a GzipFile over an open file would not close that file.
@@ -269,28 +269,37 @@ def iter_records(path: Path, on_error: ErrorHandler | None = None) -> Iterator[L
             a gzip file that is truncated or damaged).
     """
     try:
-        yield from _iter_records(path, on_error)
+        with _open(path) as fh:
+            yield from records_of_lines(fh, on_error)
     except (EOFError, zlib.error) as exc:  # gzip's own errors for a cut or corrupt stream
         raise gzip.BadGzipFile(f"not a valid gzip file: {exc}") from exc
 
 
-def _iter_records(path: Path, on_error: ErrorHandler | None) -> Iterator[LogRecord]:
-    with _open(path) as fh:
-        for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                if on_error is not None:
-                    on_error(number, f"invalid JSON: {exc}")
-                continue
-            rec = parse_record(obj, number)
-            if isinstance(rec, str):
-                if on_error is not None:
-                    on_error(number, rec)
-                continue
-            yield rec
+def records_of_lines(
+    lines: Iterable[bytes], on_error: ErrorHandler | None = None
+) -> Iterator[LogRecord]:
+    """The usable records of JSON lines already read (and decompressed), as
+    :func:`iter_records` yields them from a file: lines are numbered from 1, a
+    blank one is skipped silently, a malformed one goes to ``on_error``.
+
+    A caller holding the file's bytes passes ``io.BytesIO(data)``, which splits
+    lines as a file does (on ``\\n`` only).
+    """
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            if on_error is not None:
+                on_error(number, f"invalid JSON: {exc}")
+            continue
+        rec = parse_record(obj, number)
+        if isinstance(rec, str):
+            if on_error is not None:
+                on_error(number, rec)
+            continue
+        yield rec
 
 
 def format_error(path: Path | str, line: int, reason: str) -> str:

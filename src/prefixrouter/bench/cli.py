@@ -28,7 +28,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from prefixrouter.errors import PrefixRouterError, output_problem
+from prefixrouter.errors import PrefixRouterError, check_outputs
 from prefixrouter.harness.replay import ReplayResult
 from prefixrouter.terminal import fail
 
@@ -195,13 +195,10 @@ def bench(
     if peers.exists() and not peers.is_dir():
         raise fail(f"--peers-dir: {peers} is not a directory")
     # Written after every scenario: a bad path must cost seconds, not the run.
-    for option, path, suffix in (
-        ("--json", json_out, None),
-        ("--markdown", markdown, None),
-        ("--plot", plot, ".png"),
-    ):
-        if path is not None and (why := output_problem(path, suffix=suffix)) is not None:
-            raise fail(f"{option} {path}: {why}")
+    # No two outputs in one file: the last written would leave only itself.
+    outputs = (("--json", json_out, None), ("--markdown", markdown, None), ("--plot", plot, ".png"))
+    if (why := check_outputs(outputs)) is not None:
+        raise fail(why)
     for spec in specs:
         reason = skip_reason(spec, peers)
         if reason is not None:

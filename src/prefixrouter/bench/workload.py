@@ -58,7 +58,7 @@ from prefixrouter.sim.profiles import EngineProfile
 from prefixrouter.sim.runner import RequestTooLarge, capacity_rps, check_fits
 from prefixrouter.sim.scenarios import SCENARIOS, get_scenario
 from prefixrouter.sim.workload import SimRequest, Workload
-from prefixrouter.simulated_engine.config import DEFAULT_MAX_MODEL_LEN
+from prefixrouter.simulated_engine.config import DEFAULT_MAX_MODEL_LEN, default_max_model_len
 from prefixrouter.simulated_engine.protocol import length_error
 from prefixrouter.tokenization import Tokenizer, render_chat
 
@@ -241,8 +241,8 @@ def build_bench_workload(
 
 def engine_limit(blocks: int, block_size: int) -> int:
     """The longest request a bench engine takes: its ``max_model_len`` as the simulated
-    engine sets it (:attr:`EngineServerConfig.effective_max_model_len`)."""
-    return min(DEFAULT_MAX_MODEL_LEN, blocks * block_size)
+    engine sets it (:func:`~prefixrouter.simulated_engine.config.default_max_model_len`)."""
+    return default_max_model_len(blocks, block_size)
 
 
 def engine_refuses(req: ReplayRequest, tokenizer: Tokenizer, limit: int) -> tuple[int, int] | None:

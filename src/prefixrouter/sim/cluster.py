@@ -225,7 +225,8 @@ class ClusterConfig:
         if self.routers < 1:
             raise ValueError(f"router replicas must be at least 1, got {self.routers}")
         # Also refuses NaN; an infinite lag is no sync at all (facts that never
-        # arrive), which `sync=False` says, and JSON cannot write.
+        # arrive), which `sync=False` says, and JSON cannot write. The one check:
+        # `simulate --sync-lag-ms inf` (typer's min=0 lets it through) ends here too.
         if not (self.sync_lag_s >= 0.0 and math.isfinite(self.sync_lag_s)):
             raise ValueError(f"sync lag must be finite and >= 0 seconds, got {self.sync_lag_s}")
         routing_mode(self.mode)  # a string from outside the type checker's view

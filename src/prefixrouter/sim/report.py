@@ -69,16 +69,16 @@ class FirstSeen:
     Attributes:
         request_ids: The requests scanned, in order (a scan is refused for
             another workload).
-        held: Per request, its leading blocks that some earlier request brought.
-        reused: Per request, the blocks of those an engine reuses
-            (:func:`reusable_tokens`: it always recomputes the last prompt token).
+        reused: Per request, the leading blocks that some earlier request
+            brought and an engine reuses (:func:`reusable_tokens`: it always
+            recomputes the last prompt token, so the last block may be held and
+            still not reused). Its prefill is the rest of the prompt.
         runs: Per request, its reused blocks as runs of one origin: ``(end,
             q)``, blocks up to depth ``end`` first seen with request ``q`` (an
             index), which is the origin ``(arrival of q, reused[q])``.
     """
 
     request_ids: tuple[str, ...]
-    held: tuple[int, ...]
     reused: tuple[int, ...]
     runs: tuple[tuple[tuple[int, int], ...], ...]
 
@@ -104,7 +104,6 @@ def first_seen(workload: Workload, on_progress: Callable[[int], None] | None = N
     hasher = BlockHasher(block_size=workload.block_size)
     bs = workload.block_size
     first: dict[BlockHash, int] = {}  # block -> the request that brought it
-    held_of: list[int] = []
     reused_of: list[int] = []
     runs_of: list[tuple[tuple[int, int], ...]] = []
     for i, req in enumerate(workload.requests):
@@ -124,7 +123,6 @@ def first_seen(workload: Workload, on_progress: Callable[[int], None] | None = N
                 runs[-1] = (depth, q)
             else:
                 runs.append((depth, q))
-        held_of.append(held)
         reused_of.append(reused)
         runs_of.append(tuple(runs))
         for h in hashes[held:]:
@@ -133,7 +131,6 @@ def first_seen(workload: Workload, on_progress: Callable[[int], None] | None = N
             on_progress(i + 1)
     return FirstSeen(
         tuple(r.request_id for r in workload.requests),
-        tuple(held_of),
         tuple(reused_of),
         tuple(runs_of),
     )
@@ -146,9 +143,10 @@ def first_seen_prefill(workload: Workload, seen: FirstSeen | None = None) -> lis
     """
     seen = _scan(workload, seen)
     bs = workload.block_size
+    # reusable_tokens is whole blocks, so the reused tokens are reused * bs.
     return [
-        req.prompt_tokens - reusable_tokens(req.prompt_tokens, held, bs)
-        for req, held in zip(workload.requests, seen.held, strict=True)
+        req.prompt_tokens - reused * bs
+        for req, reused in zip(workload.requests, seen.reused, strict=True)
     ]
 
 
@@ -182,7 +180,6 @@ def ttft_floor(
     taken off the wait because an engine step pays one overhead for all the
     chunks it prefills.) Queues, decode steps and the engines' number are
     ignored: this is a floor, reached only by a fleet as large as the load.
-    A run is one origin ``(t_q, a)``: two requests with equal ones make one run.
 
     ``seen``: the workload's scan, if the caller has it (None: scanned here).
     """
@@ -196,12 +193,8 @@ def ttft_floor(
         prompt, t_r = req.prompt_tokens, req.arrival
         best = prefill(prompt, 0)
         # Each run of blocks one earlier request brought, at its deepest block.
-        for k, (depth, q) in enumerate(runs):
+        for depth, q in runs:
             run = (reqs[q].arrival, seen.reused[q])
-            if k + 1 < len(runs):
-                after = runs[k + 1][1]
-                if (reqs[after].arrival, seen.reused[after]) == run:
-                    continue  # the same origin goes on deeper
             best = min(best, _reuse_floor(prefill, overhead, prompt, t_r, run, depth, bs))
         out.append(best)
     return out

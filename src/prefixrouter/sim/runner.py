@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from prefixrouter.core.dispatch import RoutingMode
@@ -128,7 +128,8 @@ class Replicas:
     Attributes:
         routers: How many (arrivals go to them round robin).
         sync: Deliver each replica's routing facts to the others.
-        lag_s: Seconds from a fact's recording to its application at the peers.
+        lag_s: Seconds from a fact's recording to its application at the peers
+            (none applies without ``sync``: the replicas share nothing to delay).
     """
 
     routers: int = 1
@@ -136,8 +137,9 @@ class Replicas:
     lag_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        """The report's ``replicas`` field."""
-        return {"routers": self.routers, "sync": self.sync, "sync_lag_ms": self.lag_s * 1e3}
+        """The report's ``replicas`` field: the lag that applied (0 without sync)."""
+        lag_ms = self.lag_s * 1e3 if self.sync else 0.0
+        return {"routers": self.routers, "sync": self.sync, "sync_lag_ms": lag_ms}
 
 
 ONE_ROUTER = Replicas()
@@ -221,31 +223,10 @@ def plan(
         load = None  # a rate overrides the load: the plan records what applies
         if not (rate > 0 and math.isfinite(rate)):
             raise RateError("rate", rate, "expected a positive finite number of requests/s")
-    if workload.fixed_times:
-        if load is None and rate is None:
-            return RunPlan(
-                workload, profile, n, kv, policies, None, None, kv_events, mode, replicas,
-                token_count, client_max_tokens,
-            )  # fmt: skip
-        # A trace keeps its own burstiness; only its clock is stretched so its
-        # mean rate is the one asked for. From its first arrival, not from 0: a
-        # trace that starts late (epoch times) is the same trace.
-        seen = None
-        if rate is None:
-            assert load is not None
-            seen = scan(workload)
-            rate = _rate(load, capacity_rps(workload, profile, n, seen))
-        first = workload.requests[0].arrival if workload.requests else 0.0
-        span = workload.span or 1.0
-        factor = (len(workload.requests) / span) / rate
-        requests = [replace(r, arrival=(r.arrival - first) * factor) for r in workload.requests]
-        try:
-            stretched = replace(workload, requests=requests)
-        except ValueError as exc:  # times past a float's range (a tiny rate)
-            raise _times_error(load, rate, exc) from None
+    elif load is None and workload.fixed_times:  # a trace at its own times
         return RunPlan(
-            stretched, profile, n, kv, policies, rate, load, kv_events, mode, replicas,
-            token_count, client_max_tokens, seen,
+            workload, profile, n, kv, policies, None, None, kv_events, mode, replicas,
+            token_count, client_max_tokens,
         )  # fmt: skip
     seen = None
     if rate is None:
@@ -253,11 +234,12 @@ def plan(
         seen = scan(workload)
         rate = _rate(load, capacity_rps(workload, profile, n, seen))
     try:
-        scaled = workload.scaled(rate)
-    except ValueError as exc:
+        # A trace keeps its own burstiness: only its clock is stretched to the rate.
+        timed = workload.stretched(rate) if workload.fixed_times else workload.scaled(rate)
+    except ValueError as exc:  # times past a float's range (a tiny rate)
         raise _times_error(load, rate, exc) from None
     return RunPlan(
-        scaled, profile, n, kv, policies, rate, load, kv_events, mode, replicas,
+        timed, profile, n, kv, policies, rate, load, kv_events, mode, replicas,
         token_count, client_max_tokens, seen,
     )  # fmt: skip
 

@@ -41,11 +41,9 @@ the field, e.g. ``trace.jsonl:17: field 'hash_ids': expected a list of integers`
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import math
 import os
-import zlib
 from array import array
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -57,6 +55,7 @@ import numpy.typing as npt
 import orjson
 
 from prefixrouter.core.types import PrefixClass, RequestId
+from prefixrouter.errors import gunzip_if_gzip
 from prefixrouter.sim.workload import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_VOCAB,
@@ -83,7 +82,6 @@ years. Past it, times lose microsecond precision, and far past it (1e15 s) a
 millisecond of prefill added to an arrival vanishes: every TTFT would read 0."""
 
 _BUNDLED = "data/conversation_trace.jsonl.gz"
-_GZIP_MAGIC = b"\x1f\x8b"
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _EXPAND_CHUNK = 4096  # hash ids expanded per numpy pass: bounds temporary memory (~16 MB)
@@ -217,12 +215,10 @@ def _read(src: TraceSource) -> tuple[str, bytes]:
         label = str(getattr(src, "name", "<trace>"))
         content = src.read()
         raw = content.encode("utf-8") if isinstance(content, str) else content
-    if raw[:2] == _GZIP_MAGIC:
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise TraceFormatError(f"{label}: not a valid gzip file: {exc}") from exc
-    return label, raw
+    try:
+        return label, gunzip_if_gzip(raw)
+    except ValueError as exc:  # a damaged gzip file
+        raise TraceFormatError(f"{label}: {exc}") from exc
 
 
 # line, timestamp ms (as written: an int stays exact), input, output, hash_ids

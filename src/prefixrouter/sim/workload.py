@@ -7,7 +7,9 @@ Generated workloads (:mod:`prefixrouter.sim.scenarios`) are produced in
 and the runner calls :meth:`Workload.scaled` to reach the rate under test, so
 one generated workload serves a whole rate sweep and the request mix stays
 identical between rates. Trace replays (:mod:`prefixrouter.sim.traces`) carry
-real arrival times (``fixed_times``) and are not rescaled.
+real arrival times (``fixed_times``): :meth:`Workload.scaled` keeps them, and
+only :meth:`Workload.stretched` (a load or rate asked of a trace) changes
+their clock, keeping their burstiness.
 
 Prompts are token-id arrays (``array('I')``, 4 bytes per token) split into
 *segments*. A shared prefix - a system prompt, a document, a session's history -
@@ -170,11 +172,6 @@ class Workload:
         return len(self.requests)
 
     @property
-    def duration(self) -> float:
-        """Time from 0 to the last arrival (seconds; 0 for an empty workload)."""
-        return self.requests[-1].arrival if self.requests else 0.0
-
-    @property
     def span(self) -> float:
         """Time from the first arrival to the last (seconds; 0 for an empty workload):
         what a stretched clock stretches, wherever the times start."""
@@ -184,14 +181,38 @@ class Workload:
         """A copy whose arrivals have mean rate ``rate`` requests per second.
 
         Unit-rate arrivals are divided by ``rate``; a fixed-time workload (a trace)
-        is returned unchanged, as a copy. Segments are shared, not copied.
+        is returned unchanged, as a copy (:meth:`stretched` changes its clock).
+        Segments are shared, not copied.
+
+        Raises:
+            ValueError: ``rate`` is not positive and finite, or the times it
+                gives are not finite.
         """
-        if not (rate > 0 and math.isfinite(rate)):
-            raise ValueError(f"rate must be a positive finite number, got {rate}")
+        _check_rate(rate)
         if self.fixed_times:
             return replace(self, requests=list(self.requests))
         inv = 1.0 / rate
         return replace(self, requests=[replace(r, arrival=r.arrival * inv) for r in self.requests])
+
+    def stretched(self, rate: float) -> Workload:
+        """A copy whose clock is stretched so that its mean rate is ``rate`` requests/s.
+
+        For real times (a trace): the gaps keep their proportions, so the trace
+        keeps its burstiness. Times count from the first arrival, not from 0 (a
+        trace that starts late, at epoch times, is the same trace), and the
+        mean rate is the requests over :attr:`span` (one second for a span of
+        0: all at once stays all at once). Segments are shared, not copied.
+
+        Raises:
+            ValueError: ``rate`` is not positive and finite, or the times it
+                gives are not finite (a tiny rate).
+        """
+        _check_rate(rate)
+        first = self.requests[0].arrival if self.requests else 0.0
+        factor = (len(self.requests) / (self.span or 1.0)) / rate
+        return replace(
+            self, requests=[replace(r, arrival=(r.arrival - first) * factor) for r in self.requests]
+        )
 
     def limited(self, n: int) -> Workload:
         """A copy with only the first ``n`` requests (by arrival)."""
@@ -243,6 +264,11 @@ class Workload:
     def prompt_token_total(self) -> int:
         """Prompt tokens of all requests (what a cache-blind cluster prefills)."""
         return sum(r.prompt_tokens for r in self.requests)
+
+
+def _check_rate(rate: float) -> None:
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"rate must be a positive finite number, got {rate}")
 
 
 def random_tokens(rng: np.random.Generator, n: int, vocab: int = DEFAULT_VOCAB) -> array[int]:
@@ -333,7 +359,9 @@ def arrival_cv(process: str) -> float:
 
     Raises:
         ValueError: Not a process :func:`make_arrivals` knows (the message
-            starts ``unknown arrival process``), or a gamma cv out of range.
+            starts ``unknown arrival process``): another name, or ``gamma:``
+            with no number after it; or a gamma cv out of range, whatever
+            number it is (``gamma:0``, ``gamma:-1``, ``gamma:inf`` included).
     """
     if process == "poisson":
         return 1.0
@@ -341,10 +369,10 @@ def arrival_cv(process: str) -> float:
         return DEFAULT_GAMMA_CV
     kind, _, arg = process.partition(":")
     try:
-        cv = float(arg) if kind == "gamma" else math.nan
+        cv = float(arg) if kind == "gamma" else None
     except ValueError:
-        cv = math.nan
-    if not (cv > 0 and math.isfinite(cv)):
+        cv = None
+    if cv is None:
         raise ValueError(
             f"unknown arrival process {process!r}: expected 'poisson', 'gamma' or "
             f"'gamma:<cv>' with {MIN_GAMMA_CV:g} <= cv <= {MAX_GAMMA_CV:g}"

@@ -36,6 +36,13 @@ DEFAULT_MAX_MODEL_LEN = 131_072
 """The longest request when ``max_model_len`` is not given (capped by the KV cache)."""
 
 
+def default_max_model_len(kv_blocks: int, block_size: int) -> int:
+    """The ``max_model_len`` of an engine started without one: :data:`DEFAULT_MAX_MODEL_LEN`,
+    or the whole KV cache (``kv_blocks x block_size`` tokens) when that is smaller, since
+    one request must fit the cache."""
+    return min(DEFAULT_MAX_MODEL_LEN, kv_blocks * block_size)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineServerConfig:
     """What one ``prefixrouter engine`` process serves.
@@ -134,7 +141,7 @@ class EngineServerConfig:
         if self.max_model_len is not None:
             return self.max_model_len
         prof = self.engine_profile()
-        return min(DEFAULT_MAX_MODEL_LEN, prof.kv_blocks * prof.block_size)
+        return default_max_model_len(prof.kv_blocks, prof.block_size)
 
     def length_hint(self) -> str:
         """The sentence a too-long request's 400 ends with: the options that admit it."""
